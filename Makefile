@@ -1,0 +1,37 @@
+# Two commands on a fresh clone:
+#   make run    set up, then train specs/default.yaml on 2 CPU workers (embedded Prefect API, file:// storage)
+#   make test   set up, then run the whole test suite
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+SPEC ?= specs/default.yaml
+# torch is installed first, pinned: a plain `torch` requirement on a machine without one pulls a
+# multi-GB CUDA build. Without a GPU the pin takes the CPU wheel; override with TORCH_SPEC=... .
+TORCH_SPEC ?= torch==2.13.0
+
+.PHONY: setup run test lint bench clean
+
+setup: $(VENV)/.setup-stamp
+
+$(VENV)/.setup-stamp: pyproject.toml
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	@$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q "$(TORCH_SPEC)"
+	$(BIN)/pip install -q -e '.[test]'
+	@touch $@
+
+run: setup
+	$(BIN)/parashift run $(SPEC)
+
+test: setup
+	$(BIN)/python -m pytest -q
+
+lint: setup
+	$(BIN)/ruff check .
+
+bench: setup
+	OMP_NUM_THREADS=1 $(BIN)/python -m bench.train_throughput
+	$(BIN)/python -m bench.planner
+
+clean:
+	rm -rf $(VENV) parashift-store .pytest_cache

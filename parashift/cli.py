@@ -1,0 +1,26 @@
+"""The `parashift` command. Each subcommand lives in `parashift/commands/` and imports its
+engine lazily, so `parashift validate` answers without paying for torch or Prefect imports."""
+
+from __future__ import annotations
+
+import typer
+
+from parashift.commands import plan as plan_command
+from parashift.commands import run as run_command
+from parashift.commands import spec as spec_commands
+
+app = typer.Typer(
+    name="parashift",
+    help="Train PyTorch models whose parallelism changes while they run.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+app.command("validate")(spec_commands.validate)
+app.command("schema")(spec_commands.schema)
+app.command("plan")(plan_command.plan)
+app.command("run")(run_command.run)
+
+
+if __name__ == "__main__":
+    app()

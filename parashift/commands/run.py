@@ -1,0 +1,70 @@
+"""`parashift run SPEC`: train a job against the embedded Prefect API, with a progress bar."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import typer
+
+
+def _prefect_defaults(verbose: bool) -> None:
+    """Settings that must be in place before Prefect is imported."""
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    # The ephemeral API gives up after 20 s by default, which a busy 2-core machine exceeds (FACTS.md).
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
+    if not verbose:  # the run log still has everything; the terminal shows progress and the summary
+        os.environ.setdefault("PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL", "WARNING")
+
+
+def run(
+    spec_file: Path = typer.Argument(..., help="job spec YAML"),
+    verbose: bool = typer.Option(False, "--verbose", "-v", help="show the flow run's log in the terminal"),
+) -> None:
+    """Train the job SPEC_FILE describes on its devices; resume from its latest checkpoint."""
+    from specs import SpecError, load_spec
+
+    try:
+        spec = load_spec(spec_file)
+    except SpecError as error:
+        for line in error.lines():
+            typer.echo(line, err=True)
+        raise typer.Exit(1) from None
+
+    _prefect_defaults(verbose)
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from flows.train import train_job
+    from tasks import progress as progress_events
+
+    console = Console()
+    with Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("loss {task.fields[loss]}"),
+        TextColumn("{task.fields[rate]}"),
+        TimeElapsedColumn(),
+        console=console,
+    ) as bar:
+        task_id = bar.add_task(f"{spec.name} (starting workers)", total=spec.training.steps, loss="-", rate="")
+
+        def on_event(event: dict[str, Any]) -> None:
+            if event["event"] == "start":
+                bar.update(task_id, completed=event["step"], description=f"{spec.name} on {event['world_size']} workers")
+            elif event["event"] == "step":
+                bar.update(task_id, completed=event["step"], loss=f"{event['loss']:.4f}", rate=f"{event['tokens_per_s']:,.0f} tok/s")
+
+        progress_events.add_listener(on_event)
+        try:
+            summary = train_job(spec)
+        finally:
+            progress_events.remove_listener(on_event)
+
+    console.print(f"[bold green]done[/]: {summary.job_id} trained to step {summary.steps}")
+    console.print(f"  loss          {summary.first_loss:.4f} -> {summary.final_loss:.4f}" if summary.final_loss else "  loss n/a")
+    if summary.tokens_per_s:
+        console.print(f"  throughput    {summary.tokens_per_s:,.0f} tokens/s (median)")
+    console.print(f"  checkpoint    {summary.checkpoint_url}")

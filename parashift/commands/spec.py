@@ -1,0 +1,32 @@
+"""`parashift validate` and `parashift schema`."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import typer
+
+
+def validate(files: list[Path] = typer.Argument(..., help="job spec YAML files")) -> None:
+    """Check job specs; print one `FILE:LINE:COL: field.path: message` line per error."""
+    from specs import SpecError, load_spec
+
+    failed = False
+    for file in files:
+        try:
+            load_spec(file)
+        except SpecError as error:
+            failed = True
+            for line in error.lines():
+                typer.echo(line, err=False)
+        else:
+            typer.echo(f"{file}: ok")
+    raise typer.Exit(1 if failed else 0)
+
+
+def schema() -> None:
+    """Print the JSON Schema of a job spec."""
+    from specs import json_schema
+
+    typer.echo(json.dumps(json_schema(), indent=2))

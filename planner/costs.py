@@ -1,0 +1,160 @@
+"""The cost model: per-op cost of each configuration, per-edge cost of each pair of configurations.
+
+PaSE's decomposition (Elango 2021, section III): a strategy costs the sum over ops of compute and
+the collectives inside the op, plus the sum over edges of layout conversion. Here:
+
+- compute: forward + backward (3x forward FLOPs) over the op's share of the iteration space,
+  on a roofline of the device's GEMM rate and memory bandwidth;
+- collectives inside the op: a tensor that lacks a split dim is a partial sum over the devices
+  splitting it — the output in the forward pass, each input's and weight's gradient in the
+  backward pass — so it is all-reduced over that group (weight gradients: data-parallel sync);
+- layout conversion: the bytes a device must receive to hold its block in the consumer's layout
+  (forward) and the producer's layout for the gradient (backward);
+- memory per device: parameter state (weights, grads, Adam) of its shard plus saved activations.
+
+Tables are cached by op signature, so identical layers cost one computation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from math import prod
+
+import numpy as np
+
+from planner.comm import CommModel
+from planner.configs import Config, Mesh, op_configs
+from planner.graph import Edge, Graph, Op
+from planner.profile import DeviceModel
+
+# Ops that run at the GEMM rate; the rest are bandwidth-bound.
+GEMM_KINDS = frozenset({"matmul", "conv", "attention"})
+
+
+@dataclass
+class OpCost:
+    """Arrays over an op's configurations."""
+
+    configs: list[Config]
+    compute: np.ndarray  # s, forward + backward, one evaluation (micro-batch)
+    comm: np.ndarray  # s, activation collectives inside the op, one evaluation
+    grad_comm: np.ndarray  # s, weight-gradient all-reduce, once per step
+    param_mem: np.ndarray  # bytes of parameter state held
+    act_mem: np.ndarray  # bytes of activations saved for the backward pass, one evaluation
+
+
+class CostModel:
+    """Cost tables of one graph on one mesh, cached by op signature."""
+
+    def __init__(self, graph: Graph, device: DeviceModel, comm: CommModel, mesh: Mesh) -> None:
+        self.graph, self.device, self.comm, self.mesh = graph, device, comm, mesh
+        self._ops: dict[str, OpCost] = {}
+        self._edges: dict[tuple[str, str, int], np.ndarray] = {}
+        self._sig = {op.name: op.signature() for op in graph.ops}
+        self._by_name = {op.name: op for op in graph.ops}
+
+    def signature(self, name: str) -> str:
+        return self._sig[name]
+
+    def op_cost(self, op: Op) -> OpCost:
+        key = self._sig.get(op.name) or op.signature()
+        if key not in self._ops:
+            self._ops[key] = self._build_op(op)
+        return self._ops[key]
+
+    def edge_cost(self, edge: Edge) -> np.ndarray:
+        src, dst = self._by_name[edge.src], self._by_name[edge.dst]
+        key = (self._sig[src.name], self._sig[dst.name], edge.slot)
+        if key not in self._edges:
+            self._edges[key] = self._build_edge(src, dst, edge.slot)
+        return self._edges[key]
+
+    def _allreduce(self, op: Op, cfg: Config, tensor: tuple[str, ...], elem_bytes: int) -> float:
+        """All-reduce of a tensor that is a partial sum over the axes splitting dims it lacks."""
+        axes = {a for d, ax in zip(op.dims, cfg.axes, strict=True) if d not in tensor for a in ax}
+        if not axes:
+            return 0.0
+        group, intra = self.mesh.group(axes)
+        local = op.numel(tensor) / prod(c for d, c in zip(op.dims, cfg.counts, strict=True) if d in tensor)
+        return self.comm.all_reduce(local * elem_bytes, group, intra)
+
+    def _build_op(self, op: Op) -> OpCost:
+        g, dev = self.graph, self.device
+        configs = op_configs(op, self.mesh)
+        n = len(configs)
+        compute, comm, grad_comm = np.zeros(n), np.zeros(n), np.zeros(n)
+        param_mem, act_mem = np.zeros(n), np.zeros(n)
+        rate = dev.matmul_flops if op.kind in GEMM_KINDS else float("inf")
+        for i, cfg in enumerate(configs):
+            split = dict(zip(op.dims, cfg.counts, strict=True))
+
+            def local(tensor: tuple[str, ...], split: dict[str, int] = split) -> float:
+                return op.numel(tensor) / prod(split[d] for d in tensor)
+
+            share = prod(cfg.counts)
+            act = sum(local(t) for t in op.inputs) + local(op.output)
+            params = sum(local(t) for t in op.params)
+            moved = 3.0 * g.act_bytes * (act + params)  # forward once, backward twice
+            compute[i] = max(3.0 * op.flops / share / rate, moved / dev.memory_Bps)
+            comm[i] = self._allreduce(op, cfg, op.output, g.act_bytes) + sum(
+                self._allreduce(op, cfg, t, g.act_bytes) for t in op.inputs)
+            grad_comm[i] = sum(self._allreduce(op, cfg, t, g.grad_bytes) for t in op.params)
+            param_mem[i] = g.param_state_bytes * params
+            act_mem[i] = g.act_bytes * local(op.output)
+        return OpCost(configs, compute, comm, grad_comm, param_mem, act_mem)
+
+    def _build_edge(self, src: Op, dst: Op, slot: int) -> np.ndarray:
+        """Seconds to convert src's output layout to dst's input layout, and the gradient back."""
+        s_cfg, d_cfg = self.op_cost(src).configs, self.op_cost(dst).configs
+        s_dims, d_dims = src.output, dst.inputs[slot]
+        numel = src.numel(s_dims)
+        s_pos = [list(src.dims).index(d) for d in s_dims]
+        d_pos = [list(dst.dims).index(d) for d in d_dims]
+        ns, nd = len(s_cfg), len(d_cfg)
+        p_src = np.ones(ns, dtype=np.int64)  # blocks per tensor in each layout
+        p_dst = np.ones(nd, dtype=np.int64)
+        p_max = np.ones((ns, nd), dtype=np.int64)  # blocks of the common refinement
+        nested = np.ones((ns, nd), dtype=bool)
+        mask_s = np.zeros(ns, dtype=np.int64)  # mesh axes used on the tensor, as bits
+        mask_d = np.zeros(nd, dtype=np.int64)
+        for sp, dp in zip(s_pos, d_pos, strict=True):
+            cs = np.array([c.counts[sp] for c in s_cfg], dtype=np.int64)
+            cd = np.array([c.counts[dp] for c in d_cfg], dtype=np.int64)
+            p_src *= cs
+            p_dst *= cd
+            p_max *= np.maximum(cs[:, None], cd[None, :])
+            ax_s = [c.axes[sp] for c in s_cfg]
+            ax_d = [c.axes[dp] for c in d_cfg]
+            mask_s |= np.array([sum(1 << a for a in ax) for ax in ax_s], dtype=np.int64)
+            mask_d |= np.array([sum(1 << a for a in ax) for ax in ax_d], dtype=np.int64)
+            if not self.mesh.aligned:
+                # Blocks nest only when one layout's axes are a prefix of the other's; otherwise
+                # some device holds none of what it needs along this dim (a conservative bound).
+                uniq_s = sorted(set(ax_s))
+                uniq_d = sorted(set(ax_d))
+                table = np.array([[a[: len(b)] == b or b[: len(a)] == a for b in uniq_d] for a in uniq_s])
+                i_s = np.array([uniq_s.index(a) for a in ax_s])
+                i_d = np.array([uniq_d.index(b) for b in ax_d])
+                nested &= table[np.ix_(i_s, i_d)]
+        nbytes = float(numel * self.graph.act_bytes)
+        # Received fraction: own block minus the overlap with what the device already holds.
+        over = np.where(nested, 1.0 / p_max, 0.0)
+        recv_fwd = np.where(nested & (p_max == p_dst[None, :]), 0.0, nbytes * (1.0 / p_dst[None, :] - over))
+        recv_bwd = np.where(nested & (p_max == p_src[:, None]), 0.0, nbytes * (1.0 / p_src[:, None] - over))
+        union = mask_s[:, None] | mask_d[None, :]
+        intra = np.zeros_like(union, dtype=bool)
+        for m in np.unique(union):
+            axes = {a for a in range(len(self.mesh.sizes)) if int(m) >> a & 1}
+            intra[union == m] = self.mesh.group(axes)[1]
+        out = np.zeros((ns, nd))
+        for level in (True, False):
+            link = self.comm.link(level)
+            sel = intra == level
+            for recv in (recv_fwd, recv_bwd):
+                out += np.where(sel & (recv > 0), link.latency_s + recv / link.bandwidth_Bps, 0.0)
+        return out
+
+
+def op_time(cost: OpCost, micro_batches: int = 1) -> np.ndarray:
+    """Seconds per step of an op per configuration, unpipelined (micro-batches run in sequence)."""
+    return micro_batches * (cost.compute + cost.comm) + cost.grad_comm

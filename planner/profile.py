@@ -1,0 +1,102 @@
+"""ModelProfile: the graph plus what this device kind computes and communicates per second.
+
+Measured rates replace the defaults when `measure=True`: a few GEMMs and one large elementwise op
+timed on this machine (a couple of seconds on CPU). Collectives are measured on real workers
+through `planner.comm.measure_collectives` and passed in as `comm`.
+"""
+
+from __future__ import annotations
+
+import time
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from planner.comm import CommModel, default_comm
+from planner.graph import Graph, gpt_graph
+
+
+class DeviceModel(BaseModel):
+    """Roofline of one device: GEMM rate for matmul-like ops, memory bandwidth for the rest."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    kind: str = "cuda"
+    matmul_flops: float = Field(gt=0.0, description="sustained FLOP/s of large GEMMs")
+    memory_Bps: float = Field(gt=0.0, description="device memory bandwidth, bytes/s")
+    memory_bytes: int | None = Field(default=None, description="memory per device (None: unlimited)")
+    measured: bool = False
+
+
+# H200: 989 TFLOP/s dense bf16 peak; eager GPT-2 reaches 31-47% (FACTS.md), so 40% sustained;
+# HBM3e 4.8 TB/s at ~70% achievable. CPU: the 2-core CI machines (fp32 MKL GEMM ~50 GFLOP/s).
+DEFAULT_DEVICES = {
+    "cuda": DeviceModel(kind="cuda", matmul_flops=0.4 * 989e12, memory_Bps=0.7 * 4.8e12, memory_bytes=141 * 2**30),
+    "cpu": DeviceModel(kind="cpu", matmul_flops=50e9, memory_Bps=5e9, memory_bytes=None),
+}
+
+
+class ModelProfile(BaseModel):
+    """What the search needs: the op graph, the device's rates and the communication model."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = "model"
+    n_params: int
+    flops_per_token: float = Field(description="training FLOPs per token (forward + backward)")
+    graph: Graph
+    device: DeviceModel
+    comm: CommModel
+
+
+def measure_device(kind: str = "cpu", repeats: int = 3) -> DeviceModel:
+    """Time GEMMs of 256..1024 and a large add on this process's device; best-of-`repeats`."""
+    import torch
+
+    dev = torch.device("cuda") if kind == "cuda" and torch.cuda.is_available() else torch.device("cpu")
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+
+    def best(fn) -> float:
+        fn()
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        out = float("inf")
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fn()
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+            out = min(out, time.perf_counter() - t0)
+        return out
+
+    rate = 0.0
+    for n in (256, 512, 1024) if dev.type == "cpu" else (2048, 4096, 8192):
+        a = torch.randn(n, n, device=dev, dtype=dtype)
+        b = torch.randn(n, n, device=dev, dtype=dtype)
+        rate = max(rate, 2.0 * n**3 / best(lambda a=a, b=b: a @ b))
+    x = torch.randn(1 << 22, device=dev, dtype=dtype)
+    bw = 3.0 * x.numel() * x.element_size() / best(lambda: x + x)  # two reads, one write
+    mem = torch.cuda.get_device_properties(dev).total_memory if dev.type == "cuda" else None
+    return DeviceModel(kind=kind, matmul_flops=rate, memory_Bps=bw, memory_bytes=mem, measured=True)
+
+
+def profile_graph(graph: Graph, device_kind: str = "cuda", measure: bool = False, *,
+                  memory_gb: float | None = None, devices_per_node: int | None = None,
+                  comm: CommModel | None = None, tokens: int | None = None) -> ModelProfile:
+    """A profile for any graph: measured or default device rates, given or default comm model."""
+    device = measure_device(device_kind) if measure else DEFAULT_DEVICES.get(device_kind, DEFAULT_DEVICES["cuda"])
+    device = device.model_copy()
+    if memory_gb is not None:
+        device.memory_bytes = int(memory_gb * 2**30)
+    comm = comm or default_comm(device_kind, devices_per_node)
+    per_token = 3.0 * graph.flops / tokens if tokens else 0.0
+    return ModelProfile(name=graph.name, n_params=graph.n_params, flops_per_token=per_token, graph=graph,
+                        device=device, comm=comm)
+
+
+def profile_gpt(n_layers: int, d_model: int, n_heads: int, vocab_size: int, seq_len: int, batch: int,
+                device_kind: str = "cuda", measure: bool = False, *, memory_gb: float | None = None,
+                devices_per_node: int | None = None, comm: CommModel | None = None) -> ModelProfile:
+    """Profile a GPT: its module-level graph for one global batch, rates, comm model."""
+    graph = gpt_graph(n_layers, d_model, n_heads, vocab_size, seq_len, batch)
+    return profile_graph(graph, device_kind, measure, memory_gb=memory_gb, devices_per_node=devices_per_node,
+                         comm=comm, tokens=batch * seq_len)

@@ -1,0 +1,397 @@
+"""The job-spec language: one pydantic model per section, composed into `JobSpec`.
+
+Every model forbids unknown keys and validates strictly (a string is never an integer), because
+specs come from YAML where the types are already right. Cross-field problems are raised as
+`FieldIssues`, which carry the path of the most specific field so that the loader can point at
+its line; constructed in Python they read as an ordinary pydantic `ValidationError`.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Literal, Self
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from specs.urls import DATA_SCHEMES, STORAGE_SCHEMES, check_url
+
+Loc = tuple[str | int, ...]
+
+# Keys that hold secrets in fsspec/s3fs/gcsfs/adlfs storage options; compared case-insensitively.
+CREDENTIAL_KEYS = frozenset(
+    {
+        "key",
+        "secret",
+        "password",
+        "token",
+        "session_token",
+        "aws_access_key_id",
+        "aws_secret_access_key",
+        "aws_session_token",
+        "access_key",
+        "secret_key",
+        "account_key",
+        "sas_token",
+        "client_secret",
+        "connection_string",
+    }
+)
+CREDENTIALS_RULE = (
+    "credentials must come from the environment (e.g. AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY) "
+    "or a Prefect Secret block (`storage.credentials_block`), never from the spec"
+)
+
+_JOB_NAME = re.compile(r"^[a-z0-9][a-z0-9._-]{0,62}$")
+# Prefect block document names: lower-case letters, digits and dashes.
+_BLOCK_NAME = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
+
+
+class FieldIssues(ValueError):
+    """Problems found by a validator, each at a path relative to the object it validated."""
+
+    def __init__(self, issues: list[tuple[Loc, str]], *, at_key: bool = False) -> None:
+        self.issues = issues
+        self.at_key = at_key  # point at the key (not the value) in the source file
+        super().__init__("; ".join(f"{'.'.join(map(str, loc))}: {message}" for loc, message in issues))
+
+
+def _raise_if(issues: list[tuple[Loc, str]]) -> None:
+    if issues:
+        raise FieldIssues(issues)
+
+
+def _find_credentials(value: Any, loc: Loc = (), seen: set[int] | None = None) -> list[tuple[Loc, str]]:
+    """Every key (at any depth) of `value` that names a credential."""
+    seen = set() if seen is None else seen
+    if id(value) in seen:  # YAML aliases can share (or even nest) one object
+        return []
+    seen.add(id(value))
+    found: list[tuple[Loc, str]] = []
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if isinstance(key, str) and key.lower() in CREDENTIAL_KEYS:
+                found.append(((*loc, key), f"inline credential {key!r} is not allowed: {CREDENTIALS_RULE}"))
+            else:
+                found.extend(_find_credentials(item, (*loc, key), seen))
+    elif isinstance(value, list | tuple):
+        for index, item in enumerate(value):
+            found.extend(_find_credentials(item, (*loc, index), seen))
+    return found
+
+
+def _check_storage_options(options: dict[str, Any]) -> dict[str, Any]:
+    found = _find_credentials(options)
+    if found:
+        raise FieldIssues(found, at_key=True)
+    return options
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class ModelSpec(_Section):
+    """The decoder-only transformer to train (GPT-style)."""
+
+    n_layers: int = Field(2, ge=1, description="Number of transformer blocks.")
+    d_model: int = Field(64, ge=8, description="Width of the residual stream.")
+    n_heads: int = Field(4, ge=1, description="Attention heads per block; must divide d_model.")
+    vocab_size: int = Field(256, ge=2, description="Number of token ids (>= 256 for the bytes tokenizer).")
+    seq_len: int = Field(64, ge=2, description="Context length in tokens.")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout probability in [0, 1).")
+
+    @model_validator(mode="after")
+    def _heads_divide_width(self) -> Self:
+        if self.d_model % self.n_heads:
+            _raise_if(
+                [
+                    (
+                        ("d_model",),
+                        f"must be divisible by model.n_heads ({self.d_model} % {self.n_heads} != 0)",
+                    )
+                ]
+            )
+        return self
+
+
+class DataSpec(_Section):
+    """The training corpus and how it is tokenized."""
+
+    url: str = Field(
+        "builtin://python-stdlib",
+        description=(
+            "fsspec URL or glob of the corpus (file://, s3://, gs://, az://, http(s)://, hf://, memory://), "
+            "a plain local path, or builtin://python-stdlib."
+        ),
+    )
+    format: Literal["text", "tokens"] = Field(
+        "text", description="'text': UTF-8 text files; 'tokens': raw little-endian uint16 token ids."
+    )
+    tokenizer: Literal["bytes"] = Field(
+        "bytes", description="How text becomes token ids ('bytes': one per byte)."
+    )
+    max_bytes: int | None = Field(
+        4_000_000, ge=1, description="Read at most this many bytes of corpus (null: read everything)."
+    )
+    storage_options: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Extra fsspec options for the corpus filesystem (no credentials).",
+    )
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, url: str) -> str:
+        return check_url(url, DATA_SCHEMES, what="data")
+
+    @field_validator("storage_options")
+    @classmethod
+    def _options(cls, options: dict[str, Any]) -> dict[str, Any]:
+        return _check_storage_options(options)
+
+
+class OptimizerSpec(_Section):
+    """AdamW with warmup and a learning-rate schedule."""
+
+    lr: float = Field(1e-3, gt=0.0, description="Peak learning rate.")
+    min_lr: float = Field(1e-4, ge=0.0, description="Learning rate at the end of the schedule (<= lr).")
+    betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW (beta1, beta2), each in [0, 1).")
+    eps: float = Field(1e-8, gt=0.0, description="AdamW epsilon.")
+    weight_decay: float = Field(0.1, ge=0.0, description="Decoupled weight decay.")
+    warmup_steps: int = Field(10, ge=0, description="Steps of linear warmup from 0 to lr.")
+    schedule: Literal["cosine", "linear", "constant"] = Field(
+        "cosine", description="Decay from lr to min_lr after warmup."
+    )
+    grad_clip: float | None = Field(
+        1.0, gt=0.0, description="Clip the global gradient norm (null: no clipping)."
+    )
+
+    @field_validator("betas", mode="before")
+    @classmethod
+    def _list_to_tuple(cls, value: Any) -> Any:
+        # YAML has no tuples; strict mode would reject the list it gives.
+        return tuple(value) if isinstance(value, list) else value
+
+    @field_validator("betas")
+    @classmethod
+    def _betas_in_range(cls, betas: tuple[float, float]) -> tuple[float, float]:
+        _raise_if(
+            [((i,), f"must be in [0, 1) (got {beta})") for i, beta in enumerate(betas) if not 0 <= beta < 1]
+        )
+        return betas
+
+    @model_validator(mode="after")
+    def _min_below_peak(self) -> Self:
+        if self.min_lr > self.lr:
+            _raise_if([(("min_lr",), f"must be <= optimizer.lr ({self.min_lr:g} > {self.lr:g})")])
+        return self
+
+
+class TrainingSpec(_Section):
+    """The training loop: batch sizes, length, seeding and checkpointing."""
+
+    global_batch: int = Field(16, ge=1, description="Sequences per optimizer step, over all devices.")
+    micro_batch: int = Field(
+        4, ge=1, description="Sequences per forward/backward pass; must divide global_batch."
+    )
+    steps: int = Field(60, ge=1, description="Optimizer steps to train for.")
+    seed: int = Field(1234, ge=0, description="Seed for initialization and data order.")
+    checkpoint_every: int = Field(20, ge=1, description="Commit a checkpoint every this many steps.")
+    keep_checkpoints: int = Field(
+        2, ge=1, description="Committed checkpoints to keep; older ones are deleted."
+    )
+    log_every: int = Field(1, ge=1, description="Log metrics every this many steps.")
+
+    @model_validator(mode="after")
+    def _batches_fit(self) -> Self:
+        if self.micro_batch > self.global_batch:
+            _raise_if(
+                [
+                    (
+                        ("micro_batch",),
+                        f"must be <= training.global_batch ({self.micro_batch} > {self.global_batch})",
+                    )
+                ]
+            )
+        if self.global_batch % self.micro_batch:
+            _raise_if(
+                [
+                    (
+                        ("micro_batch",),
+                        "indivisible batch: training.global_batch must be divisible by training.micro_batch "
+                        f"({self.global_batch} % {self.micro_batch} != 0)",
+                    )
+                ]
+            )
+        return self
+
+
+class ResourcesSpec(_Section):
+    """The devices the job starts on."""
+
+    devices: int = Field(2, ge=1, description="Number of devices (processes) at start.")
+    kind: Literal["cpu", "cuda"] = Field("cpu", description="Device type.")
+    memory_gb: float | None = Field(
+        None, gt=0.0, description="Memory per device in GB, for the planner (null: measure)."
+    )
+    devices_per_node: int | None = Field(
+        None, ge=1, description="Devices per node, for the planner's communication model (null: one node)."
+    )
+
+
+class ParallelismSpec(_Section):
+    """Limits for the parallelization planner."""
+
+    strategy: Literal["data-parallel", "auto"] = Field(
+        "data-parallel", description="'data-parallel' only, or 'auto': let the planner search all placements."
+    )
+    max_tp: int | None = Field(
+        None, ge=1, description="Largest tensor-parallel degree to consider (null: any)."
+    )
+    max_pp: int | None = Field(None, ge=1, description="Largest number of pipeline stages (null: any).")
+    precision: Literal["fp32", "bf16"] = Field("fp32", description="Compute precision.")
+    compile: bool = Field(False, description="torch.compile the model.")
+
+
+class StorageSpec(_Section):
+    """Where checkpoints, profiles and events are stored."""
+
+    url: str = Field(
+        "file://./parashift-store",
+        description="fsspec URL of the store root (file://, memory://, s3://, gs://, az://, abfs://) or a local path.",
+    )
+    storage_options: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Extra fsspec options such as endpoint_url or client_kwargs (no credentials).",
+    )
+    credentials_block: str | None = Field(
+        None,
+        description="Name of a Prefect Secret block holding the store's credentials.",
+        json_schema_extra={"pattern": _BLOCK_NAME.pattern},
+    )
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, url: str) -> str:
+        if any(ch in url for ch in "*?["):
+            raise ValueError(f"storage URL must be one location, not a glob (got {url!r})")
+        return check_url(url, STORAGE_SCHEMES, what="storage")
+
+    @field_validator("storage_options")
+    @classmethod
+    def _options(cls, options: dict[str, Any]) -> dict[str, Any]:
+        return _check_storage_options(options)
+
+    @field_validator("credentials_block")
+    @classmethod
+    def _block_name(cls, name: str | None) -> str | None:
+        if name is not None and not _BLOCK_NAME.match(name):
+            raise ValueError(
+                f"must be a Prefect block name: lower-case letters, digits and '-', at most 63 (got {name!r})"
+            )
+        return name
+
+
+class ResourceChange(_Section):
+    """A scripted change of the device count (for demos and tests of elasticity)."""
+
+    at_step: int = Field(
+        ge=1, description="Apply the change before this step (0 < at_step < training.steps)."
+    )
+    devices: int = Field(ge=1, description="Device count from then on.")
+    reason: Literal["scale-up", "scale-down", "failure", "manual"] = Field(
+        "manual", description="Why the resources change."
+    )
+
+
+_SECTIONS = ("model", "data", "optimizer", "training", "resources", "parallelism", "storage", "elasticity")
+
+
+class JobSpec(_Section):
+    """A parashift training job: what to train, on what, and where its state lives."""
+
+    name: str = Field(
+        description="Job id: lower-case letters, digits, '.', '_', '-'; at most 63 characters; no '..'.",
+        json_schema_extra={"pattern": _JOB_NAME.pattern},
+    )
+    model: ModelSpec = Field(default_factory=ModelSpec, description=ModelSpec.__doc__)
+    data: DataSpec = Field(default_factory=DataSpec, description=DataSpec.__doc__)
+    optimizer: OptimizerSpec = Field(default_factory=OptimizerSpec, description=OptimizerSpec.__doc__)
+    training: TrainingSpec = Field(default_factory=TrainingSpec, description=TrainingSpec.__doc__)
+    resources: ResourcesSpec = Field(default_factory=ResourcesSpec, description=ResourcesSpec.__doc__)
+    parallelism: ParallelismSpec = Field(default_factory=ParallelismSpec, description=ParallelismSpec.__doc__)
+    storage: StorageSpec = Field(default_factory=StorageSpec, description=StorageSpec.__doc__)
+    elasticity: list[ResourceChange] = Field(
+        default_factory=list, description="Scripted resource changes, in increasing at_step order."
+    )
+
+    @property
+    def job_id(self) -> str:
+        """The id used in storage paths and event resource ids."""
+        return self.name
+
+    @model_validator(mode="before")
+    @classmethod
+    def _empty_sections_mean_defaults(cls, data: Any) -> Any:
+        # `parallelism:` followed only by comments is null in YAML; read it as "all defaults".
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if not (k in _SECTIONS and v is None)}
+        return data
+
+    @field_validator("name")
+    @classmethod
+    def _safe_name(cls, name: str) -> str:
+        if not _JOB_NAME.match(name):
+            raise ValueError(
+                "must be a safe job id: lower-case letters, digits, '.', '_' or '-', starting with a letter "
+                f"or digit, at most 63 characters (got {name!r})"
+            )
+        if ".." in name:
+            raise ValueError(f"must not contain '..' (got {name!r})")
+        return name
+
+    @model_validator(mode="after")
+    def _cross_section(self) -> Self:
+        issues: list[tuple[Loc, str]] = []
+        if self.data.tokenizer == "bytes" and self.data.format == "text" and self.model.vocab_size < 256:
+            issues.append(
+                (
+                    ("model", "vocab_size"),
+                    f"must be >= 256 for the bytes tokenizer on text data (got {self.model.vocab_size})",
+                )
+            )
+        batch = self.training.global_batch
+        if self.resources.devices > batch:
+            issues.append(
+                (
+                    ("resources", "devices"),
+                    f"must be <= training.global_batch ({self.resources.devices} > {batch}): "
+                    "every device needs at least one sequence per step",
+                )
+            )
+        previous = 0
+        for i, change in enumerate(self.elasticity):
+            if change.at_step <= previous:
+                issues.append(
+                    (
+                        ("elasticity", i, "at_step"),
+                        f"must be greater than elasticity.{i - 1}.at_step ({change.at_step} <= {previous})",
+                    )
+                )
+            elif change.at_step >= self.training.steps:
+                issues.append(
+                    (
+                        ("elasticity", i, "at_step"),
+                        f"must be < training.steps ({change.at_step} >= {self.training.steps})",
+                    )
+                )
+            previous = max(previous, change.at_step)
+            if change.devices > batch:
+                issues.append(
+                    (
+                        ("elasticity", i, "devices"),
+                        f"must be <= training.global_batch ({change.devices} > {batch}): "
+                        "every device needs at least one sequence per step",
+                    )
+                )
+        _raise_if(issues)
+        return self

@@ -1,0 +1,121 @@
+"""The checkpoint manifest: what a committed checkpoint holds and where each byte lives.
+
+A manifest is plain JSON (pydantic v2, unknown fields rejected). Tensor payloads are raw bytes
+in per-rank objects; the manifest records, per slice, the object, the byte range and a sha256.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+_SHA256 = r"^[0-9a-f]{64}$"
+
+
+def _utc_now_iso() -> str:
+    return datetime.now(UTC).isoformat()
+
+
+@dataclass(frozen=True)
+class SliceKey:
+    """Names one rectangular slice of a global tensor: per-dimension start offsets and lengths."""
+
+    tensor: str
+    offsets: tuple[int, ...]
+    lengths: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "offsets", tuple(int(o) for o in self.offsets))
+        object.__setattr__(self, "lengths", tuple(int(n) for n in self.lengths))
+        if len(self.offsets) != len(self.lengths):
+            raise ValueError(f"slice of {self.tensor!r}: offsets and lengths differ in rank")
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class SliceRecord(_Strict):
+    """One rectangular slice of a global tensor, stored at [byte_offset, byte_offset+nbytes) of `object`."""
+
+    tensor: str
+    offsets: list[int]
+    lengths: list[int]
+    object: str  # object key relative to the checkpoint folder, e.g. "rank00001.bin"
+    byte_offset: int = Field(ge=0)
+    nbytes: int = Field(ge=0)
+    sha256: str = Field(pattern=_SHA256)
+
+    @model_validator(mode="after")
+    def _same_rank(self) -> SliceRecord:
+        if len(self.offsets) != len(self.lengths):
+            raise ValueError(f"slice of {self.tensor!r}: offsets and lengths differ in rank")
+        return self
+
+    @property
+    def key(self) -> SliceKey:
+        return SliceKey(self.tensor, tuple(self.offsets), tuple(self.lengths))
+
+    @property
+    def byte_end(self) -> int:
+        return self.byte_offset + self.nbytes
+
+
+class TensorRecord(_Strict):
+    """A global tensor: dtype (string, e.g. "float32"), global shape and where its slices are."""
+
+    name: str
+    dtype: str
+    shape: list[int]
+    slices: list[SliceRecord]
+
+
+class ObjectRecord(_Strict):
+    """One stored object of a checkpoint (key relative to the checkpoint folder)."""
+
+    key: str
+    nbytes: int = Field(ge=0)
+    sha256: str = Field(pattern=_SHA256)
+
+
+class Manifest(_Strict):
+    """A committed checkpoint. Written last, atomically: a checkpoint without one does not exist."""
+
+    format_version: int = 1
+    job_id: str
+    step: int = Field(ge=0)
+    created_at: str = Field(default_factory=_utc_now_iso)  # ISO 8601, UTC
+    world_size: int = Field(ge=1)
+    data_position: dict[str, int]
+    plan: dict[str, Any]
+    tensors: dict[str, TensorRecord]
+    objects: dict[str, ObjectRecord]
+    metadata: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Manifest:
+        for key, obj in self.objects.items():
+            if obj.key != key:
+                raise ValueError(f"objects[{key!r}] has key {obj.key!r}")
+        for name, tensor in self.tensors.items():
+            if tensor.name != name:
+                raise ValueError(f"tensors[{name!r}] has name {tensor.name!r}")
+            for s in tensor.slices:
+                if s.tensor != name:
+                    raise ValueError(f"a slice of tensors[{name!r}] names tensor {s.tensor!r}")
+                obj = self.objects.get(s.object)
+                if obj is None:
+                    raise ValueError(f"slice of {name!r} points at unknown object {s.object!r}")
+                if s.byte_end > obj.nbytes:
+                    raise ValueError(
+                        f"slice of {name!r} ends at byte {s.byte_end} past the end of "
+                        f"{s.object!r} ({obj.nbytes} bytes)"
+                    )
+        return self
+
+    def all_slices(self) -> list[SliceRecord]:
+        """Every slice of every tensor, in tensor order."""
+        return [s for t in self.tensors.values() for s in t.slices]

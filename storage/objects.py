@@ -1,0 +1,334 @@
+"""`ObjectStore`: bytes under string keys on file://, memory:// or s3:// — the only fsspec user.
+
+Keys are '/'-separated paths relative to the store's root URL. Every backend call goes through
+`ObjectStore._call`, the one place that translates backend errors (storage.errors) and retries
+idempotent operations on transient errors.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import random
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields
+from typing import Any, TypeVar
+
+import fsspec
+
+from storage.errors import ObjectNotFound, StorageError, is_transient, translate_error
+
+logger = logging.getLogger("parashift.storage")
+
+T = TypeVar("T")
+
+# Retry policy (SDK-style exponential backoff, "full jitter"; see the AWS Architecture blog,
+# "Exponential Backoff And Jitter"). 4 tries with a 50 ms base waits at most ~0.35 s in total:
+# s3fs and botocore already retry underneath, this layer covers what they give up on.
+MAX_TRIES = 4
+BACKOFF_BASE_S = 0.05
+
+# Suffix of the temporary files that local `put` renames into place; `list` hides them.
+_TMP_SUFFIX = ".parashift-tmp"
+
+
+@dataclass
+class StoreStats:
+    """Counters for benchmarks: payload bytes and backend requests issued by this store."""
+
+    bytes_read: int = 0
+    bytes_written: int = 0
+    get_requests: int = 0
+    put_requests: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def add(self, *, read: int = 0, written: int = 0, gets: int = 0, puts: int = 0) -> None:
+        with self._lock:
+            self.bytes_read += read
+            self.bytes_written += written
+            self.get_requests += gets
+            self.put_requests += puts
+
+    def reset(self) -> None:
+        with self._lock:
+            self.bytes_read = self.bytes_written = self.get_requests = self.put_requests = 0
+
+    def as_dict(self) -> dict[str, int]:
+        with self._lock:
+            return {f.name: getattr(self, f.name) for f in fields(self) if not f.name.startswith("_")}
+
+
+def _split_url(url: str) -> tuple[str, str]:
+    """("file" | "memory" | "s3" | ..., path-without-protocol)."""
+    if "://" not in url:
+        return "file", url
+    protocol, _, path = url.partition("://")
+    protocol = protocol.lower()
+    if protocol == "s3a":
+        protocol = "s3"
+    return protocol, path
+
+
+class ObjectStore:
+    """Bytes under keys relative to a root URL (`file://`, plain path, `memory://`, `s3://`)."""
+
+    def __init__(
+        self,
+        url: str,
+        storage_options: dict[str, Any] | None = None,
+        *,
+        max_tries: int = MAX_TRIES,
+        backoff_s: float = BACKOFF_BASE_S,
+    ) -> None:
+        options = dict(storage_options or {})
+        protocol, path = _split_url(url)
+        self.protocol = protocol
+        self.max_tries = max(1, max_tries)
+        self.backoff_s = backoff_s
+        self.stats = StoreStats()
+        if protocol == "file":
+            # Resolved once, at construction: a later chdir does not move the store.
+            root = os.path.abspath(os.path.expanduser(path or "."))
+            self.fs = fsspec.filesystem("file", skip_instance_cache=True, **options)
+            self._root = root.replace(os.sep, "/").rstrip("/") or "/"
+            self.url = "file://" + self._root
+        else:
+            if protocol == "s3":
+                # Listings may change behind our back (other ranks, other processes): never
+                # answer `list`/`size` from s3fs's directory cache.
+                options.setdefault("use_listings_cache", False)
+            # A fresh instance per store: fsspec otherwise shares one instance per option set,
+            # and tests with several endpoints / credentials would collide.
+            self.fs = fsspec.filesystem(protocol, skip_instance_cache=True, **options)
+            root = self.fs._strip_protocol(url).rstrip("/")
+            if protocol == "memory":
+                root = "/" + root.lstrip("/")
+            if not root.strip("/"):
+                raise ValueError(f"storage URL {url!r} needs a bucket/name")
+            self._root = root
+            self.url = f"{protocol}://{root.lstrip('/')}"
+
+    def __repr__(self) -> str:
+        return f"ObjectStore({self.url!r})"
+
+    # ------------------------------------------------------------------ paths
+
+    @property
+    def is_local(self) -> bool:
+        return self.protocol == "file"
+
+    def _path(self, key: str) -> str:
+        """Backend path of `key`; rejects keys that would escape the root."""
+        key = key.strip("/")
+        parts = key.split("/") if key else []
+        if any(p in ("", ".", "..") for p in parts):
+            raise ValueError(f"invalid storage key {key!r}")
+        return f"{self._root.rstrip('/')}/{key}" if key else self._root
+
+    def _key_of(self, path: str) -> str:
+        path = path.replace(os.sep, "/") if self.is_local else path
+        root = self._root.rstrip("/").lstrip("/")
+        rel = path.lstrip("/")
+        if rel == root:
+            return ""
+        if not rel.startswith(root + "/"):
+            raise StorageError(f"backend returned {path!r} outside the store root {self.url}")
+        return rel[len(root) + 1 :]
+
+    def url_for(self, key: str) -> str:
+        """Full URL of `key` (for logs and artifacts)."""
+        key = key.strip("/")
+        self._path(key)
+        return f"{self.url}/{key}" if key else self.url
+
+    # ------------------------------------------------------------------ the choke point
+
+    def _call(self, op: str, key: str, fn: Callable[[], T], *, idempotent: bool = True) -> T:
+        """Run one backend operation: translate errors, retry idempotent ones on transient errors."""
+        where = f"{op} {self.url_for(key) if key is not None else self.url}"
+        for attempt in range(1, self.max_tries + 1):
+            try:
+                return fn()
+            except Exception as exc:
+                if idempotent and attempt < self.max_tries and is_transient(exc):
+                    delay = random.uniform(0, self.backoff_s * 2 ** (attempt - 1))
+                    logger.warning(
+                        "%s failed (try %d/%d, retrying in %.3fs): %r",
+                        where,
+                        attempt,
+                        self.max_tries,
+                        delay,
+                        exc,
+                    )
+                    time.sleep(delay)
+                    continue
+                translated = translate_error(exc, where)
+                if translated is exc:
+                    raise
+                raise translated from exc
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    # ------------------------------------------------------------------ bytes
+
+    def put(self, key: str, data: bytes) -> None:
+        """Write `data` at `key` atomically (readers see the old or the new object, never half)."""
+        path = self._path(key)
+        if not key.strip("/"):
+            raise ValueError("put needs a non-empty key")
+        n = len(data)
+        if self.is_local:
+            self._call("put", key, lambda: _atomic_write_local(path, data))
+        else:
+            # One PUT (s3fs switches to a multipart upload above 100 MB, which S3 also makes
+            # visible atomically at CompleteMultipartUpload).
+            self._call("put", key, lambda: self.fs.pipe_file(path, bytes(data)))
+        self.stats.add(written=n, puts=1)
+
+    def get(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
+        """Bytes [start, end) of `key` (end exclusive); one ranged GET, no read-ahead."""
+        if (start is not None and start < 0) or (end is not None and end < 0):
+            raise ValueError("negative offsets are not supported")
+        path = self._path(key)
+        if start is not None and end is not None and end <= start:
+            # Still a real error for a missing key; fsspec would return b"" without asking.
+            self.size(key)
+            return b""
+        data = self._call("get", key, lambda: self.fs.cat_file(path, start=start, end=end))
+        self.stats.add(read=len(data), gets=1)
+        return data
+
+    def get_ranges(self, requests: list[tuple[str, int, int]]) -> list[bytes]:
+        """Batch of (key, start, end) ranged reads (end exclusive), in request order.
+
+        One `fs.cat_ranges` call: concurrent ranged GETs on s3 (bounded by fsspec's batch
+        size), sequential reads on local backends. Any failure fails the whole batch.
+        """
+        if not requests:
+            return []
+        for _, s, e in requests:
+            if s < 0 or e < s:
+                raise ValueError(f"invalid byte range [{s}, {e})")
+        paths = [self._path(k) for k, _, _ in requests]
+        starts = [int(s) for _, s, _ in requests]
+        ends = [int(e) for _, _, e in requests]
+
+        def batch() -> list[bytes]:
+            out = self.fs.cat_ranges(paths, starts, ends, on_error="return")
+            for item in out:
+                if isinstance(item, BaseException):
+                    raise item
+            return out
+
+        label = requests[0][0] if len(requests) == 1 else ""
+        data = self._call(f"get_ranges[{len(requests)}]", label, batch)
+        self.stats.add(read=sum(len(d) for d in data), gets=len(requests))
+        return data
+
+    # ------------------------------------------------------------------ json
+
+    def put_json(self, key: str, obj: Any) -> None:
+        """Write `obj` as UTF-8 JSON (atomic, like `put`)."""
+        self.put(key, json.dumps(obj, indent=1, sort_keys=True).encode())
+
+    def get_json(self, key: str) -> Any:
+        """Read the JSON document at `key`; StorageError when it is not valid JSON."""
+        raw = self.get(key)
+        try:
+            return json.loads(raw)
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise StorageError(f"{self.url_for(key)} is not valid JSON: {exc}") from exc
+
+    # ------------------------------------------------------------------ metadata
+
+    def exists(self, key: str) -> bool:
+        """True when an object (not a folder) is stored at `key`."""
+        path = self._path(key)
+        return bool(self._call("exists", key, lambda: self.fs.isfile(path)))
+
+    def size(self, key: str) -> int:
+        """Size in bytes of the object at `key`."""
+        path = self._path(key)
+        info = self._call("size", key, lambda: self.fs.info(path))
+        if info.get("type") != "file":
+            raise ObjectNotFound(f"size {self.url_for(key)}: not an object")
+        return int(info["size"])
+
+    def list(self, prefix: str = "") -> list[str]:
+        """Keys (relative to the root) of all objects under the folder `prefix`, recursive, sorted."""
+        path = self._path(prefix)
+
+        def find() -> list[str]:
+            try:
+                return list(self.fs.find(path))
+            except FileNotFoundError:
+                return []
+
+        keys = [self._key_of(p) for p in self._call("list", prefix, find)]
+        prefix = prefix.strip("/")
+        if prefix:  # `find` on an object path returns that object; we list folders only
+            keys = [k for k in keys if k.startswith(prefix + "/")]
+        return sorted(k for k in keys if k and not k.endswith(_TMP_SUFFIX))
+
+    def delete(self, prefix_or_key: str) -> None:
+        """Delete the object `prefix_or_key` and/or everything under that folder; missing is fine."""
+        if not prefix_or_key.strip("/"):
+            raise ValueError("refusing to delete the whole store; pass a key or folder")
+        path = self._path(prefix_or_key)
+
+        def rm() -> None:
+            # Exact matches only: folder "a/b" must not take "a/bc" with it on prefix-listing
+            # backends. Backends report paths with or without a leading "/" (memory vs s3).
+            norm = path.strip("/")
+            try:
+                found = [p for p in self.fs.find(path) if p.strip("/").startswith(norm + "/")]
+            except FileNotFoundError:
+                found = []
+            targets = ([path] if self.fs.isfile(path) else []) + found
+            if targets:
+                # FileNotFoundError: deleted concurrently, the goal state is reached.
+                with contextlib.suppress(FileNotFoundError):
+                    self.fs.rm(targets)
+            if self.is_local and os.path.isdir(path):
+                _remove_empty_dirs(path)
+
+        self._call("delete", prefix_or_key, rm)
+
+
+def _atomic_write_local(path: str, data: bytes) -> None:
+    """temp file in the same folder → write → fsync → os.replace → fsync the folder."""
+    folder = os.path.dirname(path)
+    os.makedirs(folder, exist_ok=True)
+    tmp = os.path.join(folder, f".{os.path.basename(path)}.{uuid.uuid4().hex[:12]}{_TMP_SUFFIX}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    try:  # make the rename itself durable; not possible on every platform / filesystem
+        dir_fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(dir_fd)
+    except OSError:
+        pass
+    finally:
+        os.close(dir_fd)
+
+
+def _remove_empty_dirs(top: str) -> None:
+    """Remove `top` and its sub-folders bottom-up while they are empty (local backend only)."""
+    for dirpath, _, _ in sorted(os.walk(top), key=lambda t: -len(t[0])):
+        with contextlib.suppress(OSError):
+            os.rmdir(dirpath)

@@ -1,0 +1,35 @@
+"""Small records passed between tasks: references and numbers, never tensors or state dicts."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, Field
+
+
+class ModelSummary(BaseModel):
+    """What profiling found about the model (for now: its size and cost per token)."""
+
+    params: int
+    flops_per_token: int
+    device_kind: str
+
+
+class SegmentResult(BaseModel):
+    """One launch of the workers: which devices, which steps, how it went."""
+
+    devices: int
+    start_step: int
+    final_step: int
+    stopped: bool
+    losses: list[tuple[int, float]] = Field(default_factory=list)
+    tokens_per_s: float | None = None
+    checkpoint_urls: list[str] = Field(default_factory=list)
+
+
+class TrainSummary(BaseModel):
+    job_id: str
+    steps: int
+    final_loss: float | None
+    first_loss: float | None
+    tokens_per_s: float | None
+    checkpoint_url: str | None
+    segments: list[SegmentResult]

@@ -1,0 +1,76 @@
+"""publish_report: the run's summary and loss curve as Prefect artifacts."""
+
+from __future__ import annotations
+
+from prefect import task
+from prefect.artifacts import create_markdown_artifact, create_table_artifact
+
+from specs import JobSpec
+from tasks.artifacts import artifact_key
+from tasks.records import ModelSummary, SegmentResult, TrainSummary
+
+_SPARKS = "▁▂▃▄▅▆▇█"
+
+
+def sparkline(values: list[float]) -> str:
+    if not values:
+        return ""
+    lo, hi = min(values), max(values)
+    span = (hi - lo) or 1.0
+    return "".join(_SPARKS[int((v - lo) / span * (len(_SPARKS) - 1))] for v in values)
+
+
+def summarize(spec: JobSpec, segments: list[SegmentResult]) -> TrainSummary:
+    losses = [loss for seg in segments for _, loss in seg.losses]
+    rates = [seg.tokens_per_s for seg in segments if seg.tokens_per_s]
+    urls = [url for seg in segments for url in seg.checkpoint_urls]
+    return TrainSummary(
+        job_id=spec.job_id,
+        steps=segments[-1].final_step if segments else 0,
+        first_loss=losses[0] if losses else None,
+        final_loss=losses[-1] if losses else None,
+        tokens_per_s=rates[-1] if rates else None,
+        checkpoint_url=urls[-1] if urls else None,
+        segments=segments,
+    )
+
+
+def summary_markdown(summary: TrainSummary, model: ModelSummary) -> str:
+    curve = [loss for seg in summary.segments for _, loss in seg.losses]
+
+    def fmt(value: float | None, pattern: str) -> str:
+        return "n/a" if value is None else format(value, pattern)
+
+    lines = [
+        f"# Training summary: `{summary.job_id}`",
+        "",
+        "| | |",
+        "|---|---|",
+        f"| steps | {summary.steps} |",
+        f"| parameters | {model.params:,} |",
+        f"| first loss | {fmt(summary.first_loss, '.4f')} |",
+        f"| final loss | {fmt(summary.final_loss, '.4f')} |",
+        f"| tokens/s (median, last segment) | {fmt(summary.tokens_per_s, ',.0f')} |",
+        f"| last checkpoint | {summary.checkpoint_url or 'none'} |",
+        f"| segments (devices: steps) | {', '.join(f'{s.devices}: {s.start_step}→{s.final_step}' for s in summary.segments)} |",
+        "",
+        f"loss: `{sparkline(curve)}`",
+    ]
+    return "\n".join(lines)
+
+
+@task(name="publish-report")
+def publish_report(spec: JobSpec, model: ModelSummary, segments: list[SegmentResult]) -> TrainSummary:
+    """Summarize the run; publish the summary (markdown) and the loss curve (table)."""
+    summary = summarize(spec, segments)
+    create_markdown_artifact(
+        key=artifact_key(spec.job_id, "summary"),
+        markdown=summary_markdown(summary, model),
+        description=f"Training summary of {spec.job_id}",
+    )
+    create_table_artifact(
+        key=artifact_key(spec.job_id, "loss-curve"),
+        table=[{"step": step, "loss": loss, "devices": seg.devices} for seg in segments for step, loss in seg.losses],
+        description=f"Loss per step of {spec.job_id}",
+    )
+    return summary

@@ -1,0 +1,152 @@
+"""Real torchrun workers (2 gloo processes): stop and resume, crash and resume, corrupted
+checkpoints, and the same job on S3. Every resumed run must end bitwise equal to a run that
+was never interrupted."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+import pytest
+from jobs import assert_bitwise_equal, checkpoint_store, final_state, tiny_spec
+
+from planner.plan import Plan
+from storage import JobPaths, ObjectStore
+from trainer.launch import LaunchResult, launch_workers
+
+pytestmark = pytest.mark.slow
+
+DP2 = Plan.data_parallel(2)
+
+
+def kill_processes_mentioning(text: str) -> None:
+    """SIGKILL every process whose command line contains `text` (torchrun and its workers)."""
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if text in cmdline:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(proc.name), signal.SIGKILL)
+
+
+def run(spec, **kwargs: Any) -> LaunchResult:
+    lines: list[str] = []
+    result = launch_workers(spec, DP2, on_line=lines.append, **kwargs)
+    result.lines = lines  # type: ignore[attr-defined]
+    assert result.returncode == 0, "\n".join(lines[-40:])
+    return result
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory):
+    """An uninterrupted 12-step run: the state every other run must reproduce."""
+    spec = tiny_spec("reference", f"file://{tmp_path_factory.mktemp('ref')}/store")
+    result = run(spec)
+    assert result.final_step == 12 and not result.stopped
+    return spec, result, final_state(spec)
+
+
+def test_uninterrupted_run_learns_and_commits(reference) -> None:
+    spec, result, _ = reference
+    losses = [e["loss"] for e in result.steps]
+    assert len(losses) == 12 and losses[-1] < losses[0] - 0.3
+    assert checkpoint_store(spec).committed_steps() == [8, 12]  # keep_checkpoints=2 pruned step 4
+
+
+def test_stop_request_then_resume_is_bitwise_equal(reference, tmp_path: Path) -> None:
+    _, _, expected = reference
+    spec = tiny_spec("stopped", f"file://{tmp_path}/store")
+    store = ObjectStore(spec.storage.url)
+
+    def stop_after_step_5(event: dict[str, Any]) -> None:
+        if event["event"] == "step" and event["step"] == 5:
+            store.put_json(JobPaths(spec.job_id).stop(), {"reason": "test"})
+
+    os.environ["PARASHIFT_STOP_POLL_SECONDS"] = "0"
+    try:
+        first = run(spec, on_event=stop_after_step_5)
+    finally:
+        del os.environ["PARASHIFT_STOP_POLL_SECONDS"]
+    assert first.stopped and 5 <= first.final_step < 12
+    assert checkpoint_store(spec).latest().step == first.final_step  # stopped at a committed boundary
+
+    store.delete(JobPaths(spec.job_id).stop())
+    second = run(spec)
+    start = next(e for e in second.events if e["event"] == "start")
+    assert start["resumed"] and start["step"] == first.final_step
+    assert second.final_step == 12
+    assert_bitwise_equal(final_state(spec), expected)
+
+
+def test_killed_workers_resume_from_last_commit_bitwise_equal(reference, tmp_path: Path) -> None:
+    """SIGKILL to the whole worker group right after the first commit: nothing graceful."""
+    _, _, expected = reference
+    spec = tiny_spec("killed", f"file://{tmp_path}/store", training={"checkpoint_every": 3})
+    import subprocess
+
+    from trainer import launch, metrics
+
+    spec_file, plan_file = tmp_path / "spec.json", tmp_path / "plan.json"
+    spec_file.write_text(spec.model_dump_json())
+    plan_file.write_text(DP2.model_dump_json())
+    process = subprocess.Popen(
+        launch.worker_command(2, spec_file, plan_file, None),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=launch.worker_env("cpu"),
+        start_new_session=True,
+    )
+    for line in process.stdout:
+        event = metrics.parse(line)
+        if event and event["event"] == "checkpoint":
+            # torchrun starts each worker in its own session: kill every process of this run
+            kill_processes_mentioning(str(spec_file))
+            break
+    process.wait()
+    assert process.returncode != 0
+    assert checkpoint_store(spec).committed_steps() == [3]
+
+    resumed = run(spec)
+    start = next(e for e in resumed.events if e["event"] == "start")
+    assert start["step"] == 3 and resumed.final_step == 12
+    assert_bitwise_equal(final_state(spec), expected)
+
+
+def test_corrupted_checkpoint_is_refused_and_the_previous_one_used(reference, tmp_path: Path) -> None:
+    _, _, expected = reference
+    spec = tiny_spec("corrupt", f"file://{tmp_path}/store")
+    run(spec, until_step=8)
+    assert checkpoint_store(spec).committed_steps() == [4, 8]
+    victim = tmp_path / "store/jobs/corrupt/ckpt/00000008/rank00001.bin"
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    victim.write_bytes(bytes(data))
+
+    resumed = run(spec)
+    log = "\n".join(resumed.lines)  # type: ignore[attr-defined]
+    assert "checksum" in log.lower()
+    start = next(e for e in resumed.events if e["event"] == "start")
+    assert start["step"] == 4, "the corrupted step-8 checkpoint must not be loaded"
+    assert resumed.final_step == 12
+    assert_bitwise_equal(final_state(spec), expected)
+
+
+def test_same_job_on_s3_resumes_bitwise_equal(reference, s3_endpoint: str, s3_bucket: str) -> None:
+    _, _, expected = reference
+    url = f"s3://{s3_bucket}/parashift"
+    spec = tiny_spec("on-s3", url, storage={"url": url, "storage_options": {"endpoint_url": s3_endpoint}})
+    first = run(spec, until_step=6)
+    assert first.final_step == 6
+    assert checkpoint_store(spec).committed_steps() == [4, 6]
+    second = run(spec)
+    start = next(e for e in second.events if e["event"] == "start")
+    assert start["step"] == 6 and second.final_step == 12
+    assert_bitwise_equal(final_state(spec), expected)

@@ -1,0 +1,27 @@
+"""Worker -> launcher reporting: one JSON object per line behind a fixed prefix, on rank 0's stdout.
+The launcher parses these; everything else a worker prints is passed through as log text."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+PREFIX = "PARASHIFT "
+
+
+def emit(event: str, **fields: Any) -> None:
+    print(PREFIX + json.dumps({"event": event, **fields}, sort_keys=True), file=sys.stdout, flush=True)
+
+
+def parse(line: str) -> dict[str, Any] | None:
+    """The event a worker line carries, or None for plain log text. torchrun may prefix lines
+    with `[rank]:`, so the prefix is searched, not matched at the start."""
+    at = line.find(PREFIX)
+    if at < 0:
+        return None
+    try:
+        event = json.loads(line[at + len(PREFIX) :])
+    except json.JSONDecodeError:
+        return None
+    return event if isinstance(event, dict) else None

@@ -1,0 +1,128 @@
+"""A GPT decoder you can read in one sitting (after nanoGPT). Single-device code: nothing here
+knows about processes, meshes or plans; `trainer.parallel` applies those from outside."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    n_layers: int
+    d_model: int
+    n_heads: int
+    vocab_size: int
+    seq_len: int
+    dropout: float = 0.0
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.n_heads = config.n_heads
+        self.head_dim = config.head_dim
+        self.dropout = config.dropout
+        self.q_proj = nn.Linear(config.d_model, config.d_model)
+        self.k_proj = nn.Linear(config.d_model, config.d_model)
+        self.v_proj = nn.Linear(config.d_model, config.d_model)
+        self.out_proj = nn.Linear(config.d_model, config.d_model)
+        self.resid_dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape  # (B, T, d)
+        # Heads are read off the local width so a column-sharded projection (tensor parallel)
+        # runs the same code with fewer local heads.
+        q = self.q_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, nh, T, hs)
+        k = self.k_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, nh, T, hs)
+        v = self.v_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, nh, T, hs)
+        y = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
+        )  # (B, nh, T, hs)
+        y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, d)
+        return self.resid_dropout(self.out_proj(y))  # (B, T, d)
+
+
+class MLP(nn.Module):
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.up_proj = nn.Linear(config.d_model, 4 * config.d_model)
+        self.down_proj = nn.Linear(4 * config.d_model, config.d_model)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.down_proj(F.gelu(self.up_proj(x))))  # (B, T, d)
+
+
+class Block(nn.Module):
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.attn_norm = nn.LayerNorm(config.d_model)
+        self.attn = CausalSelfAttention(config)
+        self.mlp_norm = nn.LayerNorm(config.d_model)
+        self.mlp = MLP(config)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x))  # (B, T, d)
+        return x + self.mlp(self.mlp_norm(x))  # (B, T, d)
+
+
+class GPT(nn.Module):
+    """Token + position embeddings, n pre-norm blocks, a final norm and an untied LM head.
+
+    The head is untied from the embedding so each weight has exactly one owner: simpler to
+    slice in a parallel plan and to reshard.
+    """
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.tok_emb = nn.Embedding(config.vocab_size, config.d_model)
+        self.pos_emb = nn.Embedding(config.seq_len, config.d_model)
+        self.drop = nn.Dropout(config.dropout)
+        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layers))
+        self.norm = nn.LayerNorm(config.d_model)
+        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """GPT-2 initialisation: N(0, 0.02), residual projections scaled by 1/sqrt(2 n_layers)."""
+        for name, param in self.named_parameters():
+            if name.endswith("bias"):
+                nn.init.zeros_(param)
+            elif "norm" in name:
+                nn.init.ones_(param)
+            elif name.endswith(("out_proj.weight", "down_proj.weight")):
+                nn.init.normal_(param, std=0.02 / math.sqrt(2 * self.config.n_layers))
+            else:
+                nn.init.normal_(param, std=0.02)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        B, T = idx.shape  # (B, T)
+        pos = torch.arange(T, device=idx.device)  # (T,)
+        x = self.drop(self.tok_emb(idx) + self.pos_emb(pos))  # (B, T, d)
+        for block in self.blocks:
+            x = block(x)  # (B, T, d)
+        return self.lm_head(self.norm(x))  # (B, T, vocab)
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+
+def flops_per_token(config: GPTConfig, n_params: int) -> int:
+    """Training FLOPs per token: 6 per parameter (fwd + bwd matmuls) plus attention scores,
+    12 * L * d * T (PaLM appendix B; the convention torchtitan's MFU uses)."""
+    return 6 * n_params + 12 * config.n_layers * config.d_model * config.seq_len
+
+
+def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Sum of per-token cross-entropy, so callers can normalise by the global token count."""
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten(0, 1), reduction="sum")
