@@ -36,13 +36,16 @@ def launch_training(spec: JobSpec, plan: Plan, until_step: int | None = None) ->
     if result.returncode != 0 or result.final_step is None:
         raise TrainingFailed(f"workers exited with code {result.returncode} (see the log above)")
     starts = [e for e in result.events if e["event"] == "start"]
+    start = starts[-1] if starts else {}
     rates = [e["tokens_per_s"] for e in result.steps[1:]]  # the first step pays for warm-up
     return SegmentResult(
         devices=plan.devices,
-        start_step=starts[-1]["step"] if starts else 0,
+        start_step=start.get("step", 0),
         final_step=result.final_step,
         stopped=result.stopped,
         losses=[(e["step"], e["loss"]) for e in result.steps],
         tokens_per_s=statistics.median(rates) if rates else None,
         checkpoint_urls=[e["url"] for e in result.checkpoints if e.get("url")],
+        resumed_from_url=start.get("checkpoint_url"),
+        resumed_loss=start.get("checkpoint_loss"),
     )

@@ -23,6 +23,8 @@ class SegmentResult(BaseModel):
     losses: list[tuple[int, float]] = Field(default_factory=list)
     tokens_per_s: float | None = None
     checkpoint_urls: list[str] = Field(default_factory=list)
+    resumed_from_url: str | None = Field(default=None, description="the checkpoint this segment started from")
+    resumed_loss: float | None = Field(default=None, description="the loss recorded in that checkpoint")
 
 
 class TrainSummary(BaseModel):

@@ -23,7 +23,9 @@ def sparkline(values: list[float]) -> str:
 def summarize(spec: JobSpec, segments: list[SegmentResult]) -> TrainSummary:
     losses = [loss for seg in segments for _, loss in seg.losses]
     rates = [seg.tokens_per_s for seg in segments if seg.tokens_per_s]
-    urls = [url for seg in segments for url in seg.checkpoint_urls]
+    urls = [url for seg in segments for url in ([seg.resumed_from_url] if seg.resumed_from_url else []) + seg.checkpoint_urls]
+    if not losses and segments and segments[-1].resumed_loss is not None:
+        losses = [segments[-1].resumed_loss]  # nothing left to train: report the committed state
     return TrainSummary(
         job_id=spec.job_id,
         steps=segments[-1].final_step if segments else 0,

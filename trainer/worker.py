@@ -22,7 +22,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from planner.plan import Plan
 from specs import JobSpec
-from storage import CheckpointStore, ObjectStore
+from storage import CheckpointStore, JobPaths, ObjectStore
 from trainer import metrics
 from trainer.checkpoint import apply_state, collect_state, restore_latest, save_checkpoint, state_layout
 from trainer.control import StopRequests
@@ -101,8 +101,9 @@ def main(argv: list[str] | None = None) -> int:
     store = ObjectStore(spec.storage.url, dict(spec.storage.storage_options))
     checkpoints = CheckpointStore(store, spec.job_id)
     restored = restore_latest(checkpoints, rank, world_size)
-    step, position = 0, DataPosition()
+    step, position, loss = 0, DataPosition(), None
     if restored is not None:
+        loss = restored.manifest.metadata.get("loss") if restored.manifest else None
         apply_state(restored, model, optimizer, rank, device)
         step, position = restored.step, DataPosition(restored.data_position["samples_consumed"])
     ddp_model = DistributedDataParallel(model) if world_size > 1 else model
@@ -115,6 +116,8 @@ def main(argv: list[str] | None = None) -> int:
             "start",
             step=step,
             resumed=restored is not None,
+            checkpoint_loss=loss,
+            checkpoint_url=store.url_for(JobPaths(spec.job_id).manifest(step)) if restored is not None else None,
             world_size=world_size,
             params=model.num_params(),
             flops_per_token=flops_per_token(config, model.num_params()),
@@ -132,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
             world_size,
             position.to_dict(stream.samples_per_epoch),
             plan.model_dump(mode="json"),
-            {"model": spec.model.model_dump(), "job": spec.name},
+            {"model": spec.model.model_dump(), "job": spec.name, "loss": loss},
             train.keep_checkpoints,
         )
         if rank == 0:

@@ -39,7 +39,7 @@ def run(
     from flows.train import train_job
     from tasks import progress as progress_events
 
-    console = Console()
+    console = Console(soft_wrap=True)
     with Progress(
         TextColumn("[bold]{task.description}"),
         BarColumn(),
@@ -63,8 +63,14 @@ def run(
         finally:
             progress_events.remove_listener(on_event)
 
-    console.print(f"[bold green]done[/]: {summary.job_id} trained to step {summary.steps}")
-    console.print(f"  loss          {summary.first_loss:.4f} -> {summary.final_loss:.4f}" if summary.final_loss else "  loss n/a")
+    trained = sum(seg.final_step - seg.start_step for seg in summary.segments)
+    if trained == 0:
+        console.print(f"[bold green]done[/]: {summary.job_id} was already trained to step {summary.steps}")
+    else:
+        console.print(f"[bold green]done[/]: {summary.job_id} trained to step {summary.steps} ({trained} steps this run)")
+    if summary.final_loss is not None:
+        first = f"{summary.first_loss:.4f} -> " if trained and summary.first_loss is not None else ""
+        console.print(f"  loss          {first}{summary.final_loss:.4f}")
     if summary.tokens_per_s:
         console.print(f"  throughput    {summary.tokens_per_s:,.0f} tokens/s (median)")
     console.print(f"  checkpoint    {summary.checkpoint_url}")
