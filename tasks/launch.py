@@ -12,6 +12,7 @@ from planner.plan import Plan
 from specs import JobSpec
 from storage import JobPaths, ObjectStore
 from tasks import progress
+from tasks.credentials import environment, storage_environment
 from tasks.records import SegmentResult
 from trainer.launch import launch_workers
 
@@ -26,13 +27,17 @@ class TrainingFailed(RuntimeError):
 def launch_training(spec: JobSpec, plan: Plan, until_step: int | None = None) -> SegmentResult:
     """Train on `plan.devices` workers until `until_step` (or the end), resuming if possible."""
     logger = get_run_logger()
-    store = ObjectStore(spec.storage.url, dict(spec.storage.storage_options))
-    store.delete(JobPaths(spec.job_id).stop())  # a stop request belongs to the run it stopped
+    credentials = storage_environment(spec)
+    with environment(credentials):
+        store = ObjectStore(spec.storage.url, dict(spec.storage.storage_options))
+        store.delete(JobPaths(spec.job_id).stop())  # a stop request belongs to the run it stopped
 
     def on_event(event: dict[str, Any]) -> None:
         progress.publish({**event, "total_steps": spec.training.steps})
 
-    result = launch_workers(spec, plan, on_line=logger.info, on_event=on_event, until_step=until_step)
+    result = launch_workers(
+        spec, plan, on_line=logger.info, on_event=on_event, until_step=until_step, extra_env=credentials
+    )
     if result.returncode != 0 or result.final_step is None:
         raise TrainingFailed(f"workers exited with code {result.returncode} (see the log above)")
     starts = [e for e in result.events if e["event"] == "start"]

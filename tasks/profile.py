@@ -10,6 +10,7 @@ from prefect.logging import get_run_logger
 
 from specs import JobSpec
 from storage import JobPaths, ObjectStore
+from tasks.credentials import environment, storage_environment
 from tasks.records import ModelSummary
 
 
@@ -36,12 +37,13 @@ def summarize_model(spec: JobSpec) -> ModelSummary:
 def profile_model(spec: JobSpec) -> ModelSummary:
     """Profile the model, or reuse the profile stored for the same model and device kind."""
     logger = get_run_logger()
-    store = ObjectStore(spec.storage.url, dict(spec.storage.storage_options))
     key = JobPaths(spec.job_id).profile(profile_key(spec))
-    if store.exists(key):
-        logger.info("reusing profile %s", store.url_for(key))
-        return ModelSummary.model_validate(store.get_json(key))
-    summary = summarize_model(spec)
-    store.put_json(key, summary.model_dump())
+    with environment(storage_environment(spec)):
+        store = ObjectStore(spec.storage.url, dict(spec.storage.storage_options))
+        if store.exists(key):
+            logger.info("reusing profile %s", store.url_for(key))
+            return ModelSummary.model_validate(store.get_json(key))
+        summary = summarize_model(spec)
+        store.put_json(key, summary.model_dump())
     logger.info("model: %s parameters, %s FLOPs per token", f"{summary.params:,}", f"{summary.flops_per_token:,}")
     return summary

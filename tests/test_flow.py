@@ -84,3 +84,28 @@ def test_readme_run_command_trains_the_default_spec(tmp_path: Path) -> None:
     assert last < first - 1.0
     committed = sorted(p.parent.name for p in (tmp_path / "parashift-store/jobs/tiny-gpt/ckpt").glob("*/manifest.json"))
     assert committed == ["00000040", "00000060"]
+
+
+def test_s3_credentials_come_from_a_prefect_secret_block(
+    prefect_server: None, s3_endpoint: str, s3_bucket: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No AWS variables in the environment: the flow and its workers get them from the block."""
+    from prefect.blocks.system import Secret
+
+    from flows.train import train_job
+
+    creds = {key: os.environ[key] for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION")}
+    Secret(value=creds).save("parashift-test-s3", overwrite=True)
+    for key in creds:
+        monkeypatch.delenv(key)
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    url = f"s3://{s3_bucket}/jobs-root"
+    spec = tiny_spec(
+        "s3-secret",
+        url,
+        storage={"url": url, "storage_options": {"endpoint_url": s3_endpoint}, "credentials_block": "parashift-test-s3"},
+        training={"steps": 4},
+    )
+    summary = train_job(spec)
+    assert summary.checkpoint_url == f"{url}/jobs/s3-secret/ckpt/00000004/manifest.json"

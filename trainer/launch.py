@@ -77,6 +77,7 @@ def launch_workers(
     on_line: Callable[[str], None] = lambda line: None,
     on_event: Callable[[dict[str, Any]], None] = lambda event: None,
     until_step: int | None = None,
+    extra_env: dict[str, str] | None = None,
 ) -> LaunchResult:
     """Run torchrun with `plan.devices` workers until they exit; every output line goes to
     `on_line`, every worker event also to `on_event`."""
@@ -91,7 +92,7 @@ def launch_workers(
             stderr=subprocess.STDOUT,
             text=True,
             bufsize=1,
-            env=worker_env(spec.resources.kind),
+            env={**worker_env(spec.resources.kind), **(extra_env or {})},
         )
         assert process.stdout is not None
         try:
