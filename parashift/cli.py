@@ -8,6 +8,7 @@ import typer
 from parashift.commands import plan as plan_command
 from parashift.commands import run as run_command
 from parashift.commands import spec as spec_commands
+from parashift.commands import stop as stop_command
 
 app = typer.Typer(
     name="parashift",
@@ -20,6 +21,7 @@ app.command("validate")(spec_commands.validate)
 app.command("schema")(spec_commands.schema)
 app.command("plan")(plan_command.plan)
 app.command("run")(run_command.run)
+app.command("stop")(stop_command.stop)
 
 
 if __name__ == "__main__":

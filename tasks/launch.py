@@ -38,7 +38,9 @@ def launch_training(spec: JobSpec, plan: Plan, until_step: int | None = None) ->
     result = launch_workers(
         spec, plan, on_line=logger.info, on_event=on_event, until_step=until_step, extra_env=credentials
     )
-    if result.returncode != 0 or result.final_step is None:
+    # torchrun exits non-zero when it was signalled itself, even though its workers stopped
+    # cleanly at a committed step: a "stopped" event is what counts.
+    if result.final_step is None or (result.returncode != 0 and not result.stopped):
         raise TrainingFailed(f"workers exited with code {result.returncode} (see the log above)")
     starts = [e for e in result.events if e["event"] == "start"]
     start = starts[-1] if starts else {}

@@ -109,3 +109,33 @@ def test_s3_credentials_come_from_a_prefect_secret_block(
     )
     summary = train_job(spec)
     assert summary.checkpoint_url == f"{url}/jobs/s3-secret/ckpt/00000004/manifest.json"
+
+
+def test_parashift_stop_ends_a_running_job_at_a_committed_step(tmp_path: Path) -> None:
+    """`parashift run` in one terminal, `parashift stop` in another."""
+    import time
+
+    spec = tmp_path / "long.yaml"
+    spec.write_text(
+        "name: long-job\n"
+        "model: {n_layers: 1, d_model: 32, n_heads: 2, seq_len: 32}\n"
+        "data: {max_bytes: 100000}\n"
+        "training: {global_batch: 4, micro_batch: 2, steps: 100000, checkpoint_every: 20}\n"
+        f"storage: {{url: 'file://{tmp_path}/store'}}\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API")}
+    env["PREFECT_HOME"] = str(tmp_path / "prefect-home")
+    parashift = str(Path(sys.executable).with_name("parashift"))
+    running = subprocess.Popen([parashift, "run", str(spec)], cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    ckpt = tmp_path / "store/jobs/long-job/ckpt"
+    deadline = time.monotonic() + 300
+    while not list(ckpt.glob("*/manifest.json")):
+        assert running.poll() is None and time.monotonic() < deadline, running.stdout.read()[-3000:]
+        time.sleep(0.5)
+    subprocess.run([parashift, "stop", str(spec)], cwd=tmp_path, env=env, check=True, timeout=60)
+    output, _ = running.communicate(timeout=120)
+    assert running.returncode == 0, output[-3000:]
+    assert "stopped" in output and "run again to resume" in output
+    stopped_at = int(re.search(r"long-job at step (\d+)", output).group(1))
+    assert 0 < stopped_at < 100000
+    assert (ckpt / f"{stopped_at:08d}/manifest.json").exists(), "the stop step must be committed"

@@ -64,7 +64,9 @@ def run(
             progress_events.remove_listener(on_event)
 
     trained = sum(seg.final_step - seg.start_step for seg in summary.segments)
-    if trained == 0:
+    if summary.segments and summary.segments[-1].stopped:
+        console.print(f"[bold yellow]stopped[/]: {summary.job_id} at step {summary.steps}, checkpoint committed; run again to resume")
+    elif trained == 0:
         console.print(f"[bold green]done[/]: {summary.job_id} was already trained to step {summary.steps}")
     else:
         console.print(f"[bold green]done[/]: {summary.job_id} trained to step {summary.steps} ({trained} steps this run)")
