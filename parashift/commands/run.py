@@ -8,6 +8,8 @@ from typing import Any
 
 import typer
 
+from parashift.commands.spec import load_spec_or_exit
+
 
 def _prefect_defaults(verbose: bool) -> None:
     """Settings that must be in place before Prefect is imported."""
@@ -23,14 +25,7 @@ def run(
     verbose: bool = typer.Option(False, "--verbose", "-v", help="show the flow run's log in the terminal"),
 ) -> None:
     """Train the job SPEC_FILE describes on its devices; resume from its latest checkpoint."""
-    from specs import SpecError, load_spec
-
-    try:
-        spec = load_spec(spec_file)
-    except SpecError as error:
-        for line in error.lines():
-            typer.echo(line, err=True)
-        raise typer.Exit(1) from None
+    spec = load_spec_or_exit(spec_file)
 
     _prefect_defaults(verbose)
     from rich.console import Console

@@ -4,8 +4,24 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
+
+if TYPE_CHECKING:
+    from specs import JobSpec
+
+
+def load_spec_or_exit(spec_file: Path) -> JobSpec:
+    """The validated spec, or its `FILE:LINE:COL` errors on stderr and exit status 1."""
+    from specs import SpecError, load_spec
+
+    try:
+        return load_spec(spec_file)
+    except SpecError as error:
+        for line in error.lines():
+            typer.echo(line, err=True)
+        raise typer.Exit(1) from None
 
 
 def validate(files: list[Path] = typer.Argument(..., help="job spec YAML files")) -> None:

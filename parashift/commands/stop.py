@@ -7,21 +7,17 @@ from pathlib import Path
 
 import typer
 
+from parashift.commands.spec import load_spec_or_exit
+
 
 def stop(
     spec_file: Path = typer.Argument(..., help="the job's spec YAML"),
     reason: str = typer.Option("manual", help="recorded in the stop request"),
 ) -> None:
     """Write the job's stop request; its workers checkpoint and exit within a few seconds."""
-    from specs import SpecError, load_spec
     from storage import JobPaths, ObjectStore
 
-    try:
-        spec = load_spec(spec_file)
-    except SpecError as error:
-        for line in error.lines():
-            typer.echo(line, err=True)
-        raise typer.Exit(1) from None
+    spec = load_spec_or_exit(spec_file)
     store = ObjectStore(spec.storage.url, dict(spec.storage.storage_options))
     key = JobPaths(spec.job_id).stop()
     store.put_json(key, {"reason": reason, "requested_at": datetime.now(UTC).isoformat()})
