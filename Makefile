@@ -14,8 +14,10 @@ TORCH_SPEC ?= torch==2.13.0
 
 setup: $(VENV)/.setup-stamp
 
-$(VENV)/.setup-stamp: pyproject.toml
+$(VENV)/.setup-stamp: pyproject.toml Makefile
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	@# An old pip (23.x) backtracks for many minutes over boto3/botocore pins; a current one does not.
+	$(BIN)/python -m pip install -q --upgrade pip
 	@$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q "$(TORCH_SPEC)"
 	$(BIN)/pip install -q -e '.[test]'
 	@touch $@
