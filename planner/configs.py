@@ -34,6 +34,7 @@ class Mesh:
     devices_per_node: int = 8
     batch_only: tuple[str, ...] = ()  # axes that may split only the batch dim (or replicate)
     batch_dim: str = "b"
+    full: bool = False  # counts space: every op uses all devices (no replicated compute)
 
     @property
     def devices(self) -> int:
@@ -80,10 +81,10 @@ def _prime_factors(n: int) -> list[int]:
     return out
 
 
-def counts_mesh(p: int, devices_per_node: int = 8) -> Mesh:
-    """PaSE's space: p's prime factors as axes, layouts aligned."""
+def counts_mesh(p: int, devices_per_node: int = 8, full: bool = False) -> Mesh:
+    """PaSE's space: p's prime factors as axes, layouts aligned; `full`: split products equal p."""
     factors = _prime_factors(p) if p > 1 else []
-    return Mesh(tuple(f"x{i}" for i in range(len(factors))), tuple(factors), True, devices_per_node)
+    return Mesh(tuple(f"x{i}" for i in range(len(factors))), tuple(factors), True, devices_per_node, full=full)
 
 
 @dataclass(frozen=True)
@@ -133,7 +134,8 @@ def count_configs(op: Op, mesh: Mesh) -> list[Config]:
 
     def walk(i: int, left: int, acc: tuple[int, ...]) -> None:
         if i == len(sizes):
-            vectors.append(acc)
+            if left == 1 or not mesh.full:
+                vectors.append(acc)
             return
         for c in range(1, left + 1):
             if left % c == 0 and sizes[i] % c == 0 and (c == 1 or i in split):

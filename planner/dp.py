@@ -19,11 +19,15 @@ is the global minimum of the sum of all tables, as brute force finds (tests chec
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from math import prod
 
 import numpy as np
 
-# Largest table (in float64 entries, 8 bytes each) one elimination may build: 2^27 = 1 GiB.
+# Largest dependent-set table (float64 entries, 8 bytes each) an elimination may keep: 1 GiB.
 MAX_TABLE = 1 << 27
+# Eliminations whose full table (dependents x own configurations) is larger run in slices of
+# the first dependent, so the working set stays in cache and under ~32 MiB.
+CHUNK = 1 << 22
 
 
 @dataclass
@@ -51,8 +55,8 @@ def _combine(factors: list[Factor], scope: tuple[int, ...], card: list[int]) -> 
     """Sum of the factors broadcast over `scope`."""
     shape = tuple(card[v] for v in scope)
     size = int(np.prod(shape, dtype=np.float64))
-    if size > MAX_TABLE:
-        raise MemoryError(f"a dependent-set table of {size:,} entries (scope {len(scope)} ops) exceeds {MAX_TABLE:,}")
+    if size > MAX_TABLE * 4:
+        raise MemoryError(f"a table of {size:,} entries (scope {len(scope)} ops) exceeds {MAX_TABLE * 4:,}")
     pos = {v: i for i, v in enumerate(scope)}
     acc = np.zeros(shape)
     for f in factors:
@@ -65,25 +69,73 @@ def _combine(factors: list[Factor], scope: tuple[int, ...], card: list[int]) -> 
     return acc
 
 
+def _greedy(nbrs: dict[int, set[int]], variables: set[int], card: list[int], rng: np.random.Generator | None,
+            give_up: float) -> tuple[list[int], float]:
+    """One greedy elimination order on the interaction graph (smallest table next; with `rng`,
+    a random pick among tables within 4x of the smallest). Stops early past `give_up` work."""
+    nbrs = {v: set(n) for v, n in nbrs.items()}
+
+    def size(v: int) -> int:
+        return card[v] * prod(card[u] for u in nbrs[v])
+
+    sizes = {v: size(v) for v in variables}
+    todo, order, work = set(variables), [], 0.0
+    while todo:
+        if rng is None:
+            v = min(todo, key=lambda u: (sizes[u], u))
+        else:
+            low = min(sizes[u] for u in todo)
+            near = sorted(u for u in todo if sizes[u] <= low * 4)
+            v = near[int(rng.integers(len(near)))]
+        work += sizes[v]
+        if work >= give_up:
+            return order, float("inf")
+        order.append(v)
+        todo.discard(v)
+        for u in nbrs[v]:
+            nbrs[u] |= nbrs[v]
+            nbrs[u].discard(u)
+            nbrs[u].discard(v)
+        for u in nbrs[v]:
+            if u in todo:
+                sizes[u] = size(u)
+    return order, work
+
+
+def plan_order(scopes: list[tuple[int, ...]], variables: set[int], card: list[int], tries: int = 8) -> list[int]:
+    """A cheap elimination order: simulate greedy orders on scopes alone, keep the least work.
+
+    Work is the sum of the tables' sizes, which is what elimination then spends. Pure greedy
+    first; when that is expensive (over 1M entries), a few randomised near-greedy orders too.
+    """
+    nbrs: dict[int, set[int]] = {}
+    for sc in scopes:
+        for v in sc:
+            nbrs.setdefault(v, set()).update(sc)
+    for v in variables:
+        nbrs.setdefault(v, set()).discard(v)
+    for v, n in nbrs.items():
+        n.discard(v)
+    best, work = _greedy(nbrs, variables, card, None, float("inf"))
+    if work > 1e6 and len(variables) > 2:
+        rng = np.random.default_rng(0)
+        for _ in range(tries - 1):
+            order, w = _greedy(nbrs, variables, card, rng, work)
+            if w < work:
+                best, work = order, w
+    return best
+
+
 def eliminate(factors: list[Factor], variables: set[int], card: list[int]) -> tuple[list[Factor], list[Step]]:
-    """Eliminate `variables` greedily (smallest new table first); return remaining factors, steps."""
+    """Eliminate `variables` in `plan_order`; return the remaining factors and the steps."""
     live = {i: f for i, f in enumerate(factors)}
     touching: dict[int, set[int]] = {}
     for i, f in live.items():
         for v in f.scope:
             touching.setdefault(v, set()).add(i)
-    todo = set(variables)
     steps: list[Step] = []
     next_id = len(factors)
-
-    def width(v: int) -> float:
-        scope = {u for i in touching.get(v, ()) for u in live[i].scope}
-        return float(np.prod([card[u] for u in scope], dtype=np.float64))
-
-    sizes = {v: width(v) for v in todo}
-    while todo:
-        v = min(todo, key=lambda u: (sizes[u], u))
-        todo.discard(v)
+    for v in plan_order([f.scope for f in factors], variables, card):
         ids = touching.pop(v, set())
         group = [live.pop(i) for i in sorted(ids)]
         dep = tuple(sorted({u for f in group for u in f.scope} - {v}))
@@ -92,18 +144,35 @@ def eliminate(factors: list[Factor], variables: set[int], card: list[int]) -> tu
         if not group:
             steps.append((v, (), np.zeros((), dtype=np.int64)))
             continue
-        acc = _combine(group, (*dep, v), card)
-        arg = acc.argmin(axis=-1)
-        best = np.take_along_axis(acc, arg[..., None], axis=-1)[..., 0]
+        best, arg = _min_over(group, dep, v, card)
         steps.append((v, dep, arg))
         live[next_id] = Factor(dep, best)
         for u in dep:
             touching[u].add(next_id)
         next_id += 1
-        for u in dep:
-            if u in todo:
-                sizes[u] = width(u)
     return list(live.values()), steps
+
+
+def _fix(f: Factor, u: int, i: int) -> Factor:
+    """The factor with variable u fixed to configuration i."""
+    if u not in f.scope:
+        return f
+    k = f.scope.index(u)
+    return Factor(f.scope[:k] + f.scope[k + 1:], np.take(f.table, i, axis=k))
+
+
+def _min_over(group: list[Factor], dep: tuple[int, ...], v: int, card: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """min and argmin over v of the sum of `group`, as tables over `dep` (sliced when large)."""
+    full = float(np.prod([card[u] for u in (*dep, v)], dtype=np.float64))
+    if full <= CHUNK or not dep:
+        acc = _combine(group, (*dep, v), card)
+        arg = acc.argmin(axis=-1)
+        return np.take_along_axis(acc, arg[..., None], axis=-1)[..., 0], arg
+    if full / card[v] > MAX_TABLE:
+        raise MemoryError(f"a dependent-set table of {full / card[v]:,.0f} entries exceeds {MAX_TABLE:,}")
+    u = dep[0]
+    parts = [_min_over([_fix(f, u, i) for f in group], dep[1:], v, card) for i in range(card[u])]
+    return np.stack([b for b, _ in parts]), np.stack([a for _, a in parts])
 
 
 def _backsolve(steps: list[Step], assign: dict[int, int], rename: dict[int, int] | None = None) -> None:

@@ -1,11 +1,64 @@
-"""`parashift plan` (placeholder until the planner lands)."""
+"""`parashift plan`: search the parallelization of a job and print it against the baselines."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import typer
 
 
-def plan() -> None:
-    """Plan the parallelization of a job (not yet available)."""
-    typer.echo("parashift plan: not yet available", err=True)
-    raise typer.Exit(2)
+def _label(splits: dict[str, tuple[str, ...]]) -> str:
+    return " ".join(f"{dim}/{'x'.join(axes)}" for dim, axes in splits.items()) or "replicated"
+
+
+def plan(
+    spec: Path = typer.Argument(..., help="job spec YAML (its model, batch, resources and limits)"),
+    devices: int | None = typer.Option(None, "--devices", "-n", help="devices to plan for (default: the spec's)"),
+    json_out: bool = typer.Option(False, "--json", help="print the Plan as JSON only"),
+    exhaustive: bool = typer.Option(False, "--exhaustive", help="brute force instead of the DP (small graphs)"),
+    graph: Path | None = typer.Option(None, "--graph", help="plan this JSON op graph instead of the spec's model"),
+    measure: bool = typer.Option(False, "--measure", help="time GEMMs on this machine for compute rates"),
+) -> None:
+    """Plan the parallelization of a job: per-op placements, step time, memory, baselines."""
+    from planner.graph import load_graph_json
+    from planner.profile import profile_gpt, profile_graph
+    from planner.search import exhaustive_search, plan_model
+    from specs import load_spec
+
+    job = load_spec(spec)
+    res, model, par = job.resources, job.model, job.parallelism
+    n = devices or res.devices
+    kind = getattr(res, "kind", "cpu")
+    if graph is not None:
+        profile = profile_graph(load_graph_json(graph), kind, measure, memory_gb=res.memory_gb,
+                                devices_per_node=res.devices_per_node)
+    else:
+        profile = profile_gpt(model.n_layers, model.d_model, model.n_heads, model.vocab_size, model.seq_len,
+                              job.training.global_batch, kind, measure, memory_gb=res.memory_gb,
+                              devices_per_node=res.devices_per_node)
+    search = exhaustive_search if exhaustive else plan_model
+    result = search(profile, n, None, getattr(par, "max_tp", None), getattr(par, "max_pp", None))
+    if json_out:
+        typer.echo(result.model_dump_json(indent=2))
+        return
+
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"{profile.name} on {n} {kind} devices: mesh {result.mesh}, {result.micro_batches} micro-batches")
+    for col in ("op", "stage", "configuration", "compute ms", "comm ms", "memory MB"):
+        table.add_column(col, justify="left" if col in ("op", "configuration") else "right")
+    for p in result.placements:
+        table.add_row(p.op, str(p.stage), _label(p.splits), f"{p.compute_s * 1e3:.3f}", f"{p.comm_s * 1e3:.3f}",
+                      f"{p.memory_bytes / 2**20:.1f}")
+    console = Console()
+    console.print(table)
+    step = result.estimated_step_s or 0.0
+    console.print(f"estimated step: {step:.4g} s ({result.strategy}), "
+                  f"memory {result.memory_per_device_bytes / 2**30:.2f} GiB per device"
+                  + ("" if result.feasible else " [red](over the limit)[/red]"))
+    for name, t in result.baselines.items():
+        mem = result.baseline_memory_bytes.get(name, 0) / 2**30
+        console.print(f"  {name:>14}: {t:.4g} s ({t / step if step else float('nan'):.2f}x), {mem:.2f} GiB per device")
+    for note in result.notes:
+        console.print(f"  note: {note}")

@@ -1,0 +1,112 @@
+"""Planner benchmark: search time and peak memory on PaSE's Transformer and on GPT-3 175B.
+
+Each case runs in a fresh forked process so its memory is its own: `peak_mb` is that process's
+peak resident set (getrusage ru_maxrss), interpreter and imports included (`base_mb` is the
+level before the search starts). The last line printed is one JSON object:
+{"cases": [{graph, ops, devices, search_s, peak_mb, cost, dp_baseline_cost, megatron_baseline_cost}, ...]}.
+
+    python -m bench.planner [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import platform
+import resource
+import time
+from typing import Any
+
+PASE_P = (4, 8, 16, 32, 64)
+GPT3_P = (8, 64, 512, 1024)
+H200_GB = 141  # memory per device for the GPT-3 cases (NVIDIA H200)
+
+
+def _rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # Linux: KiB
+
+
+def _pase_case(p: int) -> dict[str, Any]:
+    """PaSE's space (per-dim split counts, aligned layouts, no memory limit), as in its paper."""
+    from planner.configs import counts_mesh, op_configs
+    from planner.graph import pase_transformer_graph
+    from planner.profile import profile_graph
+    from planner.search import baselines, search_counts
+
+    g = pase_transformer_graph()
+    prof = profile_graph(g, "cuda")
+    base_mb = _rss_mb()
+    t0 = time.perf_counter()
+    res = search_counts(g, prof, p)
+    search_s = time.perf_counter() - t0
+    peak = _rss_mb()
+    base = baselines(prof, p, None)
+    mesh = counts_mesh(p)
+    return {
+        "graph": "pase-transformer", "ops": len(g.ops), "devices": p, "search_s": round(search_s, 3),
+        "peak_mb": round(peak, 1), "base_mb": round(base_mb, 1), "cost": res.time_s,
+        "dp_baseline_cost": base["data-parallel"].time_s if base["data-parallel"] else None,
+        "megatron_baseline_cost": base["megatron"].time_s if base["megatron"] else None,
+        "max_configs_per_op": max(len(op_configs(op, mesh)) for op in g.ops),
+        "space": "counts (product of splits divides p)", "memory_limit_gb": None,
+    }
+
+
+def _gpt3_case(p: int) -> dict[str, Any]:
+    """The whole planner (meshes, pipelines, per-op DP, memory limit) on GPT-3 175B."""
+    from planner.graph import gpt3_175b_graph
+    from planner.profile import profile_graph
+    from planner.search import plan_model
+
+    g = gpt3_175b_graph()
+    prof = profile_graph(g, "cuda", memory_gb=H200_GB)
+    base_mb = _rss_mb()
+    t0 = time.perf_counter()
+    plan = plan_model(prof, p)
+    search_s = time.perf_counter() - t0
+    return {
+        "graph": "gpt3-175b", "ops": len(g.ops), "devices": p, "search_s": round(search_s, 3),
+        "peak_mb": round(_rss_mb(), 1), "base_mb": round(base_mb, 1), "cost": plan.estimated_step_s,
+        "dp_baseline_cost": plan.baselines.get("data-parallel"),
+        "megatron_baseline_cost": plan.baselines.get("megatron"),
+        "mesh": plan.mesh, "micro_batches": plan.micro_batches, "feasible": plan.feasible,
+        "memory_per_device_gb": round(plan.memory_per_device_bytes / 2**30, 1),
+        "baseline_memory_gb": {k: round(v / 2**30, 1) for k, v in plan.baseline_memory_bytes.items()},
+        "memory_limit_gb": H200_GB,
+    }
+
+
+def _child(kind: str, p: int, queue: mp.Queue) -> None:
+    queue.put((_pase_case if kind == "pase" else _gpt3_case)(p))
+
+
+def run_case(kind: str, p: int) -> dict[str, Any]:
+    """One case in a forked process (its own peak RSS)."""
+    ctx = mp.get_context("fork")
+    queue = ctx.Queue()
+    proc = ctx.Process(target=_child, args=(kind, p, queue))
+    proc.start()
+    out = queue.get()
+    proc.join()
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="PaSE p=4,8 and GPT-3 p=8 only")
+    args = parser.parse_args()
+    cases = [("pase", p) for p in (PASE_P[:2] if args.quick else PASE_P)]
+    cases += [("gpt3", p) for p in (GPT3_P[:1] if args.quick else GPT3_P)]
+    results = []
+    for kind, p in cases:
+        row = run_case(kind, p)
+        print(f"{row['graph']:>17} p={p:<5} ops={row['ops']:<4} search {row['search_s']:>7.2f} s  "
+              f"peak {row['peak_mb']:>7.1f} MB  cost {row['cost']:.4g} s  "
+              f"(dp {row['dp_baseline_cost']}, megatron {row['megatron_baseline_cost']})", flush=True)
+        results.append(row)
+    print(json.dumps({"machine": f"{platform.machine()} {mp.cpu_count()} cores", "cases": results}))
+
+
+if __name__ == "__main__":
+    main()

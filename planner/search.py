@@ -1,0 +1,252 @@
+"""The planner's entry points: search meshes, stages and per-op configurations; emit a Plan.
+
+Outer loop: every mesh pp x dp x tp = p (within max_tp / max_pp), pipeline micro-batch counts
+(pipeline.py). Inner: the exact per-op DP (dp.py) on each stage's graph. Memory is a hard
+limit: the DP minimises time + lambda x memory, lambda found by doubling then bisection; among
+every solution met (and the baselines) the fastest one that fits wins. The DP is exact for each
+lambda; the constrained choice is exact among those candidates (a Lagrangian relaxation).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Literal
+
+from planner import dp
+from planner.baselines import baseline_assign, baseline_meshes
+from planner.configs import Mesh, counts_mesh, dtensor_placements, named_mesh
+from planner.costs import CostModel
+from planner.graph import Graph
+from planner.plan import OpPlacement, Plan
+from planner.problem import UNPIPELINED, OpBreakdown, Weights, breakdown, build_problem
+from planner.profile import ModelProfile, profile_graph
+
+Method = Literal["dp", "exhaustive"]
+
+
+@dataclass
+class StageResult:
+    """One stage's chosen configurations and what they cost."""
+
+    graph: Graph
+    costs: CostModel
+    assign: list[int]
+    weights: Weights
+    rows: list[OpBreakdown]
+    lam: float = 0.0
+
+    @property
+    def mesh(self) -> Mesh:
+        return self.costs.mesh
+
+    @property
+    def time_s(self) -> float:
+        return sum(r.compute_s + r.comm_s for r in self.rows)
+
+    @property
+    def memory_bytes(self) -> float:
+        return sum(r.memory_bytes for r in self.rows)
+
+
+@dataclass
+class Candidate:
+    """A whole strategy: mesh degrees, micro-batches, stages; its step time and memory."""
+
+    name: str
+    pp: int
+    dp: int
+    tp: int
+    micro_batches: int
+    stages: list[StageResult]
+    time_s: float
+    memory_bytes: float
+    notes: list[str] = field(default_factory=list)
+
+    def fits(self, limit: float | None) -> bool:
+        return limit is None or self.memory_bytes <= limit
+
+
+def _solve(problem: dp.Problem, method: Method) -> list[int]:
+    return (dp.solve(problem) if method == "dp" else dp.brute_force(problem))[0]
+
+
+def _result(graph: Graph, costs: CostModel, assign: list[int], w: Weights, lam: float) -> StageResult:
+    return StageResult(graph, costs, assign, w, breakdown(graph, costs, assign, w), lam)
+
+
+def solve_stage(graph: Graph, costs: CostModel, memory_limit: float | None, w: Weights = UNPIPELINED,
+                method: Method = "dp") -> tuple[StageResult, list[StageResult]]:
+    """The fastest configurations that fit `memory_limit`, and every solution met on the way.
+
+    When none fits, the first element is the least-memory solution (check its memory).
+    """
+    if memory_limit is not None:
+        # Memory is a sum over ops, so its minimum is the sum of per-op minima: an exact test.
+        least = [int((c.param_mem + w.inflight * c.act_mem).argmin()) for c in map(costs.op_cost, graph.ops)]
+        floor = _result(graph, costs, least, w, float("inf"))
+        if floor.memory_bytes > memory_limit:
+            return floor, [floor]
+    first = _result(graph, costs, _solve(build_problem(graph, costs, 0.0, w), method), w, 0.0)
+    seen = [first]
+    if memory_limit is None or first.memory_bytes <= memory_limit:
+        return first, seen
+
+    def at(lam: float) -> StageResult:
+        res = _result(graph, costs, _solve(build_problem(graph, costs, lam, w), method), w, lam)
+        seen.append(res)
+        return res
+
+    scale = first.time_s / max(first.memory_bytes, 1.0)
+    lo, hi = 0.0, scale * 1e-3
+    while True:  # doubling until the memory fits or lambda makes time irrelevant
+        res = at(hi)
+        if res.memory_bytes <= memory_limit or hi > scale * 1e9:
+            break
+        lo, hi = hi, hi * 4.0
+    if res.memory_bytes <= memory_limit:
+        for _ in range(5):  # bisection in log space for the smallest fitting lambda
+            mid = math.sqrt(hi * lo) if lo > 0 else hi / 4.0
+            if at(mid).memory_bytes <= memory_limit:
+                hi = mid
+            else:
+                lo = mid
+    fitting = [r for r in seen if r.memory_bytes <= memory_limit]
+    best = min(fitting, key=lambda r: r.time_s) if fitting else min(seen, key=lambda r: r.memory_bytes)
+    return best, seen
+
+
+def mesh_degrees(devices: int, max_tp: int | None, max_pp: int | None) -> list[tuple[int, int, int]]:
+    """Every (pp, dp, tp) with pp x dp x tp = devices within the limits."""
+    out = []
+    for pp in range(1, devices + 1):
+        if devices % pp or pp > (max_pp or devices):
+            continue
+        for tp in range(1, devices // pp + 1):
+            if (devices // pp) % tp == 0 and tp <= (max_tp or devices):
+                out.append((pp, devices // pp // tp, tp))
+    return out
+
+
+def _as_profile(source: ModelProfile | Graph, device_kind: str, devices_per_node: int | None) -> ModelProfile:
+    if isinstance(source, ModelProfile):
+        if devices_per_node is not None:
+            source = source.model_copy(update={"comm": source.comm.model_copy(update={"devices_per_node": devices_per_node})})
+        return source
+    return profile_graph(source, device_kind, devices_per_node=devices_per_node)
+
+
+def single_stage(profile: ModelProfile, dp_: int, tp: int, limit: float | None, method: Method) -> Candidate:
+    """The best unpipelined strategy on a dp x tp mesh."""
+    g = profile.graph
+    mesh = named_mesh(dp_, tp, profile.comm.devices_per_node, g.batch_dim)
+    res, _ = solve_stage(g, CostModel(g, profile.device, profile.comm, mesh), limit, method=method)
+    return Candidate("pase-dp" if method == "dp" else "exhaustive", 1, dp_, tp, 1, [res], res.time_s, res.memory_bytes)
+
+
+def baselines(profile: ModelProfile, devices: int, max_tp: int | None) -> dict[str, Candidate | None]:
+    """Data parallel and Megatron on the same cost model (None: a split does not divide)."""
+    g = profile.graph
+    out: dict[str, Candidate | None] = {}
+    for name, mesh in baseline_meshes(g, devices, profile.comm.devices_per_node, max_tp).items():
+        costs = CostModel(g, profile.device, profile.comm, mesh)
+        assign = baseline_assign(g, costs)
+        if assign is None:
+            out[name] = None
+            continue
+        res = _result(g, costs, assign, UNPIPELINED, 0.0)
+        tp = dict(zip(mesh.names, mesh.sizes, strict=True)).get("tp", 1)
+        out[name] = Candidate(name, 1, devices // tp, tp, 1, [res], res.time_s, res.memory_bytes)
+    return out
+
+
+def candidates(profile: ModelProfile, devices: int, limit: float | None, max_tp: int | None,
+               max_pp: int | None, method: Method) -> list[Candidate]:
+    """Every mesh's best strategy (pipelined ones through planner.pipeline)."""
+    from planner.pipeline import pipelined
+
+    g = profile.graph
+    out = []
+    for pp, dp_, tp in mesh_degrees(devices, max_tp, max_pp):
+        if limit is not None and g.n_params * g.param_state_bytes / (tp * pp) > limit:
+            continue  # weights split at most tp x pp ways ("dp" splits only the batch): cannot fit
+        if pp == 1:
+            best = single_stage(profile, dp_, tp, limit, method)
+            out.append(best)
+            if best.fits(limit):
+                continue
+        # pp == 1 here: gradient accumulation over micro-batches, to cut activation memory.
+        out.extend(pipelined(profile, pp, dp_, tp, limit, method))
+    return out
+
+
+def to_plan(best: Candidate, devices: int, base: dict[str, Candidate | None], limit: float | None) -> Plan:
+    """The Plan the trainer executes, with per-op costs and DTensor placements."""
+    placements, stages = [], []
+    for s, st in enumerate(best.stages):
+        names = []
+        for op, i, row in zip(st.graph.ops, st.assign, st.rows, strict=True):
+            cfg = st.costs.op_cost(op).configs[i]
+            placements.append(OpPlacement(
+                op=op.name, splits=cfg.splits(op, st.mesh), stage=s, compute_s=row.compute_s, comm_s=row.comm_s,
+                memory_bytes=int(row.memory_bytes), dtensor=dtensor_placements(op, cfg, st.mesh)))
+            names.append(op.name)
+        stages.append(names)
+    notes = list(best.notes)
+    for name, cand in base.items():
+        if cand is None:
+            notes.append(f"{name} baseline: a split does not divide (uneven splits are pruned)")
+        elif not cand.fits(limit):
+            notes.append(f"{name} baseline needs {cand.memory_bytes / 2**30:.1f} GiB per device, over the limit")
+    feasible = best.fits(limit)
+    if not feasible:
+        notes.append(f"no strategy fits {limit / 2**30:.1f} GiB per device")
+    mesh = {axis: n for axis, n in (("pp", best.pp), ("dp", best.dp), ("tp", best.tp)) if n > 1} or {"dp": 1}
+    return Plan(
+        devices=devices, mesh=mesh, placements=placements, micro_batches=best.micro_batches,
+        estimated_step_s=best.time_s, memory_per_device_bytes=int(best.memory_bytes), strategy=best.name,
+        baselines={k: c.time_s for k, c in base.items() if c is not None},
+        baseline_memory_bytes={k: int(c.memory_bytes) for k, c in base.items() if c is not None},
+        stages=stages if len(stages) > 1 else [], feasible=feasible, notes=notes,
+    )
+
+
+def plan_model(source: ModelProfile | Graph, devices: int, memory_limit_bytes: int | None = None,
+               max_tp: int | None = None, max_pp: int | None = None, *, device_kind: str = "cuda",
+               devices_per_node: int | None = None, method: Method = "dp") -> Plan:
+    """The fastest strategy under the cost model that fits the memory limit, as a Plan.
+
+    `memory_limit_bytes` None: the profile's device memory (unlimited if unknown). Baselines are
+    evaluated on the same cost model; a fitting baseline that is faster than every searched
+    candidate would be chosen, which cannot happen since both lie in the searched space.
+    """
+    profile = _as_profile(source, device_kind, devices_per_node)
+    limit = memory_limit_bytes if memory_limit_bytes is not None else profile.device.memory_bytes
+    base = baselines(profile, devices, max_tp)
+    pool = candidates(profile, devices, limit, max_tp, max_pp, method)
+    pool += [c for c in base.values() if c is not None]
+    fitting = [c for c in pool if c.fits(limit)]
+    if fitting:
+        return to_plan(min(fitting, key=lambda c: c.time_s), devices, base, limit)
+    # Nothing fits: say why, and return the fastest strategy ignoring memory (feasible=False).
+    g = profile.graph
+    floor = g.n_params * g.param_state_bytes / devices
+    pool = candidates(profile, devices, None, max_tp, max_pp, method) + [c for c in base.values() if c is not None]
+    best = min(pool, key=lambda c: c.time_s)
+    best.notes.append(f"weights alone need >= {floor / 2**30:.1f} GiB per device even split {devices} ways; "
+                      "this plan ignores the memory limit")
+    return to_plan(best, devices, base, limit)
+
+
+def exhaustive_search(source: ModelProfile | Graph, devices: int, memory_limit_bytes: int | None = None,
+                      max_tp: int | None = None, max_pp: int | None = None, **kwargs: object) -> Plan:
+    """`plan_model` with brute force in place of the DP, over the same space (small graphs only)."""
+    return plan_model(source, devices, memory_limit_bytes, max_tp, max_pp, method="exhaustive", **kwargs)
+
+
+def search_counts(graph: Graph, profile: ModelProfile, devices: int, method: Method = "dp",
+                  full: bool = False) -> StageResult:
+    """PaSE's own space (per-dim split counts, aligned layouts), unconstrained: for benchmarks."""
+    mesh = counts_mesh(devices, profile.comm.devices_per_node, full)
+    res, _ = solve_stage(graph, CostModel(graph, profile.device, profile.comm, mesh), None, method=method)
+    return res

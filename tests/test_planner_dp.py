@@ -1,0 +1,165 @@
+"""The DP is exact: it matches brute force on random small DAGs, for every mesh of p in {2, 4, 8}."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+
+from planner import dp
+from planner.comm import default_comm
+from planner.configs import counts_mesh, named_mesh
+from planner.costs import CostModel
+from planner.graph import Edge, Graph, Op
+from planner.problem import Weights, build_problem
+from planner.profile import DEFAULT_DEVICES
+
+SIZES = {"b": 8, "m": 4, "n": 8, "k": 2, "j": 16}
+SHAPES = ["chain", "diamond", "skip", "fanout", "random"]
+
+
+def _preds(shape: str, n: int, draw) -> list[list[int]]:
+    """Predecessors of each op for a family of DAG shapes."""
+    if shape == "chain":
+        return [[]] + [[i - 1] for i in range(1, n)]
+    if shape == "diamond":  # 0 -> (1, 2) -> 3 -> ...
+        return [[], [0], [0], [1, 2]] + [[i - 1] for i in range(4, n)]
+    if shape == "skip":  # residual connections two back
+        return [[], [0]] + [[i - 1, i - 2] for i in range(2, n)]
+    if shape == "fanout":  # 0 feeds 3+ ops, which join at the end
+        mids = list(range(1, n - 1))
+        return [[]] + [[0] for _ in mids] + [mids]
+    return [[]] + [sorted(draw(st.sets(st.integers(0, i - 1), min_size=1, max_size=min(3, i)))) for i in range(1, n)]
+
+
+@st.composite
+def graphs(draw, max_ops: int = 5, shape: str | None = None) -> Graph:
+    shape = shape or draw(st.sampled_from(SHAPES))
+    n = draw(st.integers(4 if shape in ("diamond", "fanout") else 2, max_ops))
+    if shape == "fanout":
+        n = max(n, 5)  # three middle ops at least
+    preds = _preds(shape, n, draw)
+    ops: list[Op] = []
+    edges: list[Edge] = []
+    for i in range(n):
+        ins = [ops[p].output for p in preds[i]] or [("b", draw(st.sampled_from(["m", "n"])))]
+        extra = draw(st.sets(st.sampled_from(sorted(SIZES)), max_size=1))
+        dims = sorted({d for t in ins for d in t} | extra)
+        out = tuple(draw(st.lists(st.sampled_from(dims), min_size=1, max_size=2, unique=True)))
+        params = tuple(draw(st.lists(st.sampled_from([tuple(dims[:2]), tuple(dims[-1:])]), max_size=1)))
+        ops.append(Op(name=f"op{i}", kind=draw(st.sampled_from(["matmul", "elementwise"])),
+                      dims={d: SIZES[d] for d in dims}, reduce=tuple(d for d in dims if d not in out),
+                      inputs=tuple(ins), output=out, params=params,
+                      flops=float(draw(st.integers(1, 10**9))), tp_dim=dims[-1]))
+        edges += [Edge(src=f"op{p}", dst=f"op{i}", slot=slot) for slot, p in enumerate(preds[i])]
+    return Graph(name=f"random-{shape}", ops=ops, edges=edges)
+
+
+def _meshes(p: int) -> list:
+    out = [counts_mesh(p, devices_per_node=4)]
+    out += [named_mesh(dp_, p // dp_, devices_per_node=4) for dp_ in (1, 2, 4, 8) if p % dp_ == 0 and dp_ <= p]
+    return out
+
+
+def _check(graph: Graph, p: int, lam: float) -> int:
+    """DP == brute force on every mesh of p small enough to brute-force; returns how many."""
+    device = DEFAULT_DEVICES["cuda"]
+    comm = default_comm("cuda", devices_per_node=4)
+    checked = 0
+    for mesh in _meshes(p):
+        costs = CostModel(graph, device, comm, mesh)
+        problem = build_problem(graph, costs, lam, Weights(weight=2.0, inflight=2.0))
+        if np.prod(problem.card, dtype=np.float64) > 2e6:
+            continue
+        assign, value = dp.solve(problem)
+        _, brute = dp.brute_force(problem)
+        assert value == pytest.approx(brute, rel=1e-9, abs=1e-15), (mesh, graph.name)
+        assert dp.evaluate(problem, assign) == pytest.approx(value, rel=1e-9, abs=1e-15)
+        checked += 1
+    return checked
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(graph=graphs(), p=st.sampled_from([2, 4, 8]), lam=st.sampled_from([0.0, 1e-12, 1e-9]))
+def test_dp_matches_brute_force_on_random_dags(graph: Graph, p: int, lam: float) -> None:
+    _check(graph, p, lam)
+
+
+@pytest.mark.parametrize("shape", SHAPES[:4])
+@pytest.mark.parametrize("p", [2, 4, 8])
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_each_dag_shape_at_each_p(shape: str, p: int, data: st.DataObject) -> None:
+    """Every shape family meets every p, on at least one brute-forceable mesh."""
+    graph = data.draw(graphs(max_ops=6, shape=shape))
+    assert _check(graph, p, 0.0) >= 1
+
+
+@st.composite
+def block_problems(draw) -> dp.Problem:
+    """A random block of 2-3 variables repeated 3 times in a chain, plus loose ends."""
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    k = draw(st.integers(2, 3))
+    cards = [int(c) for c in rng.integers(2, 4, size=k)]
+    inner = [(a, b) for a in range(k) for b in range(a + 1, k) if rng.random() < 0.7] or [(0, k - 1)]
+    unary = [rng.random(c) for c in cards]
+    pair = {e: rng.random((cards[e[0]], cards[e[1]])) for e in inner}
+    link = rng.random((cards[-1], cards[0]))  # last var of one block -> first of the next
+    skip = rng.random((cards[-1], cards[-1]))  # and to the next block's last var
+    card, factors, block_of = [3], [dp.Factor((0,), rng.random(3))], {}
+    prev_last = 0
+    card_prev = 3
+    first_link = rng.random((card_prev, cards[0]))
+    for r in range(3):
+        base = len(card)
+        card += cards
+        for i in range(k):
+            block_of[base + i] = f"blk{r}"
+            factors.append(dp.Factor((base + i,), unary[i], owner=f"blk{r}"))
+        for a, b in inner:
+            factors.append(dp.Factor((base + a, base + b), pair[(a, b)], owner=f"blk{r}"))
+        factors.append(dp.Factor((prev_last, base), first_link if r == 0 else link, owner=f"blk{r}"))
+        if r > 0:
+            factors.append(dp.Factor((prev_last, base + k - 1), skip, owner=f"blk{r}"))
+        prev_last = base + k - 1
+    card.append(2)
+    factors.append(dp.Factor((prev_last, len(card) - 1), rng.random((cards[-1], 2))))
+    return dp.Problem(card=card, factors=factors, block_of=block_of)
+
+
+@settings(max_examples=40, deadline=None)
+@given(problem=block_problems())
+def test_memoised_blocks_are_exact(problem: dp.Problem) -> None:
+    assume(np.prod(problem.card, dtype=np.float64) <= 2e6)
+    _, memo = dp.solve(problem, memoise=True)
+    _, plain = dp.solve(problem, memoise=False)
+    _, brute = dp.brute_force(problem)
+    assert memo == pytest.approx(brute, rel=1e-12)
+    assert plain == pytest.approx(brute, rel=1e-12)
+
+
+def test_identical_blocks_are_solved_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Depth must not multiply the work: 24 identical layers cost the block eliminations of ~2."""
+    from planner.graph import gpt_graph
+
+    calls = []
+    real = dp.eliminate
+    monkeypatch.setattr(dp, "eliminate", lambda *a, **k: calls.append(1) or real(*a, **k))
+    g = gpt_graph(24, 256, 8, 1024, 128, 16)
+    costs = CostModel(g, DEFAULT_DEVICES["cuda"], default_comm("cuda"), named_mesh(2, 4))
+    dp.solve(build_problem(g, costs))
+    assert len(calls) <= 4  # layer 0, layer 1 (same tables as 2..23), the rest of the graph
+
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(graph=graphs(max_ops=5), p=st.sampled_from([4, 8]))
+def test_sliced_eliminations_are_exact(graph: Graph, p: int) -> None:
+    """Large eliminations run in slices of their first dependent; force that path on small ones."""
+    saved = dp.CHUNK
+    dp.CHUNK = 4
+    try:
+        _check(graph, p, 0.0)
+    finally:
+        dp.CHUNK = saved
