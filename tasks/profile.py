@@ -1,4 +1,8 @@
-"""profile_model: what the planner needs to know about the model, cached in the job's storage."""
+"""profile_model: what the planner needs to know about the model, cached in the job's storage.
+
+The profile (op graph, compute rates, communication model) is stored as JSON under
+`jobs/{job}/profile/{hash}.json`; tasks pass its key along, never the profile itself.
+"""
 
 from __future__ import annotations
 
@@ -8,20 +12,35 @@ import json
 from prefect import task
 from prefect.logging import get_run_logger
 
+from planner.comm import CommModel
+from planner.profile import ModelProfile, profile_gpt
 from specs import JobSpec
 from storage import JobPaths, ObjectStore
 from tasks.credentials import environment, storage_environment
 from tasks.records import ModelSummary
 
 
+def needs_measurement(spec: JobSpec) -> bool:
+    """Measured rates matter when the planner chooses; a data-parallel job only reports estimates."""
+    return spec.parallelism.strategy == "auto"
+
+
 def profile_key(spec: JobSpec) -> str:
-    """Profiles go stale when the model or the device kind changes, and only then."""
-    basis = json.dumps({"model": spec.model.model_dump(), "kind": spec.resources.kind}, sort_keys=True)
-    return hashlib.sha256(basis.encode()).hexdigest()[:16]
+    """A profile goes stale when the model, the batch, the devices or their kind change, and only then."""
+    basis = {
+        "model": spec.model.model_dump(),
+        "batch": spec.training.global_batch,
+        "kind": spec.resources.kind,
+        "devices": spec.resources.devices,
+        "devices_per_node": spec.resources.devices_per_node,
+        "memory_gb": spec.resources.memory_gb,
+        "measured": needs_measurement(spec),
+    }
+    return hashlib.sha256(json.dumps(basis, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def summarize_model(spec: JobSpec) -> ModelSummary:
-    """Parameter count and training FLOPs per token, from the model built on the meta device."""
+def exact_parameter_count(spec: JobSpec) -> tuple[int, int]:
+    """Parameters and training FLOPs per token of the model the workers build (on the meta device)."""
     import torch
 
     from trainer.model import GPT, GPTConfig, flops_per_token
@@ -30,20 +49,48 @@ def summarize_model(spec: JobSpec) -> ModelSummary:
     with torch.device("meta"):
         model = GPT(config)
     params = model.num_params()
-    return ModelSummary(params=params, flops_per_token=flops_per_token(config, params), device_kind=spec.resources.kind)
+    return params, flops_per_token(config, params)
+
+
+def build_profile(spec: JobSpec) -> ModelProfile:
+    """The planner's profile: GEMM rates timed here and collectives timed on the job's own
+    workers when the planner will choose; the defaults for the device kind otherwise."""
+    from trainer.launch import measure_comm_model
+
+    measure = needs_measurement(spec)
+    res, m = spec.resources, spec.model
+    comm = None
+    if measure and res.devices > 1:
+        comm = CommModel.model_validate(measure_comm_model(res.devices, res.kind, res.devices_per_node))
+    return profile_gpt(
+        m.n_layers, m.d_model, m.n_heads, m.vocab_size, m.seq_len, spec.training.global_batch,
+        res.kind, measure, memory_gb=res.memory_gb, devices_per_node=res.devices_per_node, comm=comm,
+    )
+
+
+def load_profile(spec: JobSpec, key: str) -> ModelProfile:
+    with environment(storage_environment(spec)):
+        store = ObjectStore(spec.storage.url, dict(spec.storage.storage_options))
+        return ModelProfile.model_validate(store.get_json(key))
 
 
 @task(name="profile-model", retries=2, retry_delay_seconds=2)
 def profile_model(spec: JobSpec) -> ModelSummary:
-    """Profile the model, or reuse the profile stored for the same model and device kind."""
+    """Profile the model, or reuse the profile stored for the same model, batch and devices."""
     logger = get_run_logger()
     key = JobPaths(spec.job_id).profile(profile_key(spec))
+    params, per_token = exact_parameter_count(spec)
     with environment(storage_environment(spec)):
         store = ObjectStore(spec.storage.url, dict(spec.storage.storage_options))
         if store.exists(key):
             logger.info("reusing profile %s", store.url_for(key))
-            return ModelSummary.model_validate(store.get_json(key))
-        summary = summarize_model(spec)
-        store.put_json(key, summary.model_dump())
-    logger.info("model: %s parameters, %s FLOPs per token", f"{summary.params:,}", f"{summary.flops_per_token:,}")
-    return summary
+        else:
+            profile = build_profile(spec)
+            store.put_json(key, profile.model_dump(mode="json"))
+            logger.info(
+                "profiled %s ops; %s FLOP/s GEMM (%s); comm %s",
+                len(profile.graph.ops), f"{profile.device.matmul_flops:.3g}",
+                "measured" if profile.device.measured else "default", "measured" if profile.comm.measured else "default",
+            )
+    logger.info("model: %s parameters, %s FLOPs per token", f"{params:,}", f"{per_token:,}")
+    return ModelSummary(params=params, flops_per_token=per_token, device_kind=spec.resources.kind, profile_key=key)

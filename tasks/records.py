@@ -11,6 +11,7 @@ class ModelSummary(BaseModel):
     params: int
     flops_per_token: int
     device_kind: str
+    profile_key: str = Field(description="the stored ModelProfile (op graph, rates, comm model)")
 
 
 class SegmentResult(BaseModel):

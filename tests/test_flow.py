@@ -139,3 +139,22 @@ def test_parashift_stop_ends_a_running_job_at_a_committed_step(tmp_path: Path) -
     stopped_at = int(re.search(r"long-job at step (\d+)", output).group(1))
     assert 0 < stopped_at < 100000
     assert (ckpt / f"{stopped_at:08d}/manifest.json").exists(), "the stop step must be committed"
+
+
+def test_auto_strategy_measures_on_real_workers_and_plans(prefect_server: None, tmp_path: Path) -> None:
+    """strategy auto: GEMM rates timed here, collectives timed on the job's own 2 workers, the
+    profile cached in storage, the planner's plan published as an artifact and executed."""
+    from flows.train import train_job
+    from planner.profile import ModelProfile
+    from storage import ObjectStore
+
+    spec = tiny_spec("auto-plan", f"file://{tmp_path}/store", training={"steps": 4}, parallelism={"strategy": "auto"})
+    summary = train_job(spec)
+    assert summary.steps == 4
+    store = ObjectStore(spec.storage.url)
+    [key] = store.list("jobs/auto-plan/profile")
+    profile = ModelProfile.model_validate(store.get_json(f"jobs/auto-plan/profile/{key.rsplit('/', 1)[-1]}"))
+    assert profile.comm.measured and profile.device.measured
+    assert profile.comm.intra.bandwidth_Bps > 0 and profile.device.matmul_flops > 1e8
+    artifact = read_artifact("auto-plan-plan-2")
+    assert artifact is not None and "baselines" in artifact.description
