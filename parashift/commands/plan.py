@@ -20,12 +20,12 @@ def plan(
     measure: bool = typer.Option(False, "--measure", help="time GEMMs on this machine for compute rates"),
 ) -> None:
     """Plan the parallelization of a job: per-op placements, step time, memory, baselines."""
+    from parashift.commands.spec import load_spec_or_exit
     from planner.graph import load_graph_json
     from planner.profile import profile_gpt, profile_graph
     from planner.search import exhaustive_search, plan_model
-    from specs import load_spec
 
-    job = load_spec(spec)
+    job = load_spec_or_exit(spec)
     res, model, par = job.resources, job.model, job.parallelism
     n = devices or res.devices
     kind = getattr(res, "kind", "cpu")
