@@ -17,6 +17,7 @@ Tables are cached by op signature, so identical layers cost one computation.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from math import prod
 
@@ -46,12 +47,15 @@ class OpCost:
 class CostModel:
     """Cost tables of one graph on one mesh, cached by op signature."""
 
-    def __init__(self, graph: Graph, device: DeviceModel, comm: CommModel, mesh: Mesh) -> None:
+    def __init__(self, graph: Graph, device: DeviceModel, comm: CommModel, mesh: Mesh,
+                 signatures: Mapping[str, str] | None = None, ops: Mapping[str, Op] | None = None) -> None:
+        """`signatures`: op name -> a key equal for ops that cost the same (default: `Op.signature`);
+        `ops`: op name -> op, for edges (default: the graph's; may resolve lazily, planner/outer.py)."""
         self.graph, self.device, self.comm, self.mesh = graph, device, comm, mesh
         self._ops: dict[str, OpCost] = {}
         self._edges: dict[tuple[str, str, int], np.ndarray] = {}
-        self._sig = {op.name: op.signature() for op in graph.ops}
-        self._by_name = {op.name: op for op in graph.ops}
+        self._sig = signatures if signatures is not None else {op.name: op.signature() for op in graph.ops}
+        self._by_name = ops if ops is not None else {op.name: op for op in graph.ops}
 
     def signature(self, name: str) -> str:
         return self._sig[name]

@@ -150,13 +150,14 @@ class Graph(BaseModel):
 
     def with_batch(self, batch: int) -> Graph:
         """The same graph for another batch size (a micro-batch, a data-parallel share)."""
-        ops = [
-            op.model_copy(update={"dims": {d: (batch if d == self.batch_dim else n) for d, n in op.dims.items()},
-                                  "flops": op.flops * batch / op.dims[self.batch_dim]})
-            if self.batch_dim in op.dims else op
-            for op in self.ops
-        ]
-        return self.model_copy(update={"ops": ops})
+        return self.model_copy(update={"ops": [self.op_with_batch(op, batch) for op in self.ops]})
+
+    def op_with_batch(self, op: Op, batch: int) -> Op:
+        """One op as `with_batch(batch)` has it."""
+        if self.batch_dim not in op.dims:
+            return op
+        return op.model_copy(update={"dims": {d: (batch if d == self.batch_dim else n) for d, n in op.dims.items()},
+                                     "flops": op.flops * batch / op.dims[self.batch_dim]})
 
     def subgraph(self, names: Iterable[str]) -> Graph:
         """The ops named, and the edges between them (inputs from outside become graph inputs)."""

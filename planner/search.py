@@ -1,7 +1,8 @@
 """The planner's entry points: search meshes, stages and per-op configurations; emit a Plan.
 
 Outer loop: every mesh pp x dp x tp = p (within max_tp / max_pp), pipeline micro-batch counts
-(pipeline.py). Inner: the exact per-op DP (dp.py) on each stage's graph. Memory is a hard
+(pipeline.py), visited by an exact branch and bound (outer.py) that skips candidates whose lower
+bound exceeds the fastest fitting one. Inner: the exact per-op DP (dp.py) on each stage's graph. Memory is a hard
 limit: the DP minimises time + lambda x memory, lambda found by doubling then bisection; among
 every solution met (and the baselines) the fastest one that fits wins. The DP is exact for each
 lambda; the constrained choice is exact among those candidates (a Lagrangian relaxation).
@@ -75,45 +76,84 @@ def _result(graph: Graph, costs: CostModel, assign: list[int], w: Weights, lam: 
     return StageResult(graph, costs, assign, w, breakdown(graph, costs, assign, w), lam)
 
 
+class StageSolver:
+    """`solve_stage` in steps, so an outer search can stop early (planner/outer.py).
+
+    `floor()`: the least-memory solution (an exact test: memory is a sum of per-op terms);
+    `first()`: the lambda = 0 solution, the fastest with no memory limit (a lower bound on the
+    stage time of every solution); `finish()`: the bisection, as `solve_stage` returns it.
+    Each step runs once and is kept.
+    """
+
+    def __init__(self, graph: Graph, costs: CostModel, memory_limit: float | None, w: Weights = UNPIPELINED,
+                 method: Method = "dp") -> None:
+        self.graph, self.costs, self.limit, self.w, self.method = graph, costs, memory_limit, w, method
+        self._floor: StageResult | None = None
+        self._first: StageResult | None = None
+        self._done: tuple[StageResult, list[StageResult]] | None = None
+
+    def floor(self) -> StageResult:
+        if self._floor is None:
+            g, costs, w = self.graph, self.costs, self.w
+            least = [int((c.param_mem + w.inflight * c.act_mem).argmin()) for c in map(costs.op_cost, g.ops)]
+            self._floor = _result(g, costs, least, w, float("inf"))
+        return self._floor
+
+    def infeasible(self) -> bool:
+        """No assignment fits the memory limit."""
+        return self.limit is not None and self.floor().memory_bytes > self.limit
+
+    def first(self) -> StageResult:
+        if self._first is None:
+            g, costs, w = self.graph, self.costs, self.w
+            self._first = _result(g, costs, _solve(build_problem(g, costs, 0.0, w), self.method), w, 0.0)
+        return self._first
+
+    def finish(self) -> tuple[StageResult, list[StageResult]]:
+        if self._done is None:
+            self._done = self._finish()
+        return self._done
+
+    def _finish(self) -> tuple[StageResult, list[StageResult]]:
+        graph, costs, w, memory_limit, method = self.graph, self.costs, self.w, self.limit, self.method
+        if memory_limit is not None and self.infeasible():
+            return self.floor(), [self.floor()]
+        first = self.first()
+        seen = [first]
+        if memory_limit is None or first.memory_bytes <= memory_limit:
+            return first, seen
+
+        def at(lam: float) -> StageResult:
+            res = _result(graph, costs, _solve(build_problem(graph, costs, lam, w), method), w, lam)
+            seen.append(res)
+            return res
+
+        scale = first.time_s / max(first.memory_bytes, 1.0)
+        lo, hi = 0.0, scale * 1e-3
+        while True:  # doubling until the memory fits or lambda makes time irrelevant
+            res = at(hi)
+            if res.memory_bytes <= memory_limit or hi > scale * 1e9:
+                break
+            lo, hi = hi, hi * 4.0
+        if res.memory_bytes <= memory_limit:
+            for _ in range(5):  # bisection in log space for the smallest fitting lambda
+                mid = math.sqrt(hi * lo) if lo > 0 else hi / 4.0
+                if at(mid).memory_bytes <= memory_limit:
+                    hi = mid
+                else:
+                    lo = mid
+        fitting = [r for r in seen if r.memory_bytes <= memory_limit]
+        best = min(fitting, key=lambda r: r.time_s) if fitting else min(seen, key=lambda r: r.memory_bytes)
+        return best, seen
+
+
 def solve_stage(graph: Graph, costs: CostModel, memory_limit: float | None, w: Weights = UNPIPELINED,
                 method: Method = "dp") -> tuple[StageResult, list[StageResult]]:
     """The fastest configurations that fit `memory_limit`, and every solution met on the way.
 
     When none fits, the first element is the least-memory solution (check its memory).
     """
-    if memory_limit is not None:
-        # Memory is a sum over ops, so its minimum is the sum of per-op minima: an exact test.
-        least = [int((c.param_mem + w.inflight * c.act_mem).argmin()) for c in map(costs.op_cost, graph.ops)]
-        floor = _result(graph, costs, least, w, float("inf"))
-        if floor.memory_bytes > memory_limit:
-            return floor, [floor]
-    first = _result(graph, costs, _solve(build_problem(graph, costs, 0.0, w), method), w, 0.0)
-    seen = [first]
-    if memory_limit is None or first.memory_bytes <= memory_limit:
-        return first, seen
-
-    def at(lam: float) -> StageResult:
-        res = _result(graph, costs, _solve(build_problem(graph, costs, lam, w), method), w, lam)
-        seen.append(res)
-        return res
-
-    scale = first.time_s / max(first.memory_bytes, 1.0)
-    lo, hi = 0.0, scale * 1e-3
-    while True:  # doubling until the memory fits or lambda makes time irrelevant
-        res = at(hi)
-        if res.memory_bytes <= memory_limit or hi > scale * 1e9:
-            break
-        lo, hi = hi, hi * 4.0
-    if res.memory_bytes <= memory_limit:
-        for _ in range(5):  # bisection in log space for the smallest fitting lambda
-            mid = math.sqrt(hi * lo) if lo > 0 else hi / 4.0
-            if at(mid).memory_bytes <= memory_limit:
-                hi = mid
-            else:
-                lo = mid
-    fitting = [r for r in seen if r.memory_bytes <= memory_limit]
-    best = min(fitting, key=lambda r: r.time_s) if fitting else min(seen, key=lambda r: r.memory_bytes)
-    return best, seen
+    return StageSolver(graph, costs, memory_limit, w, method).finish()
 
 
 def mesh_degrees(devices: int, max_tp: int | None, max_pp: int | None) -> list[tuple[int, int, int]]:
@@ -160,9 +200,24 @@ def baselines(profile: ModelProfile, devices: int, max_tp: int | None) -> dict[s
     return out
 
 
+# Branch and bound over the outer loop (planner/outer.py); False: the plain enumeration below,
+# which visits every candidate (the reference the tests compare the pruned search with).
+PRUNE = True
+
+
 def candidates(profile: ModelProfile, devices: int, limit: float | None, max_tp: int | None,
-               max_pp: int | None, method: Method) -> list[Candidate]:
-    """Every mesh's best strategy (pipelined ones through planner.pipeline)."""
+               max_pp: int | None, method: Method, incumbent: float = float("inf"),
+               prune: bool | None = None) -> list[Candidate]:
+    """Every mesh's best strategy (pipelined ones through planner.pipeline).
+
+    Pruned (`prune`, default `PRUNE`): only the candidates that may be the fastest fitting one,
+    given a fitting strategy of time `incumbent` (see planner/outer.py); the fastest fitting
+    candidate, and the first among equals, is the same either way.
+    """
+    if PRUNE if prune is None else prune:
+        from planner.outer import branch_and_bound
+
+        return branch_and_bound(profile, devices, limit, max_tp, max_pp, method, incumbent)
     from planner.pipeline import pipelined
 
     g = profile.graph
@@ -223,7 +278,8 @@ def plan_model(source: ModelProfile | Graph, devices: int, memory_limit_bytes: i
     profile = _as_profile(source, device_kind, devices_per_node)
     limit = memory_limit_bytes if memory_limit_bytes is not None else profile.device.memory_bytes
     base = baselines(profile, devices, max_tp)
-    pool = candidates(profile, devices, limit, max_tp, max_pp, method)
+    known = min((c.time_s for c in base.values() if c is not None and c.fits(limit)), default=float("inf"))
+    pool = candidates(profile, devices, limit, max_tp, max_pp, method, known)
     pool += [c for c in base.values() if c is not None]
     fitting = [c for c in pool if c.fits(limit)]
     if fitting:
@@ -231,7 +287,9 @@ def plan_model(source: ModelProfile | Graph, devices: int, memory_limit_bytes: i
     # Nothing fits: say why, and return the fastest strategy ignoring memory (feasible=False).
     g = profile.graph
     floor = g.n_params * g.param_state_bytes / devices
-    pool = candidates(profile, devices, None, max_tp, max_pp, method) + [c for c in base.values() if c is not None]
+    known = min((c.time_s for c in base.values() if c is not None), default=float("inf"))
+    pool = candidates(profile, devices, None, max_tp, max_pp, method, known)
+    pool += [c for c in base.values() if c is not None]
     best = min(pool, key=lambda c: c.time_s)
     best.notes.append(f"weights alone need >= {floor / 2**30:.1f} GiB per device even split {devices} ways; "
                       "this plan ignores the memory limit")

@@ -1,0 +1,315 @@
+"""Branch and bound over the outer search: meshes, micro-batch counts and stage splits.
+
+`search.candidates` (with `prune=False`) enumerates every mesh pp x dp x tp, every micro-batch
+count and every stage split, and runs the memory bisection of `search.StageSolver` on each
+distinct stage. This module visits the same candidates, best lower bound first, and drops those
+that provably cannot beat the fastest fitting candidate met so far (the incumbent; the fitting
+baselines seed it). It is exact: the best candidate, and the first one in enumeration order
+among equals, is the same as without pruning (tests/test_planner_outer.py checks this).
+
+Lower bounds on a candidate's step time, max over its stages of the stage time plus the
+stage-boundary transfer, all valid because every cost term is non-negative:
+
+1. per stage, the sum over its ops of each op's cheapest time (compute, collectives, gradient
+   sync) with the layout conversions left out: no DP, a few array minima per distinct op;
+2. per stage, the lambda = 0 DP optimum (the fastest assignment with no memory limit), which
+   the bisection's answer can never beat; the least-memory assignment on the way is an exact
+   fit test (a stage that cannot fit makes the whole candidate useless under a limit);
+3. while finishing a candidate's bisections, each finished stage's time plus the boundary.
+
+Memoisation: a context (mesh, micro-batch count) builds its micro-batch graph and cost tables
+once, and solves each distinct stage (same ops and edges up to names) once, whichever split
+it comes from; stage splits and their keys are computed once per pipeline depth, on the full
+graph, independent of mesh and micro-batch size.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+
+from planner.configs import named_mesh
+from planner.costs import CostModel
+from planner.graph import Graph, Op
+from planner.pipeline import _stage_ops, block_order, micro_batch_options, stage_splits
+from planner.problem import UNPIPELINED, Weights
+from planner.profile import ModelProfile
+from planner.search import Candidate, Method, StageResult, StageSolver, mesh_degrees
+
+# Relative slack on the incumbent: bounds and times are sums in different orders.
+EPS = 1e-9
+
+
+@dataclass
+class _Layout:
+    """One stage split of the full graph: op names, structural keys and boundary sources per stage."""
+
+    counts: list[int]
+    names: list[list[str]]
+    keys: list[tuple]
+    sig_counts: list[tuple[tuple[str, int], ...]]  # per stage: (op signature, ops with it)
+    crossing: list[str]  # producers of edges that cross a stage boundary
+
+
+def _sig_counts(names: list[str], sig: dict[str, str]) -> tuple[tuple[str, int], ...]:
+    out: dict[str, int] = {}
+    for n in names:
+        out[sig[n]] = out.get(sig[n], 0) + 1
+    return tuple(out.items())
+
+
+def _layouts(g: Graph, blocks: list[str], pp: int, sig: dict[str, str]) -> list[_Layout]:
+    out = []
+    for counts in stage_splits(len(blocks), pp):
+        names = _stage_ops(g, blocks, counts)
+        where = {n: s for s, stage in enumerate(names) for n in stage}
+        pos = {n: i for stage in names for i, n in enumerate(stage)}
+        inner: list[list[tuple[int, int, int]]] = [[] for _ in names]
+        crossing = []
+        for e in g.edges:
+            if where[e.src] == where[e.dst]:
+                inner[where[e.dst]].append((pos[e.src], pos[e.dst], e.slot))
+            else:
+                crossing.append(e.src)
+        keys = [(tuple(sig[n] for n in stage), tuple(edges)) for stage, edges in zip(names, inner, strict=True)]
+        out.append(_Layout(counts, names, keys, [_sig_counts(n, sig) for n in names], crossing))
+    return out
+
+
+class _Resized(Mapping[str, Op]):
+    """Op name -> the op at the context's batch size, resized on first use (most contexts are
+    pruned on their lower bounds, which read one op per signature)."""
+
+    def __init__(self, g: Graph, size: int | None) -> None:
+        self.g, self.size = g, size
+        self.base = {op.name: op for op in g.ops}
+        self.done: dict[str, Op] = {}
+
+    def __getitem__(self, name: str) -> Op:
+        if self.size is None:
+            return self.base[name]
+        if name not in self.done:
+            self.done[name] = self.g.op_with_batch(self.base[name], self.size)
+        return self.done[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.base)
+
+    def __len__(self) -> int:
+        return len(self.base)
+
+
+class _Context:
+    """One mesh and micro-batch size (None: the full batch): cost tables, distinct stages, and
+    the resized graph, built only when a stage is solved."""
+
+    def __init__(self, profile: ModelProfile, dp: int, tp: int, size: int | None, w: Weights,
+                 limit: float | None, method: Method, sig: dict[str, str]) -> None:
+        g = profile.graph
+        mesh = named_mesh(dp, tp, profile.comm.devices_per_node, g.batch_dim)
+        self.base, self.size, self.w, self.limit, self.method, self.sig = g, size, w, limit, method, sig
+        self.ops = _Resized(g, size)
+        # Signatures of the resized ops: the full graph's, tagged with the batch size (an op's
+        # resized copy is a function of the original and the size), so no re-hashing per size.
+        sigs = sig if size is None else {n: f"{s}@{size}" for n, s in sig.items()}
+        # Byte sizes are the graph's, whatever the batch; ops come resized from `self.ops`.
+        self.costs = CostModel(g, profile.device, profile.comm, mesh, signatures=sigs, ops=self.ops)
+        self._graph: Graph | None = None
+        self._least: dict[str, float] = {}
+        self._rep = {}
+        for op in g.ops:
+            self._rep.setdefault(sig[op.name], op.name)
+        self.stages: dict[tuple, _Stage] = {}
+
+    @property
+    def graph(self) -> Graph:
+        if self._graph is None:
+            g = self.base
+            self._graph = g if self.size is None else g.model_copy(update={"ops": [self.ops[n] for n in self.ops]})
+        return self._graph
+
+    def least_time(self, sig: str) -> float:
+        """The cheapest time per step of ops of signature `sig` (layout conversions aside)."""
+        if sig not in self._least:
+            c, w = self.costs.op_cost(self.ops[self._rep[sig]]), self.w
+            self._least[sig] = float((w.weight * (c.compute + c.comm) + c.grad_comm).min())
+        return self._least[sig]
+
+    def stage(self, key: tuple, names: list[str], counts: tuple[tuple[str, int], ...]) -> _Stage:
+        if key not in self.stages:
+            self.stages[key] = _Stage(self, names, sum(n * self.least_time(s) for s, n in counts))
+        return self.stages[key]
+
+
+class _Stage:
+    """A distinct stage of a context; solved (lazily, in steps) once for every split using it."""
+
+    def __init__(self, ctx: _Context, names: list[str], lb: float) -> None:
+        self.ctx, self.names, self.lb = ctx, names, lb
+        self._solver: StageSolver | None = None
+
+    @property
+    def solver(self) -> StageSolver:
+        if self._solver is None:
+            ctx = self.ctx
+            sub = ctx.graph if len(self.names) == len(ctx.base.ops) else ctx.graph.subgraph(self.names)
+            self._solver = StageSolver(sub, ctx.costs, ctx.limit, ctx.w, ctx.method)
+        return self._solver
+
+
+@dataclass
+class _Spec:
+    """One candidate of the plain enumeration, not yet (or partly) evaluated."""
+
+    order: int
+    pp: int
+    dp: int
+    tp: int
+    m: int
+    ctx: _Context
+    stages: list[_Stage]
+    boundary: float
+    layout: _Layout | None = None  # None: the unpipelined single stage
+    cond: _Spec | None = None  # pp = 1 accumulation: only when the single stage does not fit
+    lb: float = 0.0
+    fits: bool | None = None  # known once evaluated (single stages)
+    done: bool = False
+    result: Candidate | None = None
+    distinct: list[_Stage] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        seen: dict[int, _Stage] = {}
+        for st in self.stages:
+            seen.setdefault(id(st), st)
+        self.distinct = list(seen.values())
+        self.lb = max(st.lb for st in self.distinct) + self.boundary
+
+
+def _enumerate(profile: ModelProfile, devices: int, limit: float | None, max_tp: int | None, max_pp: int | None,
+               method: Method) -> list[_Spec]:
+    """The candidates of `search.candidates(prune=False)`, in its order, as unevaluated specs."""
+    g = profile.graph
+    sig = {op.name: op.signature() for op in g.ops}
+    blocks = block_order(g)
+    layouts: dict[int, list[_Layout]] = {}
+    specs: list[_Spec] = []
+    for pp, dp_, tp in mesh_degrees(devices, max_tp, max_pp):
+        if limit is not None and g.n_params * g.param_state_bytes / (tp * pp) > limit:
+            continue
+        single = None
+        if pp == 1:
+            ctx = _Context(profile, dp_, tp, None, UNPIPELINED, limit, method, sig)
+            names = [op.name for op in g.ops]
+            stage = ctx.stage(("single",), names, _sig_counts(names, sig))
+            single = _Spec(len(specs), 1, dp_, tp, 1, ctx, [stage], 0.0)
+            specs.append(single)
+        # planner.pipeline.pipelined's conditions
+        if len(blocks) < pp or g.batch_dim not in g.ops[0].dims:
+            continue
+        batch = g.ops[0].dims[g.batch_dim]
+        intra = dp_ * tp * 2 <= profile.comm.devices_per_node
+        if pp not in layouts:
+            layouts[pp] = _layouts(g, blocks, pp, sig)
+        for m in micro_batch_options(batch, pp, dp_):
+            if pp == 1 and m == 1:
+                continue  # the unpipelined search covers it
+            w = Weights(weight=float(m + pp - 1), inflight=float(min(m, pp)))
+            ctx = _Context(profile, dp_, tp, batch // m, w, limit, method, sig)
+            for lay in layouts[pp]:
+                stages = [ctx.stage(*x) for x in zip(lay.keys, lay.names, lay.sig_counts, strict=True)]
+                # As planner.pipeline._boundary_s: the largest crossing activation, point to point.
+                worst = 0.0
+                for src in lay.crossing:
+                    op = ctx.ops[src]
+                    worst = max(worst, float(op.numel(op.output) * g.act_bytes))
+                send = profile.comm.transfer(worst, intra) if worst else 0.0
+                boundary = send / dp_ * 2.0 * (m + pp - 1)
+                specs.append(_Spec(len(specs), pp, dp_, tp, m, ctx, stages, boundary, lay, single))
+    return specs
+
+
+def _single(spec: _Spec) -> Candidate:
+    res, _ = spec.stages[0].solver.finish()
+    name = "pase-dp" if spec.ctx.method == "dp" else "exhaustive"
+    return Candidate(name, 1, spec.dp, spec.tp, 1, [res], res.time_s, res.memory_bytes)
+
+
+def _pipelined(spec: _Spec, bound: float) -> Candidate | None:
+    """The candidate, or None when a finished stage already makes it slower than `bound` or
+    too large for the limit."""
+    ctx, limit = spec.ctx, spec.ctx.limit
+    for st in sorted(spec.distinct, key=lambda s: -s.solver.first().time_s):
+        res, _ = st.solver.finish()
+        if limit is not None and res.memory_bytes > limit:
+            return None
+        if res.time_s + spec.boundary > bound:
+            return None
+    results = []
+    for st, names in zip(spec.stages, spec.layout.names, strict=True):
+        r = st.solver.finish()[0]
+        sub = st.solver.graph if names is st.names else ctx.graph.subgraph(names)
+        results.append(StageResult(sub, ctx.costs, r.assign, ctx.w, r.rows, r.lam))
+    time_s = max(r.time_s for r in results) + spec.boundary
+    memory = max(r.memory_bytes for r in results)
+    name = "pase-dp+pipeline" if ctx.method == "dp" else "exhaustive+pipeline"
+    note = f"stages of {spec.layout.counts} blocks, {spec.m} micro-batches (1F1B)"
+    return Candidate(name, spec.pp, spec.dp, spec.tp, spec.m, results, time_s, memory, [note])
+
+
+def branch_and_bound(profile: ModelProfile, devices: int, limit: float | None, max_tp: int | None,
+                     max_pp: int | None, method: Method, incumbent: float = float("inf")) -> list[Candidate]:
+    """Candidates that may be the fastest fitting one (every one that ties with or beats
+    `incumbent`, the time of a fitting strategy known beforehand), in enumeration order.
+    Under a memory limit only fitting candidates are returned; with none, every survivor."""
+    specs = _enumerate(profile, devices, limit, max_tp, max_pp, method)
+    best = incumbent
+
+    def bound() -> float:
+        return best + EPS * abs(best)
+
+    def settle(spec: _Spec, cand: Candidate | None) -> None:
+        nonlocal best
+        spec.done, spec.result = True, cand
+        if cand is not None and cand.fits(limit):
+            best = min(best, cand.time_s)
+
+    def single_fits(spec: _Spec) -> bool:
+        if spec.fits is None:
+            stage = spec.stages[0]
+            if limit is not None and stage.solver.infeasible():
+                spec.fits = False
+                settle(spec, None)
+            else:
+                cand = _single(spec)
+                spec.fits = cand.fits(limit)
+                settle(spec, cand)
+        return spec.fits
+
+    heap = [(s.lb, 0, s.order) for s in specs]
+    heapq.heapify(heap)
+    while heap:
+        lb, level, i = heapq.heappop(heap)
+        if lb > bound():
+            break  # every remaining bound is at least this one
+        spec = specs[i]
+        if spec.done:
+            continue
+        if level == 0:
+            if limit is not None and any(st.solver.infeasible() for st in spec.distinct):
+                if spec.layout is None:
+                    spec.fits = False
+                settle(spec, None)
+                continue
+            first = max(st.solver.first().time_s for st in spec.distinct) + spec.boundary
+            heapq.heappush(heap, (max(lb, first), 1, i))
+            continue
+        if spec.layout is None:
+            single_fits(spec)
+            continue
+        if spec.cond is not None and single_fits(spec.cond):
+            settle(spec, None)  # the unpipelined candidate fits: accumulation is not searched
+            continue
+        settle(spec, _pipelined(spec, bound()))
+    keep = [s.result for s in specs if s.result is not None]
+    return [c for c in keep if c.fits(limit)] if limit is not None else keep

@@ -1,0 +1,83 @@
+"""The outer search's branch and bound (planner/outer.py) against the plain enumeration.
+
+Pruning and memoisation must not change the plan: same candidate, same cost, same placements,
+on small GPT graphs at several device counts and memory limits (none, tight ones that force
+tensor or pipeline parallelism and the memory bisection, and one nothing fits).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from planner import search
+from planner.graph import gpt_graph
+from planner.outer import _enumerate
+from planner.profile import profile_graph
+from planner.search import candidates, plan_model
+
+
+def _plans(prof, p: int, limit: int | None, monkeypatch: pytest.MonkeyPatch, **kw):
+    monkeypatch.setattr(search, "PRUNE", False)
+    plain = plan_model(prof, p, limit, **kw)
+    monkeypatch.setattr(search, "PRUNE", True)
+    pruned = plan_model(prof, p, limit, **kw)
+    return plain, pruned
+
+
+GRAPHS = {
+    "gpt-6x256": lambda: gpt_graph(6, 256, 8, 1024, 64, 32),
+    "gpt-4x512": lambda: gpt_graph(4, 512, 8, 2048, 128, 16),
+}
+
+
+CASES = [(g, p, f, None) for g in sorted(GRAPHS) for p in (4, 8, 16) for f in (None, 0.6, 0.3, 0.12, 1e-4)]
+# No pipelines: single stages, and gradient accumulation only where the single stage does not fit.
+CASES += [("gpt-6x256", p, f, 1) for p in (4, 16) for f in (None, 0.3, 0.15, 0.1, 0.05)]
+
+
+@pytest.mark.parametrize(("graph", "p", "fraction", "max_pp"), CASES)
+def test_pruned_search_returns_the_plain_optimum(graph: str, p: int, fraction: float | None, max_pp: int | None,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    prof = profile_graph(GRAPHS[graph](), "cuda", devices_per_node=4)
+    limit = None
+    if fraction is not None:
+        monkeypatch.setattr(search, "PRUNE", False)
+        free = plan_model(prof, p, None, max_pp=1, max_tp=1)  # data parallel, no limit
+        limit = int(free.memory_per_device_bytes * fraction)
+    plain, pruned = _plans(prof, p, limit, monkeypatch, max_pp=max_pp)
+    assert pruned.estimated_step_s == plain.estimated_step_s
+    assert pruned.model_dump() == plain.model_dump()
+
+
+def test_bounds_never_exceed_the_candidates_they_bound(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every lower bound the pruning uses is at most the time the plain search finds."""
+    prof = profile_graph(gpt_graph(6, 256, 8, 1024, 64, 32), "cuda", devices_per_node=4)
+    for p, limit in ((8, None), (8, 40 * 2**20), (16, 20 * 2**20)):
+        plain = candidates(prof, p, limit, None, None, "dp", prune=False)
+        times = {(c.pp, c.dp, c.tp, c.micro_batches, c.notes[0] if c.notes else ""): c.time_s for c in plain}
+        specs = _enumerate(prof, p, limit, None, None, "dp")
+        assert len(specs) >= len(plain)
+        checked = 0
+        for s in specs:
+            note = f"stages of {s.layout.counts} blocks, {s.m} micro-batches (1F1B)" if s.layout else ""
+            t = times.get((s.pp, s.dp, s.tp, s.m, note))
+            if t is None:
+                continue  # pp = 1 accumulation, not searched when the single stage fits
+            first = max(st.solver.first().time_s for st in s.distinct) + s.boundary
+            assert s.lb <= first * (1 + 1e-12)
+            assert first <= t * (1 + 1e-12)
+            checked += 1
+        assert checked == len(plain)
+
+
+def test_pruning_keeps_every_candidate_that_ties_or_wins() -> None:
+    prof = profile_graph(gpt_graph(4, 512, 8, 2048, 128, 16), "cuda", devices_per_node=4)
+    for limit in (None, 64 * 2**20):
+        plain = [c for c in candidates(prof, 8, limit, None, None, "dp", prune=False) if c.fits(limit)]
+        pruned = candidates(prof, 8, limit, None, None, "dp", prune=True)
+        best = min(c.time_s for c in plain)
+        assert min(c.time_s for c in pruned) == best
+        key = [(c.pp, c.dp, c.tp, c.micro_batches, tuple(c.notes)) for c in pruned]
+        winners = [(c.pp, c.dp, c.tp, c.micro_batches, tuple(c.notes)) for c in plain if c.time_s <= best]
+        assert [k for k in key if k in winners] == winners
+        assert len(pruned) < len(plain)
