@@ -1,11 +1,17 @@
-"""Trainer tokens/s against a plain PyTorch DDP loop of the same model, batch and process count.
+"""Trainer tokens/s against a plain PyTorch equivalent of each parallel mode, same model, batch
+and process count:
+
+- ddp: the trainer's data-parallel plan vs a plain DDP loop (bench/plain_ddp.py);
+- tp: the trainer executing a Megatron plan (attention and MLP split over "tp", in the planner's
+  per-op format, through DTensor) vs hand-written Megatron TP (bench/plain_tp.py).
 
 Both run as real torchrun jobs, alternating (trainer, plain, trainer, plain, ...) so machine
 noise hits both alike; each round's figure is the median step time after warm-up, and the
 headline ratio is the median of the per-round (paired) ratios, which cancels the slow drifts
-of a shared machine better than a ratio of medians (both are printed). Last line of output: one JSON object.
+of a shared machine better than a ratio of medians (both are printed). Last line of output: one
+JSON object with `modes: {mode: {ratio_vs_plain, ...}}` and ddp's ratio at the top level.
 
-    OMP_NUM_THREADS=1 python -m bench.train_throughput [--devices 2] [--rounds 3] [--steps 20]
+    OMP_NUM_THREADS=1 python -m bench.train_throughput [--devices 2] [--rounds 5] [--steps 20] [--modes ddp,tp]
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from planner.plan import Plan
+from planner.plan import OpPlacement, Plan
 from specs import JobSpec
 from trainer import metrics
 from trainer.launch import launch_workers, worker_env
@@ -26,14 +32,35 @@ from trainer.launch import launch_workers, worker_env
 WARMUP_STEPS = 3  # the first steps pay for allocator growth and DDP bucket rebuilding
 
 
-def bench_spec(devices: int, steps: int, store: str) -> JobSpec:
-    """FACTS.md's reference size: 6 layers, d 256, T 128, global batch 16 (one micro-batch per rank)."""
+N_LAYERS = 6
+
+
+def megatron_plan(devices: int) -> Plan:
+    """Attention and MLP of every layer split over "tp" (heads, ffn), the rest replicated: the
+    split bench/plain_tp.py writes by hand, in the planner's per-op format."""
+    placements = []
+    for i in range(N_LAYERS):
+        placements += [OpPlacement(op=f"l{i}.{op}", splits={"h": ("tp",)}) for op in ("qkv", "attn", "proj")]
+        placements += [OpPlacement(op=f"l{i}.{op}", splits={"f": ("tp",)}) for op in ("fc1", "fc2")]
+    return Plan(devices=devices, mesh={"tp": devices}, placements=placements, strategy="megatron")
+
+
+# mode -> (the trainer's plan, the plain program, whether each rank takes a share of the batch)
+MODES = {
+    "ddp": (Plan.data_parallel, "bench.plain_ddp", True),
+    "tp": (megatron_plan, "bench.plain_tp", False),
+}
+
+
+def bench_spec(devices: int, steps: int, store: str, split_batch: bool = True) -> JobSpec:
+    """FACTS.md's reference size: 6 layers, d 256, T 128, global batch 16 (one micro-batch per
+    rank: a share of the batch under data parallelism, all of it under tensor parallelism)."""
     return JobSpec.model_validate(
         {
             "name": "bench-throughput",
-            "model": {"n_layers": 6, "d_model": 256, "n_heads": 8, "vocab_size": 256, "seq_len": 128},
+            "model": {"n_layers": N_LAYERS, "d_model": 256, "n_heads": 8, "vocab_size": 256, "seq_len": 128},
             "data": {"url": "builtin://python-stdlib", "max_bytes": 2_000_000},
-            "training": {"global_batch": 16, "micro_batch": 16 // devices, "steps": steps, "checkpoint_every": 10_000},
+            "training": {"global_batch": 16, "micro_batch": 16 // devices if split_batch else 16, "steps": steps, "checkpoint_every": 10_000},
             "resources": {"devices": devices, "kind": "cpu"},
             "storage": {"url": store},
         }
@@ -45,20 +72,42 @@ def median_rate(events: list[dict]) -> float:
     return statistics.median(rates)
 
 
-def run_trainer(spec: JobSpec, devices: int, store_root: Path, round_index: int) -> float:
+def run_trainer(spec: JobSpec, plan: Plan, round_index: int) -> float:
     spec = spec.model_copy(update={"name": f"bench-throughput-{round_index}"})
-    result = launch_workers(spec, Plan.data_parallel(devices))
+    result = launch_workers(spec, plan)
     if result.returncode != 0:
         raise RuntimeError(f"trainer run failed with {result.returncode}")
     return median_rate(result.events)
 
 
-def run_plain(spec: JobSpec, devices: int, tmp: Path) -> float:
+def run_plain(spec: JobSpec, program: str, devices: int, tmp: Path) -> float:
     spec_file = tmp / "plain-spec.json"
     spec_file.write_text(spec.model_dump_json())
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={devices}", "-m", "bench.plain_ddp", "--spec", str(spec_file)]
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={devices}", "-m", program, "--spec", str(spec_file)]
     done = subprocess.run(command, capture_output=True, text=True, env=worker_env("cpu"), check=True)
     return median_rate([e for line in done.stdout.splitlines() if (e := metrics.parse(line))])
+
+
+def bench_mode(mode: str, devices: int, rounds_n: int, steps: int, tmp: Path) -> dict:
+    make_plan, program, split_batch = MODES[mode]
+    spec = bench_spec(devices, steps, f"file://{tmp}/store-{mode}", split_batch)
+    rounds = []
+    for i in range(rounds_n):
+        trainer = run_trainer(spec, make_plan(devices), i)
+        plain = run_plain(spec, program, devices, tmp)
+        rounds.append({"trainer_tokens_per_s": trainer, "plain_tokens_per_s": plain, "ratio": trainer / plain})
+        print(f"{mode} round {i}: trainer {trainer:,.0f} tok/s, plain {plain:,.0f} tok/s, ratio {trainer / plain:.3f}", flush=True)
+    trainer_median = statistics.median(r["trainer_tokens_per_s"] for r in rounds)
+    plain_median = statistics.median(r["plain_tokens_per_s"] for r in rounds)
+    return {
+        "devices": devices,
+        "plain": program,
+        "trainer_tokens_per_s": round(trainer_median, 1),
+        "plain_tokens_per_s": round(plain_median, 1),
+        "ratio_vs_plain": round(statistics.median(r["ratio"] for r in rounds), 4),
+        "ratio_of_medians": round(trainer_median / plain_median, 4),
+        "rounds": rounds,
+    }
 
 
 def main() -> None:
@@ -66,26 +115,14 @@ def main() -> None:
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--modes", default="ddp,tp", help=f"comma-separated, from {sorted(MODES)}")
     args = parser.parse_args()
-    rounds = []
+    modes = {}
     with tempfile.TemporaryDirectory(prefix="parashift-bench-") as tmp:
-        spec = bench_spec(args.devices, args.steps, f"file://{tmp}/store")
-        for i in range(args.rounds):
-            trainer = run_trainer(spec, args.devices, Path(tmp), i)
-            plain = run_plain(spec, args.devices, Path(tmp))
-            rounds.append({"trainer_tokens_per_s": trainer, "plain_tokens_per_s": plain, "ratio": trainer / plain})
-            print(f"round {i}: trainer {trainer:,.0f} tok/s, plain DDP {plain:,.0f} tok/s, ratio {trainer / plain:.3f}", flush=True)
-    trainer_median = statistics.median(r["trainer_tokens_per_s"] for r in rounds)
-    plain_median = statistics.median(r["plain_tokens_per_s"] for r in rounds)
-    ddp = {
-        "devices": args.devices,
-        "trainer_tokens_per_s": round(trainer_median, 1),
-        "plain_tokens_per_s": round(plain_median, 1),
-        "ratio_vs_plain": round(statistics.median(r["ratio"] for r in rounds), 4),
-        "ratio_of_medians": round(trainer_median / plain_median, 4),
-        "rounds": rounds,
-    }
-    print(json.dumps({"benchmark": "train_throughput", "ratio_vs_plain": ddp["ratio_vs_plain"], "modes": {"ddp": ddp}}))
+        for mode in args.modes.split(","):
+            modes[mode] = bench_mode(mode, args.devices, args.rounds, args.steps, Path(tmp))
+    headline = modes["ddp"]["ratio_vs_plain"] if "ddp" in modes else None
+    print(json.dumps({"benchmark": "train_throughput", "ratio_vs_plain": headline, "modes": modes}))
 
 
 if __name__ == "__main__":

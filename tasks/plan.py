@@ -14,16 +14,19 @@ from tasks.profile import load_profile
 from tasks.records import ModelSummary
 
 
-def executable_reasons(plan: Plan) -> list[str]:
-    """Why the trainer cannot run `plan` (empty when it can)."""
-    return [] if plan.is_pure_data_parallel else [f"the trainer runs data-parallel plans only (mesh {plan.mesh})"]
+def executable_reasons(spec: JobSpec, plan: Plan) -> list[str]:
+    """Why the trainer cannot run `plan` on this model and batch (empty when it can)."""
+    from trainer.mesh import plan_refusals
+
+    m = spec.model
+    return plan_refusals(plan, n_layers=m.n_layers, n_heads=m.n_heads, seq_len=m.seq_len, global_batch=spec.training.global_batch)
 
 
 def choose_plan(spec: JobSpec, searched: Plan, devices: int) -> Plan:
     """The planner's plan when the spec lets it choose and the trainer can run it; data parallel otherwise,
     carrying the planner's estimates so the artifact shows what was left on the table."""
     if spec.parallelism.strategy == "auto":
-        reasons = executable_reasons(searched)
+        reasons = executable_reasons(spec, searched)
         if not reasons:
             return searched
         note = f"planner's choice {searched.mesh} is not executable here ({'; '.join(reasons)}): data parallel instead"

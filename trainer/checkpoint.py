@@ -2,9 +2,13 @@
 
 Everything checkpointed is a named global tensor: parameters (`model/...`), optimizer state
 (`optim/<param>/<key>`) and each rank's RNG state (`rng/rank<r>/<device>`). The data position
-travels in the manifest. Each rank writes only the boxes the layout assigns to it (replicas
-once); rank 0 commits the manifest last. Restore walks committed checkpoints newest first and
-takes the first one whose every slice passes its checksum on every rank.
+travels in the manifest. Under tensor/pipeline/FSDP plans a rank holds DTensor shards: its box
+of each global tensor comes from the placements (`ptc.dtensor`), the Layout from every rank's
+boxes. Each rank writes only the boxes the layout assigns to it (replicas once); rank 0
+commits the manifest last. Restore walks committed checkpoints newest first and takes the first
+one whose every needed slice passes its checksum on every rank; each rank assembles exactly its
+boxes under the current plan from whatever boxes were stored (`ptc.assemble_region`), so a
+checkpoint saved under one plan restores under any other.
 """
 
 from __future__ import annotations
@@ -17,9 +21,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
-from ptc import Layout, Slice, assemble_region, bytes_to_tensor, dtype_name, tensor_to_bytes
+from ptc import Layout, Slice, assemble_region, bytes_to_tensor, dtype_name, intersect, tensor_to_bytes
 from ptc.codec import torch_dtype
+from ptc.dtensor import Holdings, holdings, layout_from_holdings, local_box, local_data
 from ptc.layout import data_parallel_layout
 from storage import CheckpointStore, Manifest, ObjectRecord, SliceKey, SliceRecord, StorageError, TensorRecord
 
@@ -38,7 +44,8 @@ def _rng_state_names(rank: int, device: torch.device) -> dict[str, torch.Tensor]
 
 
 def collect_state(model: nn.Module, optimizer: torch.optim.Optimizer, rank: int, device: torch.device) -> dict[str, torch.Tensor]:
-    """The training state as named global tensors (for data parallel: whole tensors)."""
+    """The training state as named global tensors: whole tensors, or DTensors whose local
+    shard is this rank's box."""
     names = {param: name for name, param in model.named_parameters()}
     state: dict[str, torch.Tensor] = {f"model/{name}": p.detach() for name, p in model.named_parameters()}
     for param, param_state in optimizer.state.items():
@@ -64,8 +71,22 @@ def state_layout(state: dict[str, torch.Tensor], world_size: int) -> Layout:
     return data_parallel_layout(shapes, world_size, rank_local)
 
 
+def gathered_layout(state: dict[str, torch.Tensor], world_size: int) -> Layout:
+    """The Layout of the live state: every rank's boxes, exchanged over the process group (a
+    pipeline stage does not know the other stages' tensors)."""
+    mine = holdings(state)
+    per_rank: list[Any] = [mine]
+    if _dist_ready() and world_size > 1:
+        per_rank = [None] * world_size
+        dist.all_gather_object(per_rank, mine)
+    return layout_from_holdings(per_rank)
+
+
 def _box(tensor: torch.Tensor, box: Slice) -> torch.Tensor:
-    return tensor[tuple(slice(o, o + n) for o, n in zip(box.offsets, box.lengths, strict=True))]
+    """The elements of `box` from a tensor this rank holds (its local shard for a DTensor)."""
+    _, own = local_box(tensor)
+    local = local_data(tensor)
+    return local[tuple(slice(o - w, o - w + n) for o, w, n in zip(box.offsets, own.offsets, box.lengths, strict=True))]
 
 
 def save_checkpoint(
@@ -136,19 +157,47 @@ class Restored:
 
 
 def load_tensors(store: CheckpointStore, manifest: Manifest, names: list[str]) -> dict[str, torch.Tensor]:
-    """Whole global tensors `names` from a committed checkpoint, checksums verified, in one
-    batched ranged read."""
-    wanted = [manifest.tensors[name] for name in names]
-    records = [rec for tr in wanted for rec in tr.slices]
-    payloads = iter(store.read_slices(manifest.step, records))
+    """Whole global tensors `names` from a committed checkpoint, checksums verified."""
+    return load_regions(store, manifest, {name: Slice.whole(tuple(manifest.tensors[name].shape)) for name in names})
+
+
+def load_regions(store: CheckpointStore, manifest: Manifest, wanted: dict[str, Slice]) -> dict[str, torch.Tensor]:
+    """The `wanted` box of each named global tensor, assembled from the stored boxes that
+    overlap it (only those are read, in one batched ranged read), checksums verified."""
+    plan: list[tuple[str, Slice, list[SliceRecord]]] = []
+    for name, box in wanted.items():
+        tr = manifest.tensors[name]
+        overlapping = [r for r in tr.slices if intersect(box, Slice(tuple(r.offsets), tuple(r.lengths))) is not None]
+        plan.append((name, box, overlapping))
+    payloads = iter(store.read_slices(manifest.step, [rec for _, _, recs in plan for rec in recs]))
     out: dict[str, torch.Tensor] = {}
-    for tr in wanted:
-        pieces = [bytes_to_tensor(next(payloads), tr.dtype, rec.lengths) for rec in tr.slices]
-        stored = [Slice(tuple(r.offsets), tuple(r.lengths)) for r in tr.slices]
-        out[tr.name] = assemble_region(
-            Slice.whole(tuple(tr.shape)), stored, lambda idx, pieces=pieces: [pieces[i] for i in idx], torch_dtype(tr.dtype)
-        )
+    for name, box, recs in plan:
+        tr = manifest.tensors[name]
+        pieces = [bytes_to_tensor(next(payloads), tr.dtype, rec.lengths) for rec in recs]
+        stored = [Slice(tuple(r.offsets), tuple(r.lengths)) for r in recs]
+        out[name] = assemble_region(box, stored, lambda idx, pieces=pieces: [pieces[i] for i in idx], torch_dtype(tr.dtype))
     return out
+
+
+def regions_for(manifest: Manifest, own: Holdings, rank: int) -> dict[str, Slice]:
+    """What this rank needs from a checkpoint under the current plan: its box of each of its
+    parameters, the same box of their optimizer state (whole, for scalars such as Adam's
+    step), and its own RNG states."""
+    wanted: dict[str, Slice] = {}
+    for name, tr in manifest.tensors.items():
+        if name.startswith("model/") and name in own:
+            wanted[name] = own[name][2]
+        elif name.startswith("optim/"):
+            param = "model/" + name[len("optim/") :].rsplit("/", 1)[0]
+            if param in own:
+                same_shape = tuple(tr.shape) == tuple(own[param][0])
+                wanted[name] = own[param][2] if same_shape else Slice.whole(tuple(tr.shape))
+        elif name.startswith(f"rng/rank{rank:05d}/"):
+            wanted[name] = Slice.whole(tuple(tr.shape))
+    missing = sorted(n for n in own if n.startswith("model/") and n not in wanted)
+    if missing:
+        raise KeyError(f"checkpoint at step {manifest.step} lacks {missing[:3]}")
+    return wanted
 
 
 def _agree(ok: bool, world_size: int) -> bool:
@@ -166,16 +215,21 @@ def _committed_steps(store: CheckpointStore, rank: int, world_size: int) -> list
     return list(steps[0])
 
 
-def restore_latest(store: CheckpointStore, rank: int, world_size: int) -> Restored | None:
+def restore_latest(store: CheckpointStore, rank: int, world_size: int, own: Holdings | None = None) -> Restored | None:
     """The newest committed checkpoint that every rank reads intact, or None to start fresh.
-    A checkpoint that fails a checksum anywhere is skipped (and kept, for inspection)."""
+    A checkpoint that fails a checksum anywhere is skipped (and kept, for inspection).
+    `own`: this rank's boxes of its parameters under the current plan (None: whole tensors)."""
     for step in reversed(_committed_steps(store, rank, world_size)):
         restored = None
         try:
             manifest = store.load_manifest(step)
-            own_rng = f"rng/rank{rank:05d}/"
-            names = [n for n in manifest.tensors if not n.startswith("rng/") or n.startswith(own_rng)]
-            restored = Restored(step, dict(manifest.data_position), load_tensors(store, manifest, names), manifest)
+            if own is None:
+                own_rng = f"rng/rank{rank:05d}/"
+                names = [n for n in manifest.tensors if not n.startswith("rng/") or n.startswith(own_rng)]
+                tensors = load_tensors(store, manifest, names)
+            else:
+                tensors = load_regions(store, manifest, regions_for(manifest, own, rank))
+            restored = Restored(step, dict(manifest.data_position), tensors, manifest)
         except (StorageError, ValueError, KeyError) as error:
             log.warning("rank %d: checkpoint at step %d is unusable (%s); trying an older one", rank, step, error)
         if _agree(restored is not None, world_size):
@@ -184,20 +238,29 @@ def restore_latest(store: CheckpointStore, rank: int, world_size: int) -> Restor
     return None
 
 
+def _like(value: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """A restored box of optimizer state as its parameter holds it: a DTensor shard for a
+    DTensor parameter (scalars such as Adam's step stay plain)."""
+    if isinstance(param, DTensor) and value.dim() > 0:
+        return DTensor.from_local(value.to(param.device), param.device_mesh, param.placements, run_check=False,
+                                  shape=param.shape, stride=param.stride())
+    return value
+
+
 def apply_state(restored: Restored, model: nn.Module, optimizer: torch.optim.Optimizer, rank: int, device: torch.device) -> None:
-    """Copy restored tensors into the live model, optimizer and RNGs."""
+    """Copy restored tensors (this rank's boxes) into the live model, optimizer and RNGs."""
     tensors = restored.tensors
     params = dict(model.named_parameters())
     with torch.no_grad():
         for name, param in params.items():
-            param.copy_(tensors[f"model/{name}"])
+            local_data(param).copy_(tensors[f"model/{name}"])
     state_dict = optimizer.state_dict()
     index = {name: i for i, name in enumerate(n for group in optimizer.param_groups for n in _group_names(group, params))}
     opt_state: dict[int, dict[str, torch.Tensor]] = {}
     for key, value in tensors.items():
         if key.startswith("optim/"):
             pname, skey = key[len("optim/") :].rsplit("/", 1)
-            opt_state.setdefault(index[pname], {})[skey] = value
+            opt_state.setdefault(index[pname], {})[skey] = _like(value, params[pname])
     state_dict["state"] = opt_state
     optimizer.load_state_dict(state_dict)
     cpu_rng = tensors.get(f"rng/rank{rank:05d}/cpu")

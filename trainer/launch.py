@@ -18,6 +18,11 @@ from typing import Any
 from planner.plan import Plan
 from specs import JobSpec
 from trainer import metrics
+from trainer.mesh import plan_refusals
+
+
+class PlanNotExecutable(ValueError):
+    """The trainer cannot run this plan on this model (the reasons are in the message)."""
 
 
 @dataclass
@@ -92,7 +97,12 @@ def launch_workers(
     extra_env: dict[str, str] | None = None,
 ) -> LaunchResult:
     """Run torchrun with `plan.devices` workers until they exit; every output line goes to
-    `on_line`, every worker event also to `on_event`."""
+    `on_line`, every worker event also to `on_event`. A plan the trainer cannot execute is
+    refused here, before any process starts."""
+    m = spec.model
+    refusals = plan_refusals(plan, n_layers=m.n_layers, n_heads=m.n_heads, seq_len=m.seq_len, global_batch=spec.training.global_batch)
+    if refusals:
+        raise PlanNotExecutable(f"plan {plan.mesh} cannot run on {spec.job_id}: " + "; ".join(refusals))
     result = LaunchResult(returncode=-1)
     with tempfile.TemporaryDirectory(prefix="parashift-launch-") as tmp:
         spec_file, plan_file = Path(tmp, "spec.json"), Path(tmp, "plan.json")

@@ -1,8 +1,13 @@
 """The program torchrun starts on every device. Reads top to bottom: config -> distributed ->
-data -> model -> restore -> loop. Data parallel over all ranks, with the global batch fixed by
-the spec: each rank takes a contiguous share of every global batch and accumulates micro-batches,
-and gradients are scaled so that their all-reduced mean is the global-batch mean on any device
-count.
+data -> model -> parallelize -> restore -> loop. The global batch is fixed by the spec: each
+data-parallel rank takes a contiguous share of every global batch (tensor-parallel peers take
+the same share), and gradients are scaled so that their mean over the dp axis is the
+global-batch mean on any device count.
+
+Plans: pure data parallel runs DDP over all ranks (no device mesh); any plan with "tp" or "pp"
+builds the ("pp", "dp", "tp") mesh and applies `trainer.parallel.parallelize` (DTensor tensor
+and sequence parallelism, FSDP2's replicate on dp) and, with "pp", `trainer.pipeline` stages
+(1F1B; PARASHIFT_PP_SCHEDULE=GPipe overrides it) over plan.micro_batches micro-batches.
 
     torchrun --standalone --nproc-per-node N -m trainer.worker --spec spec.json --plan plan.json
 """
@@ -11,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import logging
 import os
 import time
@@ -21,13 +27,33 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from planner.plan import Plan
+from ptc.dtensor import holdings
 from specs import JobSpec
 from storage import CheckpointStore, JobPaths, ObjectStore
 from trainer import metrics
-from trainer.checkpoint import apply_state, collect_state, restore_latest, save_checkpoint, state_layout
+from trainer.checkpoint import (
+    apply_state,
+    collect_state,
+    gathered_layout,
+    restore_latest,
+    save_checkpoint,
+    state_layout,
+)
 from trainer.control import StopRequests
 from trainer.data import DataPosition, SampleStream, load_tokens, micro_batches, rank_share
+from trainer.mesh import Coordinates, ParallelDims, plan_refusals
 from trainer.model import GPT, GPTConfig, flops_per_token, token_loss_sum
+from trainer.parallel import (
+    clip_grad_norm_,
+    executable_plan,
+    gradient_sync,
+    loss_context,
+    parallelize,
+    plain,
+    plan_to_tp,
+    settle_gradients,
+)
+from trainer.pipeline import DEFAULT_SCHEDULE, PipelineRunner, build_stage
 from trainer.schedule import learning_rate
 
 log = logging.getLogger("parashift.worker")
@@ -56,8 +82,10 @@ def init_distributed(kind: str) -> tuple[int, int, torch.device]:
     return rank, world_size, device
 
 
-def build_optimizer(model: torch.nn.Module, spec: JobSpec, device: torch.device) -> torch.optim.AdamW:
-    """AdamW with weight decay on matrices only (nanoGPT's split: not on biases, norms)."""
+def build_optimizer(model: torch.nn.Module, spec: JobSpec, device: torch.device, sharded: bool = False) -> torch.optim.AdamW:
+    """AdamW with weight decay on matrices only (nanoGPT's split: not on biases, norms).
+    `sharded`: parameters are DTensors on several meshes (or mixed with plain tensors), which
+    the multi-tensor kernels cannot group, so each parameter is stepped alone."""
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     opt = spec.optimizer
@@ -66,7 +94,8 @@ def build_optimizer(model: torch.nn.Module, spec: JobSpec, device: torch.device)
         lr=opt.lr,
         betas=tuple(opt.betas),
         eps=opt.eps,
-        fused=device.type == "cuda",
+        fused=device.type == "cuda" and not sharded,
+        foreach=False if sharded else None,
     )
 
 
@@ -74,43 +103,59 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     spec = JobSpec.model_validate_json(args.spec.read_text())
-    plan = Plan.model_validate_json(args.plan.read_text())
-    if not plan.is_pure_data_parallel:
-        raise SystemExit(f"this trainer executes data-parallel plans; got mesh {plan.mesh}")
-    train = spec.training
+    plan = executable_plan(Plan.model_validate_json(args.plan.read_text()))
+    train, m = spec.training, spec.model
+    refusals = plan_refusals(plan, n_layers=m.n_layers, n_heads=m.n_heads, seq_len=m.seq_len, global_batch=train.global_batch)
+    if refusals:
+        raise SystemExit(f"cannot execute plan with mesh {plan.mesh}: " + "; ".join(refusals))
+    dims = ParallelDims.from_plan(plan)
     end_step = min(train.steps, args.until_step or train.steps)
 
     # distributed
     rank, world_size, device = init_distributed(spec.resources.kind)
     if world_size != plan.devices:
         raise SystemExit(f"plan is for {plan.devices} devices, torchrun started {world_size}")
+    mesh = None if dims.pure_data_parallel else dims.build_mesh(device.type)
+    coords = Coordinates.of(mesh) if mesh is not None else Coordinates(0, rank, 0)
 
-    # data: every rank builds the same global sample stream
-    stream = SampleStream(load_tokens(spec.data), spec.model.seq_len, train.seed)
-    share_offset, share_count = rank_share(train.global_batch, world_size, rank)
-    micros = micro_batches(share_count, train.micro_batch)
+    # data: every rank builds the same global sample stream; dp ranks take shares of each batch
+    stream = SampleStream(load_tokens(spec.data), m.seq_len, train.seed)
+    share_offset, share_count = rank_share(train.global_batch, dims.dp, coords.dp_rank)
+    # The spec's micro-batch size, or smaller where the plan asks for more micro-batches
+    # (gradient accumulation to cut activation memory; pipelines split the share themselves).
+    micro_size = train.micro_batch if plan.micro_batches == 1 else min(train.micro_batch, -(-share_count // plan.micro_batches))
+    micros = micro_batches(share_count, micro_size)
 
     # model: the same seed on every rank gives the same initial weights
     torch.manual_seed(train.seed)
-    config = GPTConfig(**{name: getattr(spec.model, name) for name in GPTConfig.__dataclass_fields__})
+    config = GPTConfig(**{name: getattr(m, name) for name in GPTConfig.__dataclass_fields__})
     model = GPT(config).to(device)
-    optimizer = build_optimizer(model, spec, device)
+    n_params = model.num_params()
+    choices, _ = plan_to_tp(plan, m.n_layers)
+    if mesh is None:
+        module = runnable = model
+    else:  # this rank's stage (the whole model without pp), then the Plan applied to it
+        module = build_stage(model, plan, coords.pp_rank) if dims.pp > 1 else model
+        runnable = parallelize(module, plan, mesh, choices, compile=spec.parallelism.compile)
+    optimizer = build_optimizer(module, spec, device, sharded=mesh is not None)
     torch.manual_seed(train.seed + 1 + rank)  # per-rank stream for dropout
 
-    # restore
+    # restore: this rank's boxes under this plan, from whatever plan saved the checkpoint
     store = ObjectStore(spec.storage.url, dict(spec.storage.storage_options))
     checkpoints = CheckpointStore(store, spec.job_id)
-    restored = restore_latest(checkpoints, rank, world_size)
+    own = None if mesh is None else holdings({f"model/{n}": p for n, p in module.named_parameters()})
+    restored = restore_latest(checkpoints, rank, world_size, own)
     step, position, loss = 0, DataPosition(), None
     if restored is not None:
         loss = restored.manifest.metadata.get("loss") if restored.manifest else None
-        apply_state(restored, model, optimizer, rank, device)
+        apply_state(restored, module, optimizer, rank, device)
         step, position = restored.step, DataPosition(restored.data_position["samples_consumed"])
-    ddp_model = DistributedDataParallel(model) if world_size > 1 else model
-    if spec.parallelism.compile:
-        ddp_model = torch.compile(ddp_model)
+    if mesh is None:
+        runnable = DistributedDataParallel(model) if world_size > 1 else model
+        if spec.parallelism.compile:
+            runnable = torch.compile(runnable)
     stops = StopRequests(store, spec.job_id)
-    tokens_per_step = train.global_batch * spec.model.seq_len
+    tokens_per_step = train.global_batch * m.seq_len
     if rank == 0:
         metrics.emit(
             "start",
@@ -119,23 +164,23 @@ def main(argv: list[str] | None = None) -> int:
             checkpoint_loss=loss,
             checkpoint_url=store.url_for(JobPaths(spec.job_id).manifest(step)) if restored is not None else None,
             world_size=world_size,
-            params=model.num_params(),
-            flops_per_token=flops_per_token(config, model.num_params()),
+            params=n_params,
+            flops_per_token=flops_per_token(config, n_params),
             end_step=end_step,
         )
 
     def checkpoint(at_step: int) -> None:
-        state = collect_state(model, optimizer, rank, device)
+        state = collect_state(module, optimizer, rank, device)
         url = save_checkpoint(
             checkpoints,
             at_step,
             state,
-            state_layout(state, world_size),
+            state_layout(state, world_size) if mesh is None else gathered_layout(state, world_size),
             rank,
             world_size,
             position.to_dict(stream.samples_per_epoch),
             plan.model_dump(mode="json"),
-            {"model": spec.model.model_dump(), "job": spec.name, "loss": loss},
+            {"model": m.model_dump(), "job": spec.name, "loss": loss},
             train.keep_checkpoints,
         )
         if rank == 0:
@@ -146,9 +191,15 @@ def main(argv: list[str] | None = None) -> int:
         if spec.parallelism.precision == "bf16"
         else contextlib.nullcontext()
     )
-    # Each rank's gradient is scaled by world_size / global tokens: DDP's mean over ranks then
+    # Each dp rank's gradient is scaled by dp / global tokens: the mean over the dp axis then
     # yields the mean over every token of the global batch, whatever the share sizes.
-    loss_scale = world_size / tokens_per_step
+    loss_scale = dims.dp / tokens_per_step
+    pipeline = None
+    if dims.pp > 1:
+        pipeline = PipelineRunner(runnable, mesh["pp"], device, plan.micro_batches, token_loss_sum, loss_scale,
+                                  os.environ.get("PARASHIFT_PP_SCHEDULE", DEFAULT_SCHEDULE))
+    # The loss is counted once per dp rank: on the last stage, by tp rank 0.
+    counts_loss = coords.tp_rank == 0 and coords.pp_rank == dims.pp - 1
     stopped = False
     while step < end_step:
         started = time.perf_counter()
@@ -156,25 +207,39 @@ def main(argv: list[str] | None = None) -> int:
         for group in optimizer.param_groups:
             group["lr"] = lr
         loss_sum = torch.zeros((), device=device)
-        for i, (offset, size) in enumerate(micros):
+        if pipeline is not None:
+            inputs, targets = stream.batch(position.samples_consumed + share_offset, share_count)  # (share, T) each
+            with autocast:
+                loss_sum += pipeline.step(inputs.to(device), targets.to(device))
+        for i, (offset, size) in enumerate(micros if pipeline is None else []):
             inputs, targets = stream.batch(position.samples_consumed + share_offset + offset, size)
             inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
             last = i == len(micros) - 1
-            sync = contextlib.nullcontext() if last or world_size == 1 else ddp_model.no_sync()
-            with sync:
+            if mesh is None:
+                sync = contextlib.nullcontext() if last or world_size == 1 else runnable.no_sync()
+            else:
+                sync = gradient_sync(runnable, last)
+            with sync, loss_context(choices):
                 with autocast:
-                    micro_loss = token_loss_sum(ddp_model(inputs), targets)  # scalar, sum over tokens
+                    micro_loss = token_loss_sum(runnable(inputs), targets)  # scalar, sum over tokens
                 (micro_loss * loss_scale).backward()
-            loss_sum += micro_loss.detach().float()
+            loss_sum += plain(micro_loss.detach()).float()
+        if mesh is not None:
+            settle_gradients(list(module.parameters()))
         if spec.optimizer.grad_clip:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), spec.optimizer.grad_clip)
+            if mesh is None:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), spec.optimizer.grad_clip)
+            else:
+                params = list(module.parameters())
+                clip_grad_norm_(params, spec.optimizer.grad_clip, {"dp": coords.dp_rank, "tp": coords.tp_rank})
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         step += 1
         position = DataPosition(position.samples_consumed + train.global_batch)
 
         # one small all-reduce: the global loss and whether any rank was asked to stop
-        report = torch.stack([loss_sum, torch.tensor(float(stops.requested()), device=device)])
+        report = torch.stack([loss_sum if counts_loss else torch.zeros_like(loss_sum),
+                              torch.tensor(float(stops.requested()), device=device)])
         if world_size > 1:
             dist.all_reduce(report)
         loss, stop_now = report[0].item() / tokens_per_step, report[1].item() > 0
@@ -190,6 +255,13 @@ def main(argv: list[str] | None = None) -> int:
     if rank == 0:
         metrics.emit("stopped" if stopped else "finished", step=step, samples_consumed=position.samples_consumed)
     if world_size > 1:
+        # Wrappers holding process groups (DDP's reducer, FSDP state, pipeline stages) go first,
+        # while the groups are still registered: a gloo group destroyed from the reducer's
+        # destructor joins its I/O thread while holding the GIL that thread waits for (seen
+        # as a hang at exit with torch 2.13).
+        runnable = pipeline = optimizer = None
+        gc.collect()
+        dist.barrier()
         dist.destroy_process_group()
     return 0
 

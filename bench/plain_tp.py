@@ -1,0 +1,132 @@
+"""The tensor-parallel baseline: Megatron-LM's hand-written TP (Shoeybi et al. 2019, section 3)
+on the same GPT, batch and optimizer as the trainer, in plain PyTorch (no DTensor): q/k/v and
+up projections column-parallel, out and down projections row-parallel, Megatron's f/g
+operators (identity forward / all-reduce backward at a region's entry, all-reduce forward /
+identity backward at its exit); embeddings, norms and head replicated. Started by torchrun
+from bench/train_throughput.py; reports per-step timings in the trainer's event format.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from specs import JobSpec
+from trainer import metrics
+from trainer.data import load_tokens
+from trainer.model import GPT, GPTConfig
+
+
+class _CopyToRegion(torch.autograd.Function):
+    """Megatron's f: identity forward, all-reduce of the input gradient backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        grad = grad.contiguous()
+        dist.all_reduce(grad)
+        return grad
+
+
+class _ReduceFromRegion(torch.autograd.Function):
+    """Megatron's g: all-reduce of the partial outputs forward, identity backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        x = x.contiguous()
+        dist.all_reduce(x)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad
+
+
+class Region(nn.Module):
+    """An attention or MLP block whose input enters a tensor-parallel region once."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(_CopyToRegion.apply(x))
+
+
+class RowParallelLinear(nn.Module):
+    def __init__(self, full: nn.Linear, rank: int, tp: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(full.weight.detach().chunk(tp, dim=1)[rank].clone())  # (out, in / tp)
+        self.bias = nn.Parameter(full.bias.detach().clone())  # (out,), added after the reduction
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _ReduceFromRegion.apply(F.linear(x, self.weight)) + self.bias  # (B, T, out)
+
+
+def column_shard(linear: nn.Linear, rank: int, tp: int) -> None:
+    """Keep this rank's rows of the weight (output features) and bias, in place."""
+    linear.weight = nn.Parameter(linear.weight.detach().chunk(tp, dim=0)[rank].clone())  # (out / tp, in)
+    linear.bias = nn.Parameter(linear.bias.detach().chunk(tp, dim=0)[rank].clone())  # (out / tp,)
+
+
+def megatron(model: GPT, rank: int, tp: int) -> list[nn.Parameter]:
+    """Shard every block in place; returns the sharded parameters (the others are replicated)."""
+    for block in model.blocks:
+        for name in ("q_proj", "k_proj", "v_proj"):
+            column_shard(getattr(block.attn, name), rank, tp)
+        block.attn.out_proj = RowParallelLinear(block.attn.out_proj, rank, tp)
+        column_shard(block.mlp.up_proj, rank, tp)
+        block.mlp.down_proj = RowParallelLinear(block.mlp.down_proj, rank, tp)
+        block.attn, block.mlp = Region(block.attn), Region(block.mlp)
+    return [p for b in model.blocks for n, p in b.named_parameters() if "proj.weight" in n or n.endswith(("q_proj.bias", "k_proj.bias", "v_proj.bias", "up_proj.bias"))]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--spec", type=Path, required=True)
+    spec = JobSpec.model_validate_json(parser.parse_args().spec.read_text())
+    rank, tp = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    dist.init_process_group("gloo")
+    torch.manual_seed(spec.training.seed)
+    m = spec.model
+    model = GPT(GPTConfig(m.n_layers, m.d_model, m.n_heads, m.vocab_size, m.seq_len, m.dropout))
+    sharded = {id(p) for p in megatron(model, rank, tp)}
+    opt = spec.optimizer
+    optimizer = torch.optim.AdamW(model.parameters(), lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps, weight_decay=opt.weight_decay)
+    tokens = torch.from_numpy(load_tokens(spec.data).astype("int64"))
+    batch_size = spec.training.global_batch
+    generator = torch.Generator().manual_seed(0)  # the same batch on every tp rank
+    for step in range(1, spec.training.steps + 1):
+        started = time.perf_counter()
+        starts = torch.randint(0, len(tokens) - m.seq_len - 1, (batch_size,), generator=generator)
+        batch = torch.stack([tokens[s : s + m.seq_len + 1] for s in starts.tolist()])  # (b, T + 1)
+        logits = model(batch[:, :-1])  # (b, T, vocab)
+        loss = F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
+        loss.backward()
+        if opt.grad_clip:  # the global norm: shard squares summed over ranks, replicas once
+            params = [p for p in model.parameters() if p.grad is not None]
+            shard_sq = torch.stack([p.grad.pow(2).sum() for p in params if id(p) in sharded]).sum()  # scalar
+            dist.all_reduce(shard_sq)
+            replica_sq = torch.stack([p.grad.pow(2).sum() for p in params if id(p) not in sharded]).sum()  # scalar
+            torch.nn.utils.clip_grads_with_norm_(params, opt.grad_clip, (shard_sq + replica_sq).sqrt())
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        elapsed = time.perf_counter() - started
+        if rank == 0:
+            tokens_per_step = batch_size * m.seq_len
+            metrics.emit("step", step=step, loss=loss.item(), step_s=elapsed, tokens_per_s=tokens_per_step / elapsed)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

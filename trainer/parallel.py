@@ -1,0 +1,282 @@
+"""Apply a Plan to the single-device GPT with PyTorch's own machinery (torchtitan's order):
+tensor/sequence parallelism through `parallelize_module` -> optional compile -> the data axis.
+
+`plan_to_tp` is the ONE place that reads per-op placements and turns them into module styles;
+everything else takes its `TPChoices`. Ops of the planner's GPT graph (planner/builders.py)
+map onto modules as follows, per layer i:
+
+    embed          tok_emb           v on tp: vocab-parallel embedding (RowwiseParallel)
+    l{i}.ln1/ln2   attn_norm/mlp_norm s on tp: sequence parallel (norms and residual stream)
+    l{i}.qkv/attn/proj  attn         h on tp: Megatron attention (q/k/v colwise, out rowwise)
+    l{i}.fc1/fc2   mlp               f on tp: Megatron MLP (up colwise, down rowwise)
+    ln_f           norm              s on tp: sequence parallel
+    head, loss     lm_head           v on tp: vocab-parallel head (+ loss_parallel when the
+                                     loss op splits v too)
+
+An op with no split on "tp" runs replicated on every tp rank (the planner does choose this,
+e.g. replicated attention with a tensor-parallel MLP). A plan whose every op splits the batch
+over "tp" is data parallelism over dp x tp and runs as such (`executable_plan`). A plan without
+placements gets torchtitan's default: everything Megatron-style plus sequence parallelism.
+Other splits over "tp" (the batch on some ops only, s on matmuls, d) are refused with a reason
+(`plan_to_tp`'s problems).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    PrepareModuleOutput,
+    RowwiseParallel,
+    SequenceParallel,
+    loss_parallel,
+    parallelize_module,
+)
+
+from planner.plan import Plan
+
+
+@dataclass(frozen=True)
+class TPChoices:
+    """Which parts of the GPT are tensor parallel; everything else is replicated over tp."""
+
+    sequence: bool = False  # norms and the residual stream sharded on the sequence (T)
+    embed: bool = False  # vocab-parallel token embedding
+    attention: frozenset[int] = field(default_factory=frozenset)  # layers with Megatron attention
+    mlp: frozenset[int] = field(default_factory=frozenset)  # layers with Megatron MLPs
+    head: bool = False  # vocab-parallel LM head
+    loss_parallel: bool = False  # cross entropy on vocab-sharded logits (needs head)
+
+    @classmethod
+    def megatron(cls, n_layers: int, pipelined: bool = False) -> TPChoices:
+        layers = frozenset(range(n_layers))
+        return cls(True, True, layers, layers, True, not pipelined)
+
+
+def executable_plan(plan: Plan) -> Plan:
+    """The plan as the trainer runs it: when every op splits the batch over "tp" (the planner's
+    choice for small models), the tp axis is more data parallelism, so the mesh becomes
+    pp x (dp * tp) with the same rank order (the batch splits nest in mesh order either way)."""
+    tp = plan.degree("tp")
+    if tp == 1 or not plan.placements or not all(_on_tp(p.splits) == {"b"} for p in plan.placements):
+        return plan
+    mesh = {"pp": plan.degree("pp"), "dp": plan.degree("dp") * tp}
+    placements = [p.model_copy(update={"splits": {d: tuple(dict.fromkeys("dp" if a == "tp" else a for a in axes))
+                                                  for d, axes in p.splits.items()}}) for p in plan.placements]
+    return plan.model_copy(update={"mesh": {k: n for k, n in mesh.items() if n > 1}, "placements": placements,
+                                   "notes": [*plan.notes, f"tp {tp} splits only the batch: run as data parallelism"]})
+
+
+def _on_tp(splits: dict[str, tuple[str, ...]]) -> set[str]:
+    return {dim for dim, axes in splits.items() if "tp" in axes}
+
+
+def plan_to_tp(plan: Plan, n_layers: int) -> tuple[TPChoices, list[str]]:
+    """The Plan's per-op placements as module styles, and why any cannot be executed."""
+    pipelined = plan.degree("pp") > 1
+    if plan.degree("tp") == 1:
+        return TPChoices(), []
+    if not plan.placements:
+        return TPChoices.megatron(n_layers, pipelined), []
+    tp = {p.op: _on_tp(p.splits) for p in plan.placements}
+    problems: list[str] = []
+    for p in plan.placements:
+        extra = [d for d, axes in p.splits.items() if "dp" in axes and d != "b"]
+        if extra:
+            problems.append(f"op {p.op} splits {extra} over dp; the trainer's dp axis splits only the batch")
+
+    def want(op: str, allowed: set[str]) -> set[str]:
+        got = tp.get(op, set())
+        if got - allowed:
+            problems.append(f"op {op} splits {sorted(got - allowed)} over tp; the trainer implements {sorted(allowed) or 'none'}")
+        return got & allowed
+
+    norms = ["ln_f", *(f"l{i}.{n}" for i in range(n_layers) for n in ("ln1", "ln2", "add1", "add2"))]
+    seq = [bool(want(op, {"s"})) for op in norms]
+    if any(seq) and not all(seq):
+        problems.append("sequence parallelism must cover every norm and residual add (all or none split s over tp)")
+    attention, mlp = set(), set()
+    for i in range(n_layers):
+        parts = [bool(want(f"l{i}.{n}", {"h"})) for n in ("qkv", "attn", "proj")]
+        if all(parts):
+            attention.add(i)
+        elif any(parts):
+            problems.append(f"layer {i}: qkv, attn and proj must all split heads over tp, or none")
+        fc = [bool(want(f"l{i}.{n}", {"f"})) for n in ("fc1", "fc2")]
+        if all(fc):
+            mlp.add(i)
+        elif any(fc):
+            problems.append(f"layer {i}: fc1 and fc2 must both split f over tp, or neither")
+    head = bool(want("head", {"v"}))
+    loss = bool(want("loss", {"v"}))
+    if loss and not head:
+        problems.append("the loss splits the vocabulary over tp but the head does not")
+    choices = TPChoices(all(seq), bool(want("embed", {"v"})), frozenset(attention), frozenset(mlp), head,
+                        loss and head and not pipelined)
+    return choices, problems
+
+
+def _blocks(model: nn.Module) -> Iterator[tuple[int, nn.Module]]:
+    """(layer index, block) of a GPT or of a pipeline stage holding some of its layers."""
+    for name, block in model.blocks.named_children():
+        yield int(name), block
+
+
+def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, choices: TPChoices) -> None:
+    """Shard the GPT (or a stage of it) over `tp_mesh` as `choices` say, in place.
+
+    Activations between blocks are local tensors: (B, T/tp, d) chunks under sequence
+    parallelism, whole (B, T, d) otherwise; every region converts to and from that layout.
+    """
+    stream = Shard(1) if choices.sequence else Replicate()
+    plan: dict[str, object] = {}
+    if getattr(model, "tok_emb", None) is not None:
+        if choices.embed:
+            plan["tok_emb"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+        if choices.sequence:  # embeddings summed whole; the stream is cut into T chunks here
+            plan["drop"] = PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),),
+                                              use_local_output=True)
+    for i, _ in _blocks(model):
+        p = f"blocks.{i}."
+        if choices.sequence:
+            plan[p + "attn_norm"] = SequenceParallel()
+            plan[p + "mlp_norm"] = SequenceParallel()
+        for region, first, second, megatron in (
+            ("attn", ("q_proj", "k_proj", "v_proj"), "out_proj", i in choices.attention),
+            ("mlp", ("up_proj",), "down_proj", i in choices.mlp),
+        ):
+            if megatron:
+                # The region's input enters as one replicated DTensor, so the partial input
+                # gradients of q, k and v add up before a single all-reduce.
+                plan[p + region] = PrepareModuleInput(input_layouts=(stream,), desired_input_layouts=(Replicate(),))
+                plan.update({p + f"{region}.{name}": ColwiseParallel() for name in first})
+                plan[p + f"{region}.{second}"] = RowwiseParallel(output_layouts=stream)
+            elif choices.sequence:
+                plan[p + region] = ReplicatedRegion()
+    if getattr(model, "lm_head", None) is not None:
+        if choices.sequence:
+            plan["norm"] = SequenceParallel()
+        if choices.head:
+            plan["lm_head"] = ColwiseParallel(
+                input_layouts=stream,
+                output_layouts=Shard(-1) if choices.loss_parallel else Replicate(),
+                use_local_output=not choices.loss_parallel,
+            )
+        elif choices.sequence:
+            plan["lm_head"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
+                                                 use_local_output=True)
+    parallelize_module(model, tp_mesh, plan)
+
+
+class ReplicatedRegion(ParallelStyle):
+    """A region replicated over tp inside a sequence-parallel stream: gather T on the way in,
+    keep this rank's T chunk of the (identical) output on the way out."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        gather = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True)
+        scatter = PrepareModuleOutput(output_layouts=(Replicate(),), desired_output_layouts=(Shard(1),), use_local_output=True)
+        return scatter._apply(gather._apply(module, device_mesh), device_mesh)
+
+
+def apply_dp(model: nn.Module, dp_mesh: DeviceMesh) -> nn.Module:
+    """Replicate over the dp axis with FSDP2's replicate (DDP semantics, DTensor-aware, so it
+    composes with tensor parallelism and pipeline stages)."""
+    from torch.distributed._composable.replicate_with_fsdp import replicate
+
+    return replicate(model, mesh=dp_mesh)
+
+
+def parallelize(model: nn.Module, plan: Plan, mesh: DeviceMesh, choices: TPChoices, compile: bool = False) -> nn.Module:
+    """The Plan applied to `model` (a GPT or a pipeline stage): TP -> compile -> data parallel.
+    Returns the module to call; parameters keep their names (checkpoints rely on that)."""
+    if plan.degree("tp") > 1:
+        apply_tp(model, mesh["tp"], choices)
+    if compile:
+        for _, block in _blocks(model):
+            block.compile()  # per block, as torchtitan does: small graphs, shared across layers
+    if plan.degree("dp") > 1:
+        model = apply_dp(model, mesh["dp"])
+    return model
+
+
+@contextlib.contextmanager
+def gradient_sync(model: nn.Module, enabled: bool) -> Iterator[None]:
+    """Skip the data-parallel gradient reduction for all but the last micro-batch."""
+    setter = getattr(model, "set_requires_gradient_sync", None)
+    if setter is None:
+        yield
+        return
+    setter(enabled)
+    try:
+        yield
+    finally:
+        setter(True)
+
+
+def loss_context(choices: TPChoices) -> contextlib.AbstractContextManager:
+    """`loss_parallel` when the logits arrive vocab-sharded (forward and backward run inside)."""
+    return loss_parallel() if choices.loss_parallel else contextlib.nullcontext()
+
+
+def plain(tensor: torch.Tensor) -> torch.Tensor:
+    """A replicated DTensor result (a loss) as a plain tensor."""
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def _first_replica(tensor: torch.Tensor, coords: dict[str, int]) -> bool:
+    """Whether this rank holds the first copy of its box of `tensor`: its coordinate is 0 on
+    every axis the box is replicated over (Replicate placements, and "dp"/"tp" axes that the
+    tensor's mesh does not include at all)."""
+    names: tuple[str, ...] = ()
+    if isinstance(tensor, DTensor):
+        mesh = tensor.device_mesh
+        names = mesh.mesh_dim_names or ()
+        coord = mesh.get_coordinate()
+        assert coord is not None
+        if any(c != 0 for c, p in zip(coord, tensor.placements, strict=True) if isinstance(p, Replicate)):
+            return False
+    return all(c == 0 for axis, c in coords.items() if axis not in names)
+
+
+@torch.no_grad()
+def settle_gradients(params: list[torch.Tensor]) -> None:
+    """Give every DTensor gradient its parameter's placements. Sequence-parallel norms leave
+    Partial (unreduced) gradients and a vocab-parallel embedding a Replicate one; the optimizer's
+    DTensor ops would reduce them implicitly, at every use, and a norm over local shards would
+    count them wrongly. One redistribution here makes gradients match their parameters' boxes."""
+    for p in params:
+        g = p.grad
+        if isinstance(g, DTensor) and isinstance(p, DTensor) and g.placements != p.placements:
+            p.grad = g.redistribute(p.device_mesh, p.placements)
+
+
+@torch.no_grad()
+def clip_grad_norm_(params: list[torch.Tensor], max_norm: float, coords: dict[str, int]) -> torch.Tensor:
+    """torch.nn.utils.clip_grad_norm_ for parameters spread over a pp x dp x tp mesh: every
+    distinct gradient box counted once (replicas skipped), squares summed over all ranks.
+    Gradients must be settled (`settle_gradients`). `coords`: this rank's "dp" and "tp"
+    coordinates."""
+    grads = [p.grad for p in params if p.grad is not None]
+    device = grads[0].device if grads else torch.device("cpu")
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    for g in grads:
+        if _first_replica(g, coords):
+            local = g.to_local() if isinstance(g, DTensor) else g
+            total += local.float().pow(2).sum()  # scalar
+    if dist.is_initialized():
+        dist.all_reduce(total)
+    norm = total.sqrt()
+    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)  # torch's formula and epsilon
+    for g in grads:
+        (g.to_local() if isinstance(g, DTensor) else g).mul_(coef)
+    return norm

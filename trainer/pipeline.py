@@ -1,0 +1,118 @@
+"""Pipeline parallelism with `torch.distributed.pipelining`: the GPT cut into stages of whole
+layers (the Plan's stages), micro-batches = plan.micro_batches, a GPipe or 1F1B schedule.
+
+A stage module holds the original modules under their original names (`blocks.<i>...`), so
+checkpoints name parameters the same under every plan.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+from planner.plan import Plan
+from trainer.model import GPT
+
+SCHEDULES = {"1F1B": Schedule1F1B, "GPipe": ScheduleGPipe}
+# The planner costs pipelines as 1F1B (planner/pipeline.py), so that is the default.
+DEFAULT_SCHEDULE = "1F1B"
+
+_LAYER = re.compile(r"^l(\d+)\.")
+
+
+def stage_layers(plan: Plan, n_layers: int) -> list[list[int]]:
+    """Layer indices per stage: from the Plan's stage op lists when it has them, else balanced.
+    Raises ValueError for stages the trainer cannot build (empty, out of order, embedding not
+    first or head not last)."""
+    pp = plan.degree("pp")
+    if not plan.stages:
+        base, extra = divmod(n_layers, pp)
+        counts = [base + (1 if s < extra else 0) for s in range(pp)]
+        if min(counts) < 1:
+            raise ValueError(f"{n_layers} layers cannot fill {pp} pipeline stages")
+        starts = [sum(counts[:s]) for s in range(pp)]
+        return [list(range(a, a + n)) for a, n in zip(starts, counts, strict=True)]
+    if len(plan.stages) != pp:
+        raise ValueError(f"plan has {len(plan.stages)} stage lists for a pp degree of {pp}")
+    layers = [sorted({int(m.group(1)) for op in ops if (m := _LAYER.match(op))}) for ops in plan.stages]
+    flat = [i for stage in layers for i in stage]
+    if flat != list(range(n_layers)) or any(not stage for stage in layers):
+        raise ValueError(f"pipeline stages must hold contiguous, non-empty runs of layers 0..{n_layers - 1}; got {layers}")
+    if "embed" in {op for s in plan.stages[1:] for op in s} or "head" in {op for s in plan.stages[:-1] for op in s}:
+        raise ValueError("the embedding must sit on the first pipeline stage and the head on the last")
+    return layers
+
+
+class GPTStage(nn.Module):
+    """Some consecutive layers of a GPT; the first stage also embeds, the last also projects."""
+
+    def __init__(self, model: GPT, layers: list[int], first: bool, last: bool) -> None:
+        super().__init__()
+        self.first, self.last = first, last
+        self.tok_emb = model.tok_emb if first else None
+        self.pos_emb = model.pos_emb if first else None
+        self.drop = model.drop if first else None
+        self.blocks = nn.ModuleDict({str(i): model.blocks[i] for i in layers})
+        self.norm = model.norm if last else None
+        self.lm_head = model.lm_head if last else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.first:
+            T = x.shape[1]  # x: (B, T) token ids
+            pos = torch.arange(T, device=x.device)  # (T,)
+            x = self.drop(self.tok_emb(x) + self.pos_emb(pos))  # (B, T, d)
+        for block in self.blocks.values():
+            x = block(x)  # (B, T, d), or (B, T/tp, d) under sequence parallelism
+        if self.last:
+            x = self.lm_head(self.norm(x))  # (B, T, vocab)
+        return x
+
+
+def build_stage(model: GPT, plan: Plan, pp_rank: int) -> GPTStage:
+    layers = stage_layers(plan, len(model.blocks))
+    return GPTStage(model, layers[pp_rank], first=pp_rank == 0, last=pp_rank == len(layers) - 1)
+
+
+class PipelineRunner:
+    """One training step of this rank's stage under a schedule; reports the unscaled loss sum."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        pp_mesh: DeviceMesh,
+        device: torch.device,
+        micro_batches: int,
+        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        loss_scale: float,
+        schedule: str = DEFAULT_SCHEDULE,
+    ) -> None:
+        self.rank, self.stages = pp_mesh.get_local_rank(), pp_mesh.size()
+        self.first, self.last = self.rank == 0, self.rank == self.stages - 1
+        self.loss_scale = loss_scale
+        stage = PipelineStage(module, self.rank, self.stages, device, group=pp_mesh.get_group())
+
+        def scaled_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+            return loss_fn(output, target) * loss_scale  # loss_fn: scalar, sum over the micro-batch's tokens
+
+        # scale_grads=False: the loss is already scaled to the global-token mean.
+        self.schedule = SCHEDULES[schedule](stage, micro_batches, loss_fn=scaled_loss, scale_grads=False)
+
+    def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Forward and backward of every micro-batch; the loss sum (0 off the last stage)."""
+        # The schedule's own per-micro-batch losses: loss_fn also runs once more on the first
+        # step (shape inference), on uninitialised data.
+        losses: list[torch.Tensor] = []
+        if self.first:
+            self.schedule.step(inputs, target=targets if self.last else None, losses=losses)
+        elif self.last:
+            self.schedule.step(target=targets, losses=losses)
+        else:
+            self.schedule.step()
+        if not losses:
+            return torch.zeros((), device=inputs.device)
+        return torch.stack([loss.detach().float() for loss in losses]).sum() / self.loss_scale
