@@ -30,11 +30,12 @@ import tempfile
 
 import numpy as np
 
+from planner.comm import CommModel
 from planner.plan import Plan
-from planner.profile import ModelProfile, profile_gpt
+from planner.profile import ModelProfile, profile_gpt, share_cores
 from planner.search import baselines, candidates, to_plan
 from specs import JobSpec
-from trainer.launch import launch_workers
+from trainer.launch import launch_workers, measure_comm_model
 from trainer.mesh import plan_refusals
 from trainer.parallel import executable_plan
 
@@ -131,7 +132,14 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--max-plans", type=int, default=9)
     args = parser.parse_args()
-    profile = profile_gpt(**MODEL, batch=GLOBAL_BATCH, device_kind="cpu", measure=True)
+    # As `tasks/profile` builds it for a job: GEMM rate and bandwidth measured here and shared
+    # among the workers on these cores, collectives measured on 4 real workers.
+    comm = CommModel.model_validate(measure_comm_model(DEVICES, "cpu"))
+    profile = profile_gpt(**MODEL, batch=GLOBAL_BATCH, device_kind="cpu", measure=True, comm=comm)
+    profile = profile.model_copy(update={"device": share_cores(profile.device, DEVICES)})
+    print(f"profile: {profile.device.matmul_flops / 1e9:.1f} GFLOP/s per worker, op overhead "
+          f"{profile.device.op_overhead_s * 1e3:.2f} ms, collectives {profile.comm.intra.latency_s * 1e3:.2f} ms + "
+          f"{profile.comm.intra.bandwidth_Bps / 1e9:.2f} GB/s", flush=True)
     plans = planner_plans(profile, args.max_plans)
     rows = []
     with tempfile.TemporaryDirectory(prefix="parashift-fidelity-") as tmp:
@@ -159,6 +167,7 @@ def main() -> None:
         "model": MODEL,
         "global_batch": GLOBAL_BATCH,
         "device_model": profile.device.model_dump(),
+        "comm_model": profile.comm.model_dump(),
         "spearman": round(spearman(est, meas), 4),
         "spearman_calibrated": round(spearman(calibrated, meas), 4),
         "spearman_calibrated_loo": round(spearman(loo, meas), 4),

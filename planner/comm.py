@@ -22,6 +22,9 @@ class Link(BaseModel):
     bandwidth_Bps: float = Field(gt=0.0)
 
 
+GRADIENT_BUCKET_BYTES = 25 * 2**20
+
+
 class CommModel(BaseModel):
     """Two-level network (intra-node, inter-node); `devices_per_node` decides which a group uses."""
 
@@ -41,6 +44,14 @@ class CommModel(BaseModel):
             return 0.0
         link = self.link(intra)
         return link.latency_s + 2.0 * (group - 1) / group * nbytes / link.bandwidth_Bps
+
+    def bucketed_all_reduce(self, nbytes: float, group: int, intra: bool = True) -> float:
+        """A gradient's share of bucketed all-reduces (DDP/FSDP fuse gradients into 25 MiB buckets,
+        PyTorch's default `bucket_cap_mb`): full bandwidth, latency only pro rata to the bucket."""
+        if group <= 1 or nbytes <= 0:
+            return 0.0
+        link = self.link(intra)
+        return link.latency_s * min(1.0, nbytes / GRADIENT_BUCKET_BYTES) + 2.0 * (group - 1) / group * nbytes / link.bandwidth_Bps
 
     def all_gather(self, out_bytes: float, group: int, intra: bool = True) -> float:
         """Seconds to all-gather a result of `out_bytes` (per device) over `group` devices."""

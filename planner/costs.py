@@ -73,14 +73,16 @@ class CostModel:
             self._edges[key] = self._build_edge(src, dst, edge.slot)
         return self._edges[key]
 
-    def _allreduce(self, op: Op, cfg: Config, tensor: tuple[str, ...], elem_bytes: int) -> float:
-        """All-reduce of a tensor that is a partial sum over the axes splitting dims it lacks."""
+    def _allreduce(self, op: Op, cfg: Config, tensor: tuple[str, ...], elem_bytes: int, bucketed: bool = False) -> float:
+        """All-reduce of a tensor that is a partial sum over the axes splitting dims it lacks
+        (`bucketed`: a weight gradient, fused with others into buckets)."""
         axes = {a for d, ax in zip(op.dims, cfg.axes, strict=True) if d not in tensor for a in ax}
         if not axes:
             return 0.0
         group, intra = self.mesh.group(axes)
         local = op.numel(tensor) / prod(c for d, c in zip(op.dims, cfg.counts, strict=True) if d in tensor)
-        return self.comm.all_reduce(local * elem_bytes, group, intra)
+        reduce = self.comm.bucketed_all_reduce if bucketed else self.comm.all_reduce
+        return reduce(local * elem_bytes, group, intra)
 
     def _build_op(self, op: Op) -> OpCost:
         g, dev = self.graph, self.device
@@ -99,10 +101,12 @@ class CostModel:
             act = sum(local(t) for t in op.inputs) + local(op.output)
             params = sum(local(t) for t in op.params)
             moved = 3.0 * g.act_bytes * (act + params)  # forward once, backward twice
-            compute[i] = max(3.0 * op.flops / share / rate, moved / dev.memory_Bps)
+            sharded = any(c > 1 for d, c in split.items() if d != g.batch_dim)
+            overhead = dev.op_overhead_s + (dev.sharded_op_overhead_s if sharded else 0.0)
+            compute[i] = max(3.0 * op.flops / share / rate, moved / dev.memory_Bps) + overhead
             comm[i] = self._allreduce(op, cfg, op.output, g.act_bytes) + sum(
                 self._allreduce(op, cfg, t, g.act_bytes) for t in op.inputs)
-            grad_comm[i] = sum(self._allreduce(op, cfg, t, g.grad_bytes) for t in op.params)
+            grad_comm[i] = sum(self._allreduce(op, cfg, t, g.grad_bytes, bucketed=True) for t in op.params)
             param_mem[i] = g.param_state_bytes * params
             act_mem[i] = g.act_bytes * local(op.output)
         return OpCost(configs, compute, comm, grad_comm, param_mem, act_mem)

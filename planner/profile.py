@@ -24,15 +24,39 @@ class DeviceModel(BaseModel):
     matmul_flops: float = Field(gt=0.0, description="sustained FLOP/s of large GEMMs")
     memory_Bps: float = Field(gt=0.0, description="device memory bandwidth, bytes/s")
     memory_bytes: int | None = Field(default=None, description="memory per device (None: unlimited)")
+    op_overhead_s: float = Field(
+        default=0.0, ge=0.0, description="fixed seconds per op evaluation (dispatch, autograd, hooks) a roofline leaves out"
+    )
+    sharded_op_overhead_s: float = Field(
+        default=0.0, ge=0.0,
+        description="extra fixed seconds per evaluation of an op split along a non-batch dim (DTensor dispatch, sharding propagation)",
+    )
     measured: bool = False
 
 
 # H200: 989 TFLOP/s dense bf16 peak; eager GPT-2 reaches 31-47% (FACTS.md), so 40% sustained;
 # HBM3e 4.8 TB/s at ~70% achievable. CPU: the 2-core CI machines (fp32 MKL GEMM ~50 GFLOP/s).
+# op_overhead_s, cpu: 0.32 ms per op evaluation, and sharded_op_overhead_s, cpu: 9 ms per
+# evaluation of a tensor-parallel op, both fitted to measured step times of 14 plans on 4 gloo
+# workers on 2 cores (BENCHMARKS.md, cost-model fidelity). cuda: not measured yet, so 0
+# (asynchronous kernel launches hide eager dispatch behind large ops).
 DEFAULT_DEVICES = {
     "cuda": DeviceModel(kind="cuda", matmul_flops=0.4 * 989e12, memory_Bps=0.7 * 4.8e12, memory_bytes=141 * 2**30),
-    "cpu": DeviceModel(kind="cpu", matmul_flops=50e9, memory_Bps=5e9, memory_bytes=None),
+    "cpu": DeviceModel(kind="cpu", matmul_flops=50e9, memory_Bps=5e9, memory_bytes=None, op_overhead_s=3.2e-4,
+                       sharded_op_overhead_s=9e-3),
 }
+
+
+def share_cores(device: DeviceModel, workers: int, cores: int | None = None) -> DeviceModel:
+    """A CPU device as each of `workers` processes on `cores` cores sees it: rates measured by one
+    process on an idle core shrink by cores/workers when workers outnumber cores."""
+    import os
+
+    cores = cores or os.cpu_count() or 1
+    if device.kind != "cpu" or workers <= cores:
+        return device
+    share = cores / workers
+    return device.model_copy(update={"matmul_flops": device.matmul_flops * share, "memory_Bps": device.memory_Bps * share})
 
 
 class ModelProfile(BaseModel):
@@ -76,7 +100,9 @@ def measure_device(kind: str = "cpu", repeats: int = 3) -> DeviceModel:
     x = torch.randn(1 << 22, device=dev, dtype=dtype)
     bw = 3.0 * x.numel() * x.element_size() / best(lambda: x + x)  # two reads, one write
     mem = torch.cuda.get_device_properties(dev).total_memory if dev.type == "cuda" else None
-    return DeviceModel(kind=kind, matmul_flops=rate, memory_Bps=bw, memory_bytes=mem, measured=True)
+    default = DEFAULT_DEVICES.get(kind, DEFAULT_DEVICES["cuda"])
+    return DeviceModel(kind=kind, matmul_flops=rate, memory_Bps=bw, memory_bytes=mem, op_overhead_s=default.op_overhead_s,
+                       sharded_op_overhead_s=default.sharded_op_overhead_s, measured=True)
 
 
 def profile_graph(graph: Graph, device_kind: str = "cuda", measure: bool = False, *,

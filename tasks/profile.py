@@ -13,7 +13,7 @@ from prefect import task
 from prefect.logging import get_run_logger
 
 from planner.comm import CommModel
-from planner.profile import ModelProfile, profile_gpt
+from planner.profile import ModelProfile, profile_gpt, share_cores
 from specs import JobSpec
 from storage import JobPaths, ObjectStore
 from tasks.credentials import environment, storage_environment
@@ -62,10 +62,12 @@ def build_profile(spec: JobSpec) -> ModelProfile:
     comm = None
     if measure and res.devices > 1:
         comm = CommModel.model_validate(measure_comm_model(res.devices, res.kind, res.devices_per_node))
-    return profile_gpt(
+    profile = profile_gpt(
         m.n_layers, m.d_model, m.n_heads, m.vocab_size, m.seq_len, spec.training.global_batch,
         res.kind, measure, memory_gb=res.memory_gb, devices_per_node=res.devices_per_node, comm=comm,
     )
+    # CPU workers on this host share its cores.
+    return profile.model_copy(update={"device": share_cores(profile.device, res.devices)})
 
 
 def load_profile(spec: JobSpec, key: str) -> ModelProfile:
