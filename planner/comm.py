@@ -22,9 +22,6 @@ class Link(BaseModel):
     bandwidth_Bps: float = Field(gt=0.0)
 
 
-GRADIENT_BUCKET_BYTES = 25 * 2**20
-
-
 class CommModel(BaseModel):
     """Two-level network (intra-node, inter-node); `devices_per_node` decides which a group uses."""
 
@@ -33,6 +30,8 @@ class CommModel(BaseModel):
     intra: Link
     inter: Link
     devices_per_node: int = Field(default=8, ge=1)
+    # DDP's and FSDP's default bucket_cap_mb: gradients are fused and all-reduced in buckets this big.
+    gradient_bucket_bytes: int = Field(default=25 * 2**20, ge=1)
     measured: bool = False
 
     def link(self, intra: bool) -> Link:
@@ -46,12 +45,12 @@ class CommModel(BaseModel):
         return link.latency_s + 2.0 * (group - 1) / group * nbytes / link.bandwidth_Bps
 
     def bucketed_all_reduce(self, nbytes: float, group: int, intra: bool = True) -> float:
-        """A gradient's share of bucketed all-reduces (DDP/FSDP fuse gradients into 25 MiB buckets,
-        PyTorch's default `bucket_cap_mb`): full bandwidth, latency only pro rata to the bucket."""
+        """A gradient's share of bucketed all-reduces (DDP/FSDP fuse gradients into buckets of
+        `gradient_bucket_bytes`): full bandwidth, latency only pro rata to the bucket."""
         if group <= 1 or nbytes <= 0:
             return 0.0
         link = self.link(intra)
-        return link.latency_s * min(1.0, nbytes / GRADIENT_BUCKET_BYTES) + 2.0 * (group - 1) / group * nbytes / link.bandwidth_Bps
+        return link.latency_s * min(1.0, nbytes / self.gradient_bucket_bytes) + 2.0 * (group - 1) / group * nbytes / link.bandwidth_Bps
 
     def all_gather(self, out_bytes: float, group: int, intra: bool = True) -> float:
         """Seconds to all-gather a result of `out_bytes` (per device) over `group` devices."""

@@ -38,8 +38,13 @@ def mesh_plan(mesh: dict[str, int], **fields: object) -> Plan:
 
 
 def planner_plan(devices: int, max_tp: int | None, max_pp: int | None) -> Plan:
-    """What the planner emits for this model on `devices` CPU workers."""
+    """What the planner emits for this model on `devices` CPU workers under the plain CPU
+    roofline: no fitted dispatch overheads, no gradient bucketing. The calibrated model (rightly)
+    avoids tensor parallelism on 2 cores; these tests need the planner's mixed per-op plans."""
     profile = profile_gpt(2, 48, 4, 256, 24, 8, device_kind="cpu")
+    roofline = profile.device.model_copy(update={"op_overhead_s": 0.0, "sharded_op_overhead_s": 0.0})
+    unbucketed = profile.comm.model_copy(update={"gradient_bucket_bytes": 1})
+    profile = profile.model_copy(update={"device": roofline, "comm": unbucketed})
     return plan_model(profile, devices, max_tp=max_tp, max_pp=max_pp, device_kind="cpu")
 
 
