@@ -46,7 +46,7 @@ def plain_loop(spec: JobSpec, device: str) -> list[float]:
     m, train, opt = spec.model, spec.training, spec.optimizer
     torch.manual_seed(train.seed)
     dev = torch.device(device)
-    model = GPT(GPTConfig(m.n_layers, m.d_model, m.n_heads, m.vocab_size, m.seq_len, m.dropout)).to(dev)
+    model = GPT(GPTConfig.of(m)).to(dev)
     optimizer = torch.optim.AdamW(model.parameters(), lr=opt.lr, betas=tuple(opt.betas), weight_decay=opt.weight_decay, fused=dev.type == "cuda")
     step_fn = torch.compile(model) if spec.parallelism.compile else model
     bf16 = spec.parallelism.precision == "bf16"
@@ -83,8 +83,9 @@ def main() -> None:
         trainer_rates = [e["tokens_per_s"] for e in result.steps][WARMUP_STEPS:]
         plain_rates = plain_loop(spec, args.device)
     m = spec.model
-    params = GPT(GPTConfig(m.n_layers, m.d_model, m.n_heads, m.vocab_size, m.seq_len)).num_params()
-    per_token = flops_per_token(GPTConfig(m.n_layers, m.d_model, m.n_heads, m.vocab_size, m.seq_len), params)
+    config = GPTConfig.of(m)
+    params = GPT(config).num_params()
+    per_token = flops_per_token(config, params)
     trainer, plain = statistics.median(trainer_rates), statistics.median(plain_rates)
     report = {
         "benchmark": "gpu_throughput",

@@ -32,7 +32,7 @@ def main() -> None:
         dist.init_process_group("gloo")
     torch.manual_seed(spec.training.seed)
     m = spec.model
-    model = GPT(GPTConfig(m.n_layers, m.d_model, m.n_heads, m.vocab_size, m.seq_len, m.dropout))
+    model = GPT(GPTConfig.of(m))
     ddp = DistributedDataParallel(model) if world > 1 else model
     opt = spec.optimizer
     optimizer = torch.optim.AdamW(model.parameters(), lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps, weight_decay=opt.weight_decay)

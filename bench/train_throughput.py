@@ -20,14 +20,13 @@ import argparse
 import json
 import statistics
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
 from planner.plan import OpPlacement, Plan
 from specs import JobSpec
 from trainer import metrics
-from trainer.launch import launch_workers, worker_env
+from trainer.launch import launch_workers, torchrun_command, worker_env
 
 WARMUP_STEPS = 3  # the first steps pay for allocator growth and DDP bucket rebuilding
 
@@ -83,7 +82,7 @@ def run_trainer(spec: JobSpec, plan: Plan, round_index: int) -> float:
 def run_plain(spec: JobSpec, program: str, devices: int, tmp: Path) -> float:
     spec_file = tmp / "plain-spec.json"
     spec_file.write_text(spec.model_dump_json())
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={devices}", "-m", program, "--spec", str(spec_file)]
+    command = torchrun_command(devices, program, "--spec", str(spec_file))
     done = subprocess.run(command, capture_output=True, text=True, env=worker_env("cpu"), check=True)
     return median_rate([e for line in done.stdout.splitlines() if (e := metrics.parse(line))])
 

@@ -13,7 +13,6 @@ from tasks.plan import plan_parallelism
 from tasks.profile import profile_model
 from tasks.records import SegmentResult, TrainSummary
 from tasks.report import publish_report
-from tasks.segments import resource_segments
 from tasks.validate import validate_spec
 
 
@@ -23,7 +22,7 @@ def train_job(spec: JobSpec) -> TrainSummary:
     spec = validate_spec(spec)
     model = profile_model(spec)
     segments: list[SegmentResult] = []
-    for devices, until_step in resource_segments(spec):
+    for devices, until_step in spec.resource_segments():
         plan = plan_parallelism(spec, model, devices)
         segment = launch_training(spec, plan, until_step)
         segments.append(segment)

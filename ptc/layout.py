@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from math import prod
 
+from ptc.codec import torch_dtype
+
 
 @dataclass(frozen=True, order=True)
 class Slice:
@@ -35,9 +37,7 @@ class TensorLayout:
 
     @property
     def itemsize(self) -> int:
-        return {"float64": 8, "int64": 8, "float32": 4, "int32": 4, "bfloat16": 2, "float16": 2, "int16": 2}.get(
-            self.dtype, 1
-        )
+        return torch_dtype(self.dtype).itemsize
 
 
 @dataclass

@@ -329,6 +329,17 @@ class JobSpec(_Section):
         """The id used in storage paths and event resource ids."""
         return self.name
 
+    def resource_segments(self) -> list[tuple[int, int]]:
+        """The resource schedule as (devices, last step) segments, from the scripted elasticity:
+        workers checkpoint at each segment's last step and the next segment resumes from it."""
+        segments: list[tuple[int, int]] = []
+        devices = self.resources.devices
+        for change in self.elasticity:
+            segments.append((devices, change.at_step))
+            devices = change.devices
+        segments.append((devices, self.training.steps))
+        return segments
+
     @model_validator(mode="before")
     @classmethod
     def _empty_sections_mean_defaults(cls, data: Any) -> Any:

@@ -16,10 +16,9 @@ from tasks.records import ModelSummary
 
 def executable_reasons(spec: JobSpec, plan: Plan) -> list[str]:
     """Why the trainer cannot run `plan` on this model and batch (empty when it can)."""
-    from trainer.mesh import plan_refusals
+    from trainer.mesh import job_plan_refusals
 
-    m = spec.model
-    return plan_refusals(plan, n_layers=m.n_layers, n_heads=m.n_heads, seq_len=m.seq_len, global_batch=spec.training.global_batch)
+    return job_plan_refusals(plan, spec)
 
 
 def choose_plan(spec: JobSpec, searched: Plan, devices: int) -> Plan:

@@ -45,7 +45,7 @@ def exact_parameter_count(spec: JobSpec) -> tuple[int, int]:
 
     from trainer.model import GPT, GPTConfig, flops_per_token
 
-    config = GPTConfig(**{name: getattr(spec.model, name) for name in GPTConfig.__dataclass_fields__})
+    config = GPTConfig.of(spec.model)
     with torch.device("meta"):
         model = GPT(config)
     params = model.num_params()

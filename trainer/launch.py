@@ -18,7 +18,7 @@ from typing import Any
 from planner.plan import Plan
 from specs import JobSpec
 from trainer import metrics
-from trainer.mesh import plan_refusals
+from trainer.mesh import job_plan_refusals
 
 
 class PlanNotExecutable(ValueError):
@@ -48,20 +48,14 @@ class LaunchResult:
         return [e for e in self.events if e["event"] == "checkpoint"]
 
 
+def torchrun_command(devices: int, module: str, *args: str) -> list[str]:
+    """`torchrun` starting `python -m module args` on `devices` local processes."""
+    # --standalone: a private rendezvous on a free local port
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={devices}", "-m", module, *args]
+
+
 def worker_command(devices: int, spec_file: Path, plan_file: Path, until_step: int | None) -> list[str]:
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",  # a private rendezvous on a free local port
-        f"--nproc-per-node={devices}",
-        "-m",
-        "trainer.worker",
-        "--spec",
-        str(spec_file),
-        "--plan",
-        str(plan_file),
-    ]
+    command = torchrun_command(devices, "trainer.worker", "--spec", str(spec_file), "--plan", str(plan_file))
     if until_step is not None:
         command += ["--until-step", str(until_step)]
     return command
@@ -69,7 +63,7 @@ def worker_command(devices: int, spec_file: Path, plan_file: Path, until_step: i
 
 def measure_comm_model(devices: int, kind: str, devices_per_node: int | None = None) -> dict[str, Any]:
     """Run `trainer.measure_comm` on `devices` workers; the fitted model as a JSON dict."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={devices}", "-m", "trainer.measure_comm", "--kind", kind]
+    command = torchrun_command(devices, "trainer.measure_comm", "--kind", kind)
     if devices_per_node:
         command += ["--devices-per-node", str(devices_per_node)]
     done = subprocess.run(command, capture_output=True, text=True, env=worker_env(kind), timeout=600)
@@ -99,8 +93,7 @@ def launch_workers(
     """Run torchrun with `plan.devices` workers until they exit; every output line goes to
     `on_line`, every worker event also to `on_event`. A plan the trainer cannot execute is
     refused here, before any process starts."""
-    m = spec.model
-    refusals = plan_refusals(plan, n_layers=m.n_layers, n_heads=m.n_heads, seq_len=m.seq_len, global_batch=spec.training.global_batch)
+    refusals = job_plan_refusals(plan, spec)
     if refusals:
         raise PlanNotExecutable(f"plan {plan.mesh} cannot run on {spec.job_id}: " + "; ".join(refusals))
     result = LaunchResult(returncode=-1)

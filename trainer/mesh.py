@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from planner.plan import MESH_AXES, Plan
+from specs import JobSpec
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,12 @@ class Coordinates:
         coord = mesh.get_coordinate()
         assert coord is not None, "this rank is not in the mesh"
         return cls(*coord)
+
+
+def job_plan_refusals(plan: Plan, spec: JobSpec) -> list[str]:
+    """`plan_refusals` for the model and batch of a job spec."""
+    m = spec.model
+    return plan_refusals(plan, n_layers=m.n_layers, n_heads=m.n_heads, seq_len=m.seq_len, global_batch=spec.training.global_batch)
 
 
 def plan_refusals(plan: Plan, *, n_layers: int, n_heads: int, seq_len: int, global_batch: int) -> list[str]:

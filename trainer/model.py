@@ -20,6 +20,11 @@ class GPTConfig:
     seq_len: int
     dropout: float = 0.0
 
+    @classmethod
+    def of(cls, fields: object) -> GPTConfig:
+        """The config from anything that carries its fields by name (a spec's `model` section)."""
+        return cls(**{name: getattr(fields, name) for name in cls.__dataclass_fields__})
+
     @property
     def head_dim(self) -> int:
         return self.d_model // self.n_heads

@@ -41,7 +41,7 @@ from trainer.checkpoint import (
 )
 from trainer.control import StopRequests
 from trainer.data import DataPosition, SampleStream, load_tokens, micro_batches, rank_share
-from trainer.mesh import Coordinates, ParallelDims, plan_refusals
+from trainer.mesh import Coordinates, ParallelDims, job_plan_refusals
 from trainer.model import GPT, GPTConfig, flops_per_token, token_loss_sum
 from trainer.parallel import (
     clip_grad_norm_,
@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     spec = JobSpec.model_validate_json(args.spec.read_text())
     plan = executable_plan(Plan.model_validate_json(args.plan.read_text()))
     train, m = spec.training, spec.model
-    refusals = plan_refusals(plan, n_layers=m.n_layers, n_heads=m.n_heads, seq_len=m.seq_len, global_batch=train.global_batch)
+    refusals = job_plan_refusals(plan, spec)
     if refusals:
         raise SystemExit(f"cannot execute plan with mesh {plan.mesh}: " + "; ".join(refusals))
     dims = ParallelDims.from_plan(plan)
@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # model: the same seed on every rank gives the same initial weights
     torch.manual_seed(train.seed)
-    config = GPTConfig(**{name: getattr(m, name) for name in GPTConfig.__dataclass_fields__})
+    config = GPTConfig.of(m)
     model = GPT(config).to(device)
     n_params = model.num_params()
     choices, _ = plan_to_tp(plan, m.n_layers)
