@@ -21,13 +21,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from ptc import Layout, Slice, assemble_region, bytes_to_tensor, dtype_name, intersect, tensor_to_bytes
 from ptc.codec import torch_dtype
 from ptc.dtensor import Holdings, holdings, layout_from_holdings, local_box, local_data
 from ptc.layout import data_parallel_layout
 from storage import CheckpointStore, Manifest, ObjectRecord, SliceKey, SliceRecord, StorageError, TensorRecord
+from trainer.optim import LocalShardAdamW
 
 log = logging.getLogger("parashift.checkpoint")
 
@@ -43,15 +43,11 @@ def _rng_state_names(rank: int, device: torch.device) -> dict[str, torch.Tensor]
     return states
 
 
-def collect_state(model: nn.Module, optimizer: torch.optim.Optimizer, rank: int, device: torch.device) -> dict[str, torch.Tensor]:
+def collect_state(model: nn.Module, optimizer: LocalShardAdamW, rank: int, device: torch.device) -> dict[str, torch.Tensor]:
     """The training state as named global tensors: whole tensors, or DTensors whose local
     shard is this rank's box."""
-    names = {param: name for name, param in model.named_parameters()}
     state: dict[str, torch.Tensor] = {f"model/{name}": p.detach() for name, p in model.named_parameters()}
-    for param, param_state in optimizer.state.items():
-        for key, value in param_state.items():
-            if torch.is_tensor(value):
-                state[f"optim/{names[param]}/{key}"] = value.detach()
+    state.update({f"optim/{key}": value for key, value in optimizer.state_tensors().items()})
     state.update(_rng_state_names(rank, device))
     return state
 
@@ -238,31 +234,13 @@ def restore_latest(store: CheckpointStore, rank: int, world_size: int, own: Hold
     return None
 
 
-def _like(value: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
-    """A restored box of optimizer state as its parameter holds it: a DTensor shard for a
-    DTensor parameter (scalars such as Adam's step stay plain)."""
-    if isinstance(param, DTensor) and value.dim() > 0:
-        return DTensor.from_local(value.to(param.device), param.device_mesh, param.placements, run_check=False,
-                                  shape=param.shape, stride=param.stride())
-    return value
-
-
-def apply_state(restored: Restored, model: nn.Module, optimizer: torch.optim.Optimizer, rank: int, device: torch.device) -> None:
+def apply_state(restored: Restored, model: nn.Module, optimizer: LocalShardAdamW, rank: int, device: torch.device) -> None:
     """Copy restored tensors (this rank's boxes) into the live model, optimizer and RNGs."""
     tensors = restored.tensors
-    params = dict(model.named_parameters())
     with torch.no_grad():
-        for name, param in params.items():
+        for name, param in model.named_parameters():
             local_data(param).copy_(tensors[f"model/{name}"])
-    state_dict = optimizer.state_dict()
-    index = {name: i for i, name in enumerate(n for group in optimizer.param_groups for n in _group_names(group, params))}
-    opt_state: dict[int, dict[str, torch.Tensor]] = {}
-    for key, value in tensors.items():
-        if key.startswith("optim/"):
-            pname, skey = key[len("optim/") :].rsplit("/", 1)
-            opt_state.setdefault(index[pname], {})[skey] = _like(value, params[pname])
-    state_dict["state"] = opt_state
-    optimizer.load_state_dict(state_dict)
+    optimizer.load_state_tensors({k[len("optim/") :]: v for k, v in tensors.items() if k.startswith("optim/")})
     cpu_rng = tensors.get(f"rng/rank{rank:05d}/cpu")
     if cpu_rng is not None:
         torch.set_rng_state(cpu_rng)
@@ -270,7 +248,3 @@ def apply_state(restored: Restored, model: nn.Module, optimizer: torch.optim.Opt
     if cuda_rng is not None and device.type == "cuda":
         torch.cuda.set_rng_state(cuda_rng, device)
 
-
-def _group_names(group: dict[str, Any], params: dict[str, nn.Parameter]) -> list[str]:
-    by_id = {id(p): n for n, p in params.items()}
-    return [by_id[id(p)] for p in group["params"]]

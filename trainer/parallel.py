@@ -44,6 +44,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from planner.plan import Plan
+from trainer.tp_styles import LocalColwiseParallel, LocalRowwiseParallel, RegionEntry
 
 
 @dataclass(frozen=True)
@@ -155,12 +156,10 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, choices: TPChoices) -> None:
             ("attn", ("q_proj", "k_proj", "v_proj"), "out_proj", i in choices.attention),
             ("mlp", ("up_proj",), "down_proj", i in choices.mlp),
         ):
-            if megatron:
-                # The region's input enters as one replicated DTensor, so the partial input
-                # gradients of q, k and v add up before a single all-reduce.
-                plan[p + region] = PrepareModuleInput(input_layouts=(stream,), desired_input_layouts=(Replicate(),))
-                plan.update({p + f"{region}.{name}": ColwiseParallel() for name in first})
-                plan[p + f"{region}.{second}"] = RowwiseParallel(output_layouts=stream)
+            if megatron:  # trainer.tp_styles: Megatron's f and g, matmuls on local shards
+                plan[p + region] = RegionEntry(stream)
+                plan.update({p + f"{region}.{name}": LocalColwiseParallel() for name in first})
+                plan[p + f"{region}.{second}"] = LocalRowwiseParallel(stream)
             elif choices.sequence:
                 plan[p + region] = ReplicatedRegion()
     if getattr(model, "lm_head", None) is not None:

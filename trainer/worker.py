@@ -43,6 +43,7 @@ from trainer.control import StopRequests
 from trainer.data import DataPosition, SampleStream, load_tokens, micro_batches, rank_share
 from trainer.mesh import Coordinates, ParallelDims, job_plan_refusals
 from trainer.model import GPT, GPTConfig, flops_per_token, token_loss_sum
+from trainer.optim import LocalShardAdamW
 from trainer.parallel import (
     clip_grad_norm_,
     executable_plan,
@@ -80,23 +81,6 @@ def init_distributed(kind: str) -> tuple[int, int, torch.device]:
     if world_size > 1:
         dist.init_process_group(backend="nccl" if kind == "cuda" else "gloo", device_id=device if kind == "cuda" else None)
     return rank, world_size, device
-
-
-def build_optimizer(model: torch.nn.Module, spec: JobSpec, device: torch.device, sharded: bool = False) -> torch.optim.AdamW:
-    """AdamW with weight decay on matrices only (nanoGPT's split: not on biases, norms).
-    `sharded`: parameters are DTensors on several meshes (or mixed with plain tensors), which
-    the multi-tensor kernels cannot group, so each parameter is stepped alone."""
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
-    opt = spec.optimizer
-    return torch.optim.AdamW(
-        [{"params": decay, "weight_decay": opt.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=opt.lr,
-        betas=tuple(opt.betas),
-        eps=opt.eps,
-        fused=device.type == "cuda" and not sharded,
-        foreach=False if sharded else None,
-    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -137,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     else:  # this rank's stage (the whole model without pp), then the Plan applied to it
         module = build_stage(model, plan, coords.pp_rank) if dims.pp > 1 else model
         runnable = parallelize(module, plan, mesh, choices, compile=spec.parallelism.compile)
-    optimizer = build_optimizer(module, spec, device, sharded=mesh is not None)
+    optimizer = LocalShardAdamW(module, spec, device)
     torch.manual_seed(train.seed + 1 + rank)  # per-rank stream for dropout
 
     # restore: this rank's boxes under this plan, from whatever plan saved the checkpoint
@@ -233,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
                 params = list(module.parameters())
                 clip_grad_norm_(params, spec.optimizer.grad_clip, {"dp": coords.dp_rank, "tp": coords.tp_rank})
         optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        optimizer.zero_grad()
         step += 1
         position = DataPosition(position.samples_consumed + train.global_batch)
 
