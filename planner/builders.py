@@ -33,22 +33,36 @@ class GraphBuilder:
         return Graph(name=self.name, ops=self.ops, edges=self.edges, **fields)
 
 
-def _layer_norm(g: GraphBuilder, name: str, src: str, b: int, s: int, d: int, block: str | None) -> str:
+def _layer_norm(g: GraphBuilder, name: str, src: str, b: int, s: int, d: int, block: str | None,
+                **tp: object) -> str:
     # Statistics run over d: splitting d needs an extra all-reduce the trainer's styles do not
     # implement (Megatron splits s instead: sequence parallel), so d is `nosplit`.
     return g.add(name, {"b": b, "s": s, "d": d}, ("b", "s", "d"), srcs=(src,), inputs=(("b", "s", "d"),),
-                 kind="norm", nosplit=("d",), params=(("d",), ("d",)), flops=8.0 * b * s * d, block=block)
+                 kind="norm", nosplit=("d",), params=(("d",), ("d",)), flops=8.0 * b * s * d, block=block, **tp)
 
 
-def _add(g: GraphBuilder, name: str, x: str, y: str, b: int, s: int, d: int, block: str | None) -> str:
+def _add(g: GraphBuilder, name: str, x: str, y: str, b: int, s: int, d: int, block: str | None,
+         **tp: object) -> str:
     bsd = ("b", "s", "d")
     return g.add(name, {"b": b, "s": s, "d": d}, bsd, srcs=(x, y), inputs=(bsd, bsd), kind="elementwise",
-                 flops=1.0 * b * s * d, block=block)
+                 flops=1.0 * b * s * d, block=block, **tp)
+
+
+# What the trainer executes over "tp" (trainer/parallel.py `plan_to_tp`), as gpt_graph declares
+# it: norms and residual adds split s (sequence parallel), all of them or none; per layer,
+# attention (qkv, attn, proj) splits heads and the MLP (fc1, fc2) the hidden dim, each region
+# all or none; the embedding, head and loss split the vocabulary, the loss only if the head does.
+SEQUENCE = {"tp_dims": ("s",), "tp_group": "sequence"}
 
 
 def gpt_graph(n_layers: int, d_model: int, n_heads: int, vocab_size: int, seq_len: int, batch: int,
               ff_mult: int = 4) -> Graph:
-    """A GPT-2/3 style decoder at module level: 10 ops per layer, plus embedding, head and loss."""
+    """A GPT-2/3 style decoder at module level: 10 ops per layer, plus embedding, head and loss.
+
+    Ops declare the layouts the trainer executes over "tp" (`SEQUENCE` above; planner/graph.py
+    `tp_dims`, `tp_group`, `tp_needs`), so the planner searches only those: the batch is never
+    split over "tp" (that plan is the dp x tp data-parallel mesh, searched as such).
+    """
     b, s, d, v, h = batch, seq_len, d_model, vocab_size, n_heads
     if d % h:
         raise ValueError(f"n_heads {h} must divide d_model {d}")
@@ -56,37 +70,40 @@ def gpt_graph(n_layers: int, d_model: int, n_heads: int, vocab_size: int, seq_le
     g = GraphBuilder(f"gpt-{n_layers}x{d}")
     # Token ids select rows of the (v, d) table: vocab parallel splits v (Partial, then all-reduce).
     x = g.add("embed", {"b": b, "s": s, "v": v, "d": d}, ("b", "s", "d"), inputs=(("b", "s"),), kind="embedding",
-              reduce=("v",), params=(("v", "d"),), flops=2.0 * b * s * d, tp_dim="v")
+              reduce=("v",), params=(("v", "d"),), flops=2.0 * b * s * d, tp_dim="v", tp_dims=("v",))
     for i in range(n_layers):
         blk = f"layer{i}"
         p = f"l{i}."
-        ln1 = _layer_norm(g, p + "ln1", x, b, s, d, blk)
+        attention = {"tp_dims": ("h",), "tp_group": p + "attention"}
+        mlp = {"tp_dims": ("f",), "tp_group": p + "mlp"}
+        ln1 = _layer_norm(g, p + "ln1", x, b, s, d, blk, **SEQUENCE)
         qkv = g.add(p + "qkv", {"b": b, "s": s, "d": d, "h": h, "q": 3 * e}, ("b", "s", "h", "q"), srcs=(ln1,),
                     inputs=(("b", "s", "d"),), kind="matmul", reduce=("d",), params=(("d", "h", "q"),),
-                    flops=2.0 * b * s * d * 3 * d, block=blk, tp_dim="h")
+                    flops=2.0 * b * s * d * 3 * d, block=blk, tp_dim="h", **attention)
         # Fused causal attention (SDPA): heads and batch split freely; s needs context parallelism
         # (not implemented by the trainer) and q/e are the packed q,k,v and head dims.
         att = g.add(p + "attn", {"b": b, "s": s, "h": h, "q": 3 * e, "e": e}, ("b", "s", "h", "e"), srcs=(qkv,),
                     inputs=(("b", "s", "h", "q"),), kind="attention", nosplit=("s", "q", "e"),
-                    flops=4.0 * b * h * s * s * e, block=blk, tp_dim="h")
+                    flops=4.0 * b * h * s * s * e, block=blk, tp_dim="h", **attention)
         proj = g.add(p + "proj", {"b": b, "s": s, "h": h, "e": e, "d": d}, ("b", "s", "d"), srcs=(att,),
                      inputs=(("b", "s", "h", "e"),), kind="matmul", reduce=("h", "e"), params=(("h", "e", "d"),),
-                     flops=2.0 * b * s * d * d, block=blk, tp_dim="h")
-        add1 = _add(g, p + "add1", x, proj, b, s, d, blk)
-        ln2 = _layer_norm(g, p + "ln2", add1, b, s, d, blk)
+                     flops=2.0 * b * s * d * d, block=blk, tp_dim="h", **attention)
+        add1 = _add(g, p + "add1", x, proj, b, s, d, blk, **SEQUENCE)
+        ln2 = _layer_norm(g, p + "ln2", add1, b, s, d, blk, **SEQUENCE)
         fc1 = g.add(p + "fc1", {"b": b, "s": s, "d": d, "f": f}, ("b", "s", "f"), srcs=(ln2,),
                     inputs=(("b", "s", "d"),), kind="matmul", reduce=("d",), params=(("d", "f"),),
-                    flops=2.0 * b * s * d * f, block=blk, tp_dim="f")  # GELU fused
+                    flops=2.0 * b * s * d * f, block=blk, tp_dim="f", **mlp)  # GELU fused
         fc2 = g.add(p + "fc2", {"b": b, "s": s, "f": f, "d": d}, ("b", "s", "d"), srcs=(fc1,),
                     inputs=(("b", "s", "f"),), kind="matmul", reduce=("f",), params=(("f", "d"),),
-                    flops=2.0 * b * s * d * f, block=blk, tp_dim="f")
-        x = _add(g, p + "add2", add1, fc2, b, s, d, blk)
-    lnf = _layer_norm(g, "ln_f", x, b, s, d, None)
+                    flops=2.0 * b * s * d * f, block=blk, tp_dim="f", **mlp)
+        x = _add(g, p + "add2", add1, fc2, b, s, d, blk, **SEQUENCE)
+    lnf = _layer_norm(g, "ln_f", x, b, s, d, None, **SEQUENCE)
     head = g.add("head", {"b": b, "s": s, "d": d, "v": v}, ("b", "s", "v"), srcs=(lnf,), inputs=(("b", "s", "d"),),
-                 kind="matmul", reduce=("d",), params=(("d", "v"),), flops=2.0 * b * s * d * v, tp_dim="v")
+                 kind="matmul", reduce=("d",), params=(("d", "v"),), flops=2.0 * b * s * d * v, tp_dim="v",
+                 tp_dims=("v",), tp_group="head")
     # Cross entropy over v: split v is torch's loss_parallel (an all-reduce of per-token stats).
     g.add("loss", {"b": b, "s": s, "v": v}, ("b", "s"), srcs=(head,), inputs=(("b", "s", "v"),), kind="loss",
-          reduce=("v",), flops=5.0 * b * s * v, tp_dim="v")
+          reduce=("v",), flops=5.0 * b * s * v, tp_dim="v", tp_dims=("v",), tp_needs="head")
     return g.build()
 
 

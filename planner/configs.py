@@ -10,6 +10,10 @@ Two spaces share one representation (per op dim, the tuple of mesh-axis indices 
 - *counts* (PaSE's space, for its benchmark): any per-dim split counts whose product divides p;
   the mesh is p's prime factors and layouts are assumed aligned, as PaSE's cost model does.
 
+On a mesh, ops may restrict what the "tp" axis splits (`Op.tp_dims`, `Op.tp_required`,
+planner/graph.py): configurations outside that are never generated. The counts space has no
+"tp" axis and ignores these fields.
+
 Uneven splits are pruned: DTensor can shard unevenly, but the cost model assumes equal blocks
 and sequence parallelism crashes on uneven sequence splits (FACTS.md).
 """
@@ -22,6 +26,9 @@ from itertools import product
 from math import prod
 
 from planner.graph import Op
+
+# The mesh axis that op-level tp restrictions (`Op.tp_dims`, tie groups) speak about.
+TP = "tp"
 
 
 @dataclass(frozen=True)
@@ -108,13 +115,36 @@ def _splittable(op: Op) -> list[int]:
     return [i for i, d in enumerate(op.dims) if d not in op.nosplit and op.dims[d] > 1]
 
 
+def axis_targets(op: Op, mesh: Mesh, name: str) -> list[int | None]:
+    """What mesh axis `name` may split in `op`: dim indices, None for nothing (replicated).
+
+    "dp"-like axes (`mesh.batch_only`) split only the batch dim. The axis named "tp" splits
+    only the op's `tp_dims` (when declared), and must split one when `tp_required`.
+    """
+    names = list(op.dims)
+    dims = _splittable(op)
+    if name in mesh.batch_only:
+        dims = [i for i in dims if names[i] == mesh.batch_dim]
+    elif name == TP and op.tp_dims is not None:
+        dims = [i for i in dims if names[i] in op.tp_dims]
+    return dims if name == TP and op.tp_required else [None, *dims]
+
+
+def splits_on(config: Config, axis: int) -> bool:
+    """Whether the configuration splits some dim over mesh axis index `axis`."""
+    return any(axis in ax for ax in config.axes)
+
+
 def mesh_configs(op: Op, mesh: Mesh) -> list[Config]:
-    """Each assignment of each mesh axis to one splittable dim (or none), keeping even splits."""
+    """Each assignment of each mesh axis to one allowed dim (or none), keeping even splits.
+
+    Axes may split only what `axis_targets` allows: the restriction is applied here, at
+    generation, so the search never sees a layout the op does not declare. A `tp_required` op
+    with no even split over "tp" has no configuration at all (the caller avoids that state).
+    """
     sizes = list(op.dims.values())
-    targets = [None, *_splittable(op)]
-    batch = [None, *(i for i in _splittable(op) if list(op.dims)[i] == mesh.batch_dim)]
     out = []
-    for choice in product(*(batch if n in mesh.batch_only else targets for n in mesh.names)):
+    for choice in product(*(axis_targets(op, mesh, n) for n in mesh.names)):
         axes: list[list[int]] = [[] for _ in sizes]
         for a, dim in enumerate(choice):
             if dim is not None:

@@ -24,13 +24,32 @@ JSON format (what `parashift plan --graph FILE.json` reads; `graph_to_json` writ
          "params": [["d", "f"]],                              # weight tensors, axes as dims
          "flops": 2.0e9,                                      # forward FLOPs of the whole op
          "block": "layer0",                                   # optional: repeated-block instance
-         "tp_dim": "f"}                                       # optional: dim Megatron splits
+         "tp_dim": "f",                                       # optional: dim Megatron splits
+         "tp_dims": ["f"],                                    # optional: dims "tp" may split
+         "tp_group": "layer0.mlp",                            # optional: tie group on "tp"
+         "tp_needs": null,                                    # optional: group it depends on
+         "tp_required": false}                                # optional: must split over "tp"
       ],
       "edges": [{"src": "ln2", "dst": "fc1", "slot": 0}]    # src's output is dst's input[slot]
     }
 
 An edge maps the producer's output axes positionally onto the consumer's input axes; their
 sizes must agree. Ops with an input slot and no edge read graph inputs (token ids, images).
+
+What the "tp" mesh axis may do (for a trainer that implements only some layouts; all optional,
+and a graph without them is searched over every layout, as PaSE does):
+
+- `tp_dims`: the dims "tp" may split (one of them, or none: replicated over tp). null: any dim;
+  []: none. "dp" splits only `batch_dim` whatever this says (planner/configs.py).
+- `tp_group`: a tie group. In a plan either every op of the group splits one of its `tp_dims`
+  over "tp", or none does (the group is *on* or *off*).
+- `tp_needs`: a group name; the op may split over "tp" only if that group is on (a vocab-parallel
+  loss needs a vocab-parallel head). A group with no op in the graph constrains nothing.
+- `tp_required`: the op must split one of its `tp_dims` over "tp" when the mesh has a "tp" axis
+  (the search sets it to fix a group on, planner/search.py `TieVariants`; a graph that sets it
+  itself must split evenly on every mesh with a "tp" axis, else the op has no configuration).
+
+These apply to named meshes (planner/configs.py `named_mesh`); PaSE's counts space ignores them.
 """
 
 from __future__ import annotations
@@ -62,6 +81,10 @@ class Op(BaseModel):
     flops: float = 0.0
     block: str | None = None
     tp_dim: str | None = None
+    tp_dims: tuple[str, ...] | None = None
+    tp_group: str | None = None
+    tp_needs: str | None = None
+    tp_required: bool = False
 
     @model_validator(mode="after")
     def _tensors_use_own_dims(self) -> Op:
@@ -74,6 +97,10 @@ class Op(BaseModel):
             raise ValueError(f"op {self.name}: a reduced dim cannot appear in the output")
         if self.tp_dim is not None and self.tp_dim not in known:
             raise ValueError(f"op {self.name}: tp_dim {self.tp_dim!r} is not one of its dims")
+        if self.tp_dims is not None and set(self.tp_dims) - known:
+            raise ValueError(f"op {self.name}: tp_dims {sorted(set(self.tp_dims) - known)} not in its iteration space")
+        if self.tp_required and self.tp_dims == ():
+            raise ValueError(f"op {self.name}: tp_required with no tp_dims to split")
         return self
 
     def numel(self, dims: Iterable[str]) -> int:
@@ -85,8 +112,11 @@ class Op(BaseModel):
         return sum(self.numel(p) for p in self.params)
 
     def signature(self) -> str:
-        """Everything the cost model reads, without the name: equal signatures cost the same."""
-        body = self.model_dump(exclude={"name", "block"})
+        """Everything the cost model reads, without the name: equal signatures cost the same.
+
+        Tie groups (`tp_group`, `tp_needs`) are left out: they constrain combinations of ops,
+        not one op's costs, and names differ per layer (planner/problem.py `tie_factors`)."""
+        body = self.model_dump(exclude={"name", "block", "tp_group", "tp_needs"})
         return hashlib.sha1(json.dumps(body, sort_keys=True).encode()).hexdigest()
 
 
@@ -158,6 +188,63 @@ class Graph(BaseModel):
             return op
         return op.model_copy(update={"dims": {d: (batch if d == self.batch_dim else n) for d, n in op.dims.items()},
                                      "flops": op.flops * batch / op.dims[self.batch_dim]})
+
+    def tp_groups(self) -> dict[str, list[str]]:
+        """Tie group -> the names of its ops, in op order."""
+        out: dict[str, list[str]] = {}
+        for op in self.ops:
+            if op.tp_group is not None:
+                out.setdefault(op.tp_group, []).append(op.name)
+        return out
+
+    def anchor_blocks(self) -> dict[str, str | None]:
+        """Op name -> the block it travels with when blocks are cut into pipeline stages: its
+        own, else the last block before it, else the first block (as planner/pipeline.py
+        `_stage_ops` assigns ops to stages). None only in a graph without blocks."""
+        current = next((op.block for op in self.ops if op.block is not None), None)
+        out = {}
+        for op in self.ops:
+            current = op.block if op.block is not None else current
+            out[op.name] = current
+        return out
+
+    def spanning_tp_groups(self) -> list[str]:
+        """Tie groups whose ops, or the ops that need them (`tp_needs`), travel with different
+        blocks, so a stage split may separate them; in order of first appearance."""
+        anchor = self.anchor_blocks()
+        seen: dict[str, set[str | None]] = {}
+        for op in self.ops:
+            for group in (op.tp_group, op.tp_needs):
+                if group is not None:
+                    seen.setdefault(group, set()).add(anchor[op.name])
+        groups = self.tp_groups()
+        return [g for g in groups if len(seen[g]) > 1]
+
+    def with_tp_states(self, states: dict[str, bool]) -> Graph:
+        """The graph with the tie groups in `states` fixed on (True) or off (False).
+
+        Off: the group's ops, and the ops that need the group, split nothing over "tp"
+        (`tp_dims` = ()). On: the group's ops must split one of their `tp_dims`
+        (`tp_required`), and the ops needing it are free. Fixed groups are dissolved
+        (`tp_group` / `tp_needs` cleared), so no tie remains to enforce between them.
+        """
+        if not states:
+            return self
+        ops = []
+        for op in self.ops:
+            update: dict[str, object] = {}
+            if op.tp_group in states:
+                update["tp_group"] = None
+                if states[op.tp_group]:
+                    update["tp_required"] = True
+                else:
+                    update["tp_dims"] = ()
+            if op.tp_needs in states:
+                update["tp_needs"] = None
+                if not states[op.tp_needs]:
+                    update["tp_dims"] = ()
+            ops.append(op.model_copy(update=update) if update else op)
+        return self.model_copy(update={"ops": ops})
 
     def subgraph(self, names: Iterable[str]) -> Graph:
         """The ops named, and the edges between them (inputs from outside become graph inputs)."""

@@ -18,9 +18,11 @@ stage-boundary transfer, all valid because every cost term is non-negative:
 3. while finishing a candidate's bisections, each finished stage's time plus the boundary.
 
 Memoisation: a context (mesh, micro-batch count) builds its micro-batch graph and cost tables
-once, and solves each distinct stage (same ops and edges up to names) once, whichever split
-it comes from; stage splits and their keys are computed once per pipeline depth, on the full
-graph, independent of mesh and micro-batch size.
+once, and solves each distinct stage (same ops, edges and tie structure up to names) once,
+whichever split it comes from; stage splits and their keys are computed once per pipeline depth
+and tie state (`search.TieVariants`: pipelined candidates are enumerated once per on/off state
+of the tie groups a stage split can cut, as the plain enumeration does), independent of mesh and
+micro-batch size.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from planner.graph import Graph, Op
 from planner.pipeline import _stage_ops, block_order, micro_batch_options, stage_splits
 from planner.problem import UNPIPELINED, Weights
 from planner.profile import ModelProfile
-from planner.search import Candidate, Method, StageResult, StageSolver, mesh_degrees
+from planner.search import Candidate, Method, StageResult, StageSolver, TieVariants, mesh_degrees
 
 # Relative slack on the incumbent: bounds and times are sums in different orders.
 EPS = 1e-9
@@ -59,6 +61,18 @@ def _sig_counts(names: list[str], sig: dict[str, str]) -> tuple[tuple[str, int],
     return tuple(out.items())
 
 
+def _tie_key(g: Graph, names: list[str]) -> tuple:
+    """A stage's tie structure up to names: per op, its group and the group it needs, numbered
+    by first appearance in the stage (signatures leave ties out, planner/graph.py)."""
+    ops = {op.name: op for op in g.ops}
+    label: dict[str, int] = {}
+    out = []
+    for n in names:
+        op = ops[n]
+        out.append(tuple(label.setdefault(x, len(label)) if x is not None else -1 for x in (op.tp_group, op.tp_needs)))
+    return tuple(out) if label else ()
+
+
 def _layouts(g: Graph, blocks: list[str], pp: int, sig: dict[str, str]) -> list[_Layout]:
     out = []
     for counts in stage_splits(len(blocks), pp):
@@ -72,7 +86,8 @@ def _layouts(g: Graph, blocks: list[str], pp: int, sig: dict[str, str]) -> list[
                 inner[where[e.dst]].append((pos[e.src], pos[e.dst], e.slot))
             else:
                 crossing.append(e.src)
-        keys = [(tuple(sig[n] for n in stage), tuple(edges)) for stage, edges in zip(names, inner, strict=True)]
+        keys = [(tuple(sig[n] for n in stage), tuple(edges), _tie_key(g, stage))
+                for stage, edges in zip(names, inner, strict=True)]
         out.append(_Layout(counts, names, keys, [_sig_counts(n, sig) for n in names], crossing))
     return out
 
@@ -104,9 +119,8 @@ class _Context:
     """One mesh and micro-batch size (None: the full batch): cost tables, distinct stages, and
     the resized graph, built only when a stage is solved."""
 
-    def __init__(self, profile: ModelProfile, dp: int, tp: int, size: int | None, w: Weights,
+    def __init__(self, profile: ModelProfile, g: Graph, dp: int, tp: int, size: int | None, w: Weights,
                  limit: float | None, method: Method, sig: dict[str, str]) -> None:
-        g = profile.graph
         mesh = named_mesh(dp, tp, profile.comm.devices_per_node, g.batch_dim)
         self.base, self.size, self.w, self.limit, self.method, self.sig = g, size, w, limit, method, sig
         self.ops = _Resized(g, size)
@@ -172,6 +186,7 @@ class _Spec:
     boundary: float
     layout: _Layout | None = None  # None: the unpipelined single stage
     cond: _Spec | None = None  # pp = 1 accumulation: only when the single stage does not fit
+    tie_note: str | None = None  # the tie groups fixed for this candidate (search.TieVariants)
     lb: float = 0.0
     fits: bool | None = None  # known once evaluated (single stages)
     done: bool = False
@@ -185,6 +200,13 @@ class _Spec:
         self.distinct = list(seen.values())
         self.lb = max(st.lb for st in self.distinct) + self.boundary
 
+    def notes(self) -> list[str]:
+        """The candidate's notes, as planner.pipeline.pipelined and search.candidates write them."""
+        if self.layout is None:
+            return []
+        note = f"stages of {self.layout.counts} blocks, {self.m} micro-batches (1F1B)"
+        return [note, self.tie_note] if self.tie_note else [note]
+
 
 def _enumerate(profile: ModelProfile, devices: int, limit: float | None, max_tp: int | None, max_pp: int | None,
                method: Method) -> list[_Spec]:
@@ -192,14 +214,16 @@ def _enumerate(profile: ModelProfile, devices: int, limit: float | None, max_tp:
     g = profile.graph
     sig = {op.name: op.signature() for op in g.ops}
     blocks = block_order(g)
-    layouts: dict[int, list[_Layout]] = {}
+    ties = TieVariants(g)
+    sigs: dict[int, dict[str, str]] = {id(g): sig}  # per variant graph
+    layouts: dict[tuple[int, int], list[_Layout]] = {}
     specs: list[_Spec] = []
     for pp, dp_, tp in mesh_degrees(devices, max_tp, max_pp):
         if limit is not None and g.n_params * g.param_state_bytes / (tp * pp) > limit:
             continue
         single = None
         if pp == 1:
-            ctx = _Context(profile, dp_, tp, None, UNPIPELINED, limit, method, sig)
+            ctx = _Context(profile, g, dp_, tp, None, UNPIPELINED, limit, method, sig)
             names = [op.name for op in g.ops]
             stage = ctx.stage(("single",), names, _sig_counts(names, sig))
             single = _Spec(len(specs), 1, dp_, tp, 1, ctx, [stage], 0.0)
@@ -209,23 +233,27 @@ def _enumerate(profile: ModelProfile, devices: int, limit: float | None, max_tp:
             continue
         batch = g.ops[0].dims[g.batch_dim]
         intra = dp_ * tp * 2 <= profile.comm.devices_per_node
-        if pp not in layouts:
-            layouts[pp] = _layouts(g, blocks, pp, sig)
-        for m in micro_batch_options(batch, pp, dp_):
-            if pp == 1 and m == 1:
-                continue  # the unpipelined search covers it
-            w = Weights(weight=float(m + pp - 1), inflight=float(min(m, pp)))
-            ctx = _Context(profile, dp_, tp, batch // m, w, limit, method, sig)
-            for lay in layouts[pp]:
-                stages = [ctx.stage(*x) for x in zip(lay.keys, lay.names, lay.sig_counts, strict=True)]
-                # As planner.pipeline._boundary_s: the largest crossing activation, point to point.
-                worst = 0.0
-                for src in lay.crossing:
-                    op = ctx.ops[src]
-                    worst = max(worst, float(op.numel(op.output) * g.act_bytes))
-                send = profile.comm.transfer(worst, intra) if worst else 0.0
-                boundary = send / dp_ * 2.0 * (m + pp - 1)
-                specs.append(_Spec(len(specs), pp, dp_, tp, m, ctx, stages, boundary, lay, single))
+        for gv, note in ties.for_mesh(pp, dp_, tp, profile.comm.devices_per_node):
+            if id(gv) not in sigs:
+                sigs[id(gv)] = {op.name: op.signature() for op in gv.ops}
+            sv = sigs[id(gv)]
+            if (pp, id(gv)) not in layouts:
+                layouts[pp, id(gv)] = _layouts(gv, blocks, pp, sv)
+            for m in micro_batch_options(batch, pp, dp_):
+                if pp == 1 and m == 1:
+                    continue  # the unpipelined search covers it
+                w = Weights(weight=float(m + pp - 1), inflight=float(min(m, pp)))
+                ctx = _Context(profile, gv, dp_, tp, batch // m, w, limit, method, sv)
+                for lay in layouts[pp, id(gv)]:
+                    stages = [ctx.stage(*x) for x in zip(lay.keys, lay.names, lay.sig_counts, strict=True)]
+                    # As planner.pipeline._boundary_s: the largest crossing activation, point to point.
+                    worst = 0.0
+                    for src in lay.crossing:
+                        op = ctx.ops[src]
+                        worst = max(worst, float(op.numel(op.output) * g.act_bytes))
+                    send = profile.comm.transfer(worst, intra) if worst else 0.0
+                    boundary = send / dp_ * 2.0 * (m + pp - 1)
+                    specs.append(_Spec(len(specs), pp, dp_, tp, m, ctx, stages, boundary, lay, single, tie_note=note))
     return specs
 
 
@@ -253,8 +281,7 @@ def _pipelined(spec: _Spec, bound: float) -> Candidate | None:
     time_s = max(r.time_s for r in results) + spec.boundary
     memory = max(r.memory_bytes for r in results)
     name = "pase-dp+pipeline" if ctx.method == "dp" else "exhaustive+pipeline"
-    note = f"stages of {spec.layout.counts} blocks, {spec.m} micro-batches (1F1B)"
-    return Candidate(name, spec.pp, spec.dp, spec.tp, spec.m, results, time_s, memory, [note])
+    return Candidate(name, spec.pp, spec.dp, spec.tp, spec.m, results, time_s, memory, spec.notes())
 
 
 def branch_and_bound(profile: ModelProfile, devices: int, limit: float | None, max_tp: int | None,

@@ -4,6 +4,13 @@ The objective of one stage is its step time plus lambda x its memory per device:
 `weight` evaluations of each op (micro-batches, plus the pipeline bubble) and the weight-gradient
 sync once; memory counts parameter state once and `inflight` micro-batches of activations.
 Lambda = 0 is the plain time minimum; a positive lambda trades time for memory (search.py).
+
+Tie groups (planner/graph.py `Op.tp_group`, `Op.tp_needs`) become pairwise constraint tables
+(0 where a pair of configurations is allowed, +inf where not), added to the same problem: the
+DP is exact for any tables, so its optimum is the exact optimum over the assignments that keep
+every tie. A group's ops are chained by equality tables along the graph's edges between them
+(then between op-order neighbours, where edges leave them apart), which keeps the tables local:
+a layer's attention group adds nothing the layer's edges do not already connect.
 """
 
 from __future__ import annotations
@@ -12,7 +19,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from planner.costs import CostModel
+from planner.configs import TP, splits_on
+from planner.costs import CostModel, OpCost
 from planner.dp import Factor, Problem
 from planner.graph import Graph
 
@@ -28,11 +36,101 @@ class Weights:
 UNPIPELINED = Weights()
 
 
-def build_problem(graph: Graph, costs: CostModel, lam: float = 0.0, w: Weights = UNPIPELINED) -> Problem:
-    """One variable per op (its configuration index); unary and edge tables as factors.
+# How a tied pair of ops (earlier u, later v) may split over "tp": both or neither, or one only
+# if the other does (an op that needs a group, and the group's op it is paired with).
+EQUAL, U_NEEDS_V, V_NEEDS_U = "equal", "u-needs-v", "v-needs-u"
+
+
+def tie_pairs(graph: Graph) -> list[tuple[int, int, str]]:
+    """The constrained op pairs (earlier index, later index, relation) that enforce the graph's
+    ties (`tie_factors`).
+
+    Each group's ops are joined by a spanning forest of the graph's edges between them, then by
+    op-order neighbours from different components; a group with one op gives no pair. An op that
+    needs a group is paired with one of its ops it shares an edge with, else the nearest in op
+    order; a group absent from the graph constrains nothing.
+    """
+    index = graph.index()
+    members: dict[str, list[int]] = {}
+    for v, op in enumerate(graph.ops):
+        if op.tp_group is not None:
+            members.setdefault(op.tp_group, []).append(v)
+    if not members:
+        return []
+    group_of = {v: g for g, vs in members.items() for v in vs}
+    parent = list(range(len(graph.ops)))
+
+    def find(v: int) -> int:
+        while parent[v] != v:
+            parent[v] = parent[parent[v]]
+            v = parent[v]
+        return v
+
+    pairs: list[tuple[int, int, str]] = []
+    linked: dict[int, set[int]] = {}
+    for e in graph.edges:
+        s, d = index[e.src], index[e.dst]
+        linked.setdefault(s, set()).add(d)
+        linked.setdefault(d, set()).add(s)
+        if s in group_of and group_of.get(d) == group_of[s] and find(s) != find(d):
+            parent[find(d)] = find(s)
+            pairs.append((s, d, EQUAL))
+    for vs in members.values():
+        for a, b in zip(vs, vs[1:], strict=False):
+            if find(a) != find(b):
+                parent[find(b)] = find(a)
+                pairs.append((a, b, EQUAL))
+    for v, op in enumerate(graph.ops):
+        vs = members.get(op.tp_needs) if op.tp_needs is not None else None
+        if not vs or v in vs:
+            continue
+        near = [u for u in vs if u in linked.get(v, ())] or vs
+        u = min(near, key=lambda u: (abs(u - v), u))
+        pairs.append((v, u, U_NEEDS_V) if v < u else (u, v, V_NEEDS_U))
+    return sorted(pairs)
+
+
+def tie_factors(graph: Graph, costs: CostModel) -> list[Factor]:
+    """Constraint tables (0 allowed, +inf forbidden) for the graph's tie groups on the "tp" axis.
+
+    Empty when the mesh has no "tp" axis (nothing can split over it, every tie holds) or is
+    PaSE's counts space. Tables depend only on the two ops' configuration lists, so ops of equal
+    signature share them and identical blocks stay identical to the DP.
+    """
+    mesh = costs.mesh
+    if mesh.aligned or TP not in mesh.names:
+        return []
+    pairs = tie_pairs(graph)
+    if not pairs:
+        return []
+    axis = mesh.names.index(TP)
+    on: dict[int, np.ndarray] = {}
+    tables: dict[tuple[int, int, str], np.ndarray] = {}
+
+    def split(c: OpCost) -> np.ndarray:
+        if id(c) not in on:
+            on[id(c)] = np.array([splits_on(cfg, axis) for cfg in c.configs], dtype=bool)
+        return on[id(c)]
+
+    out = []
+    for u, v, relation in pairs:
+        cu, cv = costs.op_cost(graph.ops[u]), costs.op_cost(graph.ops[v])
+        key = (id(cu), id(cv), relation)
+        if key not in tables:
+            a, b = split(cu)[:, None], split(cv)[None, :]
+            bad = {EQUAL: a != b, U_NEEDS_V: a & ~b, V_NEEDS_U: b & ~a}[relation]
+            tables[key] = np.where(bad, np.inf, 0.0)
+        out.append(Factor((u, v), tables[key], owner=graph.ops[v].block))
+    return out
+
+
+def build_problem(graph: Graph, costs: CostModel, lam: float = 0.0, w: Weights = UNPIPELINED,
+                  memory_only: bool = False) -> Problem:
+    """One variable per op (its configuration index); unary, edge and tie tables as factors.
 
     Tables are shared between ops of equal signature (same arrays), which is what lets the DP
-    recognise identical blocks.
+    recognise identical blocks. `memory_only`: the objective is memory alone (no time, no
+    edges), for the least-memory assignment that keeps every tie.
     """
     index = graph.index()
     unary: dict[int, np.ndarray] = {}
@@ -42,10 +140,12 @@ def build_problem(graph: Graph, costs: CostModel, lam: float = 0.0, w: Weights =
     for v, op in enumerate(graph.ops):
         c = costs.op_cost(op)
         if id(c) not in unary:
-            unary[id(c)] = w.weight * (c.compute + c.comm) + c.grad_comm + lam * (c.param_mem + w.inflight * c.act_mem)
+            memory = c.param_mem + w.inflight * c.act_mem
+            unary[id(c)] = memory if memory_only else (
+                w.weight * (c.compute + c.comm) + c.grad_comm + lam * memory)
         factors.append(Factor((v,), unary[id(c)], owner=op.block))
         card.append(len(c.configs))
-    for e in graph.edges:
+    for e in () if memory_only else graph.edges:
         table = costs.edge_cost(e)
         if w.weight != 1.0:
             if id(table) not in scaled:
@@ -53,6 +153,7 @@ def build_problem(graph: Graph, costs: CostModel, lam: float = 0.0, w: Weights =
             table = scaled[id(table)]
         s, d = index[e.src], index[e.dst]
         factors.append(Factor((s, d), table, owner=graph.ops[d].block))
+    factors += tie_factors(graph, costs)
     block_of = {v: op.block for v, op in enumerate(graph.ops) if op.block is not None}
     return Problem(card=card, factors=factors, block_of=block_of)
 

@@ -6,21 +6,32 @@ bound exceeds the fastest fitting one. Inner: the exact per-op DP (dp.py) on eac
 limit: the DP minimises time + lambda x memory, lambda found by doubling then bisection; among
 every solution met (and the baselines) the fastest one that fits wins. The DP is exact for each
 lambda; the constrained choice is exact among those candidates (a Lagrangian relaxation).
+
+Restricted graphs (ops declaring `tp_dims`, tie groups, planner/graph.py; gpt_graph declares
+what the trainer executes): the space searched is exactly the assignments in which every op
+splits over "tp" only what it allows and every tie holds. Per-op restrictions are applied when
+configurations are generated (planner/configs.py); ties are +inf/0 tables in the DP
+(planner/problem.py), so each DP is still the exact optimum of its objective over that space
+(tests/test_planner_ties.py checks it against brute force and against the trainer's own check).
+Pipelines solve stages separately, so tie groups a stage split can cut are fixed on or off per
+candidate (`TieVariants`), every state searched. Graphs that declare nothing are searched as
+before: same configurations, same tables, same plans.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from itertools import product
 from typing import Literal
 
 from planner import dp
 from planner.baselines import baseline_assign, baseline_meshes
-from planner.configs import Mesh, counts_mesh, dtensor_placements, named_mesh
+from planner.configs import Mesh, counts_mesh, dtensor_placements, mesh_configs, named_mesh
 from planner.costs import CostModel
-from planner.graph import Graph
+from planner.graph import Graph, Op
 from planner.plan import OpPlacement, Plan
-from planner.problem import UNPIPELINED, OpBreakdown, Weights, breakdown, build_problem
+from planner.problem import UNPIPELINED, OpBreakdown, Weights, breakdown, build_problem, tie_factors
 from planner.profile import ModelProfile, profile_graph
 
 Method = Literal["dp", "exhaustive"]
@@ -79,7 +90,8 @@ def _result(graph: Graph, costs: CostModel, assign: list[int], w: Weights, lam: 
 class StageSolver:
     """`solve_stage` in steps, so an outer search can stop early (planner/outer.py).
 
-    `floor()`: the least-memory solution (an exact test: memory is a sum of per-op terms);
+    `floor()`: the least-memory solution that keeps the graph's ties (an exact test: memory is a
+    sum of per-op terms; the DP over memory alone when per-op minima break a tie);
     `first()`: the lambda = 0 solution, the fastest with no memory limit (a lower bound on the
     stage time of every solution); `finish()`: the bisection, as `solve_stage` returns it.
     Each step runs once and is kept.
@@ -96,6 +108,11 @@ class StageSolver:
         if self._floor is None:
             g, costs, w = self.graph, self.costs, self.w
             least = [int((c.param_mem + w.inflight * c.act_mem).argmin()) for c in map(costs.op_cost, g.ops)]
+            ties = tie_factors(g, costs)
+            if ties and not math.isfinite(dp.evaluate(dp.Problem([], ties), least)):
+                # Each op's least-memory configuration breaks a tie: the exact least-memory
+                # assignment that keeps them all (memory is a sum of per-op terms, ties pairwise).
+                least = dp.solve(build_problem(g, costs, w=w, memory_only=True))[0]
             self._floor = _result(g, costs, least, w, float("inf"))
         return self._floor
 
@@ -200,6 +217,51 @@ def baselines(profile: ModelProfile, devices: int, max_tp: int | None) -> dict[s
     return out
 
 
+class TieVariants:
+    """The graphs pipelined candidates are searched on: one per on/off state of the tie groups
+    that a stage split may cut (`Graph.spanning_tp_groups`), each with a note naming its state.
+
+    Stages are solved one at a time, so the per-stage DP cannot keep a tie between ops of two
+    stages; fixing those groups beforehand (`Graph.with_tp_states`) and searching every state
+    as its own candidate keeps the search exact. A state is skipped on a mesh where some op it
+    forces on has no even split over "tp" at one of the micro-batch sizes searched (exact for
+    ties whose `tp_dims` do not include the batch dim, as in gpt_graph; otherwise that state is
+    left out on that mesh). Unpipelined candidates (one stage) and meshes without a "tp" axis
+    keep the graph as it is: there every tie is a DP constraint (planner/problem.py).
+    Variant graphs are built once per state.
+    """
+
+    def __init__(self, graph: Graph) -> None:
+        self.graph = graph
+        self.groups = graph.spanning_tp_groups()
+        self._variants: dict[tuple[bool, ...], tuple[Graph, list[Op], str]] = {}
+
+    def _variant(self, bits: tuple[bool, ...]) -> tuple[Graph, list[Op], str]:
+        if bits not in self._variants:
+            states = dict(zip(self.groups, bits, strict=True))
+            g = self.graph.with_tp_states(states)
+            forced = {op.signature(): op for op in g.ops if op.tp_required}
+            note = "tie groups across stages: " + ", ".join(f"{n} {'on' if b else 'off'}" for n, b in states.items())
+            self._variants[bits] = (g, list(forced.values()), note)
+        return self._variants[bits]
+
+    def for_mesh(self, pp: int, dp_: int, tp: int, devices_per_node: int) -> list[tuple[Graph, str | None]]:
+        g = self.graph
+        if pp == 1 or tp == 1 or not self.groups or g.batch_dim not in g.ops[0].dims:
+            return [(g, None)]
+        from planner.pipeline import micro_batch_options
+
+        mesh = named_mesh(dp_, tp, devices_per_node, g.batch_dim)
+        batch = g.ops[0].dims[g.batch_dim]
+        sizes = [batch // m for m in micro_batch_options(batch, pp, dp_)]
+        out: list[tuple[Graph, str | None]] = []
+        for bits in product((False, True), repeat=len(self.groups)):
+            variant, forced, note = self._variant(bits)
+            if all(mesh_configs(variant.op_with_batch(op, n), mesh) for op in forced for n in sizes):
+                out.append((variant, note))
+        return out
+
+
 # Branch and bound over the outer loop (planner/outer.py); False: the plain enumeration below,
 # which visits every candidate (the reference the tests compare the pruned search with).
 PRUNE = True
@@ -221,6 +283,7 @@ def candidates(profile: ModelProfile, devices: int, limit: float | None, max_tp:
     from planner.pipeline import pipelined
 
     g = profile.graph
+    ties = TieVariants(g)
     out = []
     for pp, dp_, tp in mesh_degrees(devices, max_tp, max_pp):
         if limit is not None and g.n_params * g.param_state_bytes / (tp * pp) > limit:
@@ -231,7 +294,12 @@ def candidates(profile: ModelProfile, devices: int, limit: float | None, max_tp:
             if best.fits(limit):
                 continue
         # pp == 1 here: gradient accumulation over micro-batches, to cut activation memory.
-        out.extend(pipelined(profile, pp, dp_, tp, limit, method))
+        for variant, note in ties.for_mesh(pp, dp_, tp, profile.comm.devices_per_node):
+            found = pipelined(profile if variant is g else profile.model_copy(update={"graph": variant}),
+                              pp, dp_, tp, limit, method)
+            for cand in found if note else ():
+                cand.notes.append(note)
+            out.extend(found)
     return out
 
 

@@ -6,7 +6,9 @@ from prefect import task
 from prefect.artifacts import create_table_artifact
 from prefect.logging import get_run_logger
 
+from planner.graph import gpt_graph
 from planner.plan import Plan
+from planner.profile import ModelProfile
 from planner.search import plan_model
 from specs import JobSpec
 from tasks.artifacts import artifact_key
@@ -21,14 +23,28 @@ def executable_reasons(spec: JobSpec, plan: Plan) -> list[str]:
     return job_plan_refusals(plan, spec)
 
 
+def current_graph(spec: JobSpec, profile: ModelProfile) -> ModelProfile:
+    """The profile with the GPT graph this planner builds for the spec. Profiles are cached in
+    storage (tasks/profile.py) and a cached graph may predate what gpt_graph declares (the layouts
+    the trainer executes); the graph is a function of the model and the batch, so rebuild it."""
+    m = spec.model
+    graph = gpt_graph(m.n_layers, m.d_model, m.n_heads, m.vocab_size, m.seq_len, spec.training.global_batch)
+    return profile if graph == profile.graph else profile.model_copy(update={"graph": graph})
+
+
 def choose_plan(spec: JobSpec, searched: Plan, devices: int) -> Plan:
     """The planner's plan when the spec lets it choose and the trainer can run it; data parallel otherwise,
-    carrying the planner's estimates so the artifact shows what was left on the table."""
+    carrying the planner's estimates so the artifact shows what was left on the table.
+
+    The planner searches only layouts the trainer executes (gpt_graph declares them), so its
+    plans for GPT graphs pass `executable_reasons`; the check stays as a safety net against the
+    planner and the trainer drifting apart, and says so when it triggers."""
     if spec.parallelism.strategy == "auto":
         reasons = executable_reasons(spec, searched)
         if not reasons:
             return searched
-        note = f"planner's choice {searched.mesh} is not executable here ({'; '.join(reasons)}): data parallel instead"
+        note = (f"planner's choice {searched.mesh} is refused by the trainer ({'; '.join(reasons)}), although the "
+                "planner searches only executable layouts: planner and trainer disagree (a bug); data parallel instead")
     else:
         note = f"strategy data-parallel; the planner's choice would be {searched.mesh} at {searched.estimated_step_s:.4g} s"
     return Plan.data_parallel(
@@ -43,7 +59,7 @@ def choose_plan(spec: JobSpec, searched: Plan, devices: int) -> Plan:
 def plan_parallelism(spec: JobSpec, model: ModelSummary, devices: int) -> Plan:
     """Search the parallelization for `devices` under the profiled cost model; publish it."""
     logger = get_run_logger()
-    profile = load_profile(spec, model.profile_key)
+    profile = current_graph(spec, load_profile(spec, model.profile_key))
     par = spec.parallelism
     searched = plan_model(profile, devices, None, par.max_tp, par.max_pp, device_kind=spec.resources.kind)
     plan = choose_plan(spec, searched, devices)

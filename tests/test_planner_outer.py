@@ -54,13 +54,15 @@ def test_bounds_never_exceed_the_candidates_they_bound(monkeypatch: pytest.Monke
     prof = profile_graph(gpt_graph(6, 256, 8, 1024, 64, 32), "cuda", devices_per_node=4)
     for p, limit in ((8, None), (8, 40 * 2**20), (16, 20 * 2**20)):
         plain = candidates(prof, p, limit, None, None, "dp", prune=False)
-        times = {(c.pp, c.dp, c.tp, c.micro_batches, c.notes[0] if c.notes else ""): c.time_s for c in plain}
+        # Notes name the stage split and, with tensor parallelism, the state of the tie groups
+        # fixed across stages (search.TieVariants): together with the mesh, a unique key.
+        times = {(c.pp, c.dp, c.tp, c.micro_batches, tuple(c.notes)): c.time_s for c in plain}
+        assert len(times) == len(plain)
         specs = _enumerate(prof, p, limit, None, None, "dp")
         assert len(specs) >= len(plain)
         checked = 0
         for s in specs:
-            note = f"stages of {s.layout.counts} blocks, {s.m} micro-batches (1F1B)" if s.layout else ""
-            t = times.get((s.pp, s.dp, s.tp, s.m, note))
+            t = times.get((s.pp, s.dp, s.tp, s.m, tuple(s.notes())))
             if t is None:
                 continue  # pp = 1 accumulation, not searched when the single stage fits
             first = max(st.solver.first().time_s for st in s.distinct) + s.boundary
