@@ -59,6 +59,17 @@ def attention_only_tp(mesh: dict[str, int]) -> Plan:
     return mesh_plan(mesh, placements=placements)
 
 
+def megatron_replicated_stream(mesh: dict[str, int]) -> Plan:
+    """Megatron attention and MLP, everything else replicated over tp (no sequence parallelism):
+    the region boundaries are the in-place all-reduces of trainer/tp_styles.py's fast path."""
+    placements = [OpPlacement(op=op) for op in ("embed", "ln_f", "head", "loss")]
+    for i in range(MODEL["n_layers"]):
+        placements += [OpPlacement(op=f"l{i}.{op}", splits={"h": ("tp",)}) for op in ("qkv", "attn", "proj")]
+        placements += [OpPlacement(op=f"l{i}.{op}", splits={"f": ("tp",)}) for op in ("fc1", "fc2")]
+        placements += [OpPlacement(op=f"l{i}.{op}") for op in ("ln1", "ln2", "add1", "add2")]
+    return mesh_plan(mesh, placements=placements)
+
+
 def run(spec: JobSpec, plan: Plan, until_step: int | None = None, schedule: str | None = None) -> LaunchResult:
     lines: list[str] = []
     env = {"PARASHIFT_PP_SCHEDULE": schedule} if schedule else None
@@ -127,6 +138,7 @@ PLANS = {
     "tp3-planner-mixed": lambda: planner_plan(3, max_tp=None, max_pp=1),
     "tp4-planner-mixed": lambda: planner_plan(4, max_tp=None, max_pp=1),
     "dp2xtp2-attention-only": lambda: attention_only_tp({"dp": 2, "tp": 2}),
+    "tp4-megatron-replicated-stream": lambda: megatron_replicated_stream({"tp": 4}),
     "dp2xtp2-batch-over-tp": lambda: batch_over_tp({"dp": 2, "tp": 2}),
 }
 
