@@ -118,14 +118,16 @@ def _splittable(op: Op) -> list[int]:
 def axis_targets(op: Op, mesh: Mesh, name: str) -> list[int | None]:
     """What mesh axis `name` may split in `op`: dim indices, None for nothing (replicated).
 
-    "dp"-like axes (`mesh.batch_only`) split only the batch dim. The axis named "tp" splits
+    "dp"-like axes (`mesh.batch_only`) split the batch dim of every op that has one, as data
+    parallelism does (an op replicated over dp would compute the same samples twice, which the
+    trainer never does); ops without a batch dim are replicated. The axis named "tp" splits
     only the op's `tp_dims` (when declared), and must split one when `tp_required`.
     """
     names = list(op.dims)
     dims = _splittable(op)
     if name in mesh.batch_only:
-        dims = [i for i in dims if names[i] == mesh.batch_dim]
-    elif name == TP and op.tp_dims is not None:
+        return [i for i in dims if names[i] == mesh.batch_dim] or [None]
+    if name == TP and op.tp_dims is not None:
         dims = [i for i in dims if names[i] in op.tp_dims]
     return dims if name == TP and op.tp_required else [None, *dims]
 
@@ -141,10 +143,17 @@ def mesh_configs(op: Op, mesh: Mesh) -> list[Config]:
     Axes may split only what `axis_targets` allows: the restriction is applied here, at
     generation, so the search never sees a layout the op does not declare. A `tp_required` op
     with no even split over "tp" has no configuration at all (the caller avoids that state).
+    Where the batch does not split evenly over "dp", the op is replicated over "dp" instead.
     """
+    targets = [axis_targets(op, mesh, n) for n in mesh.names]
+    return _even_configs(op, mesh, targets) or _even_configs(
+        op, mesh, [[None] if n in mesh.batch_only else t for n, t in zip(mesh.names, targets, strict=True)])
+
+
+def _even_configs(op: Op, mesh: Mesh, targets: list[list[int | None]]) -> list[Config]:
     sizes = list(op.dims.values())
     out = []
-    for choice in product(*(axis_targets(op, mesh, n) for n in mesh.names)):
+    for choice in product(*targets):
         axes: list[list[int]] = [[] for _ in sizes]
         for a, dim in enumerate(choice):
             if dim is not None:

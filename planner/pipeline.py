@@ -75,8 +75,10 @@ def micro_batch_options(batch: int, pp: int, dp: int) -> list[int]:
     """Micro-batch counts to try: pp, 2pp, 4pp, and those giving each data-parallel replica
     1, 2, 4 or 8 sequences per micro-batch (what Megatron runs large models with); m >= pp."""
     wanted = {pp, 2 * pp, 4 * pp} | {batch // (dp * k) for k in (1, 2, 4, 8) if batch % (dp * k) == 0}
-    found = sorted(m for m in wanted if m >= pp and m >= 1 and batch % m == 0)
-    return found or [m for m in range(pp, 0, -1) if batch % m == 0][:1]
+    # Every replica's share splits into m equal micro-batches (the pipeline schedules need equal
+    # shapes; trainer/mesh.py refuses the rest).
+    found = sorted(m for m in wanted if m >= pp and m >= 1 and batch % (m * dp) == 0)
+    return found or [m for m in range(pp, 0, -1) if batch % (m * dp) == 0][:1]
 
 
 def pipelined(profile: ModelProfile, pp: int, dp: int, tp: int, limit: float | None, method: str) -> list:

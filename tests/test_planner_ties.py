@@ -36,20 +36,27 @@ def _trainer_dims(op: str) -> set[str]:
 
 
 def _reference_configs(op, mesh: Mesh) -> list[Config]:
-    """The configuration space as it was before ops could restrict it (every axis: nothing or
-    any splittable dim, "dp" only the batch), for graphs that declare nothing."""
+    """The configuration space without op restrictions, for graphs that declare nothing: every
+    axis splits nothing or any splittable dim, except "dp", which splits the batch (where the
+    op has one and it splits evenly; replicated otherwise)."""
     split = [i for i, d in enumerate(op.dims) if d not in op.nosplit and op.dims[d] > 1]
     batch = [i for i in split if list(op.dims)[i] == mesh.batch_dim]
-    out = []
-    for choice in product(*([None, *batch] if n in mesh.batch_only else [None, *split] for n in mesh.names)):
-        axes: list[list[int]] = [[] for _ in op.dims]
-        for a, dim in enumerate(choice):
-            if dim is not None:
-                axes[dim].append(a)
-        counts = tuple(int(np.prod([mesh.sizes[a] for a in ax])) for ax in axes)
-        if all(n % c == 0 for n, c in zip(op.dims.values(), counts, strict=True)):
-            out.append(Config(tuple(tuple(ax) for ax in axes), counts))
-    return out
+
+    def even(targets: list[list[int | None]]) -> list[Config]:
+        out = []
+        for choice in product(*targets):
+            axes: list[list[int]] = [[] for _ in op.dims]
+            for a, dim in enumerate(choice):
+                if dim is not None:
+                    axes[dim].append(a)
+            counts = tuple(int(np.prod([mesh.sizes[a] for a in ax])) for ax in axes)
+            if all(n % c == 0 for n, c in zip(op.dims.values(), counts, strict=True)):
+                out.append(Config(tuple(tuple(ax) for ax in axes), counts))
+        return out
+
+    free = [None, *split]
+    return (even([(batch or [None]) if n in mesh.batch_only else free for n in mesh.names])
+            or even([[None] if n in mesh.batch_only else free for n in mesh.names]))
 
 
 MESHES = [named_mesh(1, 2), named_mesh(2, 2), named_mesh(1, 4), named_mesh(2, 4), named_mesh(1, 8)]
@@ -191,7 +198,7 @@ def test_tied_dp_equals_brute_force_over_what_the_trainer_accepts(tp: int, lam: 
     assert dp.brute_force(tied)[1] == pytest.approx(best, rel=1e-12)
 
 
-@pytest.mark.parametrize("fraction", [None, 0.7, 0.55, 0.45])
+@pytest.mark.parametrize("fraction", [None, 0.7, 0.55, 0.48])
 def test_restricted_search_equals_exhaustive_search(fraction: float | None) -> None:
     g = gpt_graph(1, 64, 4, 128, 16, 8)
     prof = profile_graph(g, "cuda")
