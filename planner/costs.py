@@ -10,6 +10,8 @@ the collectives inside the op, plus the sum over edges of layout conversion. Her
   backward pass — so it is all-reduced over that group (weight gradients: data-parallel sync);
 - layout conversion: the bytes a device must receive to hold its block in the consumer's layout
   (forward) and the producer's layout for the gradient (backward);
+- optimizer step: once per step, reading and writing the parameter state of the device's shard
+  (bandwidth-bound; counted with the gradient sync, the other once-per-step term);
 - memory per device: parameter state (weights, grads, Adam) of its shard plus saved activations.
 
 Tables are cached by op signature, so identical layers cost one computation.
@@ -39,7 +41,7 @@ class OpCost:
     configs: list[Config]
     compute: np.ndarray  # s, forward + backward, one evaluation (micro-batch)
     comm: np.ndarray  # s, activation collectives inside the op, one evaluation
-    grad_comm: np.ndarray  # s, weight-gradient all-reduce, once per step
+    grad_comm: np.ndarray  # s, once per step: weight-gradient all-reduce + optimizer update of the shard
     param_mem: np.ndarray  # bytes of parameter state held
     act_mem: np.ndarray  # bytes of activations saved for the backward pass, one evaluation
 
@@ -107,6 +109,9 @@ class CostModel:
             comm[i] = self._allreduce(op, cfg, op.output, g.act_bytes) + sum(
                 self._allreduce(op, cfg, t, g.act_bytes) for t in op.inputs)
             grad_comm[i] = sum(self._allreduce(op, cfg, t, g.grad_bytes, bucketed=True) for t in op.params)
+            # The optimizer step reads and writes the parameter state of the local shard once:
+            # replicas (dp, or ops replicated over tp) each pay it again.
+            grad_comm[i] += 2.0 * g.param_state_bytes * params / dev.memory_Bps
             param_mem[i] = g.param_state_bytes * params
             act_mem[i] = g.act_bytes * local(op.output)
         return OpCost(configs, compute, comm, grad_comm, param_mem, act_mem)

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from planner.configs import named_mesh
 from planner.costs import CostModel
 from planner.graph import Graph, Op
-from planner.pipeline import _stage_ops, block_order, micro_batch_options, stage_splits
+from planner.pipeline import _stage_ops, block_order, micro_batch_options, stage_splits, step_time
 from planner.problem import UNPIPELINED, Weights
 from planner.profile import ModelProfile
 from planner.search import Candidate, Method, StageResult, StageSolver, TieVariants, mesh_degrees
@@ -123,6 +123,9 @@ class _Context:
                  limit: float | None, method: Method, sig: dict[str, str]) -> None:
         mesh = named_mesh(dp, tp, profile.comm.devices_per_node, g.batch_dim)
         self.base, self.size, self.w, self.limit, self.method, self.sig = g, size, w, limit, method, sig
+        # Workers sharing cores: a pipeline's step is at least this share of its slowest stage
+        # (planner.pipeline.step_time), so stage bounds scale by it (1 on GPUs: unchanged).
+        self.share = profile.device.core_share
         self.ops = _Resized(g, size)
         # Signatures of the resized ops: the full graph's, tagged with the batch size (an op's
         # resized copy is a function of the original and the size), so no re-hashing per size.
@@ -198,7 +201,7 @@ class _Spec:
         for st in self.stages:
             seen.setdefault(id(st), st)
         self.distinct = list(seen.values())
-        self.lb = max(st.lb for st in self.distinct) + self.boundary
+        self.lb = self.ctx.share * max(st.lb for st in self.distinct) + self.boundary
 
     def notes(self) -> list[str]:
         """The candidate's notes, as planner.pipeline.pipelined and search.candidates write them."""
@@ -251,8 +254,9 @@ def _enumerate(profile: ModelProfile, devices: int, limit: float | None, max_tp:
                     for src in lay.crossing:
                         op = ctx.ops[src]
                         worst = max(worst, float(op.numel(op.output) * g.act_bytes))
-                    send = profile.comm.transfer(worst, intra) if worst else 0.0
-                    boundary = send / dp_ * 2.0 * (m + pp - 1)
+                    # Each dp replica sends its share of the bytes; each send pays the latency.
+                    send = profile.comm.transfer(worst / dp_, intra) if worst else 0.0
+                    boundary = send * 2.0 * (m + pp - 1)
                     specs.append(_Spec(len(specs), pp, dp_, tp, m, ctx, stages, boundary, lay, single, tie_note=note))
     return specs
 
@@ -271,14 +275,14 @@ def _pipelined(spec: _Spec, bound: float) -> Candidate | None:
         res, _ = st.solver.finish()
         if limit is not None and res.memory_bytes > limit:
             return None
-        if res.time_s + spec.boundary > bound:
+        if ctx.share * res.time_s + spec.boundary > bound:
             return None
     results = []
     for st, names in zip(spec.stages, spec.layout.names, strict=True):
         r = st.solver.finish()[0]
         sub = st.solver.graph if names is st.names else ctx.graph.subgraph(names)
         results.append(StageResult(sub, ctx.costs, r.assign, ctx.w, r.rows, r.lam))
-    time_s = max(r.time_s for r in results) + spec.boundary
+    time_s = step_time(results, spec.m, spec.boundary, ctx.share)
     memory = max(r.memory_bytes for r in results)
     name = "pase-dp+pipeline" if ctx.method == "dp" else "exhaustive+pipeline"
     return Candidate(name, spec.pp, spec.dp, spec.tp, spec.m, results, time_s, memory, spec.notes())
@@ -328,7 +332,7 @@ def branch_and_bound(profile: ModelProfile, devices: int, limit: float | None, m
                     spec.fits = False
                 settle(spec, None)
                 continue
-            first = max(st.solver.first().time_s for st in spec.distinct) + spec.boundary
+            first = spec.ctx.share * max(st.solver.first().time_s for st in spec.distinct) + spec.boundary
             heapq.heappush(heap, (max(lb, first), 1, i))
             continue
         if spec.layout is None:

@@ -4,8 +4,17 @@ After Alpa's inter-op pass (Zheng et al. 2022, section 5) in a simple form: the 
 are cut into `pp` contiguous stages (balanced, or one block lighter at either end where the
 embedding and head sit), the step runs `m` micro-batches with a 1F1B schedule, so a stage's
 step time is (m + pp - 1) x its per-micro-batch time plus its gradient sync, and it holds
-min(m, pp) micro-batches of activations. Stage-boundary activations go point to point. The
-step takes as long as the slowest stage (the bubble is in the m + pp - 1 factor).
+min(m, pp) micro-batches of activations. Stage-boundary activations go point to point (the
+comm model's p2p link where measured). The step takes as long as the slowest stage (the bubble
+is in the m + pp - 1 factor).
+
+CPU workers outnumbering cores (`DeviceModel.core_share` < 1): the per-op costs are at the
+shared rate every worker gets while all are busy, but a stage waiting in the bubble frees its
+core for the others. The step is then bounded by the critical path at the rate of a whole core
+(share x compute + communication on the slowest stage, plus the boundary) and by the busy work
+of all workers over the cores (m micro-batches of the stages' mean compute at the shared rate,
+plus the slowest stage's communication), and takes the larger (`step_time`). With a core per
+worker (GPUs, or CPU workers <= cores) this is the slowest stage, as before.
 Stages with the same ops and edges (up to names) are solved once.
 """
 
@@ -114,8 +123,8 @@ def pipelined(profile: ModelProfile, pp: int, dp: int, tp: int, limit: float | N
                 r = solved[key]
                 results.append(StageResult(sub, costs, r.assign, w, r.rows, r.lam))
             # Each dp replica sends its batch share; forward activations and backward gradients.
-            boundary = _boundary_s(gm, names, profile, intra) / dp * 2.0 * (m + pp - 1)
-            time_s = max(r.time_s for r in results) + boundary
+            boundary = _boundary_s(gm, names, profile, intra, dp) * 2.0 * (m + pp - 1)
+            time_s = step_time(results, m, boundary, profile.device.core_share)
             memory = max(r.memory_bytes for r in results)
             if pp == 1 and m == 1:
                 continue  # the unpipelined search covers it
@@ -124,8 +133,9 @@ def pipelined(profile: ModelProfile, pp: int, dp: int, tp: int, limit: float | N
     return out
 
 
-def _boundary_s(graph: Graph, stages: list[list[str]], profile: ModelProfile, intra: bool) -> float:
-    """Seconds per micro-batch to send the largest stage-boundary activation to the next stage."""
+def _boundary_s(graph: Graph, stages: list[list[str]], profile: ModelProfile, intra: bool, dp: int = 1) -> float:
+    """Seconds per micro-batch to send the largest stage-boundary activation to the next stage:
+    each of `dp` replicas sends its share of the bytes, and each send pays the latency."""
     where = {name: s for s, names in enumerate(stages) for name in names}
     ops = {op.name: op for op in graph.ops}
     worst = 0.0
@@ -133,4 +143,26 @@ def _boundary_s(graph: Graph, stages: list[list[str]], profile: ModelProfile, in
         if where[e.src] != where[e.dst]:
             src = ops[e.src]
             worst = max(worst, float(src.numel(src.output) * graph.act_bytes))
-    return profile.comm.transfer(worst, intra) if worst else 0.0
+    return profile.comm.transfer(worst / dp, intra) if worst else 0.0
+
+
+def step_time(stages: list, micro_batches: int, boundary_s: float, core_share: float = 1.0) -> float:
+    """Seconds per step of a pipeline whose stages (planner.search.StageResult, each with its
+    per-op compute and communication over `weight` = m + pp - 1 evaluations) send
+    `boundary_s` across stage boundaries per step.
+
+    `core_share` 1 (a core or a GPU per worker): the slowest stage plus the boundary. Below 1
+    (CPU workers outnumbering cores, compute at the shared rate): the larger of the critical
+    path at a whole core's rate and the busy work of every worker over the cores.
+    """
+    slowest = max(st.time_s for st in stages) + boundary_s  # as planner.outer sums it
+    if core_share >= 1.0:
+        return slowest
+    compute = [sum(r.compute_s for r in st.rows) for st in stages]
+    comm = [sum(r.comm_s for r in st.rows) for st in stages]
+    critical = max(core_share * c + k for c, k in zip(compute, comm, strict=True)) + boundary_s
+    # Each stage has the same number of workers, each busy for m of its `weight` evaluations:
+    # all workers' work over the cores = m x the stages' mean compute at the shared rate.
+    per_eval = [c / st.weights.weight for c, st in zip(compute, stages, strict=True)]
+    work = micro_batches * sum(per_eval) / len(stages) + max(comm)
+    return min(slowest, max(critical, work))

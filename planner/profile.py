@@ -31,32 +31,46 @@ class DeviceModel(BaseModel):
         default=0.0, ge=0.0,
         description="extra fixed seconds per evaluation of an op split along a non-batch dim (DTensor dispatch, sharding propagation)",
     )
+    core_share: float = Field(
+        default=1.0, gt=0.0, le=1.0,
+        description="fraction of a core each worker gets while every worker is busy (CPU workers outnumbering "
+        "cores, see share_cores); the rates and overheads above already include it",
+    )
     measured: bool = False
 
 
 # H200: 989 TFLOP/s dense bf16 peak; eager GPT-2 reaches 31-47% (FACTS.md), so 40% sustained;
 # HBM3e 4.8 TB/s at ~70% achievable. CPU: the 2-core CI machines (fp32 MKL GEMM ~50 GFLOP/s).
-# op_overhead_s, cpu: 0.32 ms per op evaluation, and sharded_op_overhead_s, cpu: 9 ms per
-# evaluation of a tensor-parallel op, both fitted to measured step times of 14 plans on 4 gloo
-# workers on 2 cores (BENCHMARKS.md, cost-model fidelity). cuda: not measured yet, so 0
+# op_overhead_s, cpu: 0.16 ms of one core per op evaluation, and sharded_op_overhead_s, cpu:
+# 4.5 ms per evaluation of a tensor-parallel op, both fitted to measured step times of 14 plans
+# on 4 gloo workers on 2 cores (BENCHMARKS.md, cost-model fidelity: 0.32 ms and 9 ms there, with
+# each worker getting half a core; share_cores scales them back). cuda: not measured yet, so 0
 # (asynchronous kernel launches hide eager dispatch behind large ops).
 DEFAULT_DEVICES = {
     "cuda": DeviceModel(kind="cuda", matmul_flops=0.4 * 989e12, memory_Bps=0.7 * 4.8e12, memory_bytes=141 * 2**30),
-    "cpu": DeviceModel(kind="cpu", matmul_flops=50e9, memory_Bps=5e9, memory_bytes=None, op_overhead_s=3.2e-4,
-                       sharded_op_overhead_s=9e-3),
+    "cpu": DeviceModel(kind="cpu", matmul_flops=50e9, memory_Bps=5e9, memory_bytes=None, op_overhead_s=1.6e-4,
+                       sharded_op_overhead_s=4.5e-3),
 }
 
 
 def share_cores(device: DeviceModel, workers: int, cores: int | None = None) -> DeviceModel:
-    """A CPU device as each of `workers` processes on `cores` cores sees it: rates measured by one
-    process on an idle core shrink by cores/workers when workers outnumber cores."""
+    """A CPU device as each of `workers` processes on `cores` cores sees it while all are busy:
+    rates measured by one process on an idle core shrink by cores/workers when workers outnumber
+    cores, and fixed per-op CPU costs grow by workers/cores. `core_share` records the share, so
+    that a pipeline's idle stages can hand their core to the busy ones (planner.pipeline)."""
     import os
 
     cores = cores or os.cpu_count() or 1
-    if device.kind != "cpu" or workers <= cores:
+    if device.kind != "cpu":
         return device
-    share = cores / workers
-    return device.model_copy(update={"matmul_flops": device.matmul_flops * share, "memory_Bps": device.memory_Bps * share})
+    share = min(1.0, cores / workers)
+    scale = share / device.core_share  # relative to what the device already holds: idempotent
+    if scale == 1.0:
+        return device
+    return device.model_copy(update={
+        "matmul_flops": device.matmul_flops * scale, "memory_Bps": device.memory_Bps * scale,
+        "op_overhead_s": device.op_overhead_s / scale, "sharded_op_overhead_s": device.sharded_op_overhead_s / scale,
+        "core_share": share})
 
 
 class ModelProfile(BaseModel):
@@ -73,7 +87,8 @@ class ModelProfile(BaseModel):
 
 
 def measure_device(kind: str = "cpu", repeats: int = 3) -> DeviceModel:
-    """Time GEMMs of 256..1024 and a large add on this process's device; best-of-`repeats`."""
+    """Time GEMMs of 256..1024 and a large add (beyond the caches) on this process's device;
+    best-of-`repeats`."""
     import torch
 
     dev = torch.device("cuda") if kind == "cuda" and torch.cuda.is_available() else torch.device("cpu")
@@ -97,8 +112,10 @@ def measure_device(kind: str = "cpu", repeats: int = 3) -> DeviceModel:
         a = torch.randn(n, n, device=dev, dtype=dtype)
         b = torch.randn(n, n, device=dev, dtype=dtype)
         rate = max(rate, 2.0 * n**3 / best(lambda a=a, b=b: a @ b))
-    x = torch.randn(1 << 22, device=dev, dtype=dtype)
-    bw = 3.0 * x.numel() * x.element_size() / best(lambda: x + x)  # two reads, one write
+    # Well beyond the last-level cache (32 MiB L3 on the CI machines, 50 MB L2 on an H200): with
+    # 16 MiB the figure swung between 5 and 85 GB/s from run to run with what else held the cache.
+    x = torch.randn(1 << 25, device=dev, dtype=dtype)
+    bw = 3.0 * x.numel() * x.element_size() / best(lambda x=x: x + x)  # two reads, one write
     mem = torch.cuda.get_device_properties(dev).total_memory if dev.type == "cuda" else None
     default = DEFAULT_DEVICES.get(kind, DEFAULT_DEVICES["cuda"])
     return DeviceModel(kind=kind, matmul_flops=rate, memory_Bps=bw, memory_bytes=mem, op_overhead_s=default.op_overhead_s,

@@ -6,9 +6,7 @@ from prefect import task
 from prefect.artifacts import create_table_artifact
 from prefect.logging import get_run_logger
 
-from planner.graph import gpt_graph
 from planner.plan import Plan
-from planner.profile import ModelProfile
 from planner.search import plan_model
 from specs import JobSpec
 from tasks.artifacts import artifact_key
@@ -21,15 +19,6 @@ def executable_reasons(spec: JobSpec, plan: Plan) -> list[str]:
     from trainer.mesh import job_plan_refusals
 
     return job_plan_refusals(plan, spec)
-
-
-def current_graph(spec: JobSpec, profile: ModelProfile) -> ModelProfile:
-    """The profile with the GPT graph this planner builds for the spec. Profiles are cached in
-    storage (tasks/profile.py) and a cached graph may predate what gpt_graph declares (the layouts
-    the trainer executes); the graph is a function of the model and the batch, so rebuild it."""
-    m = spec.model
-    graph = gpt_graph(m.n_layers, m.d_model, m.n_heads, m.vocab_size, m.seq_len, spec.training.global_batch)
-    return profile if graph == profile.graph else profile.model_copy(update={"graph": graph})
 
 
 def choose_plan(spec: JobSpec, searched: Plan, devices: int) -> Plan:
@@ -59,7 +48,7 @@ def choose_plan(spec: JobSpec, searched: Plan, devices: int) -> Plan:
 def plan_parallelism(spec: JobSpec, model: ModelSummary, devices: int) -> Plan:
     """Search the parallelization for `devices` under the profiled cost model; publish it."""
     logger = get_run_logger()
-    profile = current_graph(spec, load_profile(spec, model.profile_key))
+    profile = load_profile(spec, model.profile_key)
     par = spec.parallelism
     searched = plan_model(profile, devices, None, par.max_tp, par.max_pp, device_kind=spec.resources.kind)
     plan = choose_plan(spec, searched, devices)

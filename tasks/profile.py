@@ -25,9 +25,16 @@ def needs_measurement(spec: JobSpec) -> bool:
     return spec.parallelism.strategy == "auto"
 
 
+# Bumped when what a profile holds changes meaning (new measured fields, new graph
+# declarations), so profiles cached by an older planner are rebuilt rather than misread.
+PROFILE_FORMAT = 2  # 2: p2p link, core share, graphs declaring the trainer's tp layouts
+
+
 def profile_key(spec: JobSpec) -> str:
-    """A profile goes stale when the model, the batch, the devices or their kind change, and only then."""
+    """A profile goes stale when the model, the batch, the devices or their kind change, or the
+    profile format does, and only then."""
     basis = {
+        "format": PROFILE_FORMAT,
         "model": spec.model.model_dump(),
         "batch": spec.training.global_batch,
         "kind": spec.resources.kind,

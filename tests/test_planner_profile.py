@@ -50,3 +50,6 @@ def test_measure_collectives_on_gloo_workers(tmp_path) -> None:
     assert models[0] == models[1]  # every rank agrees (max over ranks)
     link = models[0].intra
     assert models[0].measured and link.bandwidth_Bps > 1e6 and link.latency_s < 0.1
+    p2p = models[0].p2p  # point-to-point sends, fitted on their own (pipeline stage boundaries)
+    assert p2p is not None and p2p.bandwidth_Bps > 1e6 and p2p.latency_s < 0.1
+    assert models[0].transfer(1e6) == p2p.latency_s + 1e6 / p2p.bandwidth_Bps

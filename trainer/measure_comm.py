@@ -1,5 +1,6 @@
-"""A torchrun program that measures collectives on the job's own workers (the planner's
-communication model) and reports it as one worker event.
+"""A torchrun program that measures collectives and point-to-point sends on the job's own
+workers (the planner's communication model: `planner.comm.measure_collectives`) and reports it
+as one worker event.
 
     torchrun --standalone --nproc-per-node N -m trainer.measure_comm --kind cpu
 """
