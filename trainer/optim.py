@@ -22,16 +22,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from ptc.dtensor import local_data
 from specs import JobSpec
-
-
-def local_view(tensor: torch.Tensor) -> torch.Tensor:
-    """The plain tensor holding this rank's elements of `tensor` (itself when not a DTensor);
-    for a parameter, a view sharing its storage, so updating it updates the parameter."""
-    if not isinstance(tensor, DTensor):
-        return tensor
-    with torch.no_grad():
-        return tensor.to_local()
 
 
 class LocalShardAdamW:
@@ -41,7 +33,8 @@ class LocalShardAdamW:
 
     def __init__(self, module: nn.Module, spec: JobSpec, device: torch.device) -> None:
         self.params = dict(module.named_parameters())
-        self.views = {name: local_view(p) for name, p in self.params.items()}
+        with torch.no_grad():  # views sharing each parameter's storage: stepping them updates it
+            self.views = {name: local_data(p) for name, p in self.params.items()}
         decay = [self.views[n] for n, p in self.params.items() if p.dim() >= 2]
         no_decay = [self.views[n] for n, p in self.params.items() if p.dim() < 2]
         opt = spec.optimizer
@@ -61,7 +54,7 @@ class LocalShardAdamW:
     def step(self) -> None:
         """One AdamW step on the gradients the parameters hold (settled: same placements)."""
         for name, param in self.params.items():
-            self.views[name].grad = None if param.grad is None else local_view(param.grad)
+            self.views[name].grad = None if param.grad is None else local_data(param.grad)
         self.inner.step()
 
     def zero_grad(self) -> None:

@@ -250,9 +250,10 @@ def _first_replica(tensor: torch.Tensor, coords: dict[str, int]) -> bool:
 @torch.no_grad()
 def settle_gradients(params: list[torch.Tensor]) -> None:
     """Give every DTensor gradient its parameter's placements. Sequence-parallel norms leave
-    Partial (unreduced) gradients and a vocab-parallel embedding a Replicate one; the optimizer's
-    DTensor ops would reduce them implicitly, at every use, and a norm over local shards would
-    count them wrongly. One redistribution here makes gradients match their parameters' boxes."""
+    Partial (unreduced) gradients (so do row-parallel biases on a sequence-parallel stream) and
+    a vocab-parallel embedding a Replicate one; the optimizer steps local shards
+    (trainer/optim.py) and the norm sums them, both of which need each gradient's local shard to
+    be its parameter's box. One redistribution here makes it so."""
     for p in params:
         g = p.grad
         if isinstance(g, DTensor) and isinstance(p, DTensor) and g.placements != p.placements:
