@@ -3,6 +3,11 @@
 A slice is a rectangular box (offsets, lengths) in the global tensor. Several ranks may hold
 the same box (data-parallel replicas); a checkpoint writes each distinct box once, by a writer
 chosen to balance bytes across ranks, so saving scales with the number of ranks.
+
+`mesh_layout` computes a Layout without any process: from the mesh shape and, per tensor, the
+pipeline stage that holds it and the mesh axis (if any) that shards it along which dim. Boxes
+follow torch's own Shard rule (`Shard.local_shard_size_and_offset`, uneven splits included), so
+the Layout equals what DTensor really holds; the trainer checks that at start.
 """
 
 from __future__ import annotations
@@ -10,7 +15,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from math import prod
 
+from torch.distributed.tensor import Shard
+
 from ptc.codec import torch_dtype
+
+# Mesh axes, outermost first, in the order torch's DeviceMesh numbers ranks (row-major).
+MESH_AXES = ("pp", "dp", "tp")
 
 
 @dataclass(frozen=True, order=True)
@@ -34,6 +44,10 @@ class TensorLayout:
     dtype: str
     # rank -> the box of the global tensor that rank holds
     holders: dict[int, Slice] = field(default_factory=dict)
+    # The dim that plans split (tensor parallelism), or None. Checkpoints store every box of
+    # the tensor with this dim outermost, so a box cut along it under any other degree is one
+    # contiguous byte range of a stored box (ptc.storage_order).
+    split_dim: int | None = None
 
     @property
     def itemsize(self) -> int:
@@ -73,6 +87,69 @@ class Layout:
         """The boxes this rank writes in a checkpoint, in a stable order."""
         return sorted(key for key, writer in self.writers().items() if writer == rank)
 
+    def boxes_of(self, rank: int) -> dict[str, Slice]:
+        """Every box `rank` holds, by tensor name."""
+        return {name: t.holders[rank] for name, t in self.tensors.items() if rank in t.holders}
+
+
+@dataclass(frozen=True)
+class TensorPlacement:
+    """Where one global tensor lives under a plan: its shape and dtype, the pipeline stage that
+    holds it (None: every stage), the dim the "tp" axis shards (None: replicated), the one
+    rank that holds it alone (a rank's RNG state), if any."""
+
+    shape: tuple[int, ...]
+    dtype: str
+    stage: int | None = None
+    tp_dim: int | None = None
+    rank: int | None = None
+    # The dim any plan may shard (stored outermost in checkpoints), whether or not this one does.
+    split_dim: int | None = None
+
+
+def mesh_coordinates(mesh: dict[str, int]) -> list[dict[str, int]]:
+    """Each rank's coordinate on every axis of a ("pp", "dp", "tp") mesh (absent axes: size 1)."""
+    sizes = [mesh.get(axis, 1) for axis in MESH_AXES]
+    coords = []
+    for rank in range(prod(sizes)):
+        coord, rest = {}, rank
+        for axis, size in zip(reversed(MESH_AXES), reversed(sizes), strict=True):
+            coord[axis] = rest % size
+            rest //= size
+        coords.append(coord)
+    return coords
+
+
+def shard_box(shape: tuple[int, ...], dim: int, parts: int, index: int) -> Slice:
+    """Box `index` of `parts` along `dim`, by torch's Shard rule (ceil-sized chunks, the last
+    ones shorter or empty)."""
+    length, offset = Shard.local_shard_size_and_offset(shape[dim], parts, index)
+    offsets = tuple(offset if d == dim else 0 for d in range(len(shape)))
+    lengths = tuple(length if d == dim else n for d, n in enumerate(shape))
+    return Slice(offsets, lengths)
+
+
+def mesh_layout(mesh: dict[str, int], tensors: dict[str, TensorPlacement]) -> Layout:
+    """The Layout of a collection under a mesh, computed without processes. Empty boxes (uneven
+    shards) are left out, as DTensor holds no elements there."""
+    coords = mesh_coordinates(mesh)
+    tp = mesh.get("tp", 1)
+    layouts: dict[str, TensorLayout] = {}
+    for name, where in tensors.items():
+        shape = tuple(where.shape)
+        split = where.tp_dim if tp > 1 else None
+        layout = TensorLayout(name, shape, where.dtype, split_dim=where.tp_dim if where.split_dim is None else where.split_dim)
+        for rank, coord in enumerate(coords):
+            if where.rank is not None and where.rank != rank:
+                continue
+            if where.stage is not None and where.stage != coord["pp"]:
+                continue
+            box = Slice.whole(shape) if split is None else shard_box(shape, split, tp, coord["tp"])
+            if box.numel > 0 or not shape:
+                layout.holders[rank] = box
+        layouts[name] = layout
+    return Layout(len(coords), layouts)
+
 
 def data_parallel_layout(
     tensors: dict[str, tuple[tuple[int, ...], str]],
@@ -82,9 +159,7 @@ def data_parallel_layout(
     """Every rank holds every tensor whole, except `rank_local` ones (e.g. a rank's RNG state),
     held by one rank only."""
     rank_local = rank_local or {}
-    layouts: dict[str, TensorLayout] = {}
-    for name, (shape, dtype) in tensors.items():
-        box = Slice.whole(shape)
-        ranks = [rank_local[name]] if name in rank_local else list(range(world_size))
-        layouts[name] = TensorLayout(name, tuple(shape), dtype, {r: box for r in ranks})
-    return Layout(world_size, layouts)
+    placements = {
+        name: TensorPlacement(tuple(shape), dtype, rank=rank_local.get(name)) for name, (shape, dtype) in tensors.items()
+    }
+    return mesh_layout({"dp": world_size}, placements)

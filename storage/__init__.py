@@ -8,9 +8,10 @@ from storage.checkpoints import (
     MANIFEST_NAME,
     CheckpointStore,
     JobPaths,
+    ReadRequest,
+    SlicePayload,
     job_key,
     rank_object_name,
-    sha256_hex,
 )
 from storage.errors import (
     CheckpointNotFound,
@@ -37,7 +38,9 @@ __all__ = [
     "ObjectNotFound",
     "ObjectRecord",
     "ObjectStore",
+    "ReadRequest",
     "SliceKey",
+    "SlicePayload",
     "SliceRecord",
     "StorageError",
     "StoragePermissionError",
@@ -47,6 +50,5 @@ __all__ = [
     "is_transient",
     "job_key",
     "rank_object_name",
-    "sha256_hex",
     "translate_error",
 ]

@@ -29,7 +29,7 @@ class TransientStorageError(StorageError):
 
 
 class ChecksumMismatch(StorageError):
-    """Bytes read back do not match the sha256 recorded when they were written."""
+    """Bytes read back do not match the checksum recorded when they were written."""
 
     def __init__(self, key: str, start: int, end: int, expected: str, actual: str) -> None:
         self.key = key
@@ -38,7 +38,7 @@ class ChecksumMismatch(StorageError):
         self.expected = expected
         self.actual = actual
         super().__init__(
-            f"checksum mismatch in {key} bytes [{start}, {end}): expected sha256 {expected}, got {actual}"
+            f"checksum mismatch in {key} bytes [{start}, {end}): expected crc32 {expected}, got {actual}"
         )
 
 

@@ -1,7 +1,9 @@
 """The checkpoint manifest: what a committed checkpoint holds and where each byte lives.
 
-A manifest is plain JSON (pydantic v2, unknown fields rejected). Tensor payloads are raw bytes
-in per-rank objects; the manifest records, per slice, the object, the byte range and a sha256.
+A manifest is compact JSON (pydantic v2, unknown fields rejected). Tensor payloads are raw
+bytes in per-rank objects; the manifest records, per slice, the object, the byte range, the
+order its dims were stored in, and a CRC-32 per chunk of whole outer rows (`ptc.chunks`), so a
+reader can read and verify any run of chunks without the rest of the slice.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-_SHA256 = r"^[0-9a-f]{64}$"
+FORMAT_VERSION = 2  # 1: one sha256 per slice and per object (whole-slice reads only)
 
 
 def _utc_now_iso() -> str:
@@ -39,7 +41,8 @@ class _Strict(BaseModel):
 
 
 class SliceRecord(_Strict):
-    """One rectangular slice of a global tensor, stored at [byte_offset, byte_offset+nbytes) of `object`."""
+    """One rectangular slice of a global tensor, stored at [byte_offset, byte_offset+nbytes) of
+    `object`, its dims in `dim_order` (row-major), checked per chunk: `chunks` = [[nbytes, crc32], ...]."""
 
     tensor: str
     offsets: list[int]
@@ -47,12 +50,17 @@ class SliceRecord(_Strict):
     object: str  # object key relative to the checkpoint folder, e.g. "rank00001.bin"
     byte_offset: int = Field(ge=0)
     nbytes: int = Field(ge=0)
-    sha256: str = Field(pattern=_SHA256)
+    dim_order: list[int]
+    chunks: list[tuple[int, int]]
 
     @model_validator(mode="after")
-    def _same_rank(self) -> SliceRecord:
+    def _consistent(self) -> SliceRecord:
         if len(self.offsets) != len(self.lengths):
             raise ValueError(f"slice of {self.tensor!r}: offsets and lengths differ in rank")
+        if sorted(self.dim_order) != list(range(len(self.lengths))):
+            raise ValueError(f"slice of {self.tensor!r}: dim_order {self.dim_order} is not a permutation of its dims")
+        if sum(n for n, _ in self.chunks) != self.nbytes or any(n <= 0 for n, _ in self.chunks):
+            raise ValueError(f"slice of {self.tensor!r}: its chunks do not add up to its {self.nbytes} bytes")
         return self
 
     @property
@@ -74,17 +82,17 @@ class TensorRecord(_Strict):
 
 
 class ObjectRecord(_Strict):
-    """One stored object of a checkpoint (key relative to the checkpoint folder)."""
+    """One stored object of a checkpoint (key relative to the checkpoint folder). Its bytes are
+    checked by its slices' chunks: one pass over each byte."""
 
     key: str
     nbytes: int = Field(ge=0)
-    sha256: str = Field(pattern=_SHA256)
 
 
 class Manifest(_Strict):
     """A committed checkpoint. Written last, atomically: a checkpoint without one does not exist."""
 
-    format_version: int = 1
+    format_version: int = FORMAT_VERSION
     job_id: str
     step: int = Field(ge=0)
     created_at: str = Field(default_factory=_utc_now_iso)  # ISO 8601, UTC
@@ -97,6 +105,8 @@ class Manifest(_Strict):
 
     @model_validator(mode="after")
     def _consistent(self) -> Manifest:
+        if self.format_version != FORMAT_VERSION:
+            raise ValueError(f"format_version {self.format_version}: this parashift reads format {FORMAT_VERSION}")
         for key, obj in self.objects.items():
             if obj.key != key:
                 raise ValueError(f"objects[{key!r}] has key {obj.key!r}")

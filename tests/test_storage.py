@@ -24,6 +24,7 @@ from storage import (
     ObjectNotFound,
     ObjectStore,
     SliceKey,
+    SlicePayload,
     StorageError,
     StoragePermissionError,
     TensorRecord,
@@ -215,12 +216,12 @@ def test_s3_ranged_read_transfers_only_the_range(s3_endpoint: str, s3_bucket: st
 JOB = "job-1"
 
 
-def _slices(step: int, rank: int) -> list[tuple[SliceKey, bytes]]:
-    """Two ranks each own half of w (4x4 float32) and rank 0 also owns b (4,)."""
+def _slices(step: int, rank: int) -> list[SlicePayload]:
+    """Two ranks each own half of w (4x4 float32, a chunk per row) and rank 0 also owns b (4,)."""
     rows = bytes([(step + rank + i) % 256 for i in range(32)])  # 2 rows x 4 x 4 bytes
-    out = [(SliceKey("w", (2 * rank, 0), (2, 4)), rows)]
+    out = [SlicePayload(SliceKey("w", (2 * rank, 0), (2, 4)), (0, 1), rows, (16, 16))]
     if rank == 0:
-        out.append((SliceKey("b", (0,), (4,)), bytes([step % 256]) * 16))
+        out.append(SlicePayload(SliceKey("b", (0,), (4,)), (0,), bytes([step % 256]) * 16, (16,)))
     return out
 
 
@@ -271,8 +272,8 @@ def test_checkpoint_write_commit_latest(store: ObjectStore) -> None:
     assert ckpts.load_manifest(10) == m10
 
     records = latest.tensors["w"].slices
-    assert ckpts.read_slices(30, records) == [p for r in (0, 1) for _, p in _slices(30, r)[:1]]
-    ckpts.verify(30, objects=True)
+    assert ckpts.read_slices(30, records) == [p.data for r in (0, 1) for p in _slices(30, r)[:1]]
+    ckpts.verify(30)
 
 
 def test_uncommitted_checkpoint_is_invisible(store: ObjectStore) -> None:
@@ -315,7 +316,7 @@ def test_corrupted_slice_is_detected(store: ObjectStore) -> None:
     with pytest.raises(ChecksumMismatch) as info:
         ckpts.read_slices(10, bad)
     msg = str(info.value)
-    assert key in msg and "[0, 32)" in msg and bad[0].sha256 in msg and info.value.actual in msg
+    assert key in msg and "[0, 16)" in msg and f"{bad[0].chunks[0][1]:08x}" in msg and info.value.actual in msg
     good = [r for r in manifest.all_slices() if r.object == "rank00000.bin"]
     assert len(ckpts.read_slices(10, good)) == 2
     with pytest.raises(ChecksumMismatch):
@@ -379,7 +380,7 @@ def test_manifest_rejects_unknown_fields_and_dangling_slices() -> None:
             | {"objects": {}, "extra": 1}
         )
     slice_ = {"tensor": "t", "offsets": [0], "lengths": [1], "object": "rank00000.bin"}
-    slice_ |= {"byte_offset": 0, "nbytes": 4, "sha256": "0" * 64}
+    slice_ |= {"byte_offset": 0, "nbytes": 4, "dim_order": [0], "chunks": [[4, 0]]}
     with pytest.raises(ValidationError, match="unknown object"):
         Manifest.model_validate(
             {"job_id": "j", "step": 1, "world_size": 1, "data_position": {}, "plan": {}, "objects": {}}

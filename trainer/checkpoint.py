@@ -1,19 +1,28 @@
 """The one checkpoint component: training state <-> a parallelizable tensor collection in storage.
 
-Everything checkpointed is a named global tensor: parameters (`model/...`), optimizer state
-(`optim/<param>/<key>`) and each rank's RNG state (`rng/rank<r>/<device>`). The data position
-travels in the manifest. Under tensor/pipeline/FSDP plans a rank holds DTensor shards: its box
-of each global tensor comes from the placements (`ptc.dtensor`), the Layout from every rank's
-boxes. Each rank writes only the boxes the layout assigns to it (replicas once); rank 0
-commits the manifest last. Restore walks committed checkpoints newest first and takes the first
-one whose every needed slice passes its checksum on every rank; each rank assembles exactly its
-boxes under the current plan from whatever boxes were stored (`ptc.assemble_region`), so a
-checkpoint saved under one plan restores under any other.
+Everything checkpointed is a named global tensor (`trainer.layout`); the data position travels
+in the manifest. The Layout comes from the Plan, not from the live tensors, so nothing is
+exchanged to know who writes what.
+
+Saving (`Checkpointer`) blocks the training loop only for the snapshot: each rank copies the
+boxes the Layout assigns it (replicas once) into reused host buffers, in stored dim order. A
+background thread then streams them to storage with a CRC per chunk, the ranks send their
+records to rank 0 over a dedicated gloo group, and rank 0 commits the manifest, last, then
+prunes. One save is in flight at a time; a failed save is reported at the next `wait` and
+never leaves a manifest.
+
+Restoring (`restore_latest`) lists the committed steps once; rank 0 reads the newest manifest
+and sends it to the others; every rank computes its reads (`ptc.reconfig`: exact byte ranges,
+coalesced) and executes exactly those, verifying every chunk. A checkpoint that fails anywhere
+is skipped for an older one, by agreement of all ranks.
 """
 
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -22,25 +31,27 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ptc import Layout, Slice, assemble_region, bytes_to_tensor, dtype_name, intersect, tensor_to_bytes
-from ptc.codec import torch_dtype
-from ptc.dtensor import Holdings, holdings, layout_from_holdings, local_box, local_data
-from ptc.layout import data_parallel_layout
-from storage import CheckpointStore, Manifest, ObjectRecord, SliceKey, SliceRecord, StorageError, TensorRecord
+from ptc import Layout, Slice
+from ptc.chunks import chunk_rows, row_bytes, storage_order, stored_lengths
+from ptc.dtensor import local_data
+from ptc.reconfig import LOCAL, RankReads, ReconfigPlan, StoredBox, assemble, rank_reads, reconfig_plan
+from storage import (
+    CheckpointStore,
+    Manifest,
+    ObjectRecord,
+    ObjectStore,
+    ReadRequest,
+    SliceKey,
+    SlicePayload,
+    SliceRecord,
+    StorageError,
+    TensorRecord,
+)
 from trainer.optim import LocalShardAdamW
 
 log = logging.getLogger("parashift.checkpoint")
 
-
-def _dist_ready() -> bool:
-    return dist.is_available() and dist.is_initialized()
-
-
-def _rng_state_names(rank: int, device: torch.device) -> dict[str, torch.Tensor]:
-    states = {f"rng/rank{rank:05d}/cpu": torch.get_rng_state()}
-    if device.type == "cuda":
-        states[f"rng/rank{rank:05d}/cuda"] = torch.cuda.get_rng_state(device)
-    return states
+Group = Any  # a torch.distributed ProcessGroup, or None for a single process
 
 
 def collect_state(model: nn.Module, optimizer: LocalShardAdamW, rank: int, device: torch.device) -> dict[str, torch.Tensor]:
@@ -48,100 +59,163 @@ def collect_state(model: nn.Module, optimizer: LocalShardAdamW, rank: int, devic
     shard is this rank's box."""
     state: dict[str, torch.Tensor] = {f"model/{name}": p.detach() for name, p in model.named_parameters()}
     state.update({f"optim/{key}": value for key, value in optimizer.state_tensors().items()})
-    state.update(_rng_state_names(rank, device))
+    state[f"rng/rank{rank:05d}/cpu"] = torch.get_rng_state()
+    if device.type == "cuda":
+        state[f"rng/rank{rank:05d}/cuda"] = torch.cuda.get_rng_state(device)
     return state
 
 
-def state_layout(state: dict[str, torch.Tensor], world_size: int) -> Layout:
-    """Data-parallel layout of a state: all ranks hold everything but other ranks' RNG states,
-    whose shapes equal this rank's (one generator kind per device type)."""
-    shapes = {n: (tuple(t.shape), dtype_name(t.dtype)) for n, t in state.items() if not n.startswith("rng/")}
-    rank_local: dict[str, int] = {}
-    for name, tensor in state.items():
-        if name.startswith("rng/"):
-            kind = name.rsplit("/", 1)[1]
-            for r in range(world_size):
-                other = f"rng/rank{r:05d}/{kind}"
-                shapes[other] = (tuple(tensor.shape), dtype_name(tensor.dtype))
-                rank_local[other] = r
-    return data_parallel_layout(shapes, world_size, rank_local)
+# ---------------------------------------------------------------------------------- saving
 
 
-def gathered_layout(state: dict[str, torch.Tensor], world_size: int) -> Layout:
-    """The Layout of the live state: every rank's boxes, exchanged over the process group (a
-    pipeline stage does not know the other stages' tensors)."""
-    mine = holdings(state)
-    per_rank: list[Any] = [mine]
-    if _dist_ready() and world_size > 1:
-        per_rank = [None] * world_size
-        dist.all_gather_object(per_rank, mine)
-    return layout_from_holdings(per_rank)
+@dataclass
+class SaveReport:
+    """What one save cost: the loop's stall, and the background write + commit."""
+
+    step: int
+    stall_s: float
+    bytes_written: int = 0
+    write_s: float = 0.0
+    url: str | None = None
 
 
-def _box(tensor: torch.Tensor, box: Slice) -> torch.Tensor:
-    """The elements of `box` from a tensor this rank holds (its local shard for a DTensor)."""
-    _, own = local_box(tensor)
-    local = local_data(tensor)
-    return local[tuple(slice(o - w, o - w + n) for o, w, n in zip(box.offsets, own.offsets, box.lengths, strict=True))]
+class Checkpointer:
+    """Asynchronous, sharded saves of one rank under one Layout."""
+
+    def __init__(
+        self,
+        store: CheckpointStore,
+        layout: Layout,
+        rank: int,
+        group: Group = None,
+        keep: int = 2,
+        on_commit: Callable[[SaveReport], None] | None = None,
+        tier: ObjectStore | None = None,
+    ) -> None:
+        self.store, self.layout, self.rank, self.group, self.keep = store, layout, rank, group, keep
+        self.on_commit = on_commit
+        self.tier = tier
+        self.world_size = layout.world_size
+        self.boxes = layout.slices_to_write(rank)
+        self._buffers: dict[tuple[str, Slice], torch.Tensor] = {}
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="parashift-save")
+        self._inflight: Future[SaveReport] | None = None
+        self.reports: list[SaveReport] = []
+
+    def save(self, step: int, state: dict[str, torch.Tensor], data_position: dict[str, int], plan: dict[str, Any],
+             metadata: dict[str, Any], *, blocking: bool = False) -> SaveReport:
+        """Snapshot this rank's boxes now; write and commit them in the background (after the
+        previous save has finished). `blocking`: also wait for the commit."""
+        self.wait()
+        started = time.perf_counter()
+        payloads = self.snapshot(state)
+        report = SaveReport(step, time.perf_counter() - started)
+        self._inflight = self._pool.submit(self._write_and_commit, report, payloads, data_position, plan, metadata)
+        if blocking:
+            self.wait()
+        return report
+
+    def wait(self) -> None:
+        """Block until the save in flight (if any) is committed; raise what made it fail."""
+        inflight, self._inflight = self._inflight, None
+        if inflight is not None:
+            self.reports.append(inflight.result())
+
+    def close(self) -> None:
+        try:
+            self.wait()
+        finally:
+            self._pool.shutdown(wait=True)
+
+    def snapshot(self, state: dict[str, torch.Tensor]) -> list[SlicePayload]:
+        """Copy this rank's boxes into host buffers, in stored dim order (pinned for a GPU, so
+        the copies run at full bandwidth; reused from save to save)."""
+        payloads = []
+        device_copies = False
+        for name, box in self.boxes:
+            tensor = self.layout.tensors[name]
+            local = local_data(state[name]).detach()
+            if tuple(local.shape) != box.lengths:
+                raise ValueError(f"{name}: this rank holds {list(local.shape)}, its layout box is {list(box.lengths)}")
+            order = storage_order(len(tensor.shape), tensor.split_dim)
+            buffer = self._buffers.get((name, box))
+            if buffer is None:
+                pin = local.device.type == "cuda"
+                buffer = torch.empty(stored_lengths(box, order), dtype=local.dtype, pin_memory=pin)
+                self._buffers[(name, box)] = buffer
+            device_copies |= local.device.type == "cuda"
+            buffer.copy_(local.permute(order) if order else local, non_blocking=True)
+            rows = chunk_rows(tensor.shape, box, order, tensor.itemsize, tensor.split_dim)
+            per_row = row_bytes(box, order, tensor.itemsize)
+            data = memoryview(buffer.reshape(-1).view(torch.uint8).numpy())
+            payloads.append(SlicePayload(SliceKey(name, box.offsets, box.lengths), order, data,
+                                         tuple(r * per_row for r in rows)))
+        if device_copies:
+            torch.cuda.synchronize()
+        return payloads
+
+    def _write_and_commit(self, report: SaveReport, payloads: list[SlicePayload], data_position: dict[str, int],
+                          plan: dict[str, Any], metadata: dict[str, Any]) -> SaveReport:
+        started = time.perf_counter()
+        step = report.step
+        error, obj, records = None, None, []
+        try:
+            obj, records = self.store.write_rank_object(step, self.rank, payloads)
+            if self.tier is not None and obj is not None:
+                self._keep_on_node(step, payloads)
+        except Exception as exc:  # reported to rank 0 (no commit) and raised here below
+            error = exc
+        mine = (repr(error) if error else None, obj.model_dump() if obj else None, [r.model_dump() for r in records])
+        gathered = [mine]
+        if self.group is not None:
+            gathered = [None] * self.world_size if self.rank == 0 else None
+            dist.gather_object(mine, gathered, dst=0, group=self.group)
+        if error is not None:
+            raise StorageError(f"rank {self.rank}: checkpoint at step {step} failed; nothing was committed") from error
+        report.bytes_written = obj.nbytes if obj else 0
+        if self.rank == 0:
+            failed = [(r, e) for r, (e, _, _) in enumerate(gathered) if e]
+            if failed:
+                raise StorageError(f"checkpoint at step {step} not committed: " + "; ".join(f"rank {r}: {e}" for r, e in failed))
+            objects = [ObjectRecord(**o) for _, o, _ in gathered if o is not None]
+            records = [SliceRecord(**r) for _, _, rs in gathered for r in rs]
+            manifest = build_manifest(self.store.job_id, step, self.layout, objects, records, data_position, plan, metadata)
+            report.url = self.store.commit(manifest)
+            report.write_s = time.perf_counter() - started
+            if self.on_commit is not None:
+                self.on_commit(report)
+            pruned = self.store.prune(self.keep)
+            if pruned:
+                log.info("pruned checkpoints %s", pruned)
+        else:
+            report.write_s = time.perf_counter() - started
+        return report
+
+    def _keep_on_node(self, step: int, payloads: list[SlicePayload]) -> None:
+        """Keep this rank's object in the node-local tier too (the newest step only)."""
+        assert self.tier is not None
+        paths = self.store.paths
+        self.tier.put_stream(paths.rank_object(step, self.rank), lambda: [p.data for p in payloads])
+        for key in self.tier.list(paths.ckpt_root):
+            folder = key.split("/")[3]
+            if folder.isdigit() and int(folder) < step and key.endswith(f"rank{self.rank:05d}.bin"):
+                self.tier.delete(key)
 
 
-def save_checkpoint(
-    store: CheckpointStore,
-    step: int,
-    state: dict[str, torch.Tensor],
-    layout: Layout,
-    rank: int,
-    world_size: int,
-    data_position: dict[str, int],
-    plan: dict[str, Any],
-    metadata: dict[str, Any],
-    keep: int,
-) -> str | None:
-    """Write this rank's boxes; rank 0 commits the manifest once every rank has written.
-    Returns the manifest URL on rank 0 (None elsewhere)."""
-    payloads = []
-    for name, box in layout.slices_to_write(rank):
-        payloads.append((SliceKey(tensor=name, offsets=box.offsets, lengths=box.lengths), tensor_to_bytes(_box(state[name], box))))
-    obj, records = store.write_rank_object(step, rank, payloads)
-    mine = (obj.model_dump() if obj is not None else None, [r.model_dump() for r in records])
-    gathered: list[Any] = [mine]
-    if _dist_ready() and world_size > 1:
-        # Metadata between live ranks over the process group; nothing here touches storage.
-        gathered = [None] * world_size
-        dist.all_gather_object(gathered, mine)
-    url = None
-    if rank == 0:
-        objects = {}
-        slices_by_tensor: dict[str, list[SliceRecord]] = {}
-        for obj_dict, record_dicts in gathered:
-            if obj_dict is not None:
-                record = ObjectRecord(**obj_dict)
-                objects[record.key] = record
-            for rd in record_dicts:
-                slice_record = SliceRecord(**rd)
-                slices_by_tensor.setdefault(slice_record.tensor, []).append(slice_record)
-        tensors = {
-            name: TensorRecord(name=name, dtype=tl.dtype, shape=list(tl.shape), slices=slices_by_tensor.get(name, []))
-            for name, tl in layout.tensors.items()
-        }
-        manifest = Manifest(
-            job_id=store.job_id,
-            step=step,
-            created_at=datetime.now(UTC).isoformat(),
-            world_size=world_size,
-            data_position=data_position,
-            plan=plan,
-            tensors=tensors,
-            objects=objects,
-            metadata=metadata,
-        )
-        url = store.commit(manifest)
-        pruned = store.prune(keep)
-        if pruned:
-            log.info("pruned checkpoints %s", pruned)
-    if _dist_ready() and world_size > 1:
-        dist.barrier()  # nobody moves on (or exits) before the manifest is committed
-    return url
+def build_manifest(job_id: str, step: int, layout: Layout, objects: list[ObjectRecord], records: list[SliceRecord],
+                   data_position: dict[str, int], plan: dict[str, Any], metadata: dict[str, Any]) -> Manifest:
+    """The manifest of a checkpoint whose every rank has written `objects` holding `records`."""
+    slices: dict[str, list[SliceRecord]] = {}
+    for record in records:
+        slices.setdefault(record.tensor, []).append(record)
+    tensors = {name: TensorRecord(name=name, dtype=t.dtype, shape=list(t.shape), slices=slices.get(name, []))
+               for name, t in layout.tensors.items()}
+    return Manifest(job_id=job_id, step=step, created_at=datetime.now(UTC).isoformat(), world_size=layout.world_size,
+                    data_position=data_position, plan=plan, tensors=tensors, objects={o.key: o for o in objects},
+                    metadata=metadata)
+
+
+# ---------------------------------------------------------------------------------- restoring
 
 
 @dataclass
@@ -150,85 +224,103 @@ class Restored:
     data_position: dict[str, int]
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     manifest: Manifest | None = None
+    reads: RankReads | None = None
+
+
+def stored_boxes(manifest: Manifest) -> tuple[dict[str, list[StoredBox]], dict[str, str]]:
+    """The manifest's slices as ptc sees them, and every tensor's dtype."""
+    boxes = {
+        name: [StoredBox(name, Slice(tuple(s.offsets), tuple(s.lengths)), tuple(s.dim_order), s.object, s.byte_offset,
+                         tuple((int(n), int(c)) for n, c in s.chunks)) for s in t.slices]
+        for name, t in manifest.tensors.items()
+    }
+    return boxes, {name: t.dtype for name, t in manifest.tensors.items()}
+
+
+def node_objects(tier: ObjectStore | None, store: CheckpointStore, step: int) -> frozenset[str]:
+    """The objects of `step` this node's tier holds."""
+    if tier is None:
+        return frozenset()
+    folder = store.paths.ckpt_dir(step)
+    return frozenset(key[len(folder) + 1 :] for key in tier.list(folder))
+
+
+def reads_for(manifest: Manifest, wanted: dict[str, Slice], rank: int, local: frozenset[str] = frozenset()) -> RankReads:
+    boxes, dtypes = stored_boxes(manifest)
+    return rank_reads(boxes, dtypes, wanted, rank, local)
+
+
+def execute_reads(store: CheckpointStore, step: int, reads: RankReads, tier: ObjectStore | None = None) -> dict[str, torch.Tensor]:
+    """Exactly `reads`' requests, every chunk verified, assembled into this rank's boxes."""
+    requests = [ReadRequest(r.object, r.start, r.end, tuple(r.checks), r.source == LOCAL) for r in reads.requests]
+    buffers = store.read_verified(step, requests, tier)
+    return assemble(reads, [torch.frombuffer(b, dtype=torch.uint8) for b in buffers])
 
 
 def load_tensors(store: CheckpointStore, manifest: Manifest, names: list[str]) -> dict[str, torch.Tensor]:
     """Whole global tensors `names` from a committed checkpoint, checksums verified."""
-    return load_regions(store, manifest, {name: Slice.whole(tuple(manifest.tensors[name].shape)) for name in names})
+    wanted = {name: Slice.whole(tuple(manifest.tensors[name].shape)) for name in names}
+    return execute_reads(store, manifest.step, reads_for(manifest, wanted, 0))
 
 
-def load_regions(store: CheckpointStore, manifest: Manifest, wanted: dict[str, Slice]) -> dict[str, torch.Tensor]:
-    """The `wanted` box of each named global tensor, assembled from the stored boxes that
-    overlap it (only those are read, in one batched ranged read), checksums verified."""
-    plan: list[tuple[str, Slice, list[SliceRecord]]] = []
-    for name, box in wanted.items():
-        tr = manifest.tensors[name]
-        overlapping = [r for r in tr.slices if intersect(box, Slice(tuple(r.offsets), tuple(r.lengths))) is not None]
-        plan.append((name, box, overlapping))
-    payloads = iter(store.read_slices(manifest.step, [rec for _, _, recs in plan for rec in recs]))
-    out: dict[str, torch.Tensor] = {}
-    for name, box, recs in plan:
-        tr = manifest.tensors[name]
-        pieces = [bytes_to_tensor(next(payloads), tr.dtype, rec.lengths) for rec in recs]
-        stored = [Slice(tuple(r.offsets), tuple(r.lengths)) for r in recs]
-        out[name] = assemble_region(box, stored, lambda idx, pieces=pieces: [pieces[i] for i in idx], torch_dtype(tr.dtype))
-    return out
+def reshard_plan(store: CheckpointStore, layout: Layout, manifest: Manifest | None = None,
+                 tier: ObjectStore | None = None) -> ReconfigPlan | None:
+    """What every rank of `layout` would read from the newest (or given) checkpoint: computed
+    from the manifest alone, before any process starts. None when nothing is committed."""
+    manifest = manifest or store.latest()
+    if manifest is None:
+        return None
+    boxes, dtypes = stored_boxes(manifest)
+    local = node_objects(tier, store, manifest.step)
+    return reconfig_plan(manifest.step, boxes, dtypes, layout, {r: local for r in range(layout.world_size)})
 
 
-def regions_for(manifest: Manifest, own: Holdings, rank: int) -> dict[str, Slice]:
-    """What this rank needs from a checkpoint under the current plan: its box of each of its
-    parameters, the same box of their optimizer state (whole, for scalars such as Adam's
-    step), and its own RNG states."""
-    wanted: dict[str, Slice] = {}
-    for name, tr in manifest.tensors.items():
-        if name.startswith("model/") and name in own:
-            wanted[name] = own[name][2]
-        elif name.startswith("optim/"):
-            param = "model/" + name[len("optim/") :].rsplit("/", 1)[0]
-            if param in own:
-                same_shape = tuple(tr.shape) == tuple(own[param][0])
-                wanted[name] = own[param][2] if same_shape else Slice.whole(tuple(tr.shape))
-        elif name.startswith(f"rng/rank{rank:05d}/"):
-            wanted[name] = Slice.whole(tuple(tr.shape))
-    missing = sorted(n for n in own if n.startswith("model/") and n not in wanted)
-    if missing:
-        raise KeyError(f"checkpoint at step {manifest.step} lacks {missing[:3]}")
-    return wanted
+def _broadcast(value: Any, group: Group) -> Any:
+    if group is None:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0, group=group)
+    return box[0]
 
 
-def _agree(ok: bool, world_size: int) -> bool:
-    if not (_dist_ready() and world_size > 1):
+def _agree(ok: bool, group: Group) -> bool:
+    """True when every rank says so (a CPU collective on the gloo group: it also works where the
+    training group is NCCL-only)."""
+    if group is None:
         return ok
     flag = torch.tensor([1 if ok else 0], dtype=torch.int64)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
     return bool(flag.item())
 
 
-def _committed_steps(store: CheckpointStore, rank: int, world_size: int) -> list[int]:
-    steps: list[Any] = [store.committed_steps() if rank == 0 else None]
-    if _dist_ready() and world_size > 1:
-        dist.broadcast_object_list(steps, src=0)
-    return list(steps[0])
-
-
-def restore_latest(store: CheckpointStore, rank: int, world_size: int, own: Holdings | None = None) -> Restored | None:
-    """The newest committed checkpoint that every rank reads intact, or None to start fresh.
-    A checkpoint that fails a checksum anywhere is skipped (and kept, for inspection).
-    `own`: this rank's boxes of its parameters under the current plan (None: whole tensors)."""
-    for step in reversed(_committed_steps(store, rank, world_size)):
+def restore_latest(store: CheckpointStore, layout: Layout, rank: int, group: Group = None,
+                   tier: ObjectStore | None = None) -> Restored | None:
+    """The newest committed checkpoint that every rank reads intact, as this rank's boxes under
+    `layout`; None to start fresh. A checkpoint that fails a checksum anywhere is skipped (and
+    kept, for inspection)."""
+    steps = _broadcast(store.manifest_steps() if rank == 0 else None, group)
+    for step in reversed(steps):
+        raw = None
+        if rank == 0:
+            try:
+                raw = store.read_manifest_bytes(step)
+            except StorageError as error:
+                log.warning("checkpoint at step %d: %s", step, error)
+        raw = _broadcast(raw, group)
         restored = None
-        try:
-            manifest = store.load_manifest(step)
-            if own is None:
-                own_rng = f"rng/rank{rank:05d}/"
-                names = [n for n in manifest.tensors if not n.startswith("rng/") or n.startswith(own_rng)]
-                tensors = load_tensors(store, manifest, names)
-            else:
-                tensors = load_regions(store, manifest, regions_for(manifest, own, rank))
-            restored = Restored(step, dict(manifest.data_position), tensors, manifest)
-        except (StorageError, ValueError, KeyError) as error:
-            log.warning("rank %d: checkpoint at step %d is unusable (%s); trying an older one", rank, step, error)
-        if _agree(restored is not None, world_size):
+        if raw is not None:
+            try:
+                manifest = store.parse_manifest(step, raw)
+                wanted = {n: b for n, b in layout.boxes_of(rank).items() if n in manifest.tensors}
+                absent = sorted(n for n in layout.boxes_of(rank) if n.startswith("model/") and n not in wanted)
+                if absent:
+                    raise KeyError(f"checkpoint at step {step} lacks {absent[:3]}")
+                reads = reads_for(manifest, wanted, rank, node_objects(tier, store, step))
+                tensors = execute_reads(store, step, reads, tier)
+                restored = Restored(step, dict(manifest.data_position), tensors, manifest, reads)
+            except (StorageError, ValueError, KeyError) as error:
+                log.warning("rank %d: checkpoint at step %d is unusable (%s); trying an older one", rank, step, error)
+        if _agree(restored is not None, group):
             return restored
         log.warning("checkpoint at step %d refused by at least one rank; trying an older one", step)
     return None
@@ -248,3 +340,17 @@ def apply_state(restored: Restored, model: nn.Module, optimizer: LocalShardAdamW
     if cuda_rng is not None and device.type == "cuda":
         torch.cuda.set_rng_state(cuda_rng, device)
 
+
+__all__ = [
+    "Checkpointer",
+    "Restored",
+    "SaveReport",
+    "apply_state",
+    "build_manifest",
+    "collect_state",
+    "execute_reads",
+    "load_tensors",
+    "reshard_plan",
+    "restore_latest",
+    "stored_boxes",
+]

@@ -127,6 +127,27 @@ def plan_to_tp(plan: Plan, n_layers: int) -> tuple[TPChoices, list[str]]:
     return choices, problems
 
 
+def tp_shard_dims(choices: TPChoices, n_layers: int) -> dict[str, int]:
+    """Parameter name -> the dim `apply_tp` shards it along, for the parts `choices` makes
+    tensor parallel (torch's styles: ColwiseParallel shards a Linear's weight and bias on dim 0,
+    RowwiseParallel its weight on dim 1 and an Embedding's weight on dim 0; the vocab-parallel
+    head is colwise). Checkpoint layouts are computed from this without processes
+    (`trainer.layout`); the worker checks them against the live DTensors."""
+    dims: dict[str, int] = {}
+    if choices.embed:
+        dims["tok_emb.weight"] = 0
+    for i in range(n_layers):
+        p = f"blocks.{i}."
+        if i in choices.attention:
+            dims.update({p + f"attn.{name}.{kind}": 0 for name in ("q_proj", "k_proj", "v_proj") for kind in ("weight", "bias")})
+            dims[p + "attn.out_proj.weight"] = 1
+        if i in choices.mlp:
+            dims.update({p + "mlp.up_proj.weight": 0, p + "mlp.up_proj.bias": 0, p + "mlp.down_proj.weight": 1})
+    if choices.head:
+        dims["lm_head.weight"] = 0
+    return dims
+
+
 def _blocks(model: nn.Module) -> Iterator[tuple[int, nn.Module]]:
     """(layer index, block) of a GPT or of a pipeline stage holding some of its layers."""
     for name, block in model.blocks.named_children():

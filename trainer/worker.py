@@ -27,20 +27,13 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from planner.plan import Plan
-from ptc.dtensor import holdings
 from specs import JobSpec
 from storage import CheckpointStore, JobPaths, ObjectStore
 from trainer import metrics
-from trainer.checkpoint import (
-    apply_state,
-    collect_state,
-    gathered_layout,
-    restore_latest,
-    save_checkpoint,
-    state_layout,
-)
+from trainer.checkpoint import Checkpointer, SaveReport, apply_state, collect_state, restore_latest
 from trainer.control import StopRequests
 from trainer.data import DataPosition, SampleStream, load_tokens, micro_batches, rank_share
+from trainer.layout import layout_mismatches, state_layout
 from trainer.mesh import Coordinates, ParallelDims, job_plan_refusals
 from trainer.model import GPT, GPTConfig, flops_per_token, token_loss_sum
 from trainer.optim import LocalShardAdamW
@@ -79,7 +72,9 @@ def init_distributed(kind: str) -> tuple[int, int, torch.device]:
     else:
         device = torch.device("cpu")
     if world_size > 1:
-        dist.init_process_group(backend="nccl" if kind == "cuda" else "gloo", device_id=device if kind == "cuda" else None)
+        # On GPUs the default group carries CPU collectives too (gloo) beside NCCL's CUDA ones.
+        backend = "cpu:gloo,cuda:nccl" if kind == "cuda" else "gloo"
+        dist.init_process_group(backend=backend, device_id=device if kind == "cuda" else None)
     return rank, world_size, device
 
 
@@ -125,10 +120,19 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(train.seed + 1 + rank)  # per-rank stream for dropout
 
     # restore: this rank's boxes under this plan, from whatever plan saved the checkpoint
+    rng_bytes = {"cpu": torch.get_rng_state().numel()}
+    if device.type == "cuda":
+        rng_bytes["cuda"] = torch.cuda.get_rng_state(device).numel()
+    layout = state_layout(plan, config, rng_bytes)
+    mismatches = layout_mismatches(layout, {f"model/{n}": p for n, p in module.named_parameters()}, rank)
+    if mismatches:
+        raise SystemExit(f"rank {rank}: the plan's layout disagrees with the parallelized model: " + "; ".join(mismatches[:5]))
+    # Checkpoint coordination gets its own gloo group: saves talk from a background thread
+    # while training uses the default group, and CPU collectives work there on any device.
+    ckpt_group = dist.new_group(backend="gloo") if world_size > 1 else None
     store = ObjectStore(spec.storage.url, dict(spec.storage.storage_options))
     checkpoints = CheckpointStore(store, spec.job_id)
-    own = None if mesh is None else holdings({f"model/{n}": p for n, p in module.named_parameters()})
-    restored = restore_latest(checkpoints, rank, world_size, own)
+    restored = restore_latest(checkpoints, layout, rank, ckpt_group)
     step, position, loss = 0, DataPosition(), None
     if restored is not None:
         loss = restored.manifest.metadata.get("loss") if restored.manifest else None
@@ -153,22 +157,25 @@ def main(argv: list[str] | None = None) -> int:
             end_step=end_step,
         )
 
+    def committed(report: SaveReport) -> None:
+        metrics.emit("checkpoint", step=report.step, url=report.url, stall_s=round(report.stall_s, 4),
+                     write_s=round(report.write_s, 4), bytes_written=report.bytes_written)
+
+    checkpointer = Checkpointer(checkpoints, layout, rank, ckpt_group, train.keep_checkpoints,
+                                on_commit=committed if rank == 0 else None)
+    checked = False
+
     def checkpoint(at_step: int) -> None:
+        nonlocal checked
         state = collect_state(module, optimizer, rank, device)
-        url = save_checkpoint(
-            checkpoints,
-            at_step,
-            state,
-            state_layout(state, world_size) if mesh is None else gathered_layout(state, world_size),
-            rank,
-            world_size,
-            position.to_dict(stream.samples_per_epoch),
-            plan.model_dump(mode="json"),
-            {"model": m.model_dump(), "job": spec.name, "loss": loss},
-            train.keep_checkpoints,
-        )
-        if rank == 0:
-            metrics.emit("checkpoint", step=at_step, url=url)
+        if not checked:  # once: the optimizer's state has the layout's boxes too
+            problems = layout_mismatches(layout, state, rank)
+            if problems:
+                raise SystemExit(f"rank {rank}: training state disagrees with its layout: " + "; ".join(problems[:5]))
+            checked = True
+        # Asynchronous: the loop goes on while this is written; a stop or the end waits for it.
+        checkpointer.save(at_step, state, position.to_dict(stream.samples_per_epoch), plan.model_dump(mode="json"),
+                          {"model": m.model_dump(), "job": spec.name, "loss": loss})
 
     autocast = (
         torch.autocast(device.type, dtype=torch.bfloat16)
@@ -236,6 +243,7 @@ def main(argv: list[str] | None = None) -> int:
             stopped = True
             break
 
+    checkpointer.close()  # the last save is committed before anyone reports or exits
     if rank == 0:
         metrics.emit("stopped" if stopped else "finished", step=step, samples_consumed=position.samples_consumed)
     if world_size > 1:
@@ -243,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
         # while the groups are still registered: a gloo group destroyed from the reducer's
         # destructor joins its I/O thread while holding the GIL that thread waits for (seen
         # as a hang at exit with torch 2.13).
-        runnable = pipeline = optimizer = None
+        runnable = pipeline = optimizer = ckpt_group = None
         gc.collect()
         dist.barrier()
         dist.destroy_process_group()

@@ -1,0 +1,211 @@
+"""ReconfigPlan: what every rank of a new Layout reads from a committed checkpoint, computed
+before anything moves (after Tenplex's reconfiguration plans).
+
+For each rank: the box of every tensor it holds under the new Layout, the stored boxes that
+overlap it, and the byte ranges of those stored boxes that cover the overlap, widened to whole
+checksum chunks so that every byte read is verified. Ranges that touch in one object become one
+request. The restore executes exactly this plan; its totals (bytes needed, bytes read,
+requests, bytes from the node-local tier) are what a user sees before a job is resharded.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left, bisect_right
+from dataclasses import dataclass, field
+from itertools import accumulate
+
+import torch
+
+from ptc.chunks import row_bytes, stored_lengths
+from ptc.codec import torch_dtype
+from ptc.layout import Layout, Slice
+from ptc.regions import intersect
+
+LOCAL, REMOTE = "local", "remote"
+
+
+@dataclass(frozen=True)
+class StoredBox:
+    """One box as a checkpoint stored it: in `object` from `byte_offset`, dims in `order`,
+    checked per chunk of whole outer rows: `chunks` = ((nbytes, checksum), ...)."""
+
+    tensor: str
+    box: Slice
+    order: tuple[int, ...]
+    object: str
+    byte_offset: int
+    chunks: tuple[tuple[int, int], ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(n for n, _ in self.chunks)
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Part of a destination box that one request carries: rows [row_start, row_end) of the
+    stored box (outermost stored dim), found at `offset` in the request's bytes."""
+
+    tensor: str
+    dtype: str
+    source: StoredBox
+    row_start: int
+    row_end: int
+    offset: int
+    cut: Slice  # the elements wanted, in global coordinates
+
+
+@dataclass
+class Request:
+    """One ranged read: bytes [start, end) of `object`, with the chunks that verify them."""
+
+    object: str
+    start: int
+    end: int
+    source: str = REMOTE  # LOCAL: served from this node's tier
+    pieces: list[Piece] = field(default_factory=list)
+    checks: list[tuple[int, int, int]] = field(default_factory=list)  # (offset, nbytes, checksum)
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.start
+
+
+@dataclass
+class RankReads:
+    rank: int
+    wanted: dict[str, Slice]
+    dtypes: dict[str, str]
+    requests: list[Request]
+
+    @property
+    def bytes_needed(self) -> int:
+        return sum(box.numel * torch_dtype(self.dtypes[n]).itemsize for n, box in self.wanted.items())
+
+    @property
+    def bytes_read(self) -> int:
+        return sum(r.nbytes for r in self.requests)
+
+    def bytes_from(self, source: str) -> int:
+        return sum(r.nbytes for r in self.requests if r.source == source)
+
+
+@dataclass
+class ReconfigPlan:
+    step: int
+    ranks: list[RankReads]
+
+    def totals(self) -> dict[str, int]:
+        return {
+            "ranks": len(self.ranks),
+            "bytes_needed": sum(r.bytes_needed for r in self.ranks),
+            "bytes_read": sum(r.bytes_read for r in self.ranks),
+            "requests": sum(len(r.requests) for r in self.ranks),
+            "bytes_local": sum(r.bytes_from(LOCAL) for r in self.ranks),
+            "bytes_remote": sum(r.bytes_from(REMOTE) for r in self.ranks),
+        }
+
+    def summary(self) -> list[dict[str, int]]:
+        """Per new rank: bytes needed and read, requests, bytes from the node-local tier."""
+        return [
+            {"rank": r.rank, "bytes_needed": r.bytes_needed, "bytes_read": r.bytes_read, "requests": len(r.requests),
+             "bytes_local": r.bytes_from(LOCAL)}
+            for r in self.ranks
+        ]
+
+
+def _cover(stored: StoredBox, cut: Slice, itemsize: int) -> tuple[int, int, list[tuple[int, int, int]]]:
+    """Rows [first, last) of the stored box covering `cut`, widened to whole chunks, and the
+    chunks inside them as (row offset from `first` in bytes, nbytes, checksum)."""
+    order = stored.order
+    if not order:
+        first_row, last_row = 0, 1
+    else:
+        outer = order[0]
+        first_row = cut.offsets[outer] - stored.box.offsets[outer]
+        last_row = first_row + cut.lengths[outer]
+    per_row = row_bytes(stored.box, order, itemsize)
+    # Chunk edges in rows from the box's start.
+    edges = [0, *accumulate(n // per_row for n, _ in stored.chunks)]
+    lo = edges[bisect_right(edges, first_row) - 1]
+    hi = edges[bisect_left(edges, last_row)]
+    checks = []
+    for i in range(len(stored.chunks)):
+        if lo <= edges[i] and edges[i + 1] <= hi:
+            checks.append(((edges[i] - lo) * per_row, *stored.chunks[i]))
+    return lo, hi, checks
+
+
+def rank_reads(stored: dict[str, list[StoredBox]], dtypes: dict[str, str], wanted: dict[str, Slice], rank: int,
+               local_objects: frozenset[str] = frozenset()) -> RankReads:
+    """The requests one rank issues to assemble `wanted` (tensor -> its box) from `stored`."""
+    ranges: list[tuple[str, int, int, Piece | None, list[tuple[int, int, int]]]] = []
+    for name, box in sorted(wanted.items()):
+        itemsize = torch_dtype(dtypes[name]).itemsize
+        covered = 0
+        for source in stored.get(name, []):
+            cut = intersect(box, source.box)
+            if cut is None:
+                continue
+            covered += cut.numel
+            lo, hi, checks = _cover(source, cut, itemsize)
+            per_row = row_bytes(source.box, source.order, itemsize)
+            start = source.byte_offset + lo * per_row
+            piece = Piece(name, dtypes[name], source, lo, hi, 0, cut)
+            ranges.append((source.object, start, source.byte_offset + hi * per_row, piece, checks))
+        if covered != box.numel:
+            raise ValueError(f"{name}: the checkpoint's boxes cover {covered} of the {box.numel} elements rank {rank} needs")
+    # Coalesce: ranges that touch (or overlap) in one object become one request.
+    requests: list[Request] = []
+    for obj, start, end, piece, checks in sorted(ranges, key=lambda r: (r[0], r[1])):
+        last = requests[-1] if requests else None
+        if last is None or last.object != obj or start > last.end:
+            last = Request(obj, start, end, LOCAL if obj in local_objects else REMOTE)
+            requests.append(last)
+        base = start - last.start
+        last.end = max(last.end, end)
+        if piece is not None:
+            last.pieces.append(Piece(piece.tensor, piece.dtype, piece.source, piece.row_start, piece.row_end, base, piece.cut))
+        known = {off for off, _, _ in last.checks}
+        last.checks.extend((base + off, n, c) for off, n, c in checks if base + off not in known)
+    return RankReads(rank, dict(wanted), {n: dtypes[n] for n in wanted}, requests)
+
+
+def reconfig_plan(step: int, stored: dict[str, list[StoredBox]], dtypes: dict[str, str], layout: Layout,
+                  local_objects: dict[int, frozenset[str]] | None = None) -> ReconfigPlan:
+    """Every rank's reads of a committed checkpoint under a new `layout`. Tensors the checkpoint
+    does not hold (another rank count's RNG states) are not wanted."""
+    local_objects = local_objects or {}
+    ranks = []
+    for rank in range(layout.world_size):
+        wanted = {n: b for n, b in layout.boxes_of(rank).items() if n in stored}
+        ranks.append(rank_reads(stored, dtypes, wanted, rank, local_objects.get(rank, frozenset())))
+    return ReconfigPlan(step, ranks)
+
+
+def assemble(reads: RankReads, buffers: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    """This rank's boxes from the bytes of its requests (`buffers[i]`: uint8, request i's bytes,
+    already verified), each a new tensor in natural dim order."""
+    out = {name: torch.empty(box.lengths, dtype=torch_dtype(reads.dtypes[name])) for name, box in reads.wanted.items()}
+    for request, data in zip(reads.requests, buffers, strict=True):
+        for piece in request.pieces:
+            src = piece.source
+            dtype = torch_dtype(piece.dtype)
+            rows = piece.row_end - piece.row_start
+            lengths = stored_lengths(src.box, src.order)
+            nbytes = rows * row_bytes(src.box, src.order, dtype.itemsize)
+            raw = data[piece.offset : piece.offset + nbytes]
+            if piece.offset % dtype.itemsize:  # a view as `dtype` needs aligned storage
+                raw = raw.clone()
+            stored = raw.view(dtype)
+            stored = stored.reshape((rows, *lengths[1:]) if lengths else ())
+            # Back to natural dim order, then the cut's elements within the rows read.
+            inverse = tuple(src.order.index(d) for d in range(len(src.order)))
+            natural = stored.permute(inverse) if src.order else stored
+            first = src.box.offsets[src.order[0]] + piece.row_start if src.order else 0
+            base = [src.box.offsets[d] if d != (src.order[0] if src.order else -1) else first for d in range(len(lengths))]
+            within = tuple(slice(o - b, o - b + n) for o, b, n in zip(piece.cut.offsets, base, piece.cut.lengths, strict=True))
+            wanted = reads.wanted[piece.tensor]
+            dest = tuple(slice(o - w, o - w + n) for o, w, n in zip(piece.cut.offsets, wanted.offsets, piece.cut.lengths, strict=True))
+            out[piece.tensor][dest] = natural[within]
+    return out

@@ -1,0 +1,87 @@
+"""The Layout of a job's whole training state under a Plan, computed without processes.
+
+Every tensor of the state is named: parameters `model/<name>`, AdamW state
+`optim/<name>/{exp_avg,exp_avg_sq,step}` and each rank's RNG state `rng/rank<r>/<device>`.
+Which rank holds which box follows from the plan alone: the pipeline stage that owns a
+parameter (`trainer.pipeline.stage_layers`), the dim tensor parallelism shards it along
+(`trainer.parallel.tp_shard_dims`), and data parallelism replicating it. The same function
+serves the worker (what to write, what to read), the CLI and the flow (the reshard plan shown
+before anything moves).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from planner.plan import Plan
+from ptc import Layout, dtype_name
+from ptc.dtensor import holdings
+from ptc.layout import TensorPlacement, mesh_layout
+from trainer.model import GPT, GPTConfig
+from trainer.parallel import TPChoices, executable_plan, plan_to_tp, tp_shard_dims
+from trainer.pipeline import stage_layers
+
+# AdamW's per-parameter state: two moments shaped and placed like the parameter, and a scalar
+# float32 step count (torch.optim.AdamW without `capturable`).
+MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+def rng_state_bytes(device_type: str) -> dict[str, int]:
+    """Bytes of each generator state a rank saves: the CPU one always, the CUDA one on GPUs
+    (its Philox seed and offset, 16 bytes; the worker passes the live size)."""
+    sizes = {"cpu": torch.get_rng_state().numel()}
+    if device_type == "cuda":
+        sizes["cuda"] = 16
+    return sizes
+
+
+def _stage_of(name: str, stages: list[list[int]]) -> int | None:
+    if len(stages) == 1:
+        return None
+    if name.startswith(("tok_emb.", "pos_emb.")):
+        return 0
+    if name.startswith(("norm.", "lm_head.")):
+        return len(stages) - 1
+    layer = int(name.split(".")[1])  # blocks.<i>.<...>
+    return next(s for s, layers in enumerate(stages) if layer in layers)
+
+
+def state_layout(plan: Plan, config: GPTConfig, rng_bytes: dict[str, int] | None = None) -> Layout:
+    """Every rank's box of every tensor of the training state under `plan`."""
+    plan = executable_plan(plan)
+    n = config.n_layers
+    choices, _ = plan_to_tp(plan, n)
+    sharded = tp_shard_dims(choices, n)
+    splittable = tp_shard_dims(TPChoices.megatron(n), n)  # stored outermost under every plan
+    stages = stage_layers(plan, n) if plan.degree("pp") > 1 else [list(range(n))]
+    with torch.device("meta"):
+        model = GPT(config)
+    placements: dict[str, TensorPlacement] = {}
+    for name, param in model.named_parameters():
+        stage = _stage_of(name, stages)
+        where = TensorPlacement(tuple(param.shape), dtype_name(param.dtype), stage, sharded.get(name), split_dim=splittable.get(name))
+        placements[f"model/{name}"] = where
+        for moment in MOMENTS:
+            placements[f"optim/{name}/{moment}"] = where
+        placements[f"optim/{name}/step"] = TensorPlacement((), "float32", stage)
+    for rank in range(plan.devices):
+        for device, size in (rng_bytes or rng_state_bytes("cpu")).items():
+            placements[f"rng/rank{rank:05d}/{device}"] = TensorPlacement((size,), "uint8", rank=rank)
+    return mesh_layout(plan.mesh, placements)
+
+
+def layout_mismatches(layout: Layout, state: dict[str, torch.Tensor], rank: int) -> list[str]:
+    """Where the live state of `rank` differs from its Layout (empty: they agree)."""
+    expected = layout.boxes_of(rank)
+    problems = []
+    for name, (shape, dtype, box) in holdings(state).items():
+        tensor = layout.tensors.get(name)
+        if tensor is None:
+            problems.append(f"{name} is not in the layout")
+        elif tensor.shape != tuple(shape) or tensor.dtype != dtype or expected.get(name) != box:
+            problems.append(f"{name}: live {dtype}{list(shape)} box {box}, layout {tensor.dtype}{list(tensor.shape)} box {expected.get(name)}")
+    # Kinds present in `state` must be complete (before the first step there is no optimizer state).
+    kinds = {name.split("/", 1)[0] for name in state} - {"rng"}
+    problems += [f"{name} is in the layout but not held" for name in sorted(expected)
+                 if name.split("/", 1)[0] in kinds and name not in state]
+    return problems
