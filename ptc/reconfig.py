@@ -183,29 +183,93 @@ def reconfig_plan(step: int, stored: dict[str, list[StoredBox]], dtypes: dict[st
     return ReconfigPlan(step, ranks)
 
 
-def assemble(reads: RankReads, buffers: list[torch.Tensor]) -> dict[str, torch.Tensor]:
-    """This rank's boxes from the bytes of its requests (`buffers[i]`: uint8, request i's bytes,
-    already verified), each a new tensor in natural dim order."""
-    out = {name: torch.empty(box.lengths, dtype=torch_dtype(reads.dtypes[name])) for name, box in reads.wanted.items()}
-    for request, data in zip(reads.requests, buffers, strict=True):
-        for piece in request.pieces:
+class Assembly:
+    """Where one rank's reads land. Each wanted box is allocated once, in its tensor's stored
+    dim order; a request's bytes are read into buffers that tile it: straight into a box where
+    the bytes are exactly whole rows of it (the common case: nothing is copied after the read),
+    into scratch memory elsewhere (widened chunk edges, boxes cut across inner dims), copied
+    into place by `finish`."""
+
+    def __init__(self, reads: RankReads, destinations: dict[str, torch.Tensor] | None = None) -> None:
+        """`destinations`: tensors to fill in place (this rank's boxes, natural dim order); those
+        stored in natural order on the host are read straight into, the rest copied at `finish`."""
+        self.reads = reads
+        orders = {p.tensor: p.source.order for r in reads.requests for p in r.pieces}
+        self.orders = {name: orders.get(name, tuple(range(len(box.lengths)))) for name, box in reads.wanted.items()}
+        self.destinations = {n: t for n, t in (destinations or {}).items() if n in reads.wanted}
+        self.boxes = {}
+        for name, box in reads.wanted.items():
+            dest = self.destinations.get(name)
+            dtype = torch_dtype(reads.dtypes[name])
+            if dest is not None and (tuple(dest.shape) != box.lengths or dest.dtype != dtype):
+                raise ValueError(f"{name}: destination {dest.dtype}{list(dest.shape)} for a {dtype}{list(box.lengths)} box")
+            natural = self.orders[name] == tuple(range(len(box.lengths)))
+            if dest is not None and natural and dest.device.type == "cpu" and dest.is_contiguous():
+                self.boxes[name] = dest
+            else:
+                self.boxes[name] = torch.empty(stored_lengths(box, self.orders[name]), dtype=dtype)
+        self._scratch: list[tuple[Piece, torch.Tensor]] = []
+        self.targets: list[list[memoryview]] = [[self._target(p) for p in r.pieces] for r in reads.requests]
+
+    def _target(self, piece: Piece) -> memoryview:
+        want, src = self.reads.wanted[piece.tensor], piece.source
+        itemsize = torch_dtype(piece.dtype).itemsize
+        per_row = row_bytes(src.box, src.order, itemsize)
+        if _lands_whole(piece, want):
+            outer = src.order[0] if src.order else None
+            first = 0 if outer is None else piece.cut.offsets[outer] - want.offsets[outer]
+            dest = _bytes_of(self.boxes[piece.tensor])
+            return dest[first * per_row : (first + piece.row_end - piece.row_start) * per_row]
+        scratch = torch.empty((piece.row_end - piece.row_start) * per_row, dtype=torch.uint8)
+        self._scratch.append((piece, scratch))
+        return _bytes_of(scratch)
+
+    def finish(self) -> dict[str, torch.Tensor]:
+        """Every wanted box in natural dim order (a permuted view where it was stored permuted),
+        once the targets hold their verified bytes."""
+        natural = {name: box.permute(_inverse(self.orders[name])) if box.dim() else box for name, box in self.boxes.items()}
+        for piece, data in self._scratch:
             src = piece.source
             dtype = torch_dtype(piece.dtype)
-            rows = piece.row_end - piece.row_start
             lengths = stored_lengths(src.box, src.order)
-            nbytes = rows * row_bytes(src.box, src.order, dtype.itemsize)
-            raw = data[piece.offset : piece.offset + nbytes]
-            if piece.offset % dtype.itemsize:  # a view as `dtype` needs aligned storage
-                raw = raw.clone()
-            stored = raw.view(dtype)
+            rows = piece.row_end - piece.row_start
+            stored = (data.clone() if data.storage_offset() % dtype.itemsize else data).view(dtype)
             stored = stored.reshape((rows, *lengths[1:]) if lengths else ())
-            # Back to natural dim order, then the cut's elements within the rows read.
-            inverse = tuple(src.order.index(d) for d in range(len(src.order)))
-            natural = stored.permute(inverse) if src.order else stored
-            first = src.box.offsets[src.order[0]] + piece.row_start if src.order else 0
-            base = [src.box.offsets[d] if d != (src.order[0] if src.order else -1) else first for d in range(len(lengths))]
+            part = stored.permute(_inverse(src.order)) if src.order else stored
+            base = list(src.box.offsets)
+            if src.order:
+                base[src.order[0]] += piece.row_start
             within = tuple(slice(o - b, o - b + n) for o, b, n in zip(piece.cut.offsets, base, piece.cut.lengths, strict=True))
-            wanted = reads.wanted[piece.tensor]
-            dest = tuple(slice(o - w, o - w + n) for o, w, n in zip(piece.cut.offsets, wanted.offsets, piece.cut.lengths, strict=True))
-            out[piece.tensor][dest] = natural[within]
-    return out
+            want = self.reads.wanted[piece.tensor]
+            dest = tuple(slice(o - w, o - w + n) for o, w, n in zip(piece.cut.offsets, want.offsets, piece.cut.lengths, strict=True))
+            natural[piece.tensor][dest] = part[within]
+        for name, dest in self.destinations.items():
+            if natural[name] is not dest:
+                dest.copy_(natural[name])
+                natural[name] = dest
+        return natural
+
+
+def _lands_whole(piece: Piece, want: Slice) -> bool:
+    """Whether the piece's bytes are exactly whole rows of the wanted box in stored order: no
+    widened chunk edges, and the same extent as the wanted box on every inner dim."""
+    src, order = piece.source, piece.source.order
+    if not order:
+        return True
+    outer = order[0]
+    first = piece.cut.offsets[outer] - src.box.offsets[outer]
+    if (piece.row_start, piece.row_end) != (first, first + piece.cut.lengths[outer]):
+        return False
+    return all(
+        piece.cut.offsets[d] == want.offsets[d] == src.box.offsets[d]
+        and piece.cut.lengths[d] == want.lengths[d] == src.box.lengths[d]
+        for d in order[1:]
+    )
+
+
+def _inverse(order: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(order.index(d) for d in range(len(order)))
+
+
+def _bytes_of(tensor: torch.Tensor) -> memoryview:
+    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())

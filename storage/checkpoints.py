@@ -11,9 +11,11 @@ invisible to `committed_steps`/`latest` and is removed by `prune` once a newer s
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import json
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from zlib import crc32
 
@@ -46,13 +48,30 @@ VERIFY_BATCH_BYTES = 256 * 2**20
 
 @dataclass(frozen=True)
 class SlicePayload:
-    """One slice to store: its key, the order its dims are laid out in, its bytes (any
-    contiguous buffer) and the sizes of its checksum chunks, in order."""
+    """One slice to store: its key, the order its dims are laid out in, the sizes of its
+    checksum chunks, and `chunk(i)`: the bytes of chunk i (any contiguous buffer), produced
+    when it is written, so a slice need not exist in stored form all at once."""
 
     key: SliceKey
     dim_order: tuple[int, ...]
-    data: memoryview | bytes
     chunk_bytes: tuple[int, ...]
+    chunk: Callable[[int], memoryview | bytes]
+
+    @classmethod
+    def of_bytes(cls, key: SliceKey, dim_order: tuple[int, ...], data: memoryview | bytes,
+                 chunk_bytes: tuple[int, ...]) -> SlicePayload:
+        """A slice whose stored bytes are at hand, cut into chunks without copying."""
+        view = memoryview(data).cast("B")
+        starts = [0]
+        for n in chunk_bytes:
+            starts.append(starts[-1] + n)
+        if starts[-1] != len(view):
+            raise ValueError(f"chunks of {key.tensor!r} cover {starts[-1]} of its {len(view)} bytes")
+        return cls(key, dim_order, tuple(chunk_bytes), lambda i: view[starts[i] : starts[i + 1]])
+
+    @property
+    def nbytes(self) -> int:
+        return sum(self.chunk_bytes)
 
 
 @dataclass(frozen=True)
@@ -167,21 +186,20 @@ class CheckpointStore:
         def parts() -> Iterator[memoryview]:
             crcs.clear()
             for payload in slices:
-                view, offset, mine = memoryview(payload.data).cast("B"), 0, []
-                for n in payload.chunk_bytes:
-                    chunk = view[offset : offset + n]
+                mine = []
+                for i, n in enumerate(payload.chunk_bytes):
+                    chunk = memoryview(payload.chunk(i)).cast("B")
+                    if len(chunk) != n:
+                        raise ValueError(f"chunk {i} of {payload.key.tensor!r} has {len(chunk)} bytes, not {n}")
                     mine.append(crc32(chunk))
-                    offset += n
                     yield chunk
-                if offset != len(view):
-                    raise ValueError(f"chunks of {payload.key.tensor!r} cover {offset} of its {len(view)} bytes")
                 crcs.append(mine)
 
         total = self.store.put_stream(self.paths.rank_object(step, rank), parts)
         records: list[SliceRecord] = []
         offset = 0
         for payload, checks in zip(slices, crcs, strict=True):
-            n = len(memoryview(payload.data).cast("B"))
+            n = payload.nbytes
             records.append(
                 SliceRecord(
                     tensor=payload.key.tensor,
@@ -316,36 +334,51 @@ class CheckpointStore:
 
     # ------------------------------------------------------------------ reading
 
-    def read_verified(self, step: int, requests: Sequence[ReadRequest], tier: ObjectStore | None = None) -> list[bytearray]:
-        """The bytes of each request (one buffer each, read straight into it), every chunk they
-        cover checked against its CRC-32. Requests marked local are served from `tier` (this
-        node's copy) when it has them, else from the store. Raises ChecksumMismatch rather than
-        return bytes that differ from what was written."""
-        buffers = [bytearray(r.end - r.start) for r in requests]
-        local = [(r, b) for r, b in zip(requests, buffers, strict=True) if r.local and tier is not None]
-        remote = [(r, b) for r, b in zip(requests, buffers, strict=True) if not (r.local and tier is not None)]
-        if local:
-            assert tier is not None
-            try:
-                tier.read_into([(self.paths.ckpt_object(step, r.object), r.start, memoryview(b)) for r, b in local])
-            except StorageError as error:  # the tier is a cache: fall back to durable storage
-                logger.warning("node-local tier unusable for step %d (%s); reading object storage", step, error)
-                remote += local
-        self.store.read_into([(self.paths.ckpt_object(step, r.object), r.start, memoryview(b)) for r, b in remote])
-        for request, data in zip(requests, buffers, strict=True):
-            view = memoryview(data)
+    def read_verified(self, step: int, requests: Sequence[ReadRequest], targets: Sequence[list[memoryview]] | None = None,
+                      tier: ObjectStore | None = None) -> list[list[memoryview]]:
+        """Read each request into its target buffers (which tile its range, in order; one new
+        buffer each when not given), and check every chunk it covers against its CRC-32.
+        Requests marked local are served from `tier` (this node's copy) when it has them, else
+        from the store. Raises ChecksumMismatch rather than return bytes that differ from what
+        was written."""
+        if targets is None:
+            targets = [[memoryview(bytearray(r.end - r.start))] for r in requests]
+        jobs = list(zip(requests, targets, strict=True))
+        for request, buffers in jobs:
+            if sum(len(b) for b in buffers) != request.end - request.start:
+                raise ValueError(f"buffers of {sum(len(b) for b in buffers)} bytes for a request of {request.end - request.start}")
+
+        def verify(request: ReadRequest, buffers: list[memoryview]) -> None:
+            ends = list(itertools.accumulate(len(b) for b in buffers))
             for offset, n, expected in request.checks:
-                actual = crc32(view[offset : offset + n])
-                if actual != expected:
+                i = bisect.bisect_right(ends, offset)  # the buffer this chunk starts in; it lies within it
+                within = offset - (ends[i - 1] if i else 0)
+                actual = crc32(buffers[i][within : within + n])
+                if actual != expected or within + n > len(buffers[i]):
                     where = request.start + offset
                     raise ChecksumMismatch(self.store.url_for(self.paths.ckpt_object(step, request.object)), where,
                                            where + n, f"{expected:08x}", f"{actual:08x}")
-        return buffers
+
+        def read(store: ObjectStore, batch: list[tuple[ReadRequest, list[memoryview]]]) -> None:
+            store.read_into([(self.paths.ckpt_object(step, r.object), r.start, t) for r, t in batch],
+                            then=lambda i: verify(*batch[i]))
+
+        local = [(r, t) for r, t in jobs if r.local and tier is not None]
+        remote = [(r, t) for r, t in jobs if not (r.local and tier is not None)]
+        if local:
+            assert tier is not None
+            try:
+                read(tier, local)
+            except StorageError as error:  # the tier is a cache: fall back to durable storage
+                logger.warning("node-local tier unusable for step %d (%s); reading object storage", step, error)
+                remote += local
+        read(self.store, remote)
+        return [list(t) for t in targets]
 
     def read_slices(self, step: int, records: Sequence[SliceRecord]) -> list[bytes]:
         """The whole payloads of `records`, every chunk verified."""
         requests = [ReadRequest(r.object, r.byte_offset, r.byte_end, _whole_checks(r)) for r in records]
-        return [bytes(b) for b in self.read_verified(step, requests)]
+        return [b"".join(t) for t in self.read_verified(step, requests)]
 
     def verify(self, step: int) -> None:
         """Read and verify every chunk of the checkpoint at `step`, a batch at a time.

@@ -259,31 +259,42 @@ class ObjectStore:
         self.stats.add(written=n, puts=1)
         return n
 
-    def read_into(self, requests: Sequence[tuple[str, int, memoryview]]) -> None:
-        """Fill each buffer with bytes [start, start + len(buffer)) of its key: local files are
-        read straight into the buffers (preadv, several at once), other backends in one batched
-        `cat_ranges`. A short object is an error."""
+    def read_into(self, requests: Sequence[tuple[str, int, list[memoryview]]],
+                  then: Callable[[int], None] | None = None) -> None:
+        """Fill each request's buffers, in order, with the bytes of its key from `start` on:
+        local files are read straight into them (preadv scatters one range over several
+        buffers; several requests at once), other backends in one batched `cat_ranges`. A short
+        object is an error. `then(i)` runs once request i is read (on the reading thread, so
+        checksumming overlaps the other reads)."""
         if not requests:
             return
         if self.is_local:
 
-            def read_one(item: tuple[str, int, memoryview]) -> None:
-                key, start, out = item
+            def read_one(i: int) -> None:
+                key, start, out = requests[i]
                 self._call("get", key, lambda: _pread_exact(self._path(key), start, out))
+                if then is not None:
+                    then(i)
 
             if len(requests) == 1:
-                read_one(requests[0])
+                read_one(0)
             else:
                 with ThreadPoolExecutor(min(LOCAL_READ_THREADS, len(requests))) as pool:
-                    list(pool.map(read_one, requests))
+                    list(pool.map(read_one, range(len(requests))))
         else:
-            data = self.get_ranges([(key, start, start + len(out)) for key, start, out in requests])
-            for (key, start, out), payload in zip(requests, data, strict=True):
-                if len(payload) != len(out):
-                    raise StorageError(f"{self.url_for(key)}: {len(payload)} bytes at {start}, expected {len(out)}")
-                out[:] = payload
+            sizes = [sum(len(b) for b in out) for _, _, out in requests]
+            data = self.get_ranges([(key, start, start + n) for (key, start, _), n in zip(requests, sizes, strict=True)])
+            for (key, start, out), n, payload in zip(requests, sizes, data, strict=True):
+                if len(payload) != n:
+                    raise StorageError(f"{self.url_for(key)}: {len(payload)} bytes at {start}, expected {n}")
+                offset = 0
+                for buffer in out:
+                    buffer[:] = payload[offset : offset + len(buffer)]
+                    offset += len(buffer)
+            for i in range(len(requests)) if then is not None else ():
+                then(i)
             return
-        self.stats.add(read=sum(len(out) for _, _, out in requests), gets=len(requests))
+        self.stats.add(read=sum(len(b) for _, _, out in requests for b in out), gets=len(requests))
 
     # ------------------------------------------------------------------ json
 
@@ -355,18 +366,29 @@ class ObjectStore:
         self._call("delete", prefix_or_key, rm)
 
 
-def _pread_exact(path: str, start: int, out: memoryview) -> None:
-    """Read len(out) bytes at `start` of a local file straight into `out`."""
+def _pread_exact(path: str, start: int, out: list[memoryview]) -> None:
+    """Read sum(len(b) for b in out) bytes at `start` of a local file straight into `out`."""
     fd = os.open(path, os.O_RDONLY)
     try:
-        done = 0
-        while done < len(out):
-            n = os.preadv(fd, [out[done:]], start + done)
+        pending = [b for b in out if len(b)]
+        position = start
+        while pending:
+            n = os.preadv(fd, pending[:_IOV_MAX], position)
             if n == 0:
-                raise StorageError(f"{path}: ends before byte {start + len(out)}")
-            done += n
+                raise StorageError(f"{path}: ends before byte {start + sum(len(b) for b in out)}")
+            position += n
+            while n and pending:  # drop what was filled, keep the rest of a partly filled buffer
+                if n >= len(pending[0]):
+                    n -= len(pending.pop(0))
+                else:
+                    pending[0] = pending[0][n:]
+                    n = 0
     finally:
         os.close(fd)
+
+
+# preadv takes at most IOV_MAX buffers (1024 on Linux).
+_IOV_MAX = 1024
 
 
 def _atomic_write_local(path: str, data: bytes | Iterable[memoryview | bytes]) -> int:

@@ -181,6 +181,28 @@ def test_checkpoint_moves_between_plans(reference, tmp_path: Path) -> None:
     assert_state_matches(final_state(spec), expected_state)
 
 
+def test_tp4_tp3_tp1_chain_three_times(reference, tmp_path: Path) -> None:
+    """Tensor-parallel degree changes 4 -> 3 -> 1, three times over (every two steps), then tp4
+    to the end: the losses of the uninterrupted single process at every step, and its final
+    state. tp3 is the planner's mixed plan (4 heads do not split 3 ways: MLPs, embedding and
+    head shard), so uneven boxes move too."""
+    expected_losses, expected_state = reference
+    spec = spec_for("chain", tmp_path)
+    plans = [mesh_plan({"tp": 4}), planner_plan(3, max_tp=None, max_pp=1), Plan.data_parallel(1)] * 3
+    for i, plan in enumerate(plans):
+        result = run(spec, plan, until_step=2 * (i + 1))
+        start = next(e for e in result.events if e["event"] == "start")
+        assert start["step"] == 2 * i and result.final_step == 2 * (i + 1)
+        if i:
+            restoring = next(e for e in result.events if e["event"] == "restoring")
+            assert restoring["bytes_read"] == restoring["bytes_needed"]  # rank 0 reads exactly its bytes
+        assert_losses_match(result, expected_losses)
+    last = run(spec, mesh_plan({"tp": 4}))
+    assert last.final_step == 20
+    assert_losses_match(last, expected_losses)
+    assert_state_matches(final_state(spec), expected_state)
+
+
 def test_unexecutable_plans_are_refused_with_reasons() -> None:
     sizes = {"n_layers": 2, "n_heads": 4, "seq_len": 24, "global_batch": 8}
     tp3 = plan_refusals(mesh_plan({"tp": 3}), **sizes)

@@ -219,9 +219,9 @@ JOB = "job-1"
 def _slices(step: int, rank: int) -> list[SlicePayload]:
     """Two ranks each own half of w (4x4 float32, a chunk per row) and rank 0 also owns b (4,)."""
     rows = bytes([(step + rank + i) % 256 for i in range(32)])  # 2 rows x 4 x 4 bytes
-    out = [SlicePayload(SliceKey("w", (2 * rank, 0), (2, 4)), (0, 1), rows, (16, 16))]
+    out = [SlicePayload.of_bytes(SliceKey("w", (2 * rank, 0), (2, 4)), (0, 1), rows, (16, 16))]
     if rank == 0:
-        out.append(SlicePayload(SliceKey("b", (0,), (4,)), (0,), bytes([step % 256]) * 16, (16,)))
+        out.append(SlicePayload.of_bytes(SliceKey("b", (0,), (4,)), (0,), bytes([step % 256]) * 16, (16,)))
     return out
 
 
@@ -272,7 +272,7 @@ def test_checkpoint_write_commit_latest(store: ObjectStore) -> None:
     assert ckpts.load_manifest(10) == m10
 
     records = latest.tensors["w"].slices
-    assert ckpts.read_slices(30, records) == [p.data for r in (0, 1) for p in _slices(30, r)[:1]]
+    assert ckpts.read_slices(30, records) == [bytes(p.chunk(0)) + bytes(p.chunk(1)) for r in (0, 1) for p in _slices(30, r)[:1]]
     ckpts.verify(30)
 
 

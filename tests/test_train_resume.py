@@ -4,14 +4,12 @@ was never interrupted."""
 
 from __future__ import annotations
 
-import contextlib
 import os
-import signal
 from pathlib import Path
 from typing import Any
 
 import pytest
-from jobs import assert_bitwise_equal, checkpoint_store, final_state, tiny_spec
+from jobs import assert_bitwise_equal, checkpoint_store, final_state, kill_tree, tiny_spec
 
 from planner.plan import Plan
 from storage import JobPaths, ObjectStore
@@ -20,20 +18,6 @@ from trainer.launch import LaunchResult, launch_workers
 pytestmark = pytest.mark.slow
 
 DP2 = Plan.data_parallel(2)
-
-
-def kill_processes_mentioning(text: str) -> None:
-    """SIGKILL every process whose command line contains `text` (torchrun and its workers)."""
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        if text in cmdline:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(int(proc.name), signal.SIGKILL)
 
 
 def run(spec, **kwargs: Any) -> LaunchResult:
@@ -107,8 +91,7 @@ def test_killed_workers_resume_from_last_commit_bitwise_equal(reference, tmp_pat
     for line in process.stdout:
         event = metrics.parse(line)
         if event and event["event"] == "checkpoint":
-            # torchrun starts each worker in its own session: kill every process of this run
-            kill_processes_mentioning(str(spec_file))
+            kill_tree(process.pid)
             break
     process.wait()
     assert process.returncode != 0

@@ -19,7 +19,9 @@ is skipped for an older one, by agreement of all ranks.
 
 from __future__ import annotations
 
+import itertools
 import logging
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -32,9 +34,9 @@ import torch.distributed as dist
 from torch import nn
 
 from ptc import Layout, Slice
-from ptc.chunks import chunk_rows, row_bytes, storage_order, stored_lengths
+from ptc.chunks import chunk_rows, row_bytes, storage_order
 from ptc.dtensor import local_data
-from ptc.reconfig import LOCAL, RankReads, ReconfigPlan, StoredBox, assemble, rank_reads, reconfig_plan
+from ptc.reconfig import LOCAL, Assembly, RankReads, ReconfigPlan, StoredBox, rank_reads, reconfig_plan
 from storage import (
     CheckpointStore,
     Manifest,
@@ -68,6 +70,48 @@ def collect_state(model: nn.Module, optimizer: LocalShardAdamW, rank: int, devic
 # ---------------------------------------------------------------------------------- saving
 
 
+@dataclass(frozen=True)
+class _BoxToWrite:
+    """One box this rank writes, with its stored dim order and checksum chunks (computed once)."""
+
+    name: str
+    box: Slice
+    order: tuple[int, ...]
+    chunk_rows: tuple[int, ...]
+    row_bytes: int
+
+    @classmethod
+    def of(cls, layout: Layout, name: str, box: Slice) -> _BoxToWrite:
+        tensor = layout.tensors[name]
+        order = storage_order(len(tensor.shape), tensor.split_dim)
+        rows = chunk_rows(tensor.shape, box, order, tensor.itemsize, tensor.split_dim)
+        return cls(name, box, order, tuple(rows), row_bytes(box, order, tensor.itemsize))
+
+    @property
+    def key(self) -> tuple[str, Slice]:
+        return self.name, self.box
+
+    def payload(self, buffer: torch.Tensor) -> SlicePayload:
+        """The box's stored bytes from its snapshot (natural dim order), chunk by chunk."""
+        key = SliceKey(self.name, self.box.offsets, self.box.lengths)
+        chunk_bytes = tuple(r * self.row_bytes for r in self.chunk_rows)
+        if self.order == tuple(range(len(self.order))):
+            return SlicePayload.of_bytes(key, self.order, _bytes_of(buffer), chunk_bytes)
+        starts = [0, *itertools.accumulate(self.chunk_rows)]
+        outer = self.order[0]
+
+        def chunk(i: int) -> memoryview:  # rows of the outer stored dim, laid out in stored order
+            part = buffer.narrow(outer, starts[i], starts[i + 1] - starts[i]).permute(self.order).contiguous()
+            return _bytes_of(part)
+
+        return SlicePayload(key, self.order, chunk_bytes, chunk)
+
+
+def _bytes_of(tensor: torch.Tensor) -> memoryview:
+    """A contiguous tensor's memory as bytes, without copying."""
+    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
+
+
 @dataclass
 class SaveReport:
     """What one save cost: the loop's stall, and the background write + commit."""
@@ -80,7 +124,16 @@ class SaveReport:
 
 
 class Checkpointer:
-    """Asynchronous, sharded saves of one rank under one Layout."""
+    """Asynchronous, sharded saves of one rank under one Layout.
+
+    What the loop waits for: GPU tensors are copied into pinned host buffers at `save` (the
+    device-to-host snapshot). Host tensors are not copied at all by default: the background
+    write reads them where they are, and the loop must call `before_update()` before it next
+    changes them (the optimizer step), which waits until the write has consumed their bytes.
+    The write overlaps the next forward and backward pass, as CheckFreq pipelines its
+    snapshot; a write slower than that pass shows up as waiting in `before_update`.
+    `copy_host_memory=True` copies host tensors at `save` instead (no wait later).
+    """
 
     def __init__(
         self,
@@ -91,16 +144,22 @@ class Checkpointer:
         keep: int = 2,
         on_commit: Callable[[SaveReport], None] | None = None,
         tier: ObjectStore | None = None,
+        copy_host_memory: bool = False,
     ) -> None:
         self.store, self.layout, self.rank, self.group, self.keep = store, layout, rank, group, keep
         self.on_commit = on_commit
         self.tier = tier
         self.world_size = layout.world_size
-        self.boxes = layout.slices_to_write(rank)
+        self._boxes = [_BoxToWrite.of(layout, name, box) for name, box in layout.slices_to_write(rank)]
         self._buffers: dict[tuple[str, Slice], torch.Tensor] = {}
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="parashift-save")
         self._inflight: Future[SaveReport] | None = None
+        self._consumed = threading.Event()  # set: the save in flight no longer reads live memory
+        self._consumed.set()
+        self._current: SaveReport | None = None
+        self.copy_host_memory = copy_host_memory
         self.reports: list[SaveReport] = []
+        self.last_stall_s: float | None = None  # the loop's wait for the newest save: capture + before_update
 
     def save(self, step: int, state: dict[str, torch.Tensor], data_position: dict[str, int], plan: dict[str, Any],
              metadata: dict[str, Any], *, blocking: bool = False) -> SaveReport:
@@ -108,12 +167,31 @@ class Checkpointer:
         previous save has finished). `blocking`: also wait for the commit."""
         self.wait()
         started = time.perf_counter()
-        payloads = self.snapshot(state)
+        payloads, live = self._capture(state, copy_host=self.copy_host_memory)
         report = SaveReport(step, time.perf_counter() - started)
-        self._inflight = self._pool.submit(self._write_and_commit, report, payloads, data_position, plan, metadata)
+        self._current = report
+        self._consumed = threading.Event()
+        if not live:
+            self._consumed.set()
+        self._inflight = self._pool.submit(self._write_and_commit, report, payloads, data_position, plan, metadata,
+                                           self._consumed)
         if blocking:
             self.wait()
         return report
+
+    def before_update(self) -> float:
+        """Wait until the save in flight has stopped reading live tensors; call it before
+        changing them (the optimizer step). Returns the seconds waited (added to the stall)."""
+        current, self._current = self._current, None
+        waited = 0.0
+        if not self._consumed.is_set():
+            started = time.perf_counter()
+            self._consumed.wait()
+            waited = time.perf_counter() - started
+        if current is not None:
+            current.stall_s += waited
+            self.last_stall_s = current.stall_s
+        return waited
 
     def wait(self) -> None:
         """Block until the save in flight (if any) is committed; raise what made it fail."""
@@ -128,34 +206,41 @@ class Checkpointer:
             self._pool.shutdown(wait=True)
 
     def snapshot(self, state: dict[str, torch.Tensor]) -> list[SlicePayload]:
-        """Copy this rank's boxes into host buffers, in stored dim order (pinned for a GPU, so
-        the copies run at full bandwidth; reused from save to save)."""
+        """This rank's boxes copied into host buffers (reused from save to save)."""
+        return self._capture(state, copy_host=True)[0]
+
+    def _capture(self, state: dict[str, torch.Tensor], copy_host: bool) -> tuple[list[SlicePayload], bool]:
+        """This rank's boxes as payloads: device tensors copied into pinned host buffers, host
+        tensors copied too when `copy_host` (else read in place: returns live=True). Boxes
+        stored with another dim order are permuted chunk by chunk while they are written."""
         payloads = []
-        device_copies = False
-        for name, box in self.boxes:
-            tensor = self.layout.tensors[name]
-            local = local_data(state[name]).detach()
-            if tuple(local.shape) != box.lengths:
-                raise ValueError(f"{name}: this rank holds {list(local.shape)}, its layout box is {list(box.lengths)}")
-            order = storage_order(len(tensor.shape), tensor.split_dim)
-            buffer = self._buffers.get((name, box))
-            if buffer is None:
-                pin = local.device.type == "cuda"
-                buffer = torch.empty(stored_lengths(box, order), dtype=local.dtype, pin_memory=pin)
-                self._buffers[(name, box)] = buffer
+        device_copies = live = False
+        for box in self._boxes:
+            local = local_data(state[box.name]).detach()
+            if tuple(local.shape) != box.box.lengths:
+                raise ValueError(f"{box.name}: this rank holds {list(local.shape)}, its layout box is {list(box.box.lengths)}")
+            if not copy_host and local.device.type == "cpu" and local.is_contiguous():
+                payloads.append(box.payload(local))
+                live = True
+                continue
+            buffer = self._buffers.get(box.key)
+            if buffer is None or buffer.dtype != local.dtype:
+                buffer = torch.empty(box.box.lengths, dtype=local.dtype, pin_memory=local.device.type == "cuda")
+                self._buffers[box.key] = buffer
             device_copies |= local.device.type == "cuda"
-            buffer.copy_(local.permute(order) if order else local, non_blocking=True)
-            rows = chunk_rows(tensor.shape, box, order, tensor.itemsize, tensor.split_dim)
-            per_row = row_bytes(box, order, tensor.itemsize)
-            data = memoryview(buffer.reshape(-1).view(torch.uint8).numpy())
-            payloads.append(SlicePayload(SliceKey(name, box.offsets, box.lengths), order, data,
-                                         tuple(r * per_row for r in rows)))
+            buffer.copy_(local, non_blocking=True)
+            payloads.append(box.payload(buffer))
         if device_copies:
             torch.cuda.synchronize()
-        return payloads
+        return payloads, live
+
+    @property
+    def host_buffers(self) -> list[torch.Tensor]:
+        """The snapshot buffers (for benchmarks: the same bytes, written raw)."""
+        return list(self._buffers.values())
 
     def _write_and_commit(self, report: SaveReport, payloads: list[SlicePayload], data_position: dict[str, int],
-                          plan: dict[str, Any], metadata: dict[str, Any]) -> SaveReport:
+                          plan: dict[str, Any], metadata: dict[str, Any], consumed: threading.Event) -> SaveReport:
         started = time.perf_counter()
         step = report.step
         error, obj, records = None, None, []
@@ -165,6 +250,8 @@ class Checkpointer:
                 self._keep_on_node(step, payloads)
         except Exception as exc:  # reported to rank 0 (no commit) and raised here below
             error = exc
+        finally:
+            consumed.set()  # written (or failed): the loop may change its tensors again
         mine = (repr(error) if error else None, obj.model_dump() if obj else None, [r.model_dump() for r in records])
         gathered = [mine]
         if self.group is not None:
@@ -184,18 +271,27 @@ class Checkpointer:
             report.write_s = time.perf_counter() - started
             if self.on_commit is not None:
                 self.on_commit(report)
-            pruned = self.store.prune(self.keep)
-            if pruned:
-                log.info("pruned checkpoints %s", pruned)
+            # Next on this thread, after the commit is reported: never on the save's path.
+            self._pool.submit(self._prune)
         else:
             report.write_s = time.perf_counter() - started
         return report
+
+    def _prune(self) -> None:
+        try:
+            pruned = self.store.prune(self.keep)
+        except StorageError as error:  # the next save prunes again
+            log.warning("pruning old checkpoints failed: %s", error)
+            return
+        if pruned:
+            log.info("pruned checkpoints %s", pruned)
 
     def _keep_on_node(self, step: int, payloads: list[SlicePayload]) -> None:
         """Keep this rank's object in the node-local tier too (the newest step only)."""
         assert self.tier is not None
         paths = self.store.paths
-        self.tier.put_stream(paths.rank_object(step, self.rank), lambda: [p.data for p in payloads])
+        self.tier.put_stream(paths.rank_object(step, self.rank),
+                             lambda: (p.chunk(i) for p in payloads for i in range(len(p.chunk_bytes))))
         for key in self.tier.list(paths.ckpt_root):
             folder = key.split("/")[3]
             if folder.isdigit() and int(folder) < step and key.endswith(f"rank{self.rank:05d}.bin"):
@@ -250,11 +346,14 @@ def reads_for(manifest: Manifest, wanted: dict[str, Slice], rank: int, local: fr
     return rank_reads(boxes, dtypes, wanted, rank, local)
 
 
-def execute_reads(store: CheckpointStore, step: int, reads: RankReads, tier: ObjectStore | None = None) -> dict[str, torch.Tensor]:
-    """Exactly `reads`' requests, every chunk verified, assembled into this rank's boxes."""
+def execute_reads(store: CheckpointStore, step: int, reads: RankReads, tier: ObjectStore | None = None,
+                  destinations: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """Exactly `reads`' requests, every chunk verified, assembled into this rank's boxes (into
+    `destinations` where given)."""
     requests = [ReadRequest(r.object, r.start, r.end, tuple(r.checks), r.source == LOCAL) for r in reads.requests]
-    buffers = store.read_verified(step, requests, tier)
-    return assemble(reads, [torch.frombuffer(b, dtype=torch.uint8) for b in buffers])
+    assembly = Assembly(reads, destinations)
+    store.read_verified(step, requests, assembly.targets, tier)
+    return assembly.finish()
 
 
 def load_tensors(store: CheckpointStore, manifest: Manifest, names: list[str]) -> dict[str, torch.Tensor]:
@@ -294,10 +393,14 @@ def _agree(ok: bool, group: Group) -> bool:
 
 
 def restore_latest(store: CheckpointStore, layout: Layout, rank: int, group: Group = None,
-                   tier: ObjectStore | None = None) -> Restored | None:
+                   tier: ObjectStore | None = None,
+                   on_reads: Callable[[int, RankReads], None] | None = None,
+                   destinations: dict[str, torch.Tensor] | None = None) -> Restored | None:
     """The newest committed checkpoint that every rank reads intact, as this rank's boxes under
     `layout`; None to start fresh. A checkpoint that fails a checksum anywhere is skipped (and
-    kept, for inspection)."""
+    kept, for inspection). `on_reads(step, reads)` hears this rank's reads before they start.
+    `destinations`: fresh tensors to read into (not live ones: a checkpoint that fails its
+    checksums half-way must leave the live state as it was)."""
     steps = _broadcast(store.manifest_steps() if rank == 0 else None, group)
     for step in reversed(steps):
         raw = None
@@ -316,7 +419,9 @@ def restore_latest(store: CheckpointStore, layout: Layout, rank: int, group: Gro
                 if absent:
                     raise KeyError(f"checkpoint at step {step} lacks {absent[:3]}")
                 reads = reads_for(manifest, wanted, rank, node_objects(tier, store, step))
-                tensors = execute_reads(store, step, reads, tier)
+                if on_reads is not None:
+                    on_reads(step, reads)
+                tensors = execute_reads(store, step, reads, tier, destinations)
                 restored = Restored(step, dict(manifest.data_position), tensors, manifest, reads)
             except (StorageError, ValueError, KeyError) as error:
                 log.warning("rank %d: checkpoint at step %d is unusable (%s); trying an older one", rank, step, error)
@@ -332,7 +437,8 @@ def apply_state(restored: Restored, model: nn.Module, optimizer: LocalShardAdamW
     with torch.no_grad():
         for name, param in model.named_parameters():
             local_data(param).copy_(tensors[f"model/{name}"])
-    optimizer.load_state_tensors({k[len("optim/") :]: v for k, v in tensors.items() if k.startswith("optim/")})
+    # The optimizer adopts these tensors as its state: contiguous, as it would have made them.
+    optimizer.load_state_tensors({k[len("optim/") :]: v.contiguous() for k, v in tensors.items() if k.startswith("optim/")})
     cpu_rng = tensors.get(f"rng/rank{rank:05d}/cpu")
     if cpu_rng is not None:
         torch.set_rng_state(cpu_rng)

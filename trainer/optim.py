@@ -71,6 +71,19 @@ class LocalShardAdamW:
                     out[f"{name}/{key}"] = self._as_global(value.detach(), self.params[name])
         return out
 
+    def empty_state_tensors(self) -> dict[str, torch.Tensor]:
+        """Uninitialised host tensors shaped as this rank's state will be after a step (AdamW's
+        moments like each local shard, a float32 step): a restore reads into them, then
+        `load_state_tensors` adopts them without a copy. Empty where the state lives on a GPU."""
+        if any(view.device.type != "cpu" for view in self.views.values()):
+            return {}
+        out: dict[str, torch.Tensor] = {}
+        for name, view in self.views.items():
+            out[f"{name}/step"] = torch.empty((), dtype=torch.float32)
+            out[f"{name}/exp_avg"] = torch.empty_like(view, memory_format=torch.contiguous_format)
+            out[f"{name}/exp_avg_sq"] = torch.empty_like(view, memory_format=torch.contiguous_format)
+        return out
+
     def load_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
         """Take `{"<param>/<key>": this rank's box}` (as `regions_for` reads them) as the state."""
         index = {name: i for i, name in enumerate(n for group in self.param_groups for n in self._names(group))}

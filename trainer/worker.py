@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from planner.plan import Plan
+from ptc.reconfig import RankReads
 from specs import JobSpec
 from storage import CheckpointStore, JobPaths, ObjectStore
 from trainer import metrics
@@ -132,7 +133,14 @@ def main(argv: list[str] | None = None) -> int:
     ckpt_group = dist.new_group(backend="gloo") if world_size > 1 else None
     store = ObjectStore(spec.storage.url, dict(spec.storage.storage_options))
     checkpoints = CheckpointStore(store, spec.job_id)
-    restored = restore_latest(checkpoints, layout, rank, ckpt_group)
+
+    def restoring(at_step: int, reads: RankReads) -> None:
+        if rank == 0:
+            metrics.emit("restoring", step=at_step, bytes_needed=reads.bytes_needed, bytes_read=reads.bytes_read,
+                         requests=len(reads.requests))
+
+    fresh = {f"optim/{name}": t for name, t in optimizer.empty_state_tensors().items()}  # read into, then adopted
+    restored = restore_latest(checkpoints, layout, rank, ckpt_group, on_reads=restoring, destinations=fresh)
     step, position, loss = 0, DataPosition(), None
     if restored is not None:
         loss = restored.manifest.metadata.get("loss") if restored.manifest else None
@@ -223,8 +231,16 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 params = list(module.parameters())
                 clip_grad_norm_(params, spec.optimizer.grad_clip, {"dp": coords.dp_rank, "tp": coords.tp_rank})
+        checkpointer.before_update()  # a save in flight may still be reading these tensors
         optimizer.step()
         optimizer.zero_grad()
+        if checkpointer.last_stall_s is not None:  # how long the newest save held the loop, slowest rank
+            stall = torch.tensor([checkpointer.last_stall_s], dtype=torch.float64, device=device)
+            if world_size > 1:
+                dist.all_reduce(stall, op=dist.ReduceOp.MAX)
+            if rank == 0:
+                metrics.emit("checkpoint_stall", step=step + 1, stall_s=round(stall.item(), 4))
+            checkpointer.last_stall_s = None
         step += 1
         position = DataPosition(position.samples_consumed + train.global_batch)
 

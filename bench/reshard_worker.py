@@ -1,0 +1,178 @@
+"""One side of `bench.reshard`, run by torchrun on every rank: build a GPT and its AdamW state
+under a plan, then either save it (raw write, parashift, DCP) or restore it under another plan
+(parashift, DCP) and check that both restores agree. Rank 0 prints one JSON line.
+
+    torchrun --nproc-per-node N -m bench.reshard_worker --phase save|load --plan plan.json ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
+
+from planner.plan import Plan
+from ptc.dtensor import local_data
+from specs import JobSpec
+from storage import CheckpointStore, ObjectStore
+from trainer.checkpoint import Checkpointer, apply_state, collect_state, restore_latest
+from trainer.layout import layout_mismatches, state_layout
+from trainer.mesh import Coordinates, ParallelDims
+from trainer.model import GPT, GPTConfig
+from trainer.optim import LocalShardAdamW
+from trainer.parallel import executable_plan, parallelize, plan_to_tp
+from trainer.pipeline import build_stage
+
+
+def build(plan: Plan, config: GPTConfig, spec: JobSpec) -> tuple[torch.nn.Module, LocalShardAdamW]:
+    """The rank's part of the model under `plan`, as the trainer builds it, with AdamW state
+    after one step."""
+    dims = ParallelDims.from_plan(plan)
+    mesh = None if dims.pure_data_parallel else dims.build_mesh("cpu")
+    coords = Coordinates.of(mesh)
+    torch.manual_seed(0)
+    model = GPT(config)
+    module = build_stage(model, plan, coords.pp_rank) if dims.pp > 1 else model
+    if mesh is not None:
+        choices, _ = plan_to_tp(plan, config.n_layers)
+        parallelize(module, plan, mesh, choices)
+    optimizer = LocalShardAdamW(module, spec, torch.device("cpu"))
+    for p in module.parameters():
+        p.grad = torch.full_like(p, 1e-3)
+    optimizer.step()
+    optimizer.zero_grad()
+    return module, optimizer
+
+
+def timed(fn: Any, group: Any) -> tuple[float, Any]:
+    """Wall seconds of `fn` on the slowest rank (barrier before and after)."""
+    dist.barrier(group=group)
+    started = time.perf_counter()
+    out = fn()
+    dist.barrier(group=group)
+    return time.perf_counter() - started, out
+
+
+def total(value: float, group: Any, op: Any = dist.ReduceOp.SUM) -> float:
+    t = torch.tensor([float(value)], dtype=torch.float64)
+    dist.all_reduce(t, op=op, group=group)
+    return float(t.item())
+
+
+def read_bytes_of_process() -> int:
+    """Bytes this process has read through syscalls (files and sockets): /proc/self/io rchar."""
+    for line in Path("/proc/self/io").read_text().splitlines():
+        if line.startswith("rchar:"):
+            return int(line.split()[1])
+    return 0
+
+
+def dcp_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """What DCP saves and loads: parameters and optimizer state (RNG states are per rank and
+    would not exist for new ranks)."""
+    return {k: v for k, v in state.items() if not k.startswith("rng/")}
+
+
+def raw_write(path: str, views: list[memoryview], store: ObjectStore | None, key: str) -> None:
+    """The same bytes, written as plainly as the backend allows: one file + fsync, or one PUT."""
+    if store is not None:
+        store.put_stream(key, lambda: views)
+        return
+    with open(path, "wb", buffering=0) as f:
+        for view in views:
+            f.write(view)
+        os.fsync(f.fileno())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--phase", choices=["save", "load"], required=True)
+    parser.add_argument("--plan", type=Path, required=True)
+    parser.add_argument("--spec", type=Path, required=True)
+    parser.add_argument("--dcp", required=True, help="DCP checkpoint folder or URL")
+    parser.add_argument("--raw", required=True, help="folder for the raw-write baseline")
+    parser.add_argument("--repeat", type=int, default=2, help="saves per method (the best is reported)")
+    args = parser.parse_args()
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    group = dist.new_group(backend="gloo")
+    spec = JobSpec.model_validate_json(args.spec.read_text())
+    plan = executable_plan(Plan.model_validate_json(args.plan.read_text()))
+    config = GPTConfig.of(spec.model)
+    module, optimizer = build(plan, config, spec)
+    layout = state_layout(plan, config)
+    state = collect_state(module, optimizer, rank, torch.device("cpu"))
+    problems = layout_mismatches(layout, state, rank)
+    assert not problems, problems
+    options = dict(spec.storage.storage_options)
+    store = ObjectStore(spec.storage.url, options)
+    checkpoints = CheckpointStore(store, spec.job_id)
+    remote = not store.is_local
+    out: dict[str, Any] = {"phase": args.phase, "ranks": world}
+
+    if args.phase == "save":
+        ck = Checkpointer(checkpoints, layout, rank, group, keep=args.repeat)
+        ck.snapshot(state)
+        views = [memoryview(t.reshape(-1).view(torch.uint8).numpy()) for t in ck.host_buffers]
+        mine = sum(len(v) for v in views)
+        raw_store = ObjectStore(args.raw, options) if remote else None
+        if not remote:
+            os.makedirs(args.raw, exist_ok=True)
+        raw_s = min(timed(lambda: raw_write(f"{args.raw}/rank{rank}.bin", views, raw_store, f"rank{rank}.bin"), group)[0]
+                    for _ in range(args.repeat))
+        saves = []
+        for step in range(1, args.repeat + 1):  # nothing else running: throughput, like the raw write
+            seconds, _ = timed(lambda step=step: ck.save(step, state, {"samples_consumed": 0}, plan.model_dump(mode="json"),
+                                                         {}, blocking=True), group)
+            saves.append(seconds)
+        ck.close()
+        writer = (lambda: FsspecWriter(args.dcp, **options)) if remote else (lambda: FileSystemWriter(args.dcp))
+        dcp_s = min(timed(lambda: dcp.save(dcp_state(state), storage_writer=writer(), process_group=group), group)[0]
+                    for _ in range(args.repeat))
+        written = total(mine, group)
+        out.update(bytes_written=int(written), raw_write_s=raw_s, raw_write_MBps=written / raw_s / 1e6,
+                   save_s=min(saves), save_MBps=written / min(saves) / 1e6, dcp_save_s=dcp_s)
+    else:
+        store.stats.reset()
+        needed: list[int] = [0]
+
+        def ours() -> None:
+            fresh = {f"optim/{name}": t for name, t in optimizer.empty_state_tensors().items()}
+            restored = restore_latest(checkpoints, layout, rank, group,
+                                      on_reads=lambda step, reads: needed.__setitem__(0, reads.bytes_needed),
+                                      destinations=fresh)
+            assert restored is not None, "nothing to restore"
+            apply_state(restored, module, optimizer, rank, torch.device("cpu"))
+
+        restore_s, _ = timed(ours, group)
+        stats = store.stats.as_dict()
+        ours_state = {k: local_data(v).clone() for k, v in dcp_state(collect_state(module, optimizer, rank, torch.device("cpu"))).items()}
+        for p in module.parameters():  # scramble, so DCP's load must bring every value back
+            local_data(p).data.fill_(0.5)
+        target = dcp_state(collect_state(module, optimizer, rank, torch.device("cpu")))
+        reader = FsspecReader(args.dcp, **options) if remote else FileSystemReader(args.dcp)
+        before = read_bytes_of_process()
+        dcp_s, _ = timed(lambda: dcp.load(target, storage_reader=reader, process_group=group), group)
+        dcp_read = read_bytes_of_process() - before
+        agree = all(torch.equal(local_data(target[k]), v) for k, v in ours_state.items())
+        out.update(bytes_needed=int(total(needed[0], group)), bytes_read=int(total(stats["bytes_read"], group)),
+                   requests=int(total(stats["get_requests"], group)), restore_s=restore_s, dcp_load_s=dcp_s,
+                   dcp_bytes_read=int(total(dcp_read, group)), agree=bool(total(0 if agree else 1, group) == 0))
+    if rank == 0:
+        print("RESHARD " + json.dumps(out), flush=True)
+    dist.barrier(group=group)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

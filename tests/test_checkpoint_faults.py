@@ -1,0 +1,125 @@
+"""Faults while state moves, on real gloo workers: a writer killed in the middle of an
+asynchronous save, a reader killed in the middle of a restore. Either way the last committed
+checkpoint stays intact and loadable, and the job recovers from it to end bitwise equal to a
+run that was never interrupted."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from jobs import assert_bitwise_equal, checkpoint_store, final_state, kill_tree, tiny_spec
+
+from planner.plan import Plan
+from specs import JobSpec
+from trainer import launch, metrics
+from trainer.launch import launch_workers
+
+pytestmark = pytest.mark.slow
+
+# Big enough (about 40 MB of state) that writing a checkpoint takes a while to catch.
+MODEL = {"n_layers": 4, "d_model": 256, "n_heads": 4, "vocab_size": 512, "seq_len": 16, "dropout": 0.0}
+TRAINING = {"global_batch": 4, "micro_batch": 2, "steps": 8, "seed": 3, "checkpoint_every": 2}
+DP2 = Plan.data_parallel(2)
+
+
+def spec_for(name: str, tmp: Path) -> JobSpec:
+    return tiny_spec(name, f"file://{tmp}/store", model=MODEL, training=TRAINING)
+
+
+def run_to_end(spec: JobSpec) -> launch.LaunchResult:
+    lines: list[str] = []
+    result = launch_workers(spec, DP2, on_line=lines.append)
+    assert result.returncode == 0, "\n".join(lines[-40:])
+    return result
+
+
+def start_workers(spec: JobSpec, tmp: Path) -> subprocess.Popen[str]:
+    spec_file, plan_file = tmp / "spec.json", tmp / "plan.json"
+    spec_file.write_text(spec.model_dump_json())
+    plan_file.write_text(DP2.model_dump_json())
+    return subprocess.Popen(launch.worker_command(2, spec_file, plan_file, None), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=launch.worker_env("cpu"))
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory):
+    spec = spec_for("reference", tmp_path_factory.mktemp("ref"))
+    assert run_to_end(spec).final_step == 8
+    return final_state(spec)
+
+
+def test_writer_killed_during_an_asynchronous_save(reference, tmp_path: Path) -> None:
+    spec = spec_for("killed-writer", tmp_path)
+    ckpt_root = tmp_path / "store/jobs/killed-writer/ckpt"
+    process = start_workers(spec, tmp_path)
+    caught: list[str] = []
+
+    def kill_mid_write() -> None:
+        """Once a step has committed, kill everything the moment a later rank object is half
+        written (its temporary file exists: the rename comes after the last byte)."""
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and process.poll() is None:
+            committed = ckpt_root.exists() and any((d / "manifest.json").exists() for d in ckpt_root.iterdir())
+            if committed:
+                for folder in ckpt_root.iterdir():
+                    partial = [f.name for f in folder.iterdir() if f.name.endswith(".parashift-tmp")] if folder.exists() else []
+                    if partial and not (folder / "manifest.json").exists():
+                        kill_tree(process.pid)
+                        caught.append(f"{folder.name}/{partial[0]}")
+                        return
+            time.sleep(0.001)
+
+    watcher = threading.Thread(target=kill_mid_write)
+    watcher.start()
+    assert process.stdout is not None
+    for _ in process.stdout:
+        pass
+    watcher.join()
+    process.wait()
+    assert caught, "no save was caught in the middle of its write"
+    assert process.returncode != 0
+    store = checkpoint_store(spec)
+    committed = store.committed_steps()
+    half_written = int(caught[0].split("/")[0])
+    assert committed and half_written not in committed
+    store.verify(committed[-1])  # the last commit is intact: every chunk checks out
+
+    resumed = run_to_end(spec)
+    start = next(e for e in resumed.events if e["event"] == "start")
+    assert start["resumed"] and start["step"] == committed[-1] and resumed.final_step == 8
+    assert_bitwise_equal(final_state(spec), reference)
+
+
+def test_reader_killed_during_a_restore(reference, tmp_path: Path) -> None:
+    spec = spec_for("killed-reader", tmp_path)
+    first = launch_workers(spec, DP2, until_step=4)
+    assert first.returncode == 0 and first.final_step == 4
+    store = checkpoint_store(spec)
+    before = {p: p.stat().st_mtime_ns for p in (tmp_path / "store").rglob("*") if p.is_file()}
+
+    process = start_workers(spec, tmp_path)
+    assert process.stdout is not None
+    killed = False
+    for line in process.stdout:
+        event = metrics.parse(line)
+        if event and event["event"] == "restoring":
+            kill_tree(process.pid)
+            killed = True
+            break
+    process.wait()
+    assert killed and process.returncode != 0
+    after = {p: p.stat().st_mtime_ns for p in (tmp_path / "store").rglob("*") if p.is_file()}
+    assert after == before  # a restore writes nothing
+    assert store.committed_steps() == [2, 4]
+    store.verify(4)
+
+    resumed = run_to_end(spec)
+    start = next(e for e in resumed.events if e["event"] == "start")
+    assert start["step"] == 4 and resumed.final_step == 8
+    assert_bitwise_equal(final_state(spec), reference)
+    assert os.path.exists(tmp_path / "store")
