@@ -101,10 +101,69 @@ def start_moto() -> tuple[Any, str]:
     return server, f"http://{host}:{port}"
 
 
+def one_round(storage: str, old: str, new: str, endpoint: str | None, env: dict[str, str]) -> dict[str, Any]:
+    """Save under `old`, restore under `new`, both ways, in fresh storage."""
+    with tempfile.TemporaryDirectory(prefix="parashift-bench-", dir=os.environ.get("BENCH_TMP")) as tmp:
+        job = f"bench-{uuid.uuid4().hex[:8]}"
+        if storage == "s3":
+            import boto3
+
+            bucket = f"bench-{uuid.uuid4().hex[:12]}"
+            boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1").create_bucket(Bucket=bucket)
+            options: dict[str, Any] = {"endpoint_url": endpoint}
+            url, dcp_url, raw_url = f"s3://{bucket}/parashift", f"s3://{bucket}/dcp", f"s3://{bucket}/raw"
+        else:
+            options = {}
+            url, dcp_url, raw_url = f"file://{tmp}/parashift", f"{tmp}/dcp", f"{tmp}/raw"
+        spec = spec_for(job, url, options)
+        saved = run_phase("save", plan_of(old), spec, dcp_url, raw_url, Path(tmp), env)
+        loaded = run_phase("load", plan_of(new), spec, dcp_url, raw_url, Path(tmp), env)
+    return {**saved, **loaded}
+
+
+def summarize(storage: str, old: str, new: str, rounds: list[dict[str, Any]], stalls: list[float]) -> dict[str, Any]:
+    """Medians over rounds, and the medians of the per-round ratios the targets are about."""
+
+    def med(key: str) -> float:
+        return statistics.median(r[key] for r in rounds)
+
+    first = rounds[0]
+    stall = statistics.median(stalls)
+    row = {
+        "storage": storage,
+        "change": f"{old}->{new}",
+        "bytes_needed": first["bytes_needed"],
+        "bytes_read": first["bytes_read"],
+        "bytes_written": first["bytes_written"],
+        "requests": first["requests"],
+        "wall_s": round(med("save_s") + med("restore_s"), 3),
+        "dcp_bytes_read": first["dcp_bytes_read"],
+        "dcp_wall_s": round(med("dcp_save_s") + med("dcp_load_s"), 3),
+        "raw_write_MBps": round(med("raw_write_MBps"), 1),
+        "save_MBps": round(med("save_MBps"), 1),
+        "stall_s": round(stall, 4),
+        "dcp_save_s": round(med("dcp_save_s"), 3),
+        "save_s": round(med("save_s"), 3),
+        "restore_s": round(med("restore_s"), 3),
+        "dcp_load_s": round(med("dcp_load_s"), 3),
+        "stalls_s": stalls,
+        "rounds": len(rounds),
+        "restores_agree": all(r["agree"] for r in rounds),
+        "read_ratio": round(first["bytes_read"] / first["bytes_needed"], 5),
+        "dcp_read_ratio": round(first["dcp_bytes_read"] / first["bytes_needed"], 3),
+        "wall_over_dcp": round(statistics.median((r["save_s"] + r["restore_s"]) / (r["dcp_save_s"] + r["dcp_load_s"])
+                                                 for r in rounds), 3),
+        "save_over_raw": round(statistics.median(r["save_MBps"] / r["raw_write_MBps"] for r in rounds), 3),
+        "stall_over_dcp_save": round(stall / med("dcp_save_s"), 4),
+    }
+    return row
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--storage", default="file,s3")
     parser.add_argument("--cases", default=",".join(CASES))
+    parser.add_argument("--rounds", type=int, default=3, help="save + restore rounds per case (medians reported)")
     args = parser.parse_args()
     env = worker_env("cpu")
     env.update(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing", AWS_DEFAULT_REGION="us-east-1")
@@ -117,47 +176,14 @@ def main() -> None:
                 server, endpoint = start_moto()
             for case in args.cases.split(","):
                 old, new = case.split("-")
-                with tempfile.TemporaryDirectory(prefix="parashift-bench-", dir=os.environ.get("BENCH_TMP")) as tmp:
-                    job = f"bench-{uuid.uuid4().hex[:8]}"
-                    if storage == "s3":
-                        import boto3
-
-                        bucket = f"bench-{uuid.uuid4().hex[:12]}"
-                        boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1").create_bucket(Bucket=bucket)
-                        options = {"endpoint_url": endpoint}
-                        url, dcp_url, raw_url = f"s3://{bucket}/parashift", f"s3://{bucket}/dcp", f"s3://{bucket}/raw"
-                    else:
-                        options = {}
-                        url, dcp_url, raw_url = f"file://{tmp}/parashift", f"{tmp}/dcp", f"{tmp}/raw"
-                    spec = spec_for(job, url, options)
-                    print(f"[{storage}] {old} -> {new}: saving", file=sys.stderr, flush=True)
-                    saved = run_phase("save", plan_of(old), spec, dcp_url, raw_url, Path(tmp), env)
-                    print(f"[{storage}] {old} -> {new}: restoring", file=sys.stderr, flush=True)
-                    loaded = run_phase("load", plan_of(new), spec, dcp_url, raw_url, Path(tmp), env)
-                    print(f"[{storage}] {old}: training with a checkpoint every step", file=sys.stderr, flush=True)
-                    stalls = measure_stalls(plan_of(old), spec, env)
-                row = {
-                    "storage": storage,
-                    "change": f"{old}->{new}",
-                    "bytes_needed": loaded["bytes_needed"],
-                    "bytes_read": loaded["bytes_read"],
-                    "bytes_written": saved["bytes_written"],
-                    "requests": loaded["requests"],
-                    "wall_s": round(saved["save_s"] + loaded["restore_s"], 3),
-                    "dcp_bytes_read": loaded["dcp_bytes_read"],
-                    "dcp_wall_s": round(saved["dcp_save_s"] + loaded["dcp_load_s"], 3),
-                    "raw_write_MBps": round(saved["raw_write_MBps"], 1),
-                    "save_MBps": round(saved["save_MBps"], 1),
-                    "stall_s": round(statistics.median(stalls), 4),
-                    "dcp_save_s": round(saved["dcp_save_s"], 3),
-                    "save_s": round(saved["save_s"], 3),
-                    "restore_s": round(loaded["restore_s"], 3),
-                    "dcp_load_s": round(loaded["dcp_load_s"], 3),
-                    "stalls_s": stalls,
-                    "restores_agree": loaded["agree"],
-                }
-                row["read_ratio"] = round(row["bytes_read"] / row["bytes_needed"], 5)
-                row["dcp_read_ratio"] = round(row["dcp_bytes_read"] / row["bytes_needed"], 3)
+                rounds = []
+                for i in range(args.rounds):
+                    print(f"[{storage}] {old} -> {new}: round {i + 1}/{args.rounds}", file=sys.stderr, flush=True)
+                    rounds.append(one_round(storage, old, new, endpoint, env))
+                print(f"[{storage}] {old}: training with a checkpoint every step", file=sys.stderr, flush=True)
+                spec = spec_for(f"bench-{uuid.uuid4().hex[:8]}", f"file://{tempfile.mkdtemp(prefix='parashift-bench-')}/store", {})
+                stalls = measure_stalls(plan_of(old), spec, env)
+                row = summarize(storage, old, new, rounds, stalls)
                 print(json.dumps(row), file=sys.stderr, flush=True)
                 cases.append(row)
     finally:

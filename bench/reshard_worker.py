@@ -8,6 +8,7 @@ under a plan, then either save it (raw write, parashift, DCP) or restore it unde
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import time
@@ -110,6 +111,7 @@ def main() -> None:
     plan = executable_plan(Plan.model_validate_json(args.plan.read_text()))
     config = GPTConfig.of(spec.model)
     module, optimizer = build(plan, config, spec)
+    gc.freeze()  # as the trainer does
     layout = state_layout(plan, config)
     state = collect_state(module, optimizer, rank, torch.device("cpu"))
     problems = layout_mismatches(layout, state, rank)

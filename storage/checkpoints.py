@@ -12,13 +12,15 @@ invisible to `committed_steps`/`latest` and is removed by `prune` once a newer s
 from __future__ import annotations
 
 import bisect
+import contextlib
+import gc
 import itertools
 import json
 import logging
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from zlib import crc32
 
+from crc32c import crc32c
 from pydantic import ValidationError
 
 from storage.errors import (
@@ -40,10 +42,11 @@ MANIFEST_NAME = "manifest.json"
 VERIFY_BATCH_BYTES = 256 * 2**20
 
 
-# Chunk checksums are CRC-32 (zlib's, in the standard library): 3.3 GB/s on one core of the
-# CI machine against 1.1 GB/s for sha256, and it releases the GIL, so checksumming runs beside
-# training. It detects corruption in storage and transit, which is its job here; it is not a
-# defence against someone who can rewrite both the objects and the manifest.
+# Chunk checksums are CRC-32C (the `crc32c` package: SSE4.2/ARMv8 instructions where present):
+# 12 GB/s on one core of the CI machine, against 3.2 GB/s for zlib's CRC-32 and 1.1 GB/s for
+# sha256, and it releases the GIL, so checksumming runs beside training. It detects corruption
+# in storage and transit, which is its job here; it is not a defence against someone who can
+# rewrite both the objects and the manifest.
 
 
 @dataclass(frozen=True)
@@ -77,13 +80,27 @@ class SlicePayload:
 @dataclass(frozen=True)
 class ReadRequest:
     """Bytes [start, end) of a checkpoint object; `checks`: (offset in the request, nbytes,
-    crc32) of each chunk inside it; `local`: try this node's tier first."""
+    crc32c) of each chunk inside it; `local`: try this node's tier first."""
 
     object: str
     start: int
     end: int
     checks: tuple[tuple[int, int, int], ...] = field(default_factory=tuple)
     local: bool = False
+
+
+@contextlib.contextmanager
+def _collector_paused() -> Iterator[None]:
+    """Parsing a manifest allocates many small objects; in a process that holds a model, the
+    garbage collector's full passes over everything then cost far more than the parse (0.3 s
+    against 5 ms, seen in the trainer). Nothing parsed here forms cycles."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def _whole_checks(record: SliceRecord) -> tuple[tuple[int, int, int], ...]:
@@ -191,7 +208,7 @@ class CheckpointStore:
                     chunk = memoryview(payload.chunk(i)).cast("B")
                     if len(chunk) != n:
                         raise ValueError(f"chunk {i} of {payload.key.tensor!r} has {len(chunk)} bytes, not {n}")
-                    mine.append(crc32(chunk))
+                    mine.append(crc32c(chunk))
                     yield chunk
                 crcs.append(mine)
 
@@ -294,7 +311,8 @@ class CheckpointStore:
                 " (written by another version: resume it with that version)"
             )
         try:
-            manifest = Manifest.model_validate_json(raw)
+            with _collector_paused():
+                manifest = Manifest.model_validate_json(raw)
         except (ValidationError, ValueError, json.JSONDecodeError) as exc:
             raise MalformedManifest(f"malformed manifest {self.store.url_for(key)}: {exc}") from exc
         if manifest.step != step or manifest.job_id != self.job_id:
@@ -337,7 +355,7 @@ class CheckpointStore:
     def read_verified(self, step: int, requests: Sequence[ReadRequest], targets: Sequence[list[memoryview]] | None = None,
                       tier: ObjectStore | None = None) -> list[list[memoryview]]:
         """Read each request into its target buffers (which tile its range, in order; one new
-        buffer each when not given), and check every chunk it covers against its CRC-32.
+        buffer each when not given), and check every chunk it covers against its CRC-32C.
         Requests marked local are served from `tier` (this node's copy) when it has them, else
         from the store. Raises ChecksumMismatch rather than return bytes that differ from what
         was written."""
@@ -353,7 +371,7 @@ class CheckpointStore:
             for offset, n, expected in request.checks:
                 i = bisect.bisect_right(ends, offset)  # the buffer this chunk starts in; it lies within it
                 within = offset - (ends[i - 1] if i else 0)
-                actual = crc32(buffers[i][within : within + n])
+                actual = crc32c(buffers[i][within : within + n])
                 if actual != expected or within + n > len(buffers[i]):
                     where = request.start + offset
                     raise ChecksumMismatch(self.store.url_for(self.paths.ckpt_object(step, request.object)), where,

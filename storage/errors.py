@@ -38,7 +38,7 @@ class ChecksumMismatch(StorageError):
         self.expected = expected
         self.actual = actual
         super().__init__(
-            f"checksum mismatch in {key} bytes [{start}, {end}): expected crc32 {expected}, got {actual}"
+            f"checksum mismatch in {key} bytes [{start}, {end}): expected crc32c {expected}, got {actual}"
         )
 
 

@@ -2,7 +2,7 @@
 
 A manifest is compact JSON (pydantic v2, unknown fields rejected). Tensor payloads are raw
 bytes in per-rank objects; the manifest records, per slice, the object, the byte range, the
-order its dims were stored in, and a CRC-32 per chunk of whole outer rows (`ptc.chunks`), so a
+order its dims were stored in, and a CRC-32C per chunk of whole outer rows (`ptc.chunks`), so a
 reader can read and verify any run of chunks without the rest of the slice.
 """
 
@@ -42,7 +42,7 @@ class _Strict(BaseModel):
 
 class SliceRecord(_Strict):
     """One rectangular slice of a global tensor, stored at [byte_offset, byte_offset+nbytes) of
-    `object`, its dims in `dim_order` (row-major), checked per chunk: `chunks` = [[nbytes, crc32], ...]."""
+    `object`, its dims in `dim_order` (row-major), checked per chunk: `chunks` = [[nbytes, crc32c], ...]."""
 
     tensor: str
     offsets: list[int]

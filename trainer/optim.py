@@ -61,14 +61,15 @@ class LocalShardAdamW:
         for name, param in self.params.items():
             param.grad = self.views[name].grad = None
 
-    def state_tensors(self) -> dict[str, torch.Tensor]:
+    def state_tensors(self, *, local: bool = False) -> dict[str, torch.Tensor]:
         """`{"<param>/<key>": tensor}`: each parameter's state as a global tensor (a DTensor
-        with the parameter's placements for sharded state, plain for scalars such as `step`)."""
+        with the parameter's placements for sharded state, plain for scalars such as `step`);
+        `local`: this rank's shards as they are (what a save with a known Layout needs)."""
         out: dict[str, torch.Tensor] = {}
         for name, view in self.views.items():
             for key, value in self.inner.state.get(view, {}).items():
                 if torch.is_tensor(value):
-                    out[f"{name}/{key}"] = self._as_global(value.detach(), self.params[name])
+                    out[f"{name}/{key}"] = value.detach() if local else self._as_global(value.detach(), self.params[name])
         return out
 
     def empty_state_tensors(self) -> dict[str, torch.Tensor]:

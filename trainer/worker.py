@@ -118,6 +118,10 @@ def main(argv: list[str] | None = None) -> int:
         module = build_stage(model, plan, coords.pp_rank) if dims.pp > 1 else model
         runnable = parallelize(module, plan, mesh, choices, compile=spec.parallelism.compile)
     optimizer = LocalShardAdamW(module, spec, device)
+    # Everything built so far lives for the whole run: keep it out of the garbage collector's
+    # full passes, which otherwise cost ~0.3 s whenever a restore or a save allocates many small
+    # objects (seen parsing a manifest: 5 ms alone, 0.3 s in a worker).
+    gc.freeze()
     torch.manual_seed(train.seed + 1 + rank)  # per-rank stream for dropout
 
     # restore: this rank's boxes under this plan, from whatever plan saved the checkpoint
@@ -175,12 +179,12 @@ def main(argv: list[str] | None = None) -> int:
 
     def checkpoint(at_step: int) -> None:
         nonlocal checked
-        state = collect_state(module, optimizer, rank, device)
         if not checked:  # once: the optimizer's state has the layout's boxes too
-            problems = layout_mismatches(layout, state, rank)
+            problems = layout_mismatches(layout, collect_state(module, optimizer, rank, device), rank)
             if problems:
                 raise SystemExit(f"rank {rank}: training state disagrees with its layout: " + "; ".join(problems[:5]))
             checked = True
+        state = collect_state(module, optimizer, rank, device, local=True)
         # Asynchronous: the loop goes on while this is written; a stop or the end waits for it.
         checkpointer.save(at_step, state, position.to_dict(stream.samples_per_epoch), plan.model_dump(mode="json"),
                           {"model": m.model_dump(), "job": spec.name, "loss": loss})
