@@ -6,6 +6,7 @@ from __future__ import annotations
 import typer
 
 from parashift.commands import plan as plan_command
+from parashift.commands import reshard as reshard_command
 from parashift.commands import run as run_command
 from parashift.commands import spec as spec_commands
 from parashift.commands import stop as stop_command
@@ -21,6 +22,7 @@ app.command("validate")(spec_commands.validate)
 app.command("schema")(spec_commands.schema)
 app.command("plan")(plan_command.plan)
 app.command("run")(run_command.run)
+app.command("reshard-plan")(reshard_command.reshard_plan)
 app.command("stop")(stop_command.stop)
 
 

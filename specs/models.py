@@ -268,6 +268,26 @@ class StorageSpec(_Section):
         description="Name of a Prefect Secret block holding the store's credentials.",
         json_schema_extra={"pattern": _BLOCK_NAME.pattern},
     )
+    local_tier: str | None = Field(
+        None,
+        description=(
+            "A folder on each node (host memory such as /dev/shm/parashift, or a local SSD) where the node keeps "
+            "the newest checkpoint's slices its ranks wrote; a restore on that node reads them from there and only "
+            "the rest from the store. The store still receives everything."
+        ),
+    )
+    local_tier_max_gb: float = Field(
+        8.0, gt=0, description="Most a node keeps in its local tier; a rank whose share would exceed it skips the tier."
+    )
+
+    @field_validator("local_tier")
+    @classmethod
+    def _local_tier(cls, path: str | None) -> str | None:
+        if path is None:
+            return None
+        if "://" in path and not path.startswith("file://"):
+            raise ValueError(f"the local tier is a folder on the node, not a remote URL (got {path!r})")
+        return path
 
     @field_validator("url")
     @classmethod

@@ -28,6 +28,21 @@ class SegmentResult(BaseModel):
     resumed_loss: float | None = Field(default=None, description="the loss recorded in that checkpoint")
 
 
+class ReshardSummary(BaseModel):
+    """What moving the newest checkpoint onto a plan reads (computed before the workers start)."""
+
+    step: int
+    devices: int
+    bytes_needed: int
+    bytes_read: int
+    requests: int
+    bytes_local: int
+
+    @staticmethod
+    def totals() -> tuple[str, ...]:
+        return ("bytes_needed", "bytes_read", "requests", "bytes_local")
+
+
 class TrainSummary(BaseModel):
     job_id: str
     steps: int

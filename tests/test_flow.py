@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
 import subprocess
@@ -61,6 +62,12 @@ def test_scripted_elasticity_matches_a_static_run(prefect_server: None, tmp_path
     assert sorted(elastic_losses) == list(range(1, 13))
     for step, loss in static_losses.items():
         assert elastic_losses[step] == pytest.approx(loss, rel=1e-5), f"step {step}"
+    # Before each change the flow published what the new workers would read (and they did).
+    for devices, step in ((3, 4), (1, 8)):
+        reshard = read_artifact(f"elastic-reshard-{devices}")
+        assert reshard is not None and f"step {step}" in reshard.description
+        rows = reshard.data if isinstance(reshard.data, list) else json.loads(reshard.data)
+        assert len(rows) == devices and all(r["bytes_read"] == r["bytes_needed"] > 0 for r in rows)
 
 
 def test_readme_run_command_trains_the_default_spec(tmp_path: Path) -> None:

@@ -154,3 +154,33 @@ def test_any_box_reads_back_exactly_even_off_the_chunk_grid(saved, data: st.Data
     assert reads.bytes_read >= reads.bytes_needed
     got = execute_reads(store, manifest.step, reads)
     assert torch.equal(got[name], box_of(state[name], box))
+
+
+def test_reshard_plan_command_shows_the_moves_before_anything_starts(tmp_path) -> None:
+    """`parashift reshard-plan`: per new rank, bytes needed and read and requests, from the
+    manifest alone (no process starts)."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from parashift.cli import app
+
+    url = f"file://{tmp_path}/store"
+    spec_file = tmp_path / "job.yaml"
+    model = {"n_layers": 2, "d_model": 60, "n_heads": 6, "vocab_size": 260, "seq_len": 24}  # the bytes tokenizer: >= 256
+    spec_file.write_text(json.dumps({"name": "moving", "model": model, "storage": {"url": url},
+                                     "resources": {"devices": 2, "kind": "cpu"}}))
+    runner = CliRunner()
+    empty = runner.invoke(app, ["reshard-plan", str(spec_file)])
+    assert empty.exit_code == 0 and "no committed checkpoint" in empty.output
+
+    layout = state_layout(PLANS["dp2xtp2"], GPTConfig(**model))
+    store = CheckpointStore(ObjectStore(url), "moving")
+    save_all_ranks(store, layout, global_state(layout), step=5)
+    result = runner.invoke(app, ["reshard-plan", str(spec_file), "--mesh", "tp=3", "--json"])
+    assert result.exit_code == 0, result.output
+    shown = json.loads(result.output)
+    assert shown["step"] == 5 and len(shown["ranks"]) == 3
+    assert shown["totals"]["bytes_read"] == shown["totals"]["bytes_needed"] > 0
+    table = runner.invoke(app, ["reshard-plan", str(spec_file), "--devices", "3"])
+    assert table.exit_code == 0 and "requests" in table.output

@@ -33,10 +33,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from planner.plan import Plan
 from ptc import Layout, Slice
 from ptc.chunks import chunk_rows, row_bytes, storage_order
 from ptc.dtensor import local_data
 from ptc.reconfig import LOCAL, Assembly, RankReads, ReconfigPlan, StoredBox, rank_reads, reconfig_plan
+from specs import JobSpec
 from storage import (
     CheckpointStore,
     Manifest,
@@ -152,10 +154,12 @@ class Checkpointer:
         on_commit: Callable[[SaveReport], None] | None = None,
         tier: ObjectStore | None = None,
         copy_host_memory: bool = False,
+        tier_budget_bytes: int | None = None,
     ) -> None:
         self.store, self.layout, self.rank, self.group, self.keep = store, layout, rank, group, keep
         self.on_commit = on_commit
         self.tier = tier
+        self.tier_budget_bytes = tier_budget_bytes
         self.world_size = layout.world_size
         self._boxes = [_BoxToWrite.of(layout, name, box) for name, box in layout.slices_to_write(rank)]
         self._buffers: dict[tuple[str, Slice], torch.Tensor] = {}
@@ -262,7 +266,11 @@ class Checkpointer:
         try:
             obj, records = self.store.write_rank_object(step, self.rank, payloads)
             if self.tier is not None and obj is not None:
-                self._keep_on_node(step, payloads)
+                if self.tier_budget_bytes is None or obj.nbytes <= self.tier_budget_bytes:
+                    self._keep_on_node(step, payloads)
+                else:
+                    log.warning("rank %d: %d bytes exceed this rank's share of the local tier; not kept there",
+                                self.rank, obj.nbytes)
         except Exception as exc:  # reported to rank 0 (no commit) and raised here below
             error = exc
         finally:
@@ -302,15 +310,19 @@ class Checkpointer:
             log.info("pruned checkpoints %s", pruned)
 
     def _keep_on_node(self, step: int, payloads: list[SlicePayload]) -> None:
-        """Keep this rank's object in the node-local tier too (the newest step only)."""
+        """Keep this rank's object in the node-local tier too: the newest step only. A tier
+        that fails costs a warning, never the save (the store has everything)."""
         assert self.tier is not None
         paths = self.store.paths
-        self.tier.put_stream(paths.rank_object(step, self.rank),
-                             lambda: (p.chunk(i) for p in payloads for i in range(len(p.chunk_bytes))))
-        for key in self.tier.list(paths.ckpt_root):
-            folder = key.split("/")[3]
-            if folder.isdigit() and int(folder) < step and key.endswith(f"rank{self.rank:05d}.bin"):
-                self.tier.delete(key)
+        try:
+            self.tier.put_stream(paths.rank_object(step, self.rank),
+                                 lambda: (p.chunk(i) for p in payloads for i in range(len(p.chunk_bytes))))
+            for key in self.tier.list(paths.ckpt_root):
+                folder = key.split("/")[3]
+                if folder.isdigit() and int(folder) < step and key.endswith(f"rank{self.rank:05d}.bin"):
+                    self.tier.delete(key)
+        except (StorageError, OSError) as error:
+            log.warning("rank %d: the node-local tier could not keep step %d: %s", self.rank, step, error)
 
 
 def build_manifest(job_id: str, step: int, layout: Layout, objects: list[ObjectRecord], records: list[SliceRecord],
@@ -387,6 +399,18 @@ def reshard_plan(store: CheckpointStore, layout: Layout, manifest: Manifest | No
     boxes, dtypes = stored_boxes(manifest)
     local = node_objects(tier, store, manifest.step)
     return reconfig_plan(manifest.step, boxes, dtypes, layout, {r: local for r in range(layout.world_size)})
+
+
+def job_reshard_plan(spec: JobSpec, plan: Plan) -> ReconfigPlan | None:
+    """What the job's workers under `plan` would read from its newest checkpoint, from this
+    node's tier and from the store; None when nothing is committed yet."""
+    from trainer.layout import rng_state_bytes, state_layout
+    from trainer.model import GPTConfig
+
+    store = CheckpointStore(ObjectStore(spec.storage.url, dict(spec.storage.storage_options)), spec.job_id)
+    tier = ObjectStore(spec.storage.local_tier) if spec.storage.local_tier else None
+    layout = state_layout(plan, GPTConfig.of(spec.model), rng_state_bytes(spec.resources.kind))
+    return reshard_plan(store, layout, tier=tier)
 
 
 def _broadcast(value: Any, group: Group) -> Any:
@@ -470,6 +494,7 @@ __all__ = [
     "build_manifest",
     "collect_state",
     "execute_reads",
+    "job_reshard_plan",
     "load_tensors",
     "reshard_plan",
     "restore_latest",

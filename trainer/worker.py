@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from planner.plan import Plan
-from ptc.reconfig import RankReads
+from ptc.reconfig import LOCAL, RankReads
 from specs import JobSpec
 from storage import CheckpointStore, JobPaths, ObjectStore
 from trainer import metrics
@@ -137,14 +137,16 @@ def main(argv: list[str] | None = None) -> int:
     ckpt_group = dist.new_group(backend="gloo") if world_size > 1 else None
     store = ObjectStore(spec.storage.url, dict(spec.storage.storage_options))
     checkpoints = CheckpointStore(store, spec.job_id)
+    tier = ObjectStore(spec.storage.local_tier) if spec.storage.local_tier else None
+    ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
 
     def restoring(at_step: int, reads: RankReads) -> None:
         if rank == 0:
             metrics.emit("restoring", step=at_step, bytes_needed=reads.bytes_needed, bytes_read=reads.bytes_read,
-                         requests=len(reads.requests))
+                         requests=len(reads.requests), bytes_local=reads.bytes_from(LOCAL))
 
     fresh = {f"optim/{name}": t for name, t in optimizer.empty_state_tensors().items()}  # read into, then adopted
-    restored = restore_latest(checkpoints, layout, rank, ckpt_group, on_reads=restoring, destinations=fresh)
+    restored = restore_latest(checkpoints, layout, rank, ckpt_group, tier, on_reads=restoring, destinations=fresh)
     step, position, loss = 0, DataPosition(), None
     if restored is not None:
         loss = restored.manifest.metadata.get("loss") if restored.manifest else None
@@ -174,7 +176,8 @@ def main(argv: list[str] | None = None) -> int:
                      write_s=round(report.write_s, 4), bytes_written=report.bytes_written)
 
     checkpointer = Checkpointer(checkpoints, layout, rank, ckpt_group, train.keep_checkpoints,
-                                on_commit=committed if rank == 0 else None)
+                                on_commit=committed if rank == 0 else None, tier=tier,
+                                tier_budget_bytes=int(spec.storage.local_tier_max_gb * 1e9 / ranks_here))
     checked = False
 
     def checkpoint(at_step: int) -> None:

@@ -1,0 +1,40 @@
+"""plan_reshard: before workers start on a plan, what they will read from the newest
+checkpoint (ReconfigPlan), published as a table artifact."""
+
+from __future__ import annotations
+
+from prefect import task
+from prefect.artifacts import create_table_artifact
+from prefect.logging import get_run_logger
+
+from planner.plan import Plan
+from specs import JobSpec
+from tasks.artifacts import artifact_key
+from tasks.credentials import environment, storage_environment
+from tasks.records import ReshardSummary
+
+
+@task(name="plan-reshard", retries=2, retry_delay_seconds=2)
+def plan_reshard(spec: JobSpec, plan: Plan) -> ReshardSummary | None:
+    """Compute (without starting anything) each new rank's reads from the newest committed
+    checkpoint; None when there is none. The workers then execute exactly these reads."""
+    from trainer.checkpoint import job_reshard_plan
+
+    with environment(storage_environment(spec)):
+        reconfig = job_reshard_plan(spec, plan)
+    if reconfig is None:
+        return None
+    totals = reconfig.totals()
+    summary = ReshardSummary(step=reconfig.step, devices=plan.devices, **{k: totals[k] for k in ReshardSummary.totals()})
+    get_run_logger().info(
+        "moving step %d onto %s: %.1f MB read for %.1f MB needed in %d requests (%.1f MB from this node's tier)",
+        reconfig.step, plan.mesh, summary.bytes_read / 1e6, summary.bytes_needed / 1e6, summary.requests,
+        summary.bytes_local / 1e6)
+    create_table_artifact(
+        key=artifact_key(spec.job_id, f"reshard-{plan.devices}"),
+        table=reconfig.summary(),
+        description=(f"Checkpoint at step {reconfig.step} onto mesh {plan.mesh}: {summary.bytes_read:,} bytes read for "
+                     f"{summary.bytes_needed:,} needed, {summary.requests} ranged requests, "
+                     f"{summary.bytes_local:,} from the node-local tier"),
+    )
+    return summary
