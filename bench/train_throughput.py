@@ -52,7 +52,7 @@ MODES = {
 
 
 def bench_spec(devices: int, steps: int, store: str, split_batch: bool = True) -> JobSpec:
-    """FACTS.md's reference size: 6 layers, d 256, T 128, global batch 16 (one micro-batch per
+    """The reference size measured before: 6 layers, d 256, T 128, global batch 16 (one micro-batch per
     rank: a share of the batch under data parallelism, all of it under tensor parallelism)."""
     return JobSpec.model_validate(
         {

@@ -15,7 +15,7 @@ planner/graph.py): configurations outside that are never generated. The counts s
 "tp" axis and ignores these fields.
 
 Uneven splits are pruned: DTensor can shard unevenly, but the cost model assumes equal blocks
-and sequence parallelism crashes on uneven sequence splits (FACTS.md).
+and sequence parallelism crashes on uneven sequence splits (torch 2.13, measured).
 """
 
 from __future__ import annotations

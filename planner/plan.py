@@ -1,4 +1,4 @@
-"""The Plan: how one training step is laid out over devices. One home for the type (ARCHITECTURE.md).
+"""The Plan: how one training step is laid out over devices. One home for the type.
 
 A Plan is data, serialisable to JSON, so it travels between Prefect tasks, into checkpoint
 manifests and onto workers. The trainer's `parallelize` is the only consumer that acts on it.

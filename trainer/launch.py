@@ -77,7 +77,7 @@ def worker_env(kind: str) -> dict[str, str]:
     env = dict(os.environ)
     env.setdefault("PYTHONUNBUFFERED", "1")
     if kind == "cpu":
-        # Several processes share the cores: one thread each (FACTS.md: 2x2 threads ran 2.3x slower).
+        # Several processes share the cores: one thread each (measured: 2 x 2 threads ran 2.3x slower than 2 x 1).
         env.setdefault("OMP_NUM_THREADS", "1")
     return env
 

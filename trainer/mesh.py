@@ -85,7 +85,7 @@ def plan_refusals(plan: Plan, *, n_layers: int, n_heads: int, seq_len: int, glob
         if choices.attention and n_heads % dims.tp:
             reasons.append(f"tensor-parallel attention needs n_heads ({n_heads}) divisible by tp ({dims.tp})")
         if choices.sequence and seq_len % dims.tp:
-            reasons.append(f"sequence parallelism needs seq_len ({seq_len}) divisible by tp ({dims.tp}) (FACTS.md)")
+            reasons.append(f"sequence parallelism needs seq_len ({seq_len}) divisible by tp ({dims.tp}) (DTensor cannot shard an uneven sequence)")
     if global_batch < dims.dp:
         reasons.append(f"global batch {global_batch} is smaller than the data-parallel degree {dims.dp}")
     if dims.pp > 1:

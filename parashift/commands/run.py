@@ -14,7 +14,7 @@ from parashift.commands.spec import load_spec_or_exit
 def _prefect_defaults(verbose: bool) -> None:
     """Settings that must be in place before Prefect is imported."""
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-    # The ephemeral API gives up after 20 s by default, which a busy 2-core machine exceeds (FACTS.md).
+    # The ephemeral API gives up after 20 s by default, which a busy 2-core machine exceeds (measured).
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
     if not verbose:  # the run log still has everything; the terminal shows progress and the summary
         os.environ.setdefault("PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL", "WARNING")
