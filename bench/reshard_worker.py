@@ -113,9 +113,9 @@ def main() -> None:
     module, optimizer = build(plan, config, spec)
     gc.freeze()  # as the trainer does
     layout = state_layout(plan, config)
-    state = collect_state(module, optimizer, rank, torch.device("cpu"))
-    problems = layout_mismatches(layout, state, rank)
+    problems = layout_mismatches(layout, collect_state(module, optimizer, rank, torch.device("cpu")), rank)
     assert not problems, problems
+    state = collect_state(module, optimizer, rank, torch.device("cpu"), local=True)  # what the trainer saves
     options = dict(spec.storage.storage_options)
     store = ObjectStore(spec.storage.url, options)
     checkpoints = CheckpointStore(store, spec.job_id)
@@ -139,7 +139,8 @@ def main() -> None:
             saves.append(seconds)
         ck.close()
         writer = (lambda: FsspecWriter(args.dcp, **options)) if remote else (lambda: FileSystemWriter(args.dcp))
-        dcp_s = min(timed(lambda: dcp.save(dcp_state(state), storage_writer=writer(), process_group=group), group)[0]
+        global_state = dcp_state(collect_state(module, optimizer, rank, torch.device("cpu")))  # DCP needs DTensors
+        dcp_s = min(timed(lambda: dcp.save(global_state, storage_writer=writer(), process_group=group), group)[0]
                     for _ in range(args.repeat))
         written = total(mine, group)
         out.update(bytes_written=int(written), raw_write_s=raw_s, raw_write_MBps=written / raw_s / 1e6,

@@ -5,6 +5,7 @@ through real storage gives, element for element, the slice of the global tensor.
 from __future__ import annotations
 
 import itertools
+import json
 
 import pytest
 import torch
@@ -184,3 +185,57 @@ def test_reshard_plan_command_shows_the_moves_before_anything_starts(tmp_path) -
     assert shown["totals"]["bytes_read"] == shown["totals"]["bytes_needed"] > 0
     table = runner.invoke(app, ["reshard-plan", str(spec_file), "--devices", "3"])
     assert table.exit_code == 0 and "requests" in table.output
+
+
+@settings(max_examples=25, deadline=None)
+@given(data=st.data())
+def test_a_wrong_manifest_never_loads(saved, tmp_path_factory, data: st.DataObject) -> None:
+    """Well-formed manifests that do not describe this job's state (a shape changed with
+    consistent bytes, a dtype, a name, a tensor dropped or added, a slice moved) are refused
+    with a line naming the tensor, and nothing is loaded."""
+    import logging
+
+    from trainer.checkpoint import restore_latest
+
+    store, layout, _ = saved["dp2"]
+    manifest = store.latest()
+    assert manifest is not None
+    raw = json.loads(manifest.model_dump_json())
+    # 2-D and not square: a transposed shape really differs
+    names = sorted(n for n, t in raw["tensors"].items() if len(t["shape"]) == 2 and t["shape"][0] != t["shape"][1])
+    name = data.draw(st.sampled_from(names))
+    tensor = raw["tensors"][name]
+    how = data.draw(st.sampled_from(["transpose", "dtype", "rename", "drop", "extra", "offset"]))
+    if how == "transpose":  # the same bytes, another shape: every slice and checksum consistent
+        tensor["shape"] = tensor["shape"][::-1]
+        for s in tensor["slices"]:
+            s["lengths"] = s["lengths"][::-1]
+    elif how == "dtype":
+        tensor["dtype"] = "int32"
+    elif how == "rename":
+        raw["tensors"][name + "x"] = {**tensor, "name": name + "x",
+                                      "slices": [{**s, "tensor": name + "x"} for s in tensor["slices"]]}
+        del raw["tensors"][name]
+    elif how == "drop":
+        del raw["tensors"][name]
+    elif how == "extra":
+        raw["tensors"]["model/ghost"] = {**tensor, "name": "model/ghost",
+                                         "slices": [{**s, "tensor": "model/ghost"} for s in tensor["slices"]]}
+    else:
+        tensor["slices"][0]["offsets"] = [1, 0]
+    folder = tmp_path_factory.mktemp("wrong")
+    twin = CheckpointStore(ObjectStore(f"file://{folder}"), "job")
+    for key in store.store.list(store.paths.ckpt_dir(3)):
+        if not key.endswith("manifest.json"):
+            twin.store.put(key, store.store.get(key))
+    twin.store.put(twin.paths.manifest(3), json.dumps(raw).encode())
+    logger = logging.getLogger("parashift.checkpoint")
+    seen: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())  # type: ignore[method-assign]
+    logger.addHandler(handler)
+    try:
+        assert restore_latest(twin, layout, 0) is None
+    finally:
+        logger.removeHandler(handler)
+    assert any("step 3" in line and ("ghost" in line or name.split("/")[-1] in line or "lacks" in line) for line in seen), seen

@@ -36,6 +36,7 @@ from torch import nn
 from planner.plan import Plan
 from ptc import Layout, Slice
 from ptc.chunks import chunk_rows, row_bytes, storage_order
+from ptc.codec import torch_dtype
 from ptc.dtensor import local_data
 from ptc.reconfig import LOCAL, Assembly, RankReads, ReconfigPlan, StoredBox, rank_reads, reconfig_plan
 from specs import JobSpec
@@ -351,12 +352,25 @@ class Restored:
 
 
 def stored_boxes(manifest: Manifest) -> tuple[dict[str, list[StoredBox]], dict[str, str]]:
-    """The manifest's slices as ptc sees them, and every tensor's dtype."""
-    boxes = {
-        name: [StoredBox(name, Slice(tuple(s.offsets), tuple(s.lengths)), tuple(s.dim_order), s.object, s.byte_offset,
-                         tuple((int(n), int(c)) for n, c in s.chunks)) for s in t.slices]
-        for name, t in manifest.tensors.items()
-    }
+    """The manifest's slices as ptc sees them, and every tensor's dtype. A slice outside its
+    tensor, or whose bytes do not match its box, is refused (ValueError) before anything is
+    read or allocated."""
+    boxes: dict[str, list[StoredBox]] = {}
+    for name, t in manifest.tensors.items():
+        itemsize = torch_dtype(t.dtype).itemsize
+        boxes[name] = []
+        for s in t.slices:
+            box = Slice(tuple(s.offsets), tuple(s.lengths))
+            inside = len(box.offsets) == len(t.shape) and all(
+                o >= 0 and n > 0 and o + n <= size for o, n, size in zip(box.offsets, box.lengths, t.shape, strict=True))
+            if not inside or s.nbytes != box.numel * itemsize:
+                raise ValueError(f"checkpoint at step {manifest.step}: a slice of {name} ({s.offsets}+{s.lengths}, "
+                                 f"{s.nbytes} bytes) does not fit a {t.dtype}{t.shape} tensor")
+            per_row = row_bytes(box, tuple(s.dim_order), itemsize)
+            if any(n % per_row for n, _ in s.chunks):
+                raise ValueError(f"checkpoint at step {manifest.step}: chunks of {name} are not whole rows")
+            boxes[name].append(StoredBox(name, box, tuple(s.dim_order), s.object, s.byte_offset,
+                                         tuple((int(n), int(c)) for n, c in s.chunks)))
     return boxes, {name: t.dtype for name, t in manifest.tensors.items()}
 
 
@@ -413,6 +427,25 @@ def job_reshard_plan(spec: JobSpec, plan: Plan) -> ReconfigPlan | None:
     return reshard_plan(store, layout, tier=tier)
 
 
+def check_matches(manifest: Manifest, layout: Layout) -> None:
+    """Refuse (ValueError) a checkpoint that is not of this job's state: every parameter and
+    optimizer tensor of the layout present with the same global shape and dtype, nothing else
+    but RNG states (other rank counts have other ones)."""
+    step = manifest.step
+    trained = {n: t for n, t in layout.tensors.items() if not n.startswith("rng/")}
+    missing = sorted(set(trained) - set(manifest.tensors))
+    if missing:
+        raise ValueError(f"checkpoint at step {step} lacks {len(missing)} tensors of this job, e.g. {missing[:3]}")
+    foreign = sorted(n for n in manifest.tensors if n not in trained and not n.startswith("rng/"))
+    if foreign:
+        raise ValueError(f"checkpoint at step {step} holds {len(foreign)} tensors this job does not have, e.g. {foreign[:3]}")
+    for name, mine in sorted(trained.items()):
+        stored = manifest.tensors[name]
+        if tuple(stored.shape) != mine.shape or stored.dtype != mine.dtype:
+            raise ValueError(f"checkpoint at step {step}: {name} is {stored.dtype}{stored.shape}, "
+                             f"this job's is {mine.dtype}{list(mine.shape)}")
+
+
 def _broadcast(value: Any, group: Group) -> Any:
     if group is None:
         return value
@@ -453,10 +486,8 @@ def restore_latest(store: CheckpointStore, layout: Layout, rank: int, group: Gro
         if raw is not None:
             try:
                 manifest = store.parse_manifest(step, raw)
+                check_matches(manifest, layout)
                 wanted = {n: b for n, b in layout.boxes_of(rank).items() if n in manifest.tensors}
-                absent = sorted(n for n in layout.boxes_of(rank) if n.startswith("model/") and n not in wanted)
-                if absent:
-                    raise KeyError(f"checkpoint at step {step} lacks {absent[:3]}")
                 reads = reads_for(manifest, wanted, rank, node_objects(tier, store, step))
                 if on_reads is not None:
                     on_reads(step, reads)
