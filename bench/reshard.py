@@ -51,7 +51,7 @@ def plan_of(name: str) -> Plan:
     devices = 1
     for n in mesh.values():
         devices *= n
-    return Plan(devices=devices, mesh=mesh, strategy="bench", micro_batches=1)
+    return Plan(devices=devices, mesh=mesh, strategy="bench", micro_batches=mesh.get("pp", 1))
 
 
 def spec_for(job: str, url: str, options: dict[str, Any]) -> JobSpec:

@@ -20,6 +20,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
+from torch.distributed.tensor import DTensor
 
 from planner.plan import Plan
 from ptc.dtensor import local_data
@@ -151,11 +152,13 @@ def main() -> None:
 
         def ours() -> None:
             fresh = {f"optim/{name}": t for name, t in optimizer.empty_state_tensors().items()}
+            fresh |= {f"model/{n}": torch.empty_like(p) for n, p in module.named_parameters()
+                      if not isinstance(p, DTensor)}
             restored = restore_latest(checkpoints, layout, rank, group,
                                       on_reads=lambda step, reads: needed.__setitem__(0, reads.bytes_needed),
                                       destinations=fresh)
             assert restored is not None, "nothing to restore"
-            apply_state(restored, module, optimizer, rank, torch.device("cpu"))
+            apply_state(restored, module, optimizer, rank, torch.device("cpu"), adopt=True)
 
         restore_s, _ = timed(ours, group)
         stats = store.stats.as_dict()

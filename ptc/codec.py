@@ -1,4 +1,5 @@
-"""Tensors as raw little-endian bytes plus (dtype, shape) in JSON: no pickle ever reaches storage."""
+"""Stored dtypes by name: tensors are raw little-endian bytes, their dtype and shape in JSON, so no
+pickle ever reaches storage."""
 
 from __future__ import annotations
 
@@ -36,24 +37,3 @@ def torch_dtype(name: str) -> torch.dtype:
         return _DTYPES[name]
     except KeyError:
         raise ValueError(f"unknown stored dtype {name!r}; supported: {sorted(_DTYPES)}") from None
-
-
-def tensor_to_bytes(tensor: torch.Tensor) -> bytes:
-    """The tensor's elements in row-major order, as stored bytes."""
-    flat = tensor.detach().to("cpu").contiguous().reshape(-1)
-    return flat.view(torch.uint8).numpy().tobytes()
-
-
-def bytes_to_tensor(data: bytes, dtype: str, shape: tuple[int, ...] | list[int]) -> torch.Tensor:
-    """Rebuild a tensor from stored bytes; the size is checked against dtype and shape."""
-    target = torch_dtype(dtype)
-    numel = 1
-    for size in shape:
-        numel *= size
-    expected = numel * torch.empty((), dtype=target).element_size()
-    if len(data) != expected:
-        raise ValueError(f"{len(data)} bytes cannot hold a {dtype} tensor of shape {tuple(shape)} ({expected} bytes)")
-    if numel == 0:
-        return torch.empty(tuple(shape), dtype=target)
-    # bytearray: frombuffer needs a writable buffer to hand out a tensor that owns its memory.
-    return torch.frombuffer(bytearray(data), dtype=target).reshape(tuple(shape))

@@ -3,8 +3,8 @@ through torch's own local-shape/offset helper, so the Layout agrees with what DT
 FSDP2, which shards through DTensor) really holds, uneven splits included. A plain tensor is
 held whole.
 
-Each rank knows only its own tensors (a pipeline stage holds only its layers), so a Layout is
-built from every rank's `Holdings`, gathered by the caller.
+Checkpoints compute Layouts from the plan (`trainer.layout`); these helpers let a rank check
+that its live tensors hold the boxes that Layout says.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from ptc.codec import dtype_name
-from ptc.layout import Layout, Slice, TensorLayout
+from ptc.layout import Slice
 
 # tensor name -> (global shape, dtype name, this rank's box)
 Holdings = dict[str, tuple[tuple[int, ...], str, Slice]]
@@ -42,15 +42,3 @@ def holdings(state: dict[str, torch.Tensor]) -> Holdings:
         if box.numel > 0 or not shape:
             out[name] = (shape, dtype_name(tensor.dtype), box)
     return out
-
-
-def layout_from_holdings(per_rank: list[Holdings]) -> Layout:
-    """The Layout of a collection from each rank's holdings (index = rank)."""
-    tensors: dict[str, TensorLayout] = {}
-    for rank, held in enumerate(per_rank):
-        for name, (shape, dtype, box) in held.items():
-            layout = tensors.setdefault(name, TensorLayout(name, tuple(shape), dtype))
-            if layout.shape != tuple(shape) or layout.dtype != dtype:
-                raise ValueError(f"{name}: rank {rank} holds {dtype}{list(shape)}, another rank {layout.dtype}{list(layout.shape)}")
-            layout.holders[rank] = box
-    return Layout(len(per_rank), tensors)

@@ -215,6 +215,8 @@ def test_unexecutable_plans_are_refused_with_reasons() -> None:
     pp = plan_refusals(mesh_plan({"pp": 2, "dp": 2}, micro_batches=3), **sizes)
     assert any("micro-batches" in r for r in pp), pp
     assert plan_refusals(mesh_plan({"pp": 2, "tp": 2}, micro_batches=4), **sizes) == []
+    too_few = plan_refusals(mesh_plan({"pp": 2, "tp": 2}, micro_batches=1), **sizes)
+    assert any("at least 2 micro-batches" in r for r in too_few), too_few
     assert plan_to_tp(mesh_plan({"tp": 2}), 2)[0] == TPChoices.megatron(2)
 
 

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from planner.plan import Plan
 from ptc import Layout, Slice
@@ -501,12 +502,20 @@ def restore_latest(store: CheckpointStore, layout: Layout, rank: int, group: Gro
     return None
 
 
-def apply_state(restored: Restored, model: nn.Module, optimizer: LocalShardAdamW, rank: int, device: torch.device) -> None:
-    """Copy restored tensors (this rank's boxes) into the live model, optimizer and RNGs."""
+def apply_state(restored: Restored, model: nn.Module, optimizer: LocalShardAdamW, rank: int, device: torch.device,
+                *, adopt: bool = False) -> None:
+    """Put restored tensors (this rank's boxes) into the live model, optimizer and RNGs.
+    `adopt`: a plain parameter takes a restored host tensor as its data instead of copying it;
+    only before anything (DDP, compile, a pipeline stage) has taken hold of parameter storage."""
     tensors = restored.tensors
     with torch.no_grad():
         for name, param in model.named_parameters():
-            local_data(param).copy_(tensors[f"model/{name}"])
+            value = tensors[f"model/{name}"]
+            if (adopt and not isinstance(param, DTensor) and value.device == param.device and value.dtype == param.dtype
+                    and value.shape == param.shape and value.is_contiguous()):
+                param.data = value
+            else:
+                local_data(param).copy_(value)
     # The optimizer adopts these tensors as its state: contiguous, as it would have made them.
     optimizer.load_state_tensors({k[len("optim/") :]: v.contiguous() for k, v in tensors.items() if k.startswith("optim/")})
     cpu_rng = tensors.get(f"rng/rank{rank:05d}/cpu")

@@ -95,6 +95,9 @@ def plan_refusals(plan: Plan, *, n_layers: int, n_heads: int, seq_len: int, glob
             stage_layers(plan, n_layers)
         except ValueError as error:
             reasons.append(str(error))
+        if plan.micro_batches < dims.pp:
+            reasons.append(f"a pipeline of {dims.pp} stages needs at least {dims.pp} micro-batches (the plan has "
+                           f"{plan.micro_batches})")
         base, extra = divmod(global_batch, dims.dp)
         for share in {base, base + 1} if extra else {base}:
             if share % plan.micro_batches:

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from planner.plan import Plan
@@ -145,12 +146,17 @@ def main(argv: list[str] | None = None) -> int:
             metrics.emit("restoring", step=at_step, bytes_needed=reads.bytes_needed, bytes_read=reads.bytes_read,
                          requests=len(reads.requests), bytes_local=reads.bytes_from(LOCAL))
 
-    fresh = {f"optim/{name}": t for name, t in optimizer.empty_state_tensors().items()}  # read into, then adopted
+    # Restores read into new tensors, adopted afterwards: optimizer state, and plain host
+    # parameters (DDP and compile wrap them only after the restore). A checkpoint refused
+    # half-way leaves the live state untouched.
+    fresh = {f"optim/{name}": t for name, t in optimizer.empty_state_tensors().items()}
+    fresh |= {f"model/{n}": torch.empty_like(p) for n, p in module.named_parameters()
+              if not isinstance(p, DTensor) and p.device.type == "cpu"}
     restored = restore_latest(checkpoints, layout, rank, ckpt_group, tier, on_reads=restoring, destinations=fresh)
     step, position, loss = 0, DataPosition(), None
     if restored is not None:
         loss = restored.manifest.metadata.get("loss") if restored.manifest else None
-        apply_state(restored, module, optimizer, rank, device)
+        apply_state(restored, module, optimizer, rank, device, adopt=True)
         step, position = restored.step, DataPosition(restored.data_position["samples_consumed"])
     if mesh is None:
         runnable = DistributedDataParallel(model) if world_size > 1 else model
