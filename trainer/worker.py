@@ -69,14 +69,17 @@ def init_distributed(kind: str) -> tuple[int, int, torch.device]:
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if kind == "cuda":
-        device = torch.device("cuda", local_rank)
+        # More ranks than GPUs (a check of multi-rank code on one GPU) share them round-robin.
+        device = torch.device("cuda", local_rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
     if world_size > 1:
         # On GPUs the default group carries CPU collectives too (gloo) beside NCCL's CUDA ones.
-        backend = "cpu:gloo,cuda:nccl" if kind == "cuda" else "gloo"
-        dist.init_process_group(backend=backend, device_id=device if kind == "cuda" else None)
+        # PARASHIFT_DIST_BACKEND overrides it: NCCL refuses two ranks on one GPU, gloo does not.
+        backend = os.environ.get("PARASHIFT_DIST_BACKEND") or ("cpu:gloo,cuda:nccl" if kind == "cuda" else "gloo")
+        nccl = "nccl" in backend
+        dist.init_process_group(backend=backend, device_id=device if nccl else None)
     return rank, world_size, device
 
 
