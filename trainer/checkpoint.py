@@ -4,12 +4,13 @@ Everything checkpointed is a named global tensor (`trainer.layout`); the data po
 in the manifest. The Layout comes from the Plan, not from the live tensors, so nothing is
 exchanged to know who writes what.
 
-Saving (`Checkpointer`) blocks the training loop only for the snapshot: each rank copies the
-boxes the Layout assigns it (replicas once) into reused host buffers, in stored dim order. A
-background thread then streams them to storage with a CRC-32C per chunk, the ranks send their
-records to rank 0 over a dedicated gloo group, and rank 0 commits the manifest, last, then
-prunes. One save is in flight at a time; a failed save is reported at the next `wait` and
-never leaves a manifest.
+Saving (`Checkpointer`) blocks the training loop only for the snapshot: GPU boxes are copied
+into reused pinned host buffers; host boxes are read in place, the loop waiting (if at all) at
+its next optimizer step (`before_update`). A background thread streams the boxes the Layout
+assigns this rank (replicas once) to storage in stored dim order with a CRC-32C per chunk, the
+ranks send their records to rank 0 over a dedicated gloo group, and rank 0 commits the
+manifest, last, then prunes. One save is in flight at a time; a failed save is reported at the
+next `wait` and never leaves a manifest.
 
 Restoring (`restore_latest`) lists the committed steps once; rank 0 reads the newest manifest
 and sends it to the others; every rank computes its reads (`ptc.reconfig`: exact byte ranges,
