@@ -70,18 +70,25 @@ class Layout:
         return out
 
     def writers(self) -> dict[tuple[str, Slice], int]:
-        """Assign every distinct box to one of its holders, largest boxes first, each to the
-        holder with the fewest bytes so far (greedy LPT; ties to the lowest rank): deterministic,
-        so every rank computes the same assignment without talking to the others."""
+        """Assign every distinct box to one of its holders, costliest boxes first, each to the
+        holder with the least work so far (greedy LPT; ties to the lowest rank): deterministic,
+        so every rank computes the same assignment without talking to the others. A box's work
+        is its bytes, twice that where it is stored permuted (the permutation is a second pass
+        over it; see `ptc.chunks.storage_order`)."""
         load = [0] * self.world_size
         assignment: dict[tuple[str, Slice], int] = {}
         boxes = self.distinct_slices()
-        boxes.sort(key=lambda item: -item[1].numel * self.tensors[item[0]].itemsize)
+        boxes.sort(key=lambda item: -self._write_cost(item[0], item[1]))
         for name, box, ranks in boxes:
             writer = min(ranks, key=lambda r: (load[r], r))
             assignment[(name, box)] = writer
-            load[writer] += box.numel * self.tensors[name].itemsize
+            load[writer] += self._write_cost(name, box)
         return assignment
+
+    def _write_cost(self, name: str, box: Slice) -> int:
+        tensor = self.tensors[name]
+        permuted = tensor.split_dim not in (None, 0) and len(tensor.shape) > 1
+        return box.numel * tensor.itemsize * (2 if permuted else 1)
 
     def slices_to_write(self, rank: int) -> list[tuple[str, Slice]]:
         """The boxes this rank writes in a checkpoint, in a stable order."""
