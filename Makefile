@@ -19,7 +19,8 @@ $(VENV)/.setup-stamp: pyproject.toml Makefile
 	@# An old pip (23.x) backtracks for many minutes over boto3/botocore pins; a current one does not.
 	$(BIN)/python -m pip install -q --upgrade pip
 	@$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q "$(TORCH_SPEC)"
-	$(BIN)/pip install -q -e '.[test]'
+	@# The torch chosen above is named again: otherwise the resolver may replace it with a newer (CUDA) build.
+	$(BIN)/pip install -q -e '.[test]' "$(TORCH_SPEC)"
 	@touch $@
 
 run: setup
