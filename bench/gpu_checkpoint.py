@@ -28,7 +28,7 @@ from specs import JobSpec, example_path, load_spec
 from storage import CheckpointStore, ObjectStore
 from trainer.checkpoint import Checkpointer, apply_state, collect_state, restore_latest
 from trainer.launch import launch_workers
-from trainer.layout import state_layout
+from trainer.layout import rng_state_bytes, state_layout
 from trainer.model import GPT, GPTConfig
 from trainer.optim import LocalShardAdamW
 
@@ -68,10 +68,7 @@ def single_device(spec: JobSpec, device: torch.device, folder: Path) -> dict:
     optimizer.step()
     optimizer.zero_grad()
     synced(device)
-    rng = {"cpu": torch.get_rng_state().numel()}
-    if device.type == "cuda":
-        rng["cuda"] = torch.cuda.get_rng_state(device).numel()
-    layout = state_layout(Plan.data_parallel(1), config, rng)
+    layout = state_layout(Plan.data_parallel(1), config, rng_state_bytes(device))
     store = CheckpointStore(ObjectStore(f"file://{folder}/parashift"), "gpu-check")
     ck = Checkpointer(store, layout, 0, keep=2, copy_host_memory=device.type == "cpu")  # CPU smoke: buffers to write raw
 

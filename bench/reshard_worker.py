@@ -20,13 +20,12 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
-from torch.distributed.tensor import DTensor
 
 from planner.plan import Plan
 from ptc.dtensor import local_data
 from specs import JobSpec
 from storage import CheckpointStore, ObjectStore
-from trainer.checkpoint import Checkpointer, apply_state, collect_state, restore_latest
+from trainer.checkpoint import Checkpointer, apply_state, collect_state, restore_destinations, restore_latest
 from trainer.layout import layout_mismatches, state_layout
 from trainer.mesh import Coordinates, ParallelDims
 from trainer.model import GPT, GPTConfig
@@ -171,12 +170,9 @@ def main() -> None:
         needed: list[int] = [0]
 
         def ours() -> None:
-            fresh = {f"optim/{name}": t for name, t in optimizer.empty_state_tensors().items()}
-            fresh |= {f"model/{n}": torch.empty_like(p) for n, p in module.named_parameters()
-                      if not isinstance(p, DTensor)}
             restored = restore_latest(checkpoints, layout, rank, group,
                                       on_reads=lambda step, reads: needed.__setitem__(0, reads.bytes_needed),
-                                      destinations=fresh)
+                                      destinations=restore_destinations(module, optimizer))
             assert restored is not None, "nothing to restore"
             apply_state(restored, module, optimizer, rank, torch.device("cpu"), adopt=True)
 

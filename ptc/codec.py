@@ -32,6 +32,11 @@ def dtype_name(dtype: torch.dtype) -> str:
         raise ValueError(f"dtype {dtype} cannot be stored; supported: {sorted(_DTYPES)}") from None
 
 
+def tensor_bytes(tensor: torch.Tensor) -> memoryview:
+    """A contiguous host tensor's memory as bytes, without copying (any dtype, 0-d included)."""
+    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
+
+
 def torch_dtype(name: str) -> torch.dtype:
     try:
         return _DTYPES[name]

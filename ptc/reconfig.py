@@ -17,7 +17,7 @@ from itertools import accumulate
 import torch
 
 from ptc.chunks import row_bytes, stored_lengths
-from ptc.codec import torch_dtype
+from ptc.codec import tensor_bytes, torch_dtype
 from ptc.layout import Layout, Slice
 from ptc.regions import intersect
 
@@ -218,11 +218,11 @@ class Assembly:
         if _lands_whole(piece, want):
             outer = src.order[0] if src.order else None
             first = 0 if outer is None else piece.cut.offsets[outer] - want.offsets[outer]
-            dest = _bytes_of(self.boxes[piece.tensor])
+            dest = tensor_bytes(self.boxes[piece.tensor])
             return dest[first * per_row : (first + piece.row_end - piece.row_start) * per_row]
         scratch = torch.empty((piece.row_end - piece.row_start) * per_row, dtype=torch.uint8)
         self._scratch.append((piece, scratch))
-        return _bytes_of(scratch)
+        return tensor_bytes(scratch)
 
     def finish(self) -> dict[str, torch.Tensor]:
         """Every wanted box in natural dim order (a permuted view where it was stored permuted),
@@ -270,6 +270,3 @@ def _lands_whole(piece: Piece, want: Slice) -> bool:
 def _inverse(order: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(order.index(d) for d in range(len(order)))
 
-
-def _bytes_of(tensor: torch.Tensor) -> memoryview:
-    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())

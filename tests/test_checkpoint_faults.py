@@ -5,7 +5,6 @@ run that was never interrupted."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import threading
 import time
@@ -122,4 +121,3 @@ def test_reader_killed_during_a_restore(reference, tmp_path: Path) -> None:
     start = next(e for e in resumed.events if e["event"] == "start")
     assert start["step"] == 4 and resumed.final_step == 8
     assert_bitwise_equal(final_state(spec), reference)
-    assert os.path.exists(tmp_path / "store")

@@ -38,7 +38,7 @@ from torch.distributed.tensor import DTensor
 from planner.plan import Plan
 from ptc import Layout, Slice
 from ptc.chunks import chunk_rows, row_bytes, storage_order
-from ptc.codec import torch_dtype
+from ptc.codec import tensor_bytes, torch_dtype
 from ptc.dtensor import local_data
 from ptc.reconfig import LOCAL, Assembly, RankReads, ReconfigPlan, StoredBox, rank_reads, reconfig_plan
 from specs import JobSpec
@@ -106,7 +106,7 @@ class _BoxToWrite:
         key = SliceKey(self.name, self.box.offsets, self.box.lengths)
         chunk_bytes = tuple(r * self.row_bytes for r in self.chunk_rows)
         if self.order == tuple(range(len(self.order))):
-            return SlicePayload.of_bytes(key, self.order, _bytes_of(buffer), chunk_bytes)
+            return SlicePayload.of_bytes(key, self.order, tensor_bytes(buffer), chunk_bytes)
         starts = [0, *itertools.accumulate(self.chunk_rows)]
         outer = self.order[0]
 
@@ -114,14 +114,9 @@ class _BoxToWrite:
             part = buffer.narrow(outer, starts[i], starts[i + 1] - starts[i]).permute(self.order)
             out = scratch(chunk_bytes[i])[: chunk_bytes[i]].view(buffer.dtype).view(part.shape)
             out.copy_(part)
-            return _bytes_of(out)
+            return tensor_bytes(out)
 
         return SlicePayload(key, self.order, chunk_bytes, chunk)
-
-
-def _bytes_of(tensor: torch.Tensor) -> memoryview:
-    """A contiguous tensor's memory as bytes, without copying."""
-    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
 
 
 @dataclass
@@ -173,7 +168,6 @@ class Checkpointer:
         self._current: SaveReport | None = None
         self.copy_host_memory = copy_host_memory
         self._chunk_buffer = torch.empty(0, dtype=torch.uint8)
-        self.reports: list[SaveReport] = []
         self.last_stall_s: float | None = None  # the loop's wait for the newest save: capture + before_update
 
     def save(self, step: int, state: dict[str, torch.Tensor], data_position: dict[str, int], plan: dict[str, Any],
@@ -219,7 +213,7 @@ class Checkpointer:
         """Block until the save in flight (if any) is committed; raise what made it fail."""
         inflight, self._inflight = self._inflight, None
         if inflight is not None:
-            self.reports.append(inflight.result())
+            inflight.result()
 
     def close(self) -> None:
         try:
@@ -350,7 +344,6 @@ class Restored:
     data_position: dict[str, int]
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     manifest: Manifest | None = None
-    reads: RankReads | None = None
 
 
 def stored_boxes(manifest: Manifest) -> tuple[dict[str, list[StoredBox]], dict[str, str]]:
@@ -425,7 +418,7 @@ def job_reshard_plan(spec: JobSpec, plan: Plan) -> ReconfigPlan | None:
 
     store = CheckpointStore(ObjectStore(spec.storage.url, dict(spec.storage.storage_options)), spec.job_id)
     tier = ObjectStore(spec.storage.local_tier) if spec.storage.local_tier else None
-    layout = state_layout(plan, GPTConfig.of(spec.model), rng_state_bytes(spec.resources.kind))
+    layout = state_layout(plan, GPTConfig.of(spec.model), rng_state_bytes(torch.device(spec.resources.kind)))
     return reshard_plan(store, layout, tier=tier)
 
 
@@ -494,13 +487,23 @@ def restore_latest(store: CheckpointStore, layout: Layout, rank: int, group: Gro
                 if on_reads is not None:
                     on_reads(step, reads)
                 tensors = execute_reads(store, step, reads, tier, destinations)
-                restored = Restored(step, dict(manifest.data_position), tensors, manifest, reads)
+                restored = Restored(step, dict(manifest.data_position), tensors, manifest)
             except (StorageError, ValueError, KeyError) as error:
                 log.warning("rank %d: checkpoint at step %d is unusable (%s); trying an older one", rank, step, error)
         if _agree(restored is not None, group):
             return restored
         log.warning("checkpoint at step %d refused by at least one rank; trying an older one", step)
     return None
+
+
+def restore_destinations(model: nn.Module, optimizer: LocalShardAdamW) -> dict[str, torch.Tensor]:
+    """New tensors for a restore to read into, adopted afterwards by `apply_state(adopt=True)`:
+    the optimizer's state, and plain host parameters. A checkpoint refused half-way thus leaves
+    the live state untouched."""
+    fresh = {f"optim/{name}": t for name, t in optimizer.empty_state_tensors().items()}
+    fresh |= {f"model/{n}": torch.empty_like(p) for n, p in model.named_parameters()
+              if not isinstance(p, DTensor) and p.device.type == "cpu"}
+    return fresh
 
 
 def apply_state(restored: Restored, model: nn.Module, optimizer: LocalShardAdamW, rank: int, device: torch.device,
@@ -538,6 +541,7 @@ __all__ = [
     "job_reshard_plan",
     "load_tensors",
     "reshard_plan",
+    "restore_destinations",
     "restore_latest",
     "stored_boxes",
 ]

@@ -26,12 +26,12 @@ from trainer.pipeline import stage_layers
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
-def rng_state_bytes(device_type: str) -> dict[str, int]:
+def rng_state_bytes(device: torch.device) -> dict[str, int]:
     """Bytes of each generator state a rank saves: the CPU one always, the CUDA one on GPUs
-    (its Philox seed and offset, 16 bytes; the worker passes the live size)."""
+    (the live size where a GPU is present; else its Philox seed and offset, 16 bytes)."""
     sizes = {"cpu": torch.get_rng_state().numel()}
-    if device_type == "cuda":
-        sizes["cuda"] = 16
+    if device.type == "cuda":
+        sizes["cuda"] = torch.cuda.get_rng_state(device).numel() if torch.cuda.is_available() else 16
     return sizes
 
 
@@ -65,7 +65,7 @@ def state_layout(plan: Plan, config: GPTConfig, rng_bytes: dict[str, int] | None
             placements[f"optim/{name}/{moment}"] = where
         placements[f"optim/{name}/step"] = TensorPlacement((), "float32", stage)
     for rank in range(plan.devices):
-        for device, size in (rng_bytes or rng_state_bytes("cpu")).items():
+        for device, size in (rng_bytes or rng_state_bytes(torch.device("cpu"))).items():
             placements[f"rng/rank{rank:05d}/{device}"] = TensorPlacement((size,), "uint8", rank=rank)
     return mesh_layout(plan.mesh, placements)
 

@@ -24,7 +24,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from planner.plan import Plan
@@ -32,10 +31,17 @@ from ptc.reconfig import LOCAL, RankReads
 from specs import JobSpec
 from storage import CheckpointStore, JobPaths, ObjectStore
 from trainer import metrics
-from trainer.checkpoint import Checkpointer, SaveReport, apply_state, collect_state, restore_latest
+from trainer.checkpoint import (
+    Checkpointer,
+    SaveReport,
+    apply_state,
+    collect_state,
+    restore_destinations,
+    restore_latest,
+)
 from trainer.control import StopRequests
 from trainer.data import DataPosition, SampleStream, load_tokens, micro_batches, rank_share
-from trainer.layout import layout_mismatches, state_layout
+from trainer.layout import layout_mismatches, rng_state_bytes, state_layout
 from trainer.mesh import Coordinates, ParallelDims, job_plan_refusals
 from trainer.model import GPT, GPTConfig, flops_per_token, token_loss_sum
 from trainer.optim import LocalShardAdamW
@@ -129,10 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.manual_seed(train.seed + 1 + rank)  # per-rank stream for dropout
 
     # restore: this rank's boxes under this plan, from whatever plan saved the checkpoint
-    rng_bytes = {"cpu": torch.get_rng_state().numel()}
-    if device.type == "cuda":
-        rng_bytes["cuda"] = torch.cuda.get_rng_state(device).numel()
-    layout = state_layout(plan, config, rng_bytes)
+    layout = state_layout(plan, config, rng_state_bytes(device))
     mismatches = layout_mismatches(layout, {f"model/{n}": p for n, p in module.named_parameters()}, rank)
     if mismatches:
         raise SystemExit(f"rank {rank}: the plan's layout disagrees with the parallelized model: " + "; ".join(mismatches[:5]))
@@ -149,13 +152,9 @@ def main(argv: list[str] | None = None) -> int:
             metrics.emit("restoring", step=at_step, bytes_needed=reads.bytes_needed, bytes_read=reads.bytes_read,
                          requests=len(reads.requests), bytes_local=reads.bytes_from(LOCAL))
 
-    # Restores read into new tensors, adopted afterwards: optimizer state, and plain host
-    # parameters (DDP and compile wrap them only after the restore). A checkpoint refused
-    # half-way leaves the live state untouched.
-    fresh = {f"optim/{name}": t for name, t in optimizer.empty_state_tensors().items()}
-    fresh |= {f"model/{n}": torch.empty_like(p) for n, p in module.named_parameters()
-              if not isinstance(p, DTensor) and p.device.type == "cpu"}
-    restored = restore_latest(checkpoints, layout, rank, ckpt_group, tier, on_reads=restoring, destinations=fresh)
+    # Read into new tensors, adopted after the restore (DDP and compile wrap parameters later).
+    restored = restore_latest(checkpoints, layout, rank, ckpt_group, tier, on_reads=restoring,
+                              destinations=restore_destinations(module, optimizer))
     step, position, loss = 0, DataPosition(), None
     if restored is not None:
         loss = restored.manifest.metadata.get("loss") if restored.manifest else None
