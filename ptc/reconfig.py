@@ -20,6 +20,7 @@ from ptc.chunks import row_bytes, stored_lengths
 from ptc.codec import tensor_bytes, torch_dtype
 from ptc.layout import Layout, Slice
 from ptc.regions import intersect
+from ptc.transpose import copy_across_transpose
 
 LOCAL, REMOTE = "local", "remote"
 
@@ -242,10 +243,10 @@ class Assembly:
             within = tuple(slice(o - b, o - b + n) for o, b, n in zip(piece.cut.offsets, base, piece.cut.lengths, strict=True))
             want = self.reads.wanted[piece.tensor]
             dest = tuple(slice(o - w, o - w + n) for o, w, n in zip(piece.cut.offsets, want.offsets, piece.cut.lengths, strict=True))
-            natural[piece.tensor][dest] = part[within]
+            copy_across_transpose(natural[piece.tensor][dest], part[within])
         for name, dest in self.destinations.items():
             if natural[name] is not dest:
-                dest.copy_(natural[name])
+                copy_across_transpose(dest, natural[name])
                 natural[name] = dest
         return natural
 

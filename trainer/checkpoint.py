@@ -41,6 +41,7 @@ from ptc.chunks import chunk_rows, row_bytes, storage_order
 from ptc.codec import tensor_bytes, torch_dtype
 from ptc.dtensor import local_data
 from ptc.reconfig import LOCAL, Assembly, RankReads, ReconfigPlan, StoredBox, rank_reads, reconfig_plan
+from ptc.transpose import copy_across_transpose
 from specs import JobSpec
 from storage import (
     CheckpointStore,
@@ -113,7 +114,7 @@ class _BoxToWrite:
         def chunk(i: int) -> memoryview:  # rows of the outer stored dim, laid out in stored order
             part = buffer.narrow(outer, starts[i], starts[i + 1] - starts[i]).permute(self.order)
             out = scratch(chunk_bytes[i])[: chunk_bytes[i]].view(buffer.dtype).view(part.shape)
-            out.copy_(part)
+            copy_across_transpose(out, part)
             return tensor_bytes(out)
 
         return SlicePayload(key, self.order, chunk_bytes, chunk)
@@ -162,6 +163,10 @@ class Checkpointer:
         self._boxes = [_BoxToWrite.of(layout, name, box) for name, box in layout.slices_to_write(rank)]
         self._buffers: dict[tuple[str, Slice], torch.Tensor] = {}
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="parashift-save")
+        # Pruning reads the manifests it keeps (~0.1 s): on its own thread, so the next save's
+        # write never queues behind it. It deletes only steps below the newest committed one,
+        # and a save in flight is always above that.
+        self._pruner = ThreadPoolExecutor(1, thread_name_prefix="parashift-prune")
         self._inflight: Future[SaveReport] | None = None
         self._consumed = threading.Event()  # set: the save in flight no longer reads live memory
         self._consumed.set()
@@ -220,6 +225,7 @@ class Checkpointer:
             self.wait()
         finally:
             self._pool.shutdown(wait=True)
+            self._pruner.shutdown(wait=True)
 
     def snapshot(self, state: dict[str, torch.Tensor]) -> list[SlicePayload]:
         """This rank's boxes copied into host buffers (reused from save to save)."""
@@ -291,8 +297,7 @@ class Checkpointer:
             report.write_s = time.perf_counter() - started
             if self.on_commit is not None:
                 self.on_commit(report)
-            # Next on this thread, after the commit is reported: never on the save's path.
-            self._pool.submit(self._prune)
+            self._pruner.submit(self._prune)  # after the commit is reported: never on the save's path
         else:
             report.write_s = time.perf_counter() - started
         return report
@@ -519,7 +524,7 @@ def apply_state(restored: Restored, model: nn.Module, optimizer: LocalShardAdamW
                     and value.shape == param.shape and value.is_contiguous()):
                 param.data = value
             else:
-                local_data(param).copy_(value)
+                copy_across_transpose(local_data(param), value)
     # The optimizer adopts these tensors as its state: contiguous, as it would have made them.
     optimizer.load_state_tensors({k[len("optim/") :]: v.contiguous() for k, v in tensors.items() if k.startswith("optim/")})
     cpu_rng = tensors.get(f"rng/rank{rank:05d}/cpu")
