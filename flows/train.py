@@ -1,17 +1,27 @@
 """train_job: a job spec in, a trained and checkpointed model out.
 
-    validate -> profile -> for each resource segment: plan -> reshard plan -> launch -> report
+    validate -> profile -> until the job is done: plan -> reshard plan -> launch -> (react) -> report
+
+The job follows its resource events while it runs: a change of the device count stops the
+workers at a step boundary, and the next launch re-plans and reshards onto the new count. A
+worker that dies is the same change with reason `failure`: the job resumes from its last
+committed checkpoint on the devices left.
 """
 
 from __future__ import annotations
 
 from prefect import flow
+from prefect.logging import get_run_logger
 
 from specs import JobSpec
+from storage import ObjectStore
+from tasks.credentials import environment, storage_environment
+from tasks.events import follow_resources
 from tasks.launch import launch_training
 from tasks.plan import plan_parallelism
 from tasks.profile import profile_model
 from tasks.records import SegmentResult, TrainSummary
+from tasks.recovery import recover_from_failure
 from tasks.report import publish_report
 from tasks.reshard import plan_reshard
 from tasks.validate import validate_spec
@@ -22,12 +32,30 @@ def train_job(spec: JobSpec) -> TrainSummary:
     """Train the job a spec describes, resuming from its latest committed checkpoint."""
     spec = validate_spec(spec)
     model = profile_model(spec)
+    store = ObjectStore(spec.storage.url, dict(spec.storage.storage_options))
     segments: list[SegmentResult] = []
-    for devices, until_step in spec.resource_segments():
-        plan = plan_parallelism(spec, model, devices)
-        plan_reshard(spec, plan)  # what the workers will read, shown before they start
-        segment = launch_training(spec, plan, until_step)
-        segments.append(segment)
-        if segment.stopped:  # asked to stop: the checkpoint is committed, the rest waits
-            break
+    devices, step = spec.resources.devices, 0
+    # The storage credentials stay in the environment while the job's events are recorded.
+    with environment(storage_environment(spec)), follow_resources(spec.job_id, store) as resources:
+        while True:
+            change = resources.wanted(devices)
+            if change is not None:
+                devices = change.devices
+            scripted = spec.scripted_change_after(step)
+            plan = plan_parallelism(spec, model, devices)
+            plan_reshard(spec, plan)  # what the workers will read, shown before they start
+            segment = launch_training(spec, plan, scripted.at_step if scripted else None, resources)
+            segments.append(segment)
+            step = segment.final_step
+            if segment.outcome == "failed":
+                devices = recover_from_failure(spec, segments, resources)
+            elif segment.outcome == "stopped":  # asked to stop: the checkpoint is committed, the rest waits
+                break
+            elif segment.outcome == "finished":
+                if scripted is None or step >= spec.training.steps:
+                    break
+                devices = scripted.devices
+    get_run_logger().info("%s: %d segment(s) on %s devices", spec.job_id, len(segments),
+                          " -> ".join(str(s.devices) for s in segments))
     return publish_report(spec, model, segments)
+

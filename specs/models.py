@@ -349,16 +349,10 @@ class JobSpec(_Section):
         """The id used in storage paths and event resource ids."""
         return self.name
 
-    def resource_segments(self) -> list[tuple[int, int]]:
-        """The resource schedule as (devices, last step) segments, from the scripted elasticity:
-        workers checkpoint at each segment's last step and the next segment resumes from it."""
-        segments: list[tuple[int, int]] = []
-        devices = self.resources.devices
-        for change in self.elasticity:
-            segments.append((devices, change.at_step))
-            devices = change.devices
-        segments.append((devices, self.training.steps))
-        return segments
+    def scripted_change_after(self, step: int) -> ResourceChange | None:
+        """The next scripted change of the device count after `step` (the spec's `elasticity`):
+        workers checkpoint at its step and the next launch resumes there on its devices."""
+        return next((change for change in self.elasticity if change.at_step > step), None)
 
     @model_validator(mode="before")
     @classmethod

@@ -1,11 +1,16 @@
-"""launch_training: torchrun the workers for one segment, their output streamed into the run log."""
+"""launch_training: torchrun the workers for one segment, their output streamed into the run log;
+a resource change heard while they run stops them at a step boundary (with a committed
+checkpoint), and a worker that dies ends the segment as `failed` for the flow to recover."""
 
 from __future__ import annotations
 
+import re
 import statistics
+from datetime import UTC, datetime
 from typing import Any
 
 from prefect import task
+from prefect.cache_policies import NO_CACHE
 from prefect.logging import get_run_logger
 
 from planner.plan import Plan
@@ -13,46 +18,99 @@ from specs import JobSpec
 from storage import JobPaths, ObjectStore
 from tasks import progress
 from tasks.credentials import environment, storage_environment
-from tasks.records import SegmentResult
-from trainer.launch import launch_workers
+from tasks.events import ResourceEvent, ResourceWatcher
+from tasks.records import Outcome, SegmentResult
+from trainer.launch import LaunchResult, launch_workers
+
+# torchrun's summary of a failed worker: "rank : 1 (local_rank: 1)" and "exitcode : -9 (pid: 123)"
+_FAILED_RANK = re.compile(r"^\s*rank\s*:\s*(\d+)")
+_EXIT_CODE = re.compile(r"^\s*exitcode\s*:\s*(-?\d+)")
 
 
-class TrainingFailed(RuntimeError):
-    pass
+def failure_reason(result: LaunchResult, lines: list[str]) -> str:
+    """What killed the segment, from the root cause in torchrun's failure summary (the other
+    ranks it lists were stopped by torchrun itself)."""
+    roots = [i for i, line in enumerate(lines) if "Root Cause" in line]
+    lines = lines[roots[-1]:] if roots else lines
+    ranks = [int(m.group(1)) for line in lines if (m := _FAILED_RANK.match(line))]
+    codes = [int(m.group(1)) for line in lines if (m := _EXIT_CODE.match(line))]
+    if ranks and codes:
+        code = codes[0]
+        how = f"killed by signal {-code}" if code < 0 else f"exited with code {code}"
+        return f"rank {ranks[0]} {how} (torchrun exited with {result.returncode})"
+    return f"workers exited with code {result.returncode}"
 
 
-# Workers always resume from the latest committed checkpoint, so a relaunch after a crash
-# repeats no committed work and loses none: the one case where retrying training is safe.
-@task(name="launch-training", retries=1, retry_delay_seconds=5)
-def launch_training(spec: JobSpec, plan: Plan, until_step: int | None = None) -> SegmentResult:
+# No task retries: a failed segment goes back to the flow, which resumes on the devices left.
+@task(name="launch-training", cache_policy=NO_CACHE)
+def launch_training(spec: JobSpec, plan: Plan, until_step: int | None = None,
+                    resources: ResourceWatcher | None = None) -> SegmentResult:
     """Train on `plan.devices` workers until `until_step` (or the end), resuming if possible."""
     logger = get_run_logger()
     credentials = storage_environment(spec)
     with environment(credentials):
         store = ObjectStore(spec.storage.url, dict(spec.storage.storage_options))
-        store.delete(JobPaths(spec.job_id).stop())  # a stop request belongs to the run it stopped
+        stop_key = JobPaths(spec.job_id).stop()
+        store.delete(stop_key)  # a stop request belongs to the run it stopped
+
+    def stop_for(change: ResourceEvent) -> None:
+        if change.devices == plan.devices:
+            return
+        logger.warning("resource change (%s, epoch %d): %d -> %d devices; stopping at the next step boundary",
+                       change.reason, change.epoch, plan.devices, change.devices)
+        with environment(credentials):
+            store.put_json(stop_key, {"reason": f"rescale to {change.devices} devices ({change.reason})",
+                                      "requested_at": datetime.now(UTC).isoformat()})
 
     def on_event(event: dict[str, Any]) -> None:
         progress.publish({**event, "total_steps": spec.training.steps})
 
-    result = launch_workers(
-        spec, plan, on_line=logger.info, on_event=on_event, until_step=until_step, extra_env=credentials
-    )
+    lines: list[str] = []
+
+    def on_line(line: str) -> None:
+        lines.append(line)
+        del lines[:-200]  # torchrun's failure summary is at the end
+        logger.info(line)
+
+    if resources is not None:
+        resources.on_change = stop_for
+        pending = resources.wanted(plan.devices)
+        if pending is not None:  # arrived while this segment was being planned
+            stop_for(pending)
+    try:
+        result = launch_workers(spec, plan, on_line=on_line, on_event=on_event, until_step=until_step,
+                                extra_env=credentials)
+    finally:
+        if resources is not None:
+            resources.on_change = None
+    starts = [e for e in result.events if e["event"] == "start"]
+    start = starts[-1] if starts else {}
+    committed = [e for e in result.checkpoints if e.get("url")]
+    outcome: Outcome
+    reason = None
     # torchrun exits non-zero when it was signalled itself, even though its workers stopped
     # cleanly at a committed step: a "stopped" event is what counts.
     if result.final_step is None or (result.returncode != 0 and not result.stopped):
-        raise TrainingFailed(f"workers exited with code {result.returncode} (see the log above)")
-    starts = [e for e in result.events if e["event"] == "start"]
-    start = starts[-1] if starts else {}
+        outcome, reason = "failed", failure_reason(result, lines)
+        final_step = committed[-1]["step"] if committed else start.get("step", 0)
+        logger.error("workers failed: %s; the last committed step is %d", reason, final_step)
+    else:
+        final_step = result.final_step
+        change = resources.wanted(plan.devices) if resources is not None and result.stopped else None
+        if change is not None:
+            outcome, reason = "rescaled", f"{change.reason}: {plan.devices} -> {change.devices} devices"
+        else:
+            outcome = "stopped" if result.stopped else "finished"
     rates = [e["tokens_per_s"] for e in result.steps[1:]]  # the first step pays for warm-up
     return SegmentResult(
         devices=plan.devices,
         start_step=start.get("step", 0),
-        final_step=result.final_step,
-        stopped=result.stopped,
+        final_step=final_step,
+        outcome=outcome,
+        reason=reason,
         losses=[(e["step"], e["loss"]) for e in result.steps],
         tokens_per_s=statistics.median(rates) if rates else None,
-        checkpoint_urls=[e["url"] for e in result.checkpoints if e.get("url")],
+        checkpoint_urls=[e["url"] for e in committed],
         resumed_from_url=start.get("checkpoint_url"),
         resumed_loss=start.get("checkpoint_loss"),
     )

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, Field
+
+Outcome = Literal["finished", "stopped", "rescaled", "failed"]
 
 
 class ModelSummary(BaseModel):
@@ -19,13 +23,22 @@ class SegmentResult(BaseModel):
 
     devices: int
     start_step: int
-    final_step: int
-    stopped: bool
+    final_step: int = Field(description="the last step committed (a failed segment's later steps are trained again)")
+    outcome: Outcome = Field(
+        description="finished: reached its last step; stopped: asked to stop; rescaled: stopped for a resource "
+        "change; failed: a worker died or hung"
+    )
+    reason: str | None = Field(default=None, description="why it stopped, rescaled or failed")
     losses: list[tuple[int, float]] = Field(default_factory=list)
     tokens_per_s: float | None = None
     checkpoint_urls: list[str] = Field(default_factory=list)
     resumed_from_url: str | None = Field(default=None, description="the checkpoint this segment started from")
     resumed_loss: float | None = Field(default=None, description="the loss recorded in that checkpoint")
+
+    @property
+    def stopped(self) -> bool:
+        """Asked to stop by the user (not by a resource change): the rest of the job waits."""
+        return self.outcome == "stopped"
 
 
 class ReshardSummary(BaseModel):

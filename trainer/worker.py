@@ -166,9 +166,14 @@ def main(argv: list[str] | None = None) -> int:
             runnable = torch.compile(runnable)
     stops = StopRequests(store, spec.job_id)
     tokens_per_step = train.global_batch * m.seq_len
+    pids = [os.getpid()]  # by rank, in the run log: which process is which rank when one fails
+    if world_size > 1:
+        pids = [0] * world_size
+        dist.all_gather_object(pids, os.getpid(), group=ckpt_group)
     if rank == 0:
         metrics.emit(
             "start",
+            pids=pids,
             step=step,
             resumed=restored is not None,
             checkpoint_loss=loss,

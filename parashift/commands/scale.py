@@ -1,0 +1,33 @@
+"""`parashift scale JOB --devices N`: tell a running job its device count changed."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import typer
+
+from parashift.commands.spec import load_spec_or_exit
+
+
+def scale(
+    job: str = typer.Argument(..., help="the job's spec YAML, or its name"),
+    devices: int = typer.Option(..., "--devices", "-n", min=1, help="devices the job should run on from now"),
+    epoch: int | None = typer.Option(None, min=0, help="ordering of changes (default: now, in ms since 1970)"),
+    reason: str = typer.Option("scale", help="recorded with the change"),
+) -> None:
+    """Emit a `parashift.resources.changed` event for JOB. A running job stops at its next step
+    boundary, re-plans for the new count, reshards its checkpoint and continues. Needs the
+    Prefect server the job runs against (PREFECT_API_URL)."""
+    job_id = load_spec_or_exit(Path(job)).job_id if job.endswith((".yaml", ".yml")) or Path(job).is_file() else job
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    from tasks.events import EVENT, ResourceEvent, api_url, emit_resource_change, now_epoch, resource_id
+
+    if api_url() is None:
+        typer.echo("parashift scale: PREFECT_API_URL is not set. Resource events travel through a Prefect server; "
+                   "a job run by `parashift run` on the embedded API cannot hear them (stop it with "
+                   "`parashift stop` and run it again with other devices).", err=True)
+        raise typer.Exit(2)
+    change = ResourceEvent(devices=devices, epoch=now_epoch() if epoch is None else epoch, reason=reason)
+    emit_resource_change(job_id, change)
+    typer.echo(f"{EVENT} {resource_id(job_id)}: devices={change.devices} epoch={change.epoch} reason={change.reason}")

@@ -1,0 +1,204 @@
+"""Elastic jobs driven by Prefect events and worker failures, against a real Prefect server.
+
+The job follows `parashift.resources.changed` events for its resource id over the server's
+websocket; a change stops the workers at a step boundary with a committed checkpoint, and the
+next launch re-plans and reshards onto the new device count. A killed worker becomes the same
+change with reason `failure`.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from jobs import tiny_spec
+
+from specs import JobSpec
+
+# A job long enough that an event emitted at its 3rd step arrives long before its end.
+LONG = {"steps": 400, "checkpoint_every": 50, "log_every": 1}
+
+
+@pytest.fixture(autouse=True)
+def _stop_checks_every_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Steps take milliseconds here; the default stop check (every 2 s) would let a short job end first.
+    monkeypatch.setenv("PARASHIFT_STOP_POLL_SECONDS", "0")
+
+
+def wait_for(condition: Callable[[], Any], what: str, timeout_s: float = 60.0) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+class WorkerEvents:
+    """Every worker event of the flow running in this process, as the launch task parses them."""
+
+    def __init__(self, react: Callable[[dict[str, Any]], None] | None = None) -> None:
+        self.events: list[dict[str, Any]] = []
+        self.react = react
+
+    def __call__(self, event: dict[str, Any]) -> None:
+        self.events.append(event)
+        if self.react is not None:
+            self.react(event)
+
+    def starts(self) -> list[dict[str, Any]]:
+        return [e for e in self.events if e["event"] == "start"]
+
+
+def run_flow(spec: JobSpec, listener: Callable[[dict[str, Any]], None]) -> Any:
+    """The flow run's final state (its result is the TrainSummary)."""
+    from flows.train import train_job
+    from tasks import progress
+
+    progress.add_listener(listener)
+    try:
+        return train_job(spec, return_state=True)
+    finally:
+        progress.remove_listener(listener)
+
+
+def run_log(state: Any, expected: str) -> list[str]:
+    """The messages of the flow run's log (tasks included), once one contains `expected`
+    (Prefect ships logs to the server in the background)."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+
+    def read() -> list[str]:
+        with get_client(sync_client=True) as client:
+            logs = client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[state.state_details.flow_run_id])))
+        messages = [log.message for log in logs]
+        return messages if any(expected in m for m in messages) else []
+
+    return wait_for(read, f"{expected!r} in the run log", timeout_s=30)
+
+
+def test_events_are_ordered_by_epoch_and_scoped_to_their_job(prefect_server: None, tmp_path: Path) -> None:
+    """`parashift scale` reaches a watcher through the server; a lower epoch arriving after a
+    higher one, a malformed payload and another job's event change nothing."""
+    from prefect.settings import PREFECT_API_URL
+
+    from storage import ObjectStore
+    from tasks.events import EventLog, ResourceEvent, ResourceWatcher, emit_resource_change
+
+    store = ObjectStore(f"file://{tmp_path}/store")
+    watcher = ResourceWatcher("watched", EventLog(store, "watched"))
+    assert watcher.start()
+    try:
+        env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value()}
+        parashift = str(Path(sys.executable).with_name("parashift"))
+        done = subprocess.run([parashift, "scale", "watched", "--devices", "3", "--epoch", "20"], env=env,
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        wait_for(lambda: watcher.latest is not None and watcher.latest.devices == 3, "the CLI's event")
+        emit_resource_change("watched", ResourceEvent(devices=5, epoch=10, reason="late"))
+        emit_resource_change("other-job", ResourceEvent(devices=7, epoch=99))
+        wait_for(lambda: len(watcher.ignored) >= 1, "the late event to arrive")
+        assert watcher.latest == ResourceEvent(devices=3, epoch=20, reason="scale")
+        assert watcher.wanted(3) is None and watcher.wanted(2) == watcher.latest
+        assert [c.epoch for c, _ in watcher.ignored] == [10]  # the other job's event never reaches it
+    finally:
+        watcher.stop()
+    # Accepted changes are recorded: a later run of the job ignores anything up to epoch 20.
+    assert EventLog(store, "watched").highest_epoch() == 20
+    again = ResourceWatcher("watched", EventLog(store, "watched"))
+    assert not again.offer(ResourceEvent(devices=4, epoch=20)) and again.offer(ResourceEvent(devices=4, epoch=21))
+
+
+def test_events_rescale_a_running_job_and_losses_match_a_static_run(prefect_server: None, tmp_path: Path) -> None:
+    """2 -> 3 -> 1 devices by events sent while the job trains; every step's loss equals the
+    static run's."""
+    from tasks.events import ResourceEvent, emit_resource_change
+
+    static = run_flow(tiny_spec("static-events", f"file://{tmp_path}/static", training=LONG), lambda e: None).result()
+    spec = tiny_spec("rescaled", f"file://{tmp_path}/rescaled", training=LONG)
+    sent: list[int] = []
+
+    def react(event: dict[str, Any]) -> None:
+        """Send the next change three steps into each segment (from the launch task's thread)."""
+        if event["event"] == "start":
+            react.segment_start = event["step"]  # type: ignore[attr-defined]
+        if event["event"] != "step" or event["step"] != getattr(react, "segment_start", 0) + 3:
+            return
+        if not sent:
+            sent.append(event["step"])
+            emit_resource_change(spec.job_id, ResourceEvent(devices=3, epoch=10))
+        elif len(sent) == 1:
+            sent.append(event["step"])
+            emit_resource_change(spec.job_id, ResourceEvent(devices=2, epoch=5, reason="stale"))  # older: ignored
+            emit_resource_change("some-other-job", ResourceEvent(devices=2, epoch=50))
+            emit_resource_change(spec.job_id, ResourceEvent(devices=1, epoch=20))
+
+    elastic = run_flow(spec, WorkerEvents(react)).result()
+    assert [(s.devices, s.outcome) for s in elastic.segments] == [(2, "rescaled"), (3, "rescaled"), (1, "finished")]
+    first, second, third = elastic.segments
+    assert first.start_step == 0 and sent[0] < first.final_step == second.start_step < sent[1]
+    assert second.final_step == third.start_step < third.final_step == LONG["steps"]
+    static_losses = dict(static.segments[0].losses)
+    elastic_losses = dict(loss for seg in elastic.segments for loss in seg.losses)
+    assert sorted(elastic_losses) == list(range(1, LONG["steps"] + 1))
+    for step, loss in static_losses.items():
+        assert elastic_losses[step] == pytest.approx(loss, rel=1e-5), f"step {step}"
+    recorded = sorted(p.stem for p in (tmp_path / "rescaled/jobs/rescaled/events").glob("*.json"))
+    assert [int(e) for e in recorded] == [10, 20]
+
+
+def test_a_killed_worker_is_a_failure_the_job_recovers_from(prefect_server: None, tmp_path: Path) -> None:
+    """kill -9 of one of three workers: the job resumes from its last committed checkpoint on
+    the two devices left, completes, and the run log says what happened."""
+    spec = tiny_spec("killed-rank", f"file://{tmp_path}/store", training={**LONG, "checkpoint_every": 5},
+                     resources={"devices": 3})
+    killed: list[int] = []
+
+    def react(event: dict[str, Any]) -> None:
+        if event["event"] == "start":
+            react.pids = event["pids"]  # type: ignore[attr-defined]
+        if event["event"] == "step" and event["step"] == 12 and not killed:
+            killed.append(react.pids[1])  # type: ignore[attr-defined]
+            os.kill(react.pids[1], signal.SIGKILL)  # type: ignore[attr-defined]
+
+    state = run_flow(spec, WorkerEvents(react))
+    summary = state.result()
+    assert killed
+    assert [(s.devices, s.outcome) for s in summary.segments] == [(3, "failed"), (2, "finished")]
+    failed, resumed = summary.segments
+    assert failed.final_step == resumed.start_step == 10  # the last committed step before the kill
+    assert "rank 1 killed by signal 9" in (failed.reason or "")
+    assert resumed.final_step == LONG["steps"]
+    log = run_log(state, "worker failure on 3 devices")
+    assert any("rank 1 killed by signal 9" in m and "resuming from step 10 on 2 devices" in m for m in log), log[-20:]
+
+
+def test_a_job_that_cannot_make_progress_fails_with_the_reason(prefect_server: None, tmp_path: Path) -> None:
+    """A worker killed before any checkpoint, in every segment: after two failures without a
+    new committed step the flow run fails and says why."""
+    from flows.train import train_job
+    from tasks import progress
+
+    spec = tiny_spec("doomed", f"file://{tmp_path}/store", training=LONG)
+
+    def kill_at_step_2(event: dict[str, Any]) -> None:
+        if event["event"] == "start":
+            kill_at_step_2.pids = event["pids"]  # type: ignore[attr-defined]
+        if event["event"] == "step" and event["step"] == 2:
+            os.kill(kill_at_step_2.pids[-1], signal.SIGKILL)  # type: ignore[attr-defined]
+
+    progress.add_listener(kill_at_step_2)
+    try:
+        state = train_job(spec, return_state=True)
+    finally:
+        progress.remove_listener(kill_at_step_2)
+    assert state.is_failed()
+    assert "cannot make progress: two failures in a row without a new checkpoint" in (state.message or "")
