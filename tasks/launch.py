@@ -20,7 +20,8 @@ from tasks import progress
 from tasks.credentials import environment, storage_environment
 from tasks.events import ResourceEvent, ResourceWatcher
 from tasks.records import Outcome, SegmentResult
-from trainer.launch import LaunchResult, launch_workers
+from tasks.worker_log import present
+from trainer.launch import LaunchResult, RunningWorkers, launch_workers
 
 # torchrun's summary of a failed worker: "rank : 1 (local_rank: 1)" and "exitcode : -9 (pid: 123)"
 _FAILED_RANK = re.compile(r"^\s*rank\s*:\s*(\d+)")
@@ -58,6 +59,7 @@ def launch_training(spec: JobSpec, plan: Plan, until_step: int | None = None,
             return
         logger.warning("resource change (%s, epoch %d): %d -> %d devices; stopping at the next step boundary",
                        change.reason, change.epoch, plan.devices, change.devices)
+        workers.request_stop()  # at once, on this node; the stop object reaches workers anywhere
         with environment(credentials):
             store.put_json(stop_key, {"reason": f"rescale to {change.devices} devices ({change.reason})",
                                       "requested_at": datetime.now(UTC).isoformat()})
@@ -66,11 +68,13 @@ def launch_training(spec: JobSpec, plan: Plan, until_step: int | None = None,
         progress.publish({**event, "total_steps": spec.training.steps})
 
     lines: list[str] = []
+    workers = RunningWorkers()
 
     def on_line(line: str) -> None:
         lines.append(line)
         del lines[:-200]  # torchrun's failure summary is at the end
-        logger.info(line)
+        level, message = present(line, spec.training.steps)
+        logger.log(level, message)
 
     if resources is not None:
         resources.on_change = stop_for
@@ -79,7 +83,7 @@ def launch_training(spec: JobSpec, plan: Plan, until_step: int | None = None,
             stop_for(pending)
     try:
         result = launch_workers(spec, plan, on_line=on_line, on_event=on_event, until_step=until_step,
-                                extra_env=credentials)
+                                extra_env=credentials, workers=workers)
     finally:
         if resources is not None:
             resources.on_change = None

@@ -1,5 +1,7 @@
-"""Stopping at a step boundary: a signal (torchrun forwards SIGTERM), a stop object in the job's
-storage, or a step fixed in advance. Ranks agree on the decision before acting on it."""
+"""Stopping at a step boundary: a signal from the launcher on this node (SIGUSR1, or SIGTERM
+that torchrun forwards), a stop object in the job's storage (any node, any process), or a step
+fixed in advance. Ranks agree on the decision before acting on it (one all-reduce per step), so
+it is enough that one rank sees the request."""
 
 from __future__ import annotations
 
@@ -9,9 +11,15 @@ import time
 
 from storage import JobPaths, ObjectStore
 
+# The launcher's "stop at the next step boundary" (a rescale): SIGUSR1 is free in torch and
+# torchrun, and unlike SIGTERM it does not make torchrun tear the workers down itself.
+STOP_SIGNAL = signal.SIGUSR1
+
 
 class StopRequests:
-    def __init__(self, store: ObjectStore, job_id: str, poll_every_s: float | None = None) -> None:
+    def __init__(self, store: ObjectStore, job_id: str, poll_every_s: float | None = None, poll: bool = True) -> None:
+        """`poll`: whether this rank checks the stop object (one rank is enough: the decision is
+        shared); signals are heard by every rank."""
         self._store = store
         self._stop_key = JobPaths(job_id).stop()
         # One existence check every 2 s costs an S3 HEAD per 2 s, whatever the step time;
@@ -19,9 +27,10 @@ class StopRequests:
         if poll_every_s is None:
             poll_every_s = float(os.environ.get("PARASHIFT_STOP_POLL_SECONDS", "2"))
         self._poll_every_s = poll_every_s
+        self._poll = poll
         self._last_poll = 0.0
         self._signalled = False
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        for sig in (signal.SIGTERM, signal.SIGINT, STOP_SIGNAL):
             signal.signal(sig, self._on_signal)
 
     def _on_signal(self, signum: int, frame: object) -> None:
@@ -29,8 +38,8 @@ class StopRequests:
 
     def requested(self) -> bool:
         """True once a signal arrived or the stop object exists (polled at most every few s)."""
-        if self._signalled:
-            return True
+        if self._signalled or not self._poll:
+            return self._signalled
         now = time.monotonic()
         if now - self._last_poll >= self._poll_every_s:
             self._last_poll = now

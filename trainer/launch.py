@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,6 +47,51 @@ class LaunchResult:
     @property
     def checkpoints(self) -> list[dict[str, Any]]:
         return [e for e in self.events if e["event"] == "checkpoint"]
+
+
+class RunningWorkers:
+    """The workers of a launch in progress on this node, for a stop request by signal: instant,
+    where the stop object is polled every few seconds. Only processes whose parent is the
+    torchrun this launch started are signalled (a worker pid may be reused once it exited)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._launcher: int | None = None
+        self._pids: list[int] = []
+
+    def _attach(self, launcher: int | None, pids: list[int] | None = None) -> None:
+        with self._lock:
+            self._launcher, self._pids = launcher, list(pids or [])
+
+    def _started(self, pids: list[int]) -> None:
+        with self._lock:
+            self._pids = list(pids)
+
+    def request_stop(self) -> int:
+        """Ask every worker to stop at its next step boundary; returns how many were signalled
+        (0 before the workers reported their pids: then only the stop object reaches them)."""
+        from trainer.control import STOP_SIGNAL
+
+        with self._lock:
+            launcher, pids = self._launcher, list(self._pids)
+        signalled = 0
+        for pid in pids:
+            if launcher is None or _parent_of(pid) != launcher:
+                continue
+            try:
+                os.kill(pid, STOP_SIGNAL)
+                signalled += 1
+            except ProcessLookupError:
+                pass
+        return signalled
+
+
+def _parent_of(pid: int) -> int | None:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(stat.rsplit(")", 1)[1].split()[1])
 
 
 def torchrun_command(devices: int, module: str, *args: str) -> list[str]:
@@ -89,10 +135,11 @@ def launch_workers(
     on_event: Callable[[dict[str, Any]], None] = lambda event: None,
     until_step: int | None = None,
     extra_env: dict[str, str] | None = None,
+    workers: RunningWorkers | None = None,
 ) -> LaunchResult:
     """Run torchrun with `plan.devices` workers until they exit; every output line goes to
     `on_line`, every worker event also to `on_event`. A plan the trainer cannot execute is
-    refused here, before any process starts."""
+    refused here, before any process starts. `workers` follows the processes while they run."""
     refusals = job_plan_refusals(plan, spec)
     if refusals:
         raise PlanNotExecutable(f"plan {plan.mesh} cannot run on {spec.job_id}: " + "; ".join(refusals))
@@ -110,6 +157,8 @@ def launch_workers(
             env={**worker_env(spec.resources.kind), **(extra_env or {})},
         )
         assert process.stdout is not None
+        if workers is not None:
+            workers._attach(process.pid)
         try:
             for raw in process.stdout:
                 line = raw.rstrip("\n")
@@ -117,7 +166,11 @@ def launch_workers(
                 event = metrics.parse(line)
                 if event is not None:
                     result.events.append(event)
+                    if workers is not None and event["event"] == "start":
+                        workers._started(event.get("pids", []))
                     on_event(event)
         finally:
             result.returncode = process.wait()
+            if workers is not None:
+                workers._attach(None)
     return result

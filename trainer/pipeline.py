@@ -13,12 +13,14 @@ from collections.abc import Callable
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 from planner.plan import Plan
 from trainer.model import GPT
 
-SCHEDULES = {"1F1B": Schedule1F1B, "GPipe": ScheduleGPipe}
+# Names of torch.distributed.pipelining's schedules. The package is imported only by a pipeline
+# stage: it pulls in torch._dynamo (0.85 s per process here), which every worker of a plan without
+# pp would otherwise pay at each (re)launch.
+SCHEDULES = ("1F1B", "GPipe")
 # The planner costs pipelines as 1F1B (planner/pipeline.py), so that is the default.
 DEFAULT_SCHEDULE = "1F1B"
 
@@ -94,13 +96,18 @@ class PipelineRunner:
         self.rank, self.stages = pp_mesh.get_local_rank(), pp_mesh.size()
         self.first, self.last = self.rank == 0, self.rank == self.stages - 1
         self.loss_scale = loss_scale
-        stage = PipelineStage(module, self.rank, self.stages, device, group=pp_mesh.get_group())
+        from torch.distributed import pipelining
+
+        if schedule not in SCHEDULES:
+            raise ValueError(f"unknown pipeline schedule {schedule!r}; choose from {SCHEDULES}")
+        stage = pipelining.PipelineStage(module, self.rank, self.stages, device, group=pp_mesh.get_group())
 
         def scaled_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
             return loss_fn(output, target) * loss_scale  # loss_fn: scalar, sum over the micro-batch's tokens
 
         # scale_grads=False: the loss is already scaled to the global-token mean.
-        self.schedule = SCHEDULES[schedule](stage, micro_batches, loss_fn=scaled_loss, scale_grads=False)
+        schedule_class = getattr(pipelining, f"Schedule{schedule}")
+        self.schedule = schedule_class(stage, micro_batches, loss_fn=scaled_loss, scale_grads=False)
 
     def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Forward and backward of every micro-batch; the loss sum (0 off the last stage)."""

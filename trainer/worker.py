@@ -89,9 +89,30 @@ def init_distributed(kind: str) -> tuple[int, int, torch.device]:
     return rank, world_size, device
 
 
+def seconds_since_process_start() -> float | None:
+    """How long this process has existed (Linux /proc; None elsewhere): its interpreter start
+    and imports, the largest part of a relaunch on a small machine."""
+    try:
+        ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    return uptime - ticks / os.sysconf("SC_CLK_TCK")
+
+
 def main(argv: list[str] | None = None) -> int:
+    phases: dict[str, float | None] = {"boot_s": seconds_since_process_start()}  # where a relaunch's time goes
+    mark = time.perf_counter()
+
+    def phase(name: str) -> None:
+        nonlocal mark
+        now = time.perf_counter()
+        phases[name] = round(now - mark, 4)
+        mark = now
+
     args = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    # The rank in every record: the run log interleaves every worker's lines.
+    logging.basicConfig(level=logging.INFO, format=f"%(levelname)s rank{os.environ.get('RANK', '0')} %(name)s: %(message)s")
     spec = JobSpec.model_validate_json(args.spec.read_text())
     plan = executable_plan(Plan.model_validate_json(args.plan.read_text()))
     train, m = spec.training, spec.model
@@ -107,6 +128,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"plan is for {plan.devices} devices, torchrun started {world_size}")
     mesh = None if dims.pure_data_parallel else dims.build_mesh(device.type)
     coords = Coordinates.of(mesh) if mesh is not None else Coordinates(0, rank, 0)
+    phase("distributed_s")
 
     # data: every rank builds the same global sample stream; dp ranks take shares of each batch
     stream = SampleStream(load_tokens(spec.data), m.seq_len, train.seed)
@@ -115,6 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     # (gradient accumulation to cut activation memory; pipelines split the share themselves).
     micro_size = train.micro_batch if plan.micro_batches == 1 else min(train.micro_batch, -(-share_count // plan.micro_batches))
     micros = micro_batches(share_count, micro_size)
+    phase("data_s")
 
     # model: the same seed on every rank gives the same initial weights
     torch.manual_seed(train.seed)
@@ -133,6 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     # objects (seen parsing a manifest: 5 ms alone, 0.3 s in a worker).
     gc.freeze()
     torch.manual_seed(train.seed + 1 + rank)  # per-rank stream for dropout
+    phase("build_s")
 
     # restore: this rank's boxes under this plan, from whatever plan saved the checkpoint
     layout = state_layout(plan, config, rng_state_bytes(device))
@@ -153,6 +177,7 @@ def main(argv: list[str] | None = None) -> int:
                          requests=len(reads.requests), bytes_local=reads.bytes_from(LOCAL))
 
     # Read into new tensors, adopted after the restore (DDP and compile wrap parameters later).
+    phase("layout_s")
     restored = restore_latest(checkpoints, layout, rank, ckpt_group, tier, on_reads=restoring,
                               destinations=restore_destinations(module, optimizer))
     step, position, loss = 0, DataPosition(), None
@@ -160,11 +185,12 @@ def main(argv: list[str] | None = None) -> int:
         loss = restored.manifest.metadata.get("loss") if restored.manifest else None
         apply_state(restored, module, optimizer, rank, device, adopt=True)
         step, position = restored.step, DataPosition(restored.data_position["samples_consumed"])
+    phase("restore_s")
     if mesh is None:
         runnable = DistributedDataParallel(model) if world_size > 1 else model
         if spec.parallelism.compile:
             runnable = torch.compile(runnable)
-    stops = StopRequests(store, spec.job_id)
+    stops = StopRequests(store, spec.job_id, poll=rank == 0)
     tokens_per_step = train.global_batch * m.seq_len
     pids = [os.getpid()]  # by rank, in the run log: which process is which rank when one fails
     if world_size > 1:
@@ -174,6 +200,8 @@ def main(argv: list[str] | None = None) -> int:
         metrics.emit(
             "start",
             pids=pids,
+            restore_s=phases["restore_s"],
+            phases=phases,
             step=step,
             resumed=restored is not None,
             checkpoint_loss=loss,

@@ -1,0 +1,161 @@
+"""From a resource event to the first training step under the new Plan, on CPU workers.
+
+A real `prefect server` (started here, temporary home, 127.0.0.1), the `train-job` flow in this
+process, a GPT with AdamW (~293 MB of state) training on `--from` workers. A few steps in, a
+`parashift.resources.changed` event asks for `--to` devices (sent as `parashift scale` sends it).
+The time from that event to the first step of the new segment is split into:
+
+- stop_s: event -> the old workers have exited (delivery over the websocket, the stop request,
+  the workers' next stop check at a step boundary, their final checkpoint, torchrun's exit);
+- plan_s: the old launch's end -> the new launch's start (re-planning, the reshard plan, the
+  flow's own bookkeeping), from Prefect's task-run times;
+- reshard_data_s: the new workers' restore (reading and placing the state), as they report it;
+- relaunch_s: the rest of the new launch until its first step is done (torchrun, imports,
+  process groups, model build, and that first step).
+
+    OMP_NUM_THREADS=1 python -m bench.rescale_latency [--from 4] [--to 3] [--rounds 3]
+
+The last line of output is one JSON object: `stop_s`, `plan_s`, `reshard_data_s`,
+`relaunch_s`, `total_s` (medians over the rounds) and every round's figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+MODEL = {"n_layers": 3, "d_model": 768, "n_heads": 12, "vocab_size": 2048, "seq_len": 24, "dropout": 0.0}
+EVENT_AT_STEP = 3  # steps into the first segment
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(home: Path) -> tuple[subprocess.Popen[bytes], str]:
+    """`prefect server start` on a free local port; returns it and its API URL once healthy."""
+    port = free_port()
+    env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+    env.pop("PREFECT_API_URL", None)
+    server = subprocess.Popen([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+                              env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    url = f"http://127.0.0.1:{port}/api"
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=2) as response:
+                if response.status == 200:
+                    return server, url
+        except OSError:
+            time.sleep(0.5)
+        if server.poll() is not None:
+            raise RuntimeError(f"prefect server exited with {server.returncode}")
+    server.terminate()
+    raise RuntimeError("prefect server did not become healthy in 180 s")
+
+
+def one_round(store: Path, devices_from: int, devices_to: int, steps: int, round_no: int) -> dict[str, Any]:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    from flows.train import train_job
+    from specs import JobSpec
+    from tasks import progress
+    from tasks.events import ResourceEvent, emit_resource_change, now_epoch
+
+    spec = JobSpec.model_validate({
+        "name": f"rescale-latency-{round_no}",
+        "model": MODEL,
+        "data": {"url": "builtin://python-stdlib", "max_bytes": 200_000},
+        "training": {"global_batch": 12, "micro_batch": 2, "steps": steps, "checkpoint_every": 1000},
+        "resources": {"devices": devices_from, "kind": "cpu"},
+        "storage": {"url": f"file://{store}"},
+    })
+    seen: list[tuple[float, dict[str, Any]]] = []
+    emitted: list[float] = []
+
+    def listen(event: dict[str, Any]) -> None:
+        seen.append((time.time(), event))
+        if event["event"] == "step" and event["step"] == EVENT_AT_STEP and not emitted:
+            emitted.append(time.time())
+            threading.Thread(target=emit_resource_change,
+                             args=(spec.job_id, ResourceEvent(devices=devices_to, epoch=now_epoch()))).start()
+
+    progress.add_listener(listen)
+    try:
+        state = train_job(spec, return_state=True)
+    finally:
+        progress.remove_listener(listen)
+    summary = state.result()
+    if [s.devices for s in summary.segments] != [devices_from, devices_to]:
+        raise RuntimeError(f"expected one change {devices_from} -> {devices_to}, got {summary.segments}")
+    with get_client(sync_client=True) as client:
+        runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[state.state_details.flow_run_id])))
+    launches = sorted((r for r in runs if r.name.startswith("launch-training")), key=lambda r: r.start_time)
+    old_end, new_start = launches[0].end_time.timestamp(), launches[1].start_time.timestamp()
+    starts = [(t, e) for t, e in seen if e["event"] == "start"]
+    new_start_event = starts[1][1]
+    first_new_step = next(t for t, e in seen if e["event"] == "step" and t > starts[1][0])
+    reshard = new_start_event["restore_s"]
+    out = {
+        "stop_s": old_end - emitted[0],
+        "plan_s": new_start - old_end,
+        "reshard_data_s": reshard,
+        "relaunch_s": first_new_step - new_start - reshard,
+        "total_s": first_new_step - emitted[0],
+        "stopped_at_step": summary.segments[0].final_step,
+        "stopped_event_s": next(t for t, e in seen if e["event"] == "stopped") - emitted[0],
+        "worker_phases": new_start_event.get("phases"),
+        "event_at_step": EVENT_AT_STEP,
+    }
+    print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in out.items()}), file=sys.stderr, flush=True)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--from", dest="devices_from", type=int, default=4)
+    parser.add_argument("--to", dest="devices_to", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=12)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="parashift-rescale-") as tmp:
+        server, url = start_server(Path(tmp, "server-home"))
+        try:
+            os.environ.update({"PREFECT_API_URL": url, "PREFECT_HOME": str(Path(tmp, "client-home")),
+                               "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+                               "PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL": "WARNING"})
+            rounds = [one_round(Path(tmp, f"store{i}"), args.devices_from, args.devices_to, args.steps, i)
+                      for i in range(args.rounds)]
+        finally:
+            server.terminate()
+            server.wait(timeout=60)
+    keys = ("stop_s", "plan_s", "reshard_data_s", "relaunch_s", "total_s")
+    result = {
+        "bench": "rescale_latency",
+        "machine": f"{platform.machine()} {os.cpu_count()} cores",
+        "change": f"{args.devices_from}->{args.devices_to} cpu workers",
+        "stop_poll_s": float(os.environ.get("PARASHIFT_STOP_POLL_SECONDS", "2")),
+        **{k: round(statistics.median(r[k] for r in rounds), 3) for k in keys},
+        "all_but_data_s": round(statistics.median(r["total_s"] - r["reshard_data_s"] for r in rounds), 3),
+        "rounds": [{k: round(v, 3) if isinstance(v, float) else v for k, v in r.items()} for r in rounds],
+    }
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
