@@ -17,6 +17,7 @@ from specs import JobSpec
 from storage import ObjectStore
 from tasks.credentials import environment, storage_environment
 from tasks.events import follow_resources
+from tasks.exclusive import one_run_per_job
 from tasks.launch import launch_training
 from tasks.plan import plan_parallelism
 from tasks.profile import profile_model
@@ -31,6 +32,12 @@ from tasks.validate import validate_spec
 def train_job(spec: JobSpec) -> TrainSummary:
     """Train the job a spec describes, resuming from its latest committed checkpoint."""
     spec = validate_spec(spec)
+    with one_run_per_job(spec.job_id):  # another run of this job would prune our checkpoints
+        return _train(spec)
+
+
+def _train(spec: JobSpec) -> TrainSummary:
+    """Profile, then segment after segment until the job is done, stopped or cannot go on."""
     model = profile_model(spec)
     store = ObjectStore(spec.storage.url, dict(spec.storage.storage_options))
     segments: list[SegmentResult] = []
