@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from jobs import final_state, tiny_spec
+from jobs import assert_bitwise_equal, final_state, tiny_spec
 
 from planner.plan import OpPlacement, Plan
 from planner.profile import profile_gpt
@@ -227,3 +227,17 @@ def test_launcher_refuses_an_unexecutable_plan_before_starting_processes(tmp_pat
     with pytest.raises(PlanNotExecutable, match=r"n_heads \(2\) divisible by tp \(3\)"):
         launch_workers(spec, mesh_plan({"tp": 3}))
     assert not (tmp_path / "store").exists()
+
+
+@pytest.mark.parametrize("plan", [megatron_replicated_stream({"tp": 2}), mesh_plan({"tp": 2})], ids=["replicated-stream", "sequence-parallel"])
+def test_dropout_under_tensor_parallelism_resumes_bitwise(plan: Plan, tmp_path: Path) -> None:
+    """With dropout, tp peers must draw the same masks where activations are replicated over tp:
+    else their replicated parameters drift apart, a checkpoint keeps one copy, and a resumed
+    run leaves the path of an uninterrupted one."""
+    model = {**MODEL, "dropout": 0.2}
+    whole = tiny_spec("dropout-whole", f"file://{tmp_path}/whole", model=model, training=TRAINING)
+    run(whole, plan)
+    parts = tiny_spec("dropout-parts", f"file://{tmp_path}/parts", model=model, training=TRAINING)
+    assert run(parts, plan, until_step=7).final_step == 7
+    assert run(parts, plan).final_step == TRAINING["steps"]
+    assert_bitwise_equal(final_state(parts), final_state(whole))

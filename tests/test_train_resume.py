@@ -157,3 +157,4 @@ def test_node_local_tier_serves_restores_and_a_bad_copy_falls_back(reference, tm
     assert "node-local tier unusable" in "\n".join(third.lines)  # type: ignore[attr-defined]
     assert next(e for e in third.events if e["event"] == "start")["step"] == 10 and third.final_step == 12
     assert_bitwise_equal(final_state(spec), expected)
+

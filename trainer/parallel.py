@@ -198,6 +198,63 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, choices: TPChoices) -> None:
     parallelize_module(model, tp_mesh, plan)
 
 
+def _save_rng(device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    return torch.get_rng_state(), cuda
+
+
+def _restore_rng(device: torch.device, saved: tuple[torch.Tensor, torch.Tensor | None]) -> None:
+    torch.set_rng_state(saved[0])
+    if saved[1] is not None:
+        torch.cuda.set_rng_state(saved[1], device)
+
+
+def _seed_rank_stream(device: torch.device, tp_rank: int) -> None:
+    """Switch to this tp rank's own stream: a seed drawn from the shared stream (the same draw
+    on every tp peer, so the shared stream stays in step) plus the rank."""
+    seed = int(torch.randint(0, 2**62, ()).item()) + tp_rank
+    torch.default_generator.manual_seed(seed)
+    if device.type == "cuda":
+        torch.cuda.default_generators[device.index if device.index is not None else torch.cuda.current_device()].manual_seed(seed)
+
+
+def apply_dropout_streams(model: nn.Module, tp_rank: int, choices: TPChoices, device: torch.device) -> None:
+    """Dropout that stays correct under tensor parallelism (Megatron's two RNG streams).
+
+    Every tp peer seeds its default generator alike (the worker seeds by dp and pp coordinate),
+    so dropout on activations replicated over tp draws the same mask on every peer: replicated
+    parameters then receive the same gradients and never drift apart. Where a rank holds a
+    shard of the activations (attention heads split over tp; the sequence-parallel stream), it
+    switches to a stream of its own for that region, so shards draw independent masks.
+    """
+    def own_stream(module: nn.Module, until: nn.Module | None = None) -> None:
+        """Dropout from `module`'s start to its end (or to the start of `until`) on the rank's stream."""
+        saved: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+
+        def enter(_module: nn.Module, _args: object) -> None:
+            saved.append(_save_rng(device))
+            _seed_rank_stream(device, tp_rank)
+
+        def leave(*_: object) -> None:
+            if saved:
+                _restore_rng(device, saved.pop())
+
+        module.register_forward_pre_hook(enter)
+        if until is None:
+            module.register_forward_hook(leave)
+        else:
+            until.register_forward_pre_hook(leave)
+
+    for i, block in _blocks(model):
+        if i in choices.attention:  # heads split over tp: attention dropout up to the output projection
+            own_stream(block.attn, until=block.attn.out_proj)
+        if choices.sequence:  # the residual stream is cut into T chunks: its dropouts draw per rank
+            own_stream(block.attn.resid_dropout)
+            own_stream(block.mlp.dropout)
+    if choices.sequence and getattr(model, "drop", None) is not None:
+        own_stream(model.drop)
+
+
 class ReplicatedRegion(ParallelStyle):
     """A region replicated over tp inside a sequence-parallel stream: gather T on the way in,
     keep this rank's T chunk of the (identical) output on the way out."""
@@ -221,6 +278,9 @@ def parallelize(model: nn.Module, plan: Plan, mesh: DeviceMesh, choices: TPChoic
     Returns the module to call; parameters keep their names (checkpoints rely on that)."""
     if plan.degree("tp") > 1:
         apply_tp(model, mesh["tp"], choices)
+        if any(m.p > 0 for m in model.modules() if isinstance(m, nn.Dropout)):
+            device = next(model.parameters()).device
+            apply_dropout_streams(model, mesh["tp"].get_local_rank(), choices, device)
     if compile:
         for _, block in _blocks(model):
             block.compile()  # per block, as torchtitan does: small graphs, shared across layers

@@ -155,7 +155,9 @@ def main(argv: list[str] | None = None) -> int:
     # full passes, which otherwise cost ~0.3 s whenever a restore or a save allocates many small
     # objects (seen parsing a manifest: 5 ms alone, 0.3 s in a worker).
     gc.freeze()
-    torch.manual_seed(train.seed + 1 + rank)  # per-rank stream for dropout
+    # Dropout's stream: one per data-parallel share and pipeline stage, the same on tp peers
+    # (trainer.parallel.apply_dropout_streams gives sharded activations streams of their own).
+    torch.manual_seed(train.seed + 1 + coords.pp_rank * dims.dp + coords.dp_rank)
     phase("build_s")
 
     # restore: this rank's boxes under this plan, from whatever plan saved the checkpoint
