@@ -200,6 +200,11 @@ class TrainingSpec(_Section):
         2, ge=1, description="Committed checkpoints to keep; older ones are deleted."
     )
     log_every: int = Field(1, ge=1, description="Log metrics every this many steps.")
+    hang_timeout_s: float | None = Field(
+        900.0, gt=0, le=86400,
+        description="Workers that, once started, report nothing (no step, checkpoint or restore) for this "
+        "long are presumed hung (a stuck collective), stopped, and handled as a failure; null: wait forever.",
+    )
 
     @model_validator(mode="after")
     def _batches_fit(self) -> Self:

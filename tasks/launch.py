@@ -31,6 +31,8 @@ _EXIT_CODE = re.compile(r"^\s*exitcode\s*:\s*(-?\d+)")
 def failure_reason(result: LaunchResult, lines: list[str]) -> str:
     """What killed the segment, from the root cause in torchrun's failure summary (the other
     ranks it lists were stopped by torchrun itself)."""
+    if result.hung_s is not None:
+        return f"workers reported nothing for {result.hung_s:.0f} s (hung; stopped by the launcher)"
     roots = [i for i, line in enumerate(lines) if "Root Cause" in line]
     lines = lines[roots[-1]:] if roots else lines
     ranks = [int(m.group(1)) for line in lines if (m := _FAILED_RANK.match(line))]

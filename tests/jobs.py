@@ -10,6 +10,9 @@ import torch
 from specs import JobSpec
 from storage import CheckpointStore, ObjectStore
 from trainer.checkpoint import load_tensors
+from trainer.launch import descendants, kill_tree
+
+__all__ = ["descendants", "kill_tree"]  # tests kill what they started, by PID tree
 
 
 def tiny_spec(name: str, storage_url: str, **sections: dict[str, Any]) -> JobSpec:
@@ -50,35 +53,3 @@ def assert_bitwise_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor])
 
 def store_url(tmp_path: Path) -> str:
     return f"file://{tmp_path / 'store'}"
-
-
-def descendants(pid: int) -> list[int]:
-    """Every process below `pid` (children, grandchildren, ...), from /proc parent links."""
-    children: dict[int, list[int]] = {}
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            stat = (proc / "stat").read_text()
-        except OSError:
-            continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])  # the name may hold spaces and parentheses
-        children.setdefault(ppid, []).append(int(proc.name))
-    out, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            out.append(child)
-            todo.append(child)
-    return out
-
-
-def kill_tree(pid: int) -> None:
-    """SIGKILL a process this test started and everything it started (torchrun puts each worker
-    in a session of its own, so a process group does not reach them)."""
-    import contextlib
-    import os
-    import signal
-
-    for victim in [pid, *descendants(pid)]:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(victim, signal.SIGKILL)

@@ -181,6 +181,28 @@ def test_a_killed_worker_is_a_failure_the_job_recovers_from(prefect_server: None
     assert any("rank 1 killed by signal 9" in m and "resuming from step 10 on 2 devices" in m for m in log), log[-20:]
 
 
+def test_a_hung_worker_is_a_failure_the_job_recovers_from(prefect_server: None, tmp_path: Path) -> None:
+    """A worker that stops responding (SIGSTOP: its peers wait in a collective forever) is
+    killed after `hang_timeout_s` without reports, and the job resumes on the devices left."""
+    spec = tiny_spec("hung-rank", f"file://{tmp_path}/store", training={**LONG, "checkpoint_every": 5, "hang_timeout_s": 5},
+                     resources={"devices": 3})
+    frozen: list[int] = []
+
+    def react(event: dict[str, Any]) -> None:
+        if event["event"] == "start":
+            react.pids = event["pids"]  # type: ignore[attr-defined]
+        if event["event"] == "step" and event["step"] == 7 and not frozen:
+            frozen.append(react.pids[2])  # type: ignore[attr-defined]
+            os.kill(react.pids[2], signal.SIGSTOP)  # type: ignore[attr-defined]
+
+    state = run_flow(spec, WorkerEvents(react))
+    summary = state.result()
+    assert frozen
+    assert [(s.devices, s.outcome) for s in summary.segments] == [(3, "failed"), (2, "finished")]
+    assert "reported nothing for" in (summary.segments[0].reason or "")
+    assert summary.segments[1].start_step == 5 and summary.steps == LONG["steps"]
+
+
 def test_a_job_that_cannot_make_progress_fails_with_the_reason(prefect_server: None, tmp_path: Path) -> None:
     """A worker killed before any checkpoint, in every segment: after two failures without a
     new committed step the flow run fails and says why."""

@@ -6,11 +6,14 @@ lines into a flow run's log.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import subprocess
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,6 +33,7 @@ class PlanNotExecutable(ValueError):
 class LaunchResult:
     returncode: int
     events: list[dict[str, Any]] = field(default_factory=list)
+    hung_s: float | None = None  # set when the watchdog killed workers that reported nothing this long
 
     @property
     def steps(self) -> list[dict[str, Any]]:
@@ -84,6 +88,28 @@ class RunningWorkers:
             except ProcessLookupError:
                 pass
         return signalled
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid` (children, grandchildren, ...), from /proc parent links."""
+    children: dict[int, list[int]] = {}
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit() and (parent := _parent_of(int(proc.name))) is not None:
+            children.setdefault(parent, []).append(int(proc.name))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL a process this launcher started and everything below it (torchrun puts each
+    worker in a session of its own, so its process group does not reach them)."""
+    for victim in [*reversed(descendants(pid)), pid]:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(victim, signal.SIGKILL)
 
 
 def _parent_of(pid: int) -> int | None:
@@ -159,18 +185,34 @@ def launch_workers(
         assert process.stdout is not None
         if workers is not None:
             workers._attach(process.pid)
+        last_report: list[float] = []  # armed by the first report: starting up is torchrun's to time out
+        done = threading.Event()
+
+        def watchdog(timeout_s: float) -> None:
+            """Workers stuck in a collective never exit by themselves (gloo waits 30 min)."""
+            while not done.wait(min(timeout_s, 5.0) / 5):
+                silent = time.monotonic() - last_report[0] if last_report else 0.0
+                if silent > timeout_s:
+                    result.hung_s = round(silent, 1)
+                    kill_tree(process.pid)
+                    return
+
+        if spec.training.hang_timeout_s is not None:
+            threading.Thread(target=watchdog, args=(spec.training.hang_timeout_s,), daemon=True).start()
         try:
             for raw in process.stdout:
                 line = raw.rstrip("\n")
                 on_line(line)
                 event = metrics.parse(line)
                 if event is not None:
+                    last_report[:] = [time.monotonic()]
                     result.events.append(event)
                     if workers is not None and event["event"] == "start":
                         workers._started(event.get("pids", []))
                     on_event(event)
         finally:
             result.returncode = process.wait()
+            done.set()
             if workers is not None:
                 workers._attach(None)
     return result
