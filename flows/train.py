@@ -49,7 +49,8 @@ def _train(spec: JobSpec) -> TrainSummary:
             if change is not None:
                 devices = change.devices
             scripted = spec.scripted_change_after(step)
-            plan = plan_parallelism(spec, model, devices)
+            measured = [s.restore_bytes_per_s for s in segments if s.restore_bytes_per_s]
+            plan = plan_parallelism(spec, model, devices, step, measured[-1] if measured else None)
             plan_reshard(spec, plan)  # what the workers will read, shown before they start
             segment = launch_training(spec, plan, scripted.at_step if scripted else None, resources)
             segments.append(segment)

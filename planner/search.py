@@ -376,3 +376,22 @@ def search_counts(graph: Graph, profile: ModelProfile, devices: int, method: Met
     mesh = counts_mesh(devices, profile.comm.devices_per_node, full)
     res, _ = solve_stage(graph, CostModel(graph, profile.device, profile.comm, mesh), None, method=method)
     return res
+
+
+def plan_options(source: ModelProfile | Graph, devices: int, memory_limit_bytes: int | None = None,
+                 max_tp: int | None = None, max_pp: int | None = None, *, device_kind: str = "cuda",
+                 devices_per_node: int | None = None) -> list[Plan]:
+    """The search's choice and every baseline that fits, as Plans, fastest first: for a choice
+    that weighs more than step time (re-planning a running job also pays for moving its
+    checkpoint onto the new plan, which differs from plan to plan)."""
+    best = plan_model(source, devices, memory_limit_bytes, max_tp, max_pp, device_kind=device_kind,
+                      devices_per_node=devices_per_node)
+    profile = _as_profile(source, device_kind, devices_per_node)
+    limit = memory_limit_bytes if memory_limit_bytes is not None else profile.device.memory_bytes
+    base = baselines(profile, devices, max_tp)
+    options = [best] + [to_plan(c, devices, base, limit) for c in base.values() if c is not None and c.fits(limit)]
+    unique: dict[tuple[object, ...], Plan] = {}
+    for plan in options:
+        key = (tuple(sorted(plan.mesh.items())), tuple((p.op, tuple(sorted(p.splits.items()))) for p in plan.placements))
+        unique.setdefault(key, plan)
+    return sorted(unique.values(), key=lambda p: p.estimated_step_s if p.estimated_step_s is not None else float("inf"))

@@ -108,6 +108,10 @@ def launch_training(spec: JobSpec, plan: Plan, until_step: int | None = None,
         else:
             outcome = "stopped" if result.stopped else "finished"
     rates = [e["tokens_per_s"] for e in result.steps[1:]]  # the first step pays for warm-up
+    reads = [e for e in result.events if e["event"] == "restoring"]
+    restore_rate = None
+    if reads and start.get("restore_s") and reads[-1]["bytes_read"] > 0:
+        restore_rate = reads[-1]["bytes_read"] * start["world_size"] / start["restore_s"]
     return SegmentResult(
         devices=plan.devices,
         start_step=start.get("step", 0),
@@ -119,4 +123,5 @@ def launch_training(spec: JobSpec, plan: Plan, until_step: int | None = None,
         checkpoint_urls=[e["url"] for e in committed],
         resumed_from_url=start.get("checkpoint_url"),
         resumed_loss=start.get("checkpoint_loss"),
+        restore_bytes_per_s=restore_rate,
     )

@@ -7,9 +7,11 @@ from prefect.artifacts import create_table_artifact
 from prefect.logging import get_run_logger
 
 from planner.plan import Plan
-from planner.search import plan_model
+from planner.replan import Option, comparison, pick
+from planner.search import plan_model, plan_options
 from specs import JobSpec
 from tasks.artifacts import artifact_key
+from tasks.credentials import environment, storage_environment
 from tasks.profile import load_profile
 from tasks.records import ModelSummary
 
@@ -44,14 +46,55 @@ def choose_plan(spec: JobSpec, searched: Plan, devices: int) -> Plan:
     )
 
 
+def default_read_bytes_per_s(url: str) -> float:
+    """A store's read bandwidth before one was measured: local files ~1 GB/s, object stores ~100 MB/s."""
+    return 1e9 if url.startswith(("file://", "/")) or "://" not in url else 1e8
+
+
+def cheapest_to_continue(spec: JobSpec, options: list[Plan], step: int,
+                         read_bytes_per_s: float | None) -> tuple[Option, list[dict[str, object]]] | None:
+    """Among executable options, the plan that finishes the remaining steps first counting the
+    move of the newest checkpoint onto it; None when nothing is committed (nothing to move)."""
+    from trainer.checkpoint import job_reshard_plan
+
+    moves = []
+    for plan in options:
+        reshard = job_reshard_plan(spec, plan)
+        if reshard is None:
+            return None
+        moves.append(Option(plan, plan.estimated_step_s or float("inf"), reshard.totals()["bytes_read"]))
+    remaining = max(spec.training.steps - step, 0)
+    bandwidth = read_bytes_per_s or default_read_bytes_per_s(spec.storage.url)
+    return pick(moves, remaining, bandwidth), comparison(moves, remaining, bandwidth)
+
+
 @task(name="plan-parallelism")
-def plan_parallelism(spec: JobSpec, model: ModelSummary, devices: int) -> Plan:
-    """Search the parallelization for `devices` under the profiled cost model; publish it."""
+def plan_parallelism(spec: JobSpec, model: ModelSummary, devices: int, step: int = 0,
+                     read_bytes_per_s: float | None = None) -> Plan:
+    """Search the parallelization for `devices` under the profiled cost model; publish it. A
+    job resuming at `step` takes the plan that finishes first counting the move of its
+    checkpoint (at `read_bytes_per_s`, measured by the last restore where there was one)."""
     logger = get_run_logger()
     profile = load_profile(spec, model.profile_key)
     par = spec.parallelism
     searched = plan_model(profile, devices, None, par.max_tp, par.max_pp, device_kind=spec.resources.kind)
     plan = choose_plan(spec, searched, devices)
+    if spec.parallelism.strategy == "auto" and step > 0:
+        options = [p for p in plan_options(profile, devices, None, par.max_tp, par.max_pp, device_kind=spec.resources.kind)
+                   if not executable_reasons(spec, p)]
+        with environment(storage_environment(spec)):
+            chosen = cheapest_to_continue(spec, options, step, read_bytes_per_s) if len(options) > 1 else None
+        if chosen is not None:
+            best, rows = chosen
+            create_table_artifact(key=artifact_key(spec.job_id, f"plan-choice-{devices}"), table=rows,
+                                  description=f"Plans for {spec.job_id} on {devices} devices from step {step}: "
+                                  "estimated step time x remaining steps + moving the checkpoint")
+            fastest = min(options, key=lambda p: p.estimated_step_s or float("inf"))
+            if best.plan is not fastest:
+                note = (f"{best.plan.mesh} chosen over the faster-stepping {fastest.mesh}: its checkpoint move is "
+                        f"cheaper over the {spec.training.steps - step} remaining steps")
+                best = Option(best.plan.model_copy(update={"notes": [*best.plan.notes, note]}), best.step_s, best.move_bytes)
+            plan = best.plan
     for note in plan.notes:
         logger.info(note)
     rows = [

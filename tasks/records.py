@@ -34,6 +34,9 @@ class SegmentResult(BaseModel):
     checkpoint_urls: list[str] = Field(default_factory=list)
     resumed_from_url: str | None = Field(default=None, description="the checkpoint this segment started from")
     resumed_loss: float | None = Field(default=None, description="the loss recorded in that checkpoint")
+    restore_bytes_per_s: float | None = Field(
+        default=None, description="the restore's read rate, all ranks together (rank 0's bytes x ranks / its time)"
+    )
 
     @property
     def stopped(self) -> bool:

@@ -1,0 +1,52 @@
+"""Re-planning counts the move: the next plan is the one that finishes the remaining steps
+first, estimated step time x steps + the checkpoint's bytes to read over the store's rate."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from jobs import tiny_spec
+
+from planner.plan import Plan
+from planner.profile import profile_gpt
+from planner.replan import Option, pick
+from planner.search import plan_options
+from tasks.plan import cheapest_to_continue, executable_reasons
+from trainer.launch import launch_workers
+
+MODEL = {"n_layers": 2, "d_model": 48, "n_heads": 4, "vocab_size": 256, "seq_len": 24, "dropout": 0.0}
+
+
+def test_few_remaining_steps_favour_the_cheaper_move() -> None:
+    fast, cheap = Plan.data_parallel(2, estimated_step_s=1.0), Plan(devices=2, mesh={"tp": 2}, strategy="x", estimated_step_s=1.1)
+    options = [Option(fast, 1.0, move_bytes=8_000_000_000), Option(cheap, 1.1, move_bytes=4_000_000_000)]
+    assert pick(options, remaining_steps=10, read_bytes_per_s=1e9).plan is cheap  # 10 + 8 > 11 + 4
+    assert pick(options, remaining_steps=1000, read_bytes_per_s=1e9).plan is fast
+    with pytest.raises(ValueError):
+        pick([], 1, 1e9)
+
+
+def test_a_resumed_job_picks_a_different_plan_than_step_time_alone(tmp_path: Path) -> None:
+    """From a real checkpoint: data parallelism steps faster on CPU workers (the cost model's
+    estimate), but every rank must read the whole state; tensor parallelism reads half per rank.
+    Near the end of the job the move decides; far from it the step time does."""
+    spec = tiny_spec("replan", f"file://{tmp_path}/store", model=MODEL, training={"steps": 2},
+                     parallelism={"strategy": "auto"})
+    result = launch_workers(spec, Plan.data_parallel(2))
+    assert result.returncode == 0 and result.final_step == 2
+    profile = profile_gpt(2, 48, 4, 256, 24, 8, device_kind="cpu")
+    options = [p for p in plan_options(profile, 2, device_kind="cpu") if not executable_reasons(spec, p)]
+    assert {str(p.mesh) for p in options} >= {str({"dp": 2}), str({"tp": 2})}, [p.mesh for p in options]
+    fastest = min(options, key=lambda p: p.estimated_step_s)
+    slow_store = 1e6  # bytes/s: a move of ~1 MB costs about a second
+
+    near_end = spec.model_copy(update={"training": spec.training.model_copy(update={"steps": 3})})
+    chosen, rows = cheapest_to_continue(near_end, options, step=2, read_bytes_per_s=slow_store)
+    least_moved = min(rows, key=lambda r: r["move_mb"])
+    assert str(chosen.plan.mesh) == least_moved["mesh"] != str(fastest.mesh)
+    assert [r["chosen"] for r in rows].count(True) == 1
+
+    far_from_end = spec.model_copy(update={"training": spec.training.model_copy(update={"steps": 10_000_000})})
+    chosen, _ = cheapest_to_continue(far_from_end, options, step=2, read_bytes_per_s=slow_store)
+    assert chosen.plan.mesh == fastest.mesh
