@@ -38,7 +38,7 @@ def train_job(spec: JobSpec) -> TrainSummary:
 
 def _train(spec: JobSpec) -> TrainSummary:
     """Profile, then segment after segment until the job is done, stopped or cannot go on."""
-    model = profile_model(spec)
+    profiles = {spec.resources.devices: profile_model(spec)}
     store = ObjectStore(spec.storage.url, dict(spec.storage.storage_options))
     segments: list[SegmentResult] = []
     devices, step = spec.resources.devices, 0
@@ -49,6 +49,9 @@ def _train(spec: JobSpec) -> TrainSummary:
             if change is not None:
                 devices = change.devices
             scripted = spec.scripted_change_after(step)
+            if devices not in profiles:  # collectives and the core share measured on this count (cached in storage)
+                profiles[devices] = profile_model(spec.on_devices(devices))
+            model = profiles[devices]
             measured = [s.restore_bytes_per_s for s in segments if s.restore_bytes_per_s]
             plan = plan_parallelism(spec, model, devices, step, measured[-1] if measured else None)
             plan_reshard(spec, plan)  # what the workers will read, shown before they start

@@ -354,6 +354,10 @@ class JobSpec(_Section):
         """The id used in storage paths and event resource ids."""
         return self.name
 
+    def on_devices(self, devices: int) -> JobSpec:
+        """The same job on another device count (what a resource change runs)."""
+        return self.model_copy(update={"resources": self.resources.model_copy(update={"devices": devices})})
+
     def scripted_change_after(self, step: int) -> ResourceChange | None:
         """The next scripted change of the device count after `step` (the spec's `elasticity`):
         workers checkpoint at its step and the next launch resumes there on its devices."""
