@@ -10,7 +10,7 @@ SPEC ?= specs/default.yaml
 # multi-GB CUDA build. Without a GPU the pin takes the CPU wheel; override with TORCH_SPEC=... .
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: setup run test lint bench clean
+.PHONY: setup run test lint bench serve clean
 
 setup: $(VENV)/.setup-stamp
 
@@ -28,6 +28,10 @@ run: setup
 
 test: setup
 	$(BIN)/python -m pytest -q
+
+# A local Prefect server + the `parashift` process pool + every deployment + a worker (Ctrl-C stops them).
+serve: setup
+	$(BIN)/parashift serve
 
 lint: setup
 	$(BIN)/ruff check .

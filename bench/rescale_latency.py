@@ -25,47 +25,18 @@ import argparse
 import json
 import os
 import platform
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
+from parashift.commands.serve import start_prefect_server, stop_group
+
 MODEL = {"n_layers": 3, "d_model": 768, "n_heads": 12, "vocab_size": 2048, "seq_len": 24, "dropout": 0.0}
 EVENT_AT_STEP = 3  # steps into the first segment
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_server(home: Path) -> tuple[subprocess.Popen[bytes], str]:
-    """`prefect server start` on a free local port; returns it and its API URL once healthy."""
-    port = free_port()
-    env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
-    env.pop("PREFECT_API_URL", None)
-    server = subprocess.Popen([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)],
-                              env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    url = f"http://127.0.0.1:{port}/api"
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(f"{url}/health", timeout=2) as response:
-                if response.status == 200:
-                    return server, url
-        except OSError:
-            time.sleep(0.5)
-        if server.poll() is not None:
-            raise RuntimeError(f"prefect server exited with {server.returncode}")
-    server.terminate()
-    raise RuntimeError("prefect server did not become healthy in 180 s")
 
 
 def one_round(store: Path, devices_from: int, devices_to: int, steps: int, round_no: int) -> dict[str, Any]:
@@ -134,7 +105,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=12)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="parashift-rescale-") as tmp:
-        server, url = start_server(Path(tmp, "server-home"))
+        env = {**os.environ, "PREFECT_HOME": str(Path(tmp, "server-home")), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+        server, url = start_prefect_server(env)
         try:
             os.environ.update({"PREFECT_API_URL": url, "PREFECT_HOME": str(Path(tmp, "client-home")),
                                "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
@@ -142,8 +114,7 @@ def main() -> None:
             rounds = [one_round(Path(tmp, f"store{i}"), args.devices_from, args.devices_to, args.steps, i)
                       for i in range(args.rounds)]
         finally:
-            server.terminate()
-            server.wait(timeout=60)
+            stop_group(server)
     keys = ("stop_s", "plan_s", "reshard_data_s", "relaunch_s", "total_s")
     result = {
         "bench": "rescale_latency",

@@ -9,6 +9,7 @@ from parashift.commands import plan as plan_command
 from parashift.commands import reshard as reshard_command
 from parashift.commands import run as run_command
 from parashift.commands import scale as scale_command
+from parashift.commands import serve as serve_command
 from parashift.commands import spec as spec_commands
 from parashift.commands import stop as stop_command
 
@@ -26,6 +27,7 @@ app.command("run")(run_command.run)
 app.command("reshard-plan")(reshard_command.reshard_plan)
 app.command("stop")(stop_command.stop)
 app.command("scale")(scale_command.scale)
+app.command("serve")(serve_command.serve)
 
 
 if __name__ == "__main__":
