@@ -58,6 +58,24 @@ class WorkerEvents:
         return [e for e in self.events if e["event"] == "start"]
 
 
+class SignalRank:
+    """A worker-event listener that sends `sig` to one rank's process when the job reaches
+    `step` (once; `every_segment`: in each segment it reaches that step)."""
+
+    def __init__(self, rank: int, step: int, sig: int, every_segment: bool = False) -> None:
+        self.rank, self.step, self.sig, self.every_segment = rank, step, sig, every_segment
+        self.pids: list[int] = []
+        self.signalled: list[int] = []
+
+    def __call__(self, event: dict[str, Any]) -> None:
+        if event["event"] == "start":
+            self.pids = event["pids"]
+        if event["event"] == "step" and event["step"] == self.step and (self.every_segment or not self.signalled):
+            pid = self.pids[self.rank]
+            self.signalled.append(pid)
+            os.kill(pid, self.sig)
+
+
 def run_flow(spec: JobSpec, listener: Callable[[dict[str, Any]], None]) -> Any:
     """The flow run's final state (its result is the TrainSummary)."""
     from flows.train import train_job
@@ -160,18 +178,10 @@ def test_a_killed_worker_is_a_failure_the_job_recovers_from(prefect_server: None
     the two devices left, completes, and the run log says what happened."""
     spec = tiny_spec("killed-rank", f"file://{tmp_path}/store", training={**LONG, "checkpoint_every": 5},
                      resources={"devices": 3})
-    killed: list[int] = []
-
-    def react(event: dict[str, Any]) -> None:
-        if event["event"] == "start":
-            react.pids = event["pids"]  # type: ignore[attr-defined]
-        if event["event"] == "step" and event["step"] == 12 and not killed:
-            killed.append(react.pids[1])  # type: ignore[attr-defined]
-            os.kill(react.pids[1], signal.SIGKILL)  # type: ignore[attr-defined]
-
-    state = run_flow(spec, WorkerEvents(react))
+    kill = SignalRank(rank=1, step=12, sig=signal.SIGKILL)
+    state = run_flow(spec, kill)
     summary = state.result()
-    assert killed
+    assert kill.signalled
     assert [(s.devices, s.outcome) for s in summary.segments] == [(3, "failed"), (2, "finished")]
     failed, resumed = summary.segments
     assert failed.final_step == resumed.start_step == 10  # the last committed step before the kill
@@ -186,18 +196,10 @@ def test_a_hung_worker_is_a_failure_the_job_recovers_from(prefect_server: None, 
     killed after `hang_timeout_s` without reports, and the job resumes on the devices left."""
     spec = tiny_spec("hung-rank", f"file://{tmp_path}/store", training={**LONG, "checkpoint_every": 5, "hang_timeout_s": 5},
                      resources={"devices": 3})
-    frozen: list[int] = []
-
-    def react(event: dict[str, Any]) -> None:
-        if event["event"] == "start":
-            react.pids = event["pids"]  # type: ignore[attr-defined]
-        if event["event"] == "step" and event["step"] == 7 and not frozen:
-            frozen.append(react.pids[2])  # type: ignore[attr-defined]
-            os.kill(react.pids[2], signal.SIGSTOP)  # type: ignore[attr-defined]
-
-    state = run_flow(spec, WorkerEvents(react))
+    freeze = SignalRank(rank=2, step=7, sig=signal.SIGSTOP)
+    state = run_flow(spec, freeze)
     summary = state.result()
-    assert frozen
+    assert freeze.signalled
     assert [(s.devices, s.outcome) for s in summary.segments] == [(3, "failed"), (2, "finished")]
     assert "reported nothing for" in (summary.segments[0].reason or "")
     assert summary.segments[1].start_step == 5 and summary.steps == LONG["steps"]
@@ -206,21 +208,7 @@ def test_a_hung_worker_is_a_failure_the_job_recovers_from(prefect_server: None, 
 def test_a_job_that_cannot_make_progress_fails_with_the_reason(prefect_server: None, tmp_path: Path) -> None:
     """A worker killed before any checkpoint, in every segment: after two failures without a
     new committed step the flow run fails and says why."""
-    from flows.train import train_job
-    from tasks import progress
-
     spec = tiny_spec("doomed", f"file://{tmp_path}/store", training=LONG)
-
-    def kill_at_step_2(event: dict[str, Any]) -> None:
-        if event["event"] == "start":
-            kill_at_step_2.pids = event["pids"]  # type: ignore[attr-defined]
-        if event["event"] == "step" and event["step"] == 2:
-            os.kill(kill_at_step_2.pids[-1], signal.SIGKILL)  # type: ignore[attr-defined]
-
-    progress.add_listener(kill_at_step_2)
-    try:
-        state = train_job(spec, return_state=True)
-    finally:
-        progress.remove_listener(kill_at_step_2)
+    state = run_flow(spec, SignalRank(rank=0, step=2, sig=signal.SIGKILL, every_segment=True))
     assert state.is_failed()
     assert "cannot make progress: two failures in a row without a new checkpoint" in (state.message or "")
