@@ -14,7 +14,6 @@ from prefect import flow
 from prefect.logging import get_run_logger
 
 from specs import JobSpec
-from storage import ObjectStore
 from tasks.credentials import environment, storage_environment
 from tasks.events import follow_resources
 from tasks.exclusive import one_run_per_job
@@ -39,11 +38,10 @@ def train_job(spec: JobSpec) -> TrainSummary:
 def _train(spec: JobSpec) -> TrainSummary:
     """Profile, then segment after segment until the job is done, stopped or cannot go on."""
     profiles = {spec.resources.devices: profile_model(spec)}
-    store = ObjectStore(spec.storage.url, dict(spec.storage.storage_options))
     segments: list[SegmentResult] = []
     devices, step = spec.resources.devices, 0
     # The storage credentials stay in the environment while the job's events are recorded.
-    with environment(storage_environment(spec)), follow_resources(spec.job_id, store) as resources:
+    with environment(storage_environment(spec)), follow_resources(spec) as resources:
         while True:
             change = resources.wanted(devices)
             if change is not None:

@@ -24,6 +24,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field, ValidationError
 
+from specs import JobSpec
 from storage import JobPaths, ObjectStore, StorageError
 
 EVENT = "parashift.resources.changed"
@@ -194,8 +195,11 @@ class ResourceWatcher:
 
 
 @contextlib.contextmanager
-def follow_resources(job_id: str, store: ObjectStore) -> Iterator[ResourceWatcher]:
-    """A watcher of the job's resource events for the duration (stopped on exit)."""
+def follow_resources(spec: JobSpec) -> Iterator[ResourceWatcher]:
+    """A watcher of the job's resource events for the duration (stopped on exit); accepted
+    changes are recorded in the job's storage (its credentials must be in the environment)."""
+    job_id = spec.job_id
+    store = ObjectStore(spec.storage.url, dict(spec.storage.storage_options))
     watcher = ResourceWatcher(job_id, EventLog(store, job_id))
     try:
         if watcher.start():
