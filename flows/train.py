@@ -21,7 +21,7 @@ from tasks.launch import launch_training
 from tasks.plan import plan_parallelism
 from tasks.profile import profile_model
 from tasks.records import SegmentResult, TrainSummary
-from tasks.recovery import recover_from_failure
+from tasks.recovery import TrainingFailed, recover_from_failure
 from tasks.report import publish_report
 from tasks.reshard import plan_reshard
 from tasks.validate import validate_spec
@@ -56,6 +56,8 @@ def _train(spec: JobSpec) -> TrainSummary:
             segment = launch_training(spec, plan, scripted.at_step if scripted else None, resources)
             segments.append(segment)
             step = segment.final_step
+            if segment.outcome == "fatal":  # no retry can fix it
+                raise TrainingFailed(segment.reason or "the workers stopped with an error no retry can fix")
             if segment.outcome == "failed":
                 devices = recover_from_failure(spec, segments, resources)
             elif segment.outcome == "stopped":  # asked to stop: the checkpoint is committed, the rest waits

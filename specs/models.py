@@ -205,6 +205,11 @@ class TrainingSpec(_Section):
         description="Workers that, once started, report nothing (no step, checkpoint or restore) for this "
         "long are presumed hung (a stuck collective), stopped, and handled as a failure; null: wait forever.",
     )
+    if_checkpoints_unusable: Literal["fail", "start-over"] = Field(
+        "fail",
+        description="When the job has committed checkpoints but none can be restored (another model's, or "
+        "every one corrupted): fail and say why, or start over from step 0 beside them.",
+    )
 
     @model_validator(mode="after")
     def _batches_fit(self) -> Self:

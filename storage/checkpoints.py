@@ -296,7 +296,11 @@ class CheckpointStore:
             )
         try:
             manifest = Manifest.model_validate_json(raw)
-        except (ValidationError, ValueError, json.JSONDecodeError) as exc:
+        except ValidationError as exc:  # one line: where in the manifest, and what is wrong
+            found = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors()[:3])
+            more = f" (and {exc.error_count() - 3} more)" if exc.error_count() > 3 else ""
+            raise MalformedManifest(f"malformed manifest {self.store.url_for(key)}: {found}{more}") from exc
+        except (ValueError, json.JSONDecodeError) as exc:
             raise MalformedManifest(f"malformed manifest {self.store.url_for(key)}: {exc}") from exc
         if manifest.step != step or manifest.job_id != self.job_id:
             raise MalformedManifest(
@@ -400,32 +404,50 @@ class CheckpointStore:
 
     # ------------------------------------------------------------------ pruning
 
-    def prune(self, keep: int) -> list[int]:
-        """Delete all but the newest `keep` committed checkpoints, and crashed saves below the newest.
+    def uncommitted_steps(self) -> list[int]:
+        """Steps with objects but no manifest: a save that did not finish, or a deleted manifest."""
+        return sorted(self._step_folders() - set(self._manifest_steps()))
 
-        Uncommitted folders at a step above the newest committed one (a save in progress) are
-        kept. Nothing is deleted while no checkpoint is committed. Returns the deleted steps.
+    def lineage(self, newest: int, keep: int) -> list[int]:
+        """`newest` and the checkpoints its training continued from (`previous_step` links),
+        newest first, at most `keep`: the ones retention keeps. A link to a checkpoint that is
+        missing or does not parse ends the chain."""
+        chain: list[int] = []
+        step: int | None = newest
+        while step is not None and len(chain) < keep and step not in chain:
+            try:
+                manifest = self.load_manifest(step)
+            except (CheckpointNotFound, MalformedManifest):
+                break
+            chain.append(step)
+            step = manifest.previous_step
+        return chain
+
+    def prune(self, keep: int, newest: int | None = None) -> list[int]:
+        """Keep `newest` (the checkpoint just committed; by default the newest that parses) and
+        the checkpoints its training continued from, `keep` in all; delete the committed ones
+        older than those and crashed saves below `newest`.
+
+        Only that lineage counts: a checkpoint a restore refused, or one of a timeline the job
+        left, is never one of the kept, so it cannot push a good one out. Those older than the
+        kept ones go with them; newer ones are left (for inspection, until a save of the same
+        step replaces them). Returns the deleted steps.
         """
         if keep < 1:
             raise ValueError("keep must be >= 1: the newest committed checkpoint is never deleted")
-        # Only the manifests kept are read (newest first, a malformed one does not count), not
-        # every committed one: pruning runs after each save.
         listed = self._manifest_steps()
-        kept: list[int] = []
-        for step in reversed(listed):
-            if len(kept) == keep:
-                break
-            try:
-                self.load_manifest(step)
-            except (CheckpointNotFound, MalformedManifest):
-                continue
-            kept.append(step)
+        if newest is None:
+            for step in reversed(listed):
+                if self.lineage(step, 1):
+                    newest = step
+                    break
+            else:
+                return []
+        kept = self.lineage(newest, keep)
         if not kept:
             return []
-        newest = kept[0]
-        committed = [s for s in listed if s <= newest]
-        doomed = {s for s in committed if s < kept[-1] or (s not in kept and s < newest)}
-        doomed |= {s for s in self._step_folders() - set(committed) if s < newest}
+        doomed = {s for s in listed if s < kept[-1]}
+        doomed |= {s for s in self._step_folders() - set(listed) if s < newest}
         for step in sorted(doomed):
             # Manifest first: a half-deleted checkpoint must read as uncommitted, never as
             # committed with missing objects.

@@ -8,6 +8,7 @@ reader can read and verify any run of chunks without the rest of the slice.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -15,6 +16,10 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 FORMAT_VERSION = 2  # 1: one sha256 per slice and per object (whole-slice reads only)
+
+# An object a manifest names is a plain file in the checkpoint's own folder: a key read from
+# storage never reaches outside it ("../", absolute paths, sub-folders and odd names refused).
+OBJECT_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,127}")
 
 
 def _utc_now_iso() -> str:
@@ -88,6 +93,12 @@ class ObjectRecord(_Strict):
     key: str
     nbytes: int = Field(ge=0)
 
+    @model_validator(mode="after")
+    def _plain_name(self) -> ObjectRecord:
+        if not OBJECT_NAME.fullmatch(self.key) or self.key == "manifest.json":
+            raise ValueError(f"object {self.key!r} is not a plain file name of the checkpoint's folder")
+        return self
+
 
 class Manifest(_Strict):
     """A committed checkpoint. Written last, atomically: a checkpoint without one does not exist."""
@@ -97,6 +108,10 @@ class Manifest(_Strict):
     step: int = Field(ge=0)
     created_at: str = Field(default_factory=_utc_now_iso)  # ISO 8601, UTC
     world_size: int = Field(ge=1)
+    # The checkpoint this one's training continued from (None: it started fresh). Retention
+    # follows these links, so a checkpoint the job did not continue from (refused, abandoned)
+    # never counts as one of the kept ones.
+    previous_step: int | None = Field(default=None, ge=0)
     data_position: dict[str, int]
     plan: dict[str, Any]
     tensors: dict[str, TensorRecord]
@@ -107,6 +122,8 @@ class Manifest(_Strict):
     def _consistent(self) -> Manifest:
         if self.format_version != FORMAT_VERSION:
             raise ValueError(f"format_version {self.format_version}: this parashift reads format {FORMAT_VERSION}")
+        if self.previous_step is not None and self.previous_step >= self.step:
+            raise ValueError(f"previous_step {self.previous_step} is not before step {self.step}")
         for key, obj in self.objects.items():
             if obj.key != key:
                 raise ValueError(f"objects[{key!r}] has key {obj.key!r}")

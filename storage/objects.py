@@ -101,6 +101,7 @@ class ObjectStore:
             root = os.path.abspath(os.path.expanduser(path or "."))
             self.fs = fsspec.filesystem("file", skip_instance_cache=True, **options)
             self._root = root.replace(os.sep, "/").rstrip("/") or "/"
+            self._real_root = os.path.realpath(root)
             self.url = "file://" + self._root
         else:
             if protocol == "s3":
@@ -127,13 +128,24 @@ class ObjectStore:
     def is_local(self) -> bool:
         return self.protocol == "file"
 
-    def _path(self, key: str) -> str:
-        """Backend path of `key`; rejects keys that would escape the root."""
+    def _lexical_path(self, key: str) -> str:
+        """Backend path of `key`; rejects keys that name a path outside the root."""
         key = key.strip("/")
         parts = key.split("/") if key else []
         if any(p in ("", ".", "..") for p in parts):
             raise ValueError(f"invalid storage key {key!r}")
         return f"{self._root.rstrip('/')}/{key}" if key else self._root
+
+    def _path(self, key: str) -> str:
+        """Backend path of `key`; rejects keys that lead outside the root, by name or by link."""
+        path = self._lexical_path(key)
+        if self.is_local and key.strip("/"):
+            # A symbolic link inside the store may point anywhere: what it resolves to must
+            # still lie inside the store's root, or the key is refused.
+            real = os.path.realpath(path)
+            if real != self._real_root and not real.startswith(self._real_root.rstrip("/") + "/"):
+                raise StorageError(f"{self.url}/{key} resolves to {real}, outside the store: refused")
+        return path
 
     def _key_of(self, path: str) -> str:
         path = path.replace(os.sep, "/") if self.is_local else path
@@ -148,7 +160,7 @@ class ObjectStore:
     def url_for(self, key: str) -> str:
         """Full URL of `key` (for logs and artifacts)."""
         key = key.strip("/")
-        self._path(key)
+        self._lexical_path(key)
         return f"{self.url}/{key}" if key else self.url
 
     # ------------------------------------------------------------------ the choke point

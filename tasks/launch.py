@@ -96,7 +96,12 @@ def launch_training(spec: JobSpec, plan: Plan, until_step: int | None = None,
     reason = None
     # torchrun exits non-zero when it was signalled itself, even though its workers stopped
     # cleanly at a committed step: a "stopped" event is what counts.
-    if result.final_step is None or (result.returncode != 0 and not result.stopped):
+    fatal = [e for e in result.events if e["event"] == "fatal"]
+    if fatal:
+        outcome, reason = "fatal", fatal[-1]["message"]
+        final_step = start.get("step", 0)
+        logger.error("%s", reason)
+    elif result.final_step is None or (result.returncode != 0 and not result.stopped):
         outcome, reason = "failed", failure_reason(result, lines)
         final_step = committed[-1]["step"] if committed else start.get("step", 0)
         logger.error("workers failed: %s; the last committed step is %d", reason, final_step)

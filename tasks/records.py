@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
-Outcome = Literal["finished", "stopped", "rescaled", "failed"]
+Outcome = Literal["finished", "stopped", "rescaled", "failed", "fatal"]
 
 
 class ModelSummary(BaseModel):
@@ -26,7 +26,7 @@ class SegmentResult(BaseModel):
     final_step: int = Field(description="the last step committed (a failed segment's later steps are trained again)")
     outcome: Outcome = Field(
         description="finished: reached its last step; stopped: asked to stop; rescaled: stopped for a resource "
-        "change; failed: a worker died or hung"
+        "change; failed: a worker died or hung; fatal: an error no retry can fix (e.g. no usable checkpoint)"
     )
     reason: str | None = Field(default=None, description="why it stopped, rescaled or failed")
     losses: list[tuple[int, float]] = Field(default_factory=list)

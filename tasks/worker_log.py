@@ -37,6 +37,8 @@ def describe(event: dict[str, Any], total_steps: int | None = None) -> str:
                 f"written in {event.get('write_s', 0):.2f} s, training waited {event.get('stall_s', 0):.3f} s")
     if kind == "checkpoint_stall":
         return f"step {event['step']}: the loop waited {event['stall_s']:.3f} s for a checkpoint"
+    if kind == "fatal":
+        return str(event.get("message"))
     if kind in ("stopped", "finished"):
         return f"{kind} at step {event['step']} ({event.get('samples_consumed', 0):,} samples consumed)"
     fields = ", ".join(f"{k}={v}" for k, v in event.items() if k != "event")
@@ -47,7 +49,7 @@ def present(line: str, total_steps: int | None = None) -> tuple[int, str]:
     """(log level, message) for one line of worker output."""
     event = metrics.parse(line)
     if event is not None:
-        return logging.INFO, describe(event, total_steps)
+        return logging.ERROR if event.get("event") == "fatal" else logging.INFO, describe(event, total_steps)
     record = _RECORD.match(line)
     if record:
         return logging.getLevelName(record.group(1)), line

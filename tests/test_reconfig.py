@@ -9,15 +9,16 @@ import json
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
+from states import box_of, global_state, save_all_ranks
 
 from planner.plan import Plan
 from ptc import Layout
 from ptc.chunks import chunk_rows, split_points, storage_order
 from ptc.layout import Slice
 from storage import CheckpointStore, ObjectStore
-from trainer.checkpoint import Checkpointer, build_manifest, execute_reads, reads_for, reshard_plan
+from trainer.checkpoint import execute_reads, reads_for, reshard_plan
 from trainer.layout import state_layout
 from trainer.model import GPTConfig
 
@@ -36,32 +37,6 @@ PLANS = {
     "pp2xtp2": Plan(devices=4, mesh={"pp": 2, "tp": 2}),
     "dp4": Plan.data_parallel(4),
 }
-
-
-def global_state(layout: Layout) -> dict[str, torch.Tensor]:
-    """A distinct value in every element of every tensor."""
-    out = {}
-    for i, (name, t) in enumerate(sorted(layout.tensors.items())):
-        dtype = torch.uint8 if t.dtype == "uint8" else torch.float32
-        values = torch.arange(i * 100_000, i * 100_000 + max(1, torch.Size(t.shape).numel()), dtype=torch.float64)
-        out[name] = (values % 251 if dtype == torch.uint8 else values).to(dtype).reshape(t.shape)
-    return out
-
-
-def box_of(tensor: torch.Tensor, box: Slice) -> torch.Tensor:
-    return tensor[tuple(slice(o, o + n) for o, n in zip(box.offsets, box.lengths, strict=True))]
-
-
-def save_all_ranks(store: CheckpointStore, layout: Layout, state: dict[str, torch.Tensor], step: int) -> None:
-    """What the ranks of `layout` would write, done one rank after another in this process."""
-    objects, records = [], []
-    for rank in range(layout.world_size):
-        mine = {name: box_of(state[name], box).clone() for name, box in layout.boxes_of(rank).items()}
-        payloads = Checkpointer(store, layout, rank).snapshot(mine)
-        obj, recs = store.write_rank_object(step, rank, payloads)
-        objects += [obj] if obj else []
-        records += recs
-    store.commit(build_manifest(store.job_id, step, layout, objects, records, {"samples_consumed": 0}, {}, {}))
 
 
 @pytest.fixture(scope="module")
@@ -187,31 +162,36 @@ def test_reshard_plan_command_shows_the_moves_before_anything_starts(tmp_path) -
     assert table.exit_code == 0 and "requests" in table.output
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=40, deadline=None)
 @given(data=st.data())
 def test_a_wrong_manifest_never_loads(saved, tmp_path_factory, data: st.DataObject) -> None:
     """Well-formed manifests that do not describe this job's state (a shape changed with
-    consistent bytes, a dtype, a name, a tensor dropped or added, a slice moved) are refused
-    with a line naming the tensor, and nothing is loaded."""
+    consistent bytes, a dtype, a name, a tensor dropped or added, a slice moved or resized, an
+    object renamed or pointed outside the folder, sizes no machine holds) are refused with a
+    line naming the step, and nothing is loaded: no crash, no wrong state, no fresh start
+    unless asked for."""
     import logging
 
-    from trainer.checkpoint import restore_latest
+    from trainer.checkpoint import CheckpointsUnusable, restore_latest
 
     store, layout, _ = saved["dp2"]
     manifest = store.latest()
     assert manifest is not None
     raw = json.loads(manifest.model_dump_json())
+    original = json.dumps(raw)
     # 2-D and not square: a transposed shape really differs
     names = sorted(n for n, t in raw["tensors"].items() if len(t["shape"]) == 2 and t["shape"][0] != t["shape"][1])
     name = data.draw(st.sampled_from(names))
     tensor = raw["tensors"][name]
-    how = data.draw(st.sampled_from(["transpose", "dtype", "rename", "drop", "extra", "offset"]))
+    piece = tensor["slices"][0]
+    how = data.draw(st.sampled_from(["transpose", "dtype", "rename", "drop", "extra", "offset", "huge", "lengths",
+                                     "byte_offset", "object", "escape", "chunks"]))
     if how == "transpose":  # the same bytes, another shape: every slice and checksum consistent
         tensor["shape"] = tensor["shape"][::-1]
         for s in tensor["slices"]:
             s["lengths"] = s["lengths"][::-1]
     elif how == "dtype":
-        tensor["dtype"] = "int32"
+        tensor["dtype"] = data.draw(st.sampled_from(["int32", "float16", "bfloat16", "complex64", "nonsense"]))
     elif how == "rename":
         raw["tensors"][name + "x"] = {**tensor, "name": name + "x",
                                       "slices": [{**s, "tensor": name + "x"} for s in tensor["slices"]]}
@@ -221,8 +201,29 @@ def test_a_wrong_manifest_never_loads(saved, tmp_path_factory, data: st.DataObje
     elif how == "extra":
         raw["tensors"]["model/ghost"] = {**tensor, "name": "model/ghost",
                                          "slices": [{**s, "tensor": "model/ghost"} for s in tensor["slices"]]}
-    else:
-        tensor["slices"][0]["offsets"] = [1, 0]
+    elif how == "offset":
+        piece["offsets"] = [data.draw(st.integers(-3, 10**12)), 0]
+    elif how == "huge":  # byte counts consistent with a shape no machine holds
+        tensor["shape"] = [10**12, tensor["shape"][1]]
+        piece["lengths"] = [10**12, tensor["shape"][1]]
+        piece["nbytes"] = 4 * 10**12 * tensor["shape"][1]
+        piece["chunks"] = [[piece["nbytes"], 0]]
+    elif how == "lengths":
+        piece["lengths"] = [data.draw(st.integers(0, 10**6)), piece["lengths"][1]]
+    elif how == "byte_offset":
+        piece["byte_offset"] = data.draw(st.integers(0, 10**12))
+    elif how == "object":
+        other = data.draw(st.sampled_from(sorted(set(raw["objects"]) - {piece["object"]})))
+        piece["object"] = other
+    elif how == "escape":
+        bad = data.draw(st.sampled_from(["../rank00000.bin", "/etc/passwd", "a/b.bin", "manifest.json", ".."]))
+        raw["objects"][bad] = {"key": bad, "nbytes": 16}
+        piece["object"] = bad
+    else:  # chunk sizes that add up but do not cut at rows
+        n = piece["nbytes"]
+        cut = data.draw(st.integers(1, max(1, n - 1)))
+        piece["chunks"] = [[cut, piece["chunks"][0][1]], [n - cut, 0]] if n > 1 else piece["chunks"]
+    assume(json.dumps(raw) != original)
     folder = tmp_path_factory.mktemp("wrong")
     twin = CheckpointStore(ObjectStore(f"file://{folder}"), "job")
     for key in store.store.list(store.paths.ckpt_dir(3)):
@@ -235,7 +236,13 @@ def test_a_wrong_manifest_never_loads(saved, tmp_path_factory, data: st.DataObje
     handler.emit = lambda record: seen.append(record.getMessage())  # type: ignore[method-assign]
     logger.addHandler(handler)
     try:
-        assert restore_latest(twin, layout, 0) is None
+        for rank in range(layout.world_size):
+            with pytest.raises(CheckpointsUnusable, match="none of the 1 committed"):
+                restore_latest(twin, layout, rank)
+            assert restore_latest(twin, layout, rank, start_over=True) is None
     finally:
         logger.removeHandler(handler)
-    assert any("step 3" in line and ("ghost" in line or name.split("/")[-1] in line or "lacks" in line) for line in seen), seen
+    assert any("step 3" in line for line in seen), seen
+    if how in ("transpose", "dtype", "rename", "drop", "extra"):  # which tensor
+        assert any(name.split("/")[-1] in line or "ghost" in line for line in seen), seen
+    assert all("\n" not in line for line in seen), "one line per refusal"

@@ -22,6 +22,7 @@ from storage import (
     MalformedManifest,
     Manifest,
     ObjectNotFound,
+    ObjectRecord,
     ObjectStore,
     SliceKey,
     SlicePayload,
@@ -225,7 +226,8 @@ def _slices(step: int, rank: int) -> list[SlicePayload]:
     return out
 
 
-def _save(ckpts: CheckpointStore, step: int, *, commit: bool = True, world: int = 2) -> Manifest:
+def _save(ckpts: CheckpointStore, step: int, *, commit: bool = True, world: int = 2,
+          previous: int | None = None) -> Manifest:
     tensors = {
         "w": TensorRecord(name="w", dtype="float32", shape=[4, 4], slices=[]),
         "b": TensorRecord(name="b", dtype="float32", shape=[4], slices=[]),
@@ -245,6 +247,7 @@ def _save(ckpts: CheckpointStore, step: int, *, commit: bool = True, world: int 
         plan={"mesh": [world], "placements": {}},
         tensors=tensors,
         objects=objects,
+        previous_step=previous,
     )
     if commit:
         ckpts.commit(manifest)
@@ -329,7 +332,7 @@ def test_prune(store: ObjectStore) -> None:
     assert ckpts.prune(keep=1) == []  # nothing is deleted before something is committed
     _save(ckpts, 10)
     _save(ckpts, 20, commit=False)  # a crashed save
-    _save(ckpts, 30)
+    _save(ckpts, 30, previous=10)
     _save(ckpts, 40, commit=False)  # a save in progress, newer than anything committed
     assert ckpts.prune(keep=2) == [5, 20]
     assert ckpts.committed_steps() == [10, 30]
@@ -341,6 +344,60 @@ def test_prune(store: ObjectStore) -> None:
     assert ckpts.prune(keep=1) == []
     with pytest.raises(ValueError):
         ckpts.prune(keep=0)
+
+
+def test_refused_checkpoints_never_push_a_good_one_out(store: ObjectStore) -> None:
+    """Steps 10 and 15 were refused (say, by their checksums) and training went on from step 0:
+    its new step-5 checkpoint is the one to keep, whatever stands above it; once the new
+    lineage has `keep` checkpoints, what lies below them goes."""
+    ckpts = CheckpointStore(store, JOB)
+    _save(ckpts, 10)
+    _save(ckpts, 15, previous=10)
+    _save(ckpts, 5)  # trained again from step 0: previous None
+    assert ckpts.prune(keep=2, newest=5) == []
+    assert ckpts.committed_steps() == [5, 10, 15]
+    _save(ckpts, 8, previous=5)
+    _save(ckpts, 12, previous=8)  # the refused step 10 lies between: not counted, not yet deleted
+    assert ckpts.lineage(12, 2) == [12, 8]
+    assert ckpts.prune(keep=2, newest=12) == [5]
+    assert ckpts.committed_steps() == [8, 10, 12, 15]
+    _save(ckpts, 16, previous=12)
+    assert ckpts.prune(keep=2, newest=16) == [8, 10]
+    _save(ckpts, 20, previous=16)
+    assert ckpts.prune(keep=2, newest=20) == [12, 15]
+    assert ckpts.committed_steps() == [16, 20]
+
+
+def test_a_step_folder_without_manifest_is_listed(store: ObjectStore) -> None:
+    ckpts = CheckpointStore(store, JOB)
+    _save(ckpts, 10)
+    _save(ckpts, 20, previous=10)
+    store.delete(JobPaths(JOB).manifest(20))
+    assert ckpts.uncommitted_steps() == [20] and ckpts.committed_steps() == [10]
+
+
+def test_object_names_stay_in_the_checkpoint_folder() -> None:
+    for bad in ["../rank00000.bin", "/etc/passwd", "a/b.bin", "..", ".hidden", "manifest.json", "x" * 200, ""]:
+        with pytest.raises(ValueError, match="plain file name"):
+            ObjectRecord(key=bad, nbytes=1)
+    ObjectRecord(key="rank00007.bin", nbytes=1)
+
+
+def test_local_store_refuses_links_out_of_it(tmp_path) -> None:
+    root = tmp_path / "store"
+    store = ObjectStore(f"file://{root}")
+    store.put("jobs/a/inside.bin", b"inside")
+    outside = tmp_path / "secret.bin"
+    outside.write_bytes(b"secret")
+    (root / "jobs/a/link-out.bin").symlink_to(outside)
+    (root / "jobs/a/link-in.bin").symlink_to(root / "jobs/a/inside.bin")
+    (root / "jobs/b").symlink_to(tmp_path, target_is_directory=True)
+    assert store.get("jobs/a/link-in.bin") == b"inside"  # a link that stays inside is fine
+    for key in ["jobs/a/link-out.bin", "jobs/b/secret.bin"]:
+        with pytest.raises(StorageError, match="outside the store"):
+            store.get(key)
+        with pytest.raises(StorageError, match="outside the store"):
+            store.read_into([(key, 0, [memoryview(bytearray(3))])])
 
 
 def test_malformed_manifest_is_skipped(store: ObjectStore, caplog: pytest.LogCaptureFixture) -> None:

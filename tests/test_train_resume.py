@@ -122,6 +122,26 @@ def test_corrupted_checkpoint_is_refused_and_the_previous_one_used(reference, tm
     assert_bitwise_equal(final_state(spec), expected)
 
 
+def test_another_models_checkpoints_end_the_run_with_one_line(reference, tmp_path: Path) -> None:
+    """The same job name on a wider model: no worker trains from scratch over the checkpoints,
+    the launch ends with the reason as a `fatal` event and the exit status no retry repeats."""
+    import shutil
+
+    from trainer.metrics import EXIT_FATAL
+
+    spec, _, _ = reference
+    shutil.copytree(spec.storage.url.removeprefix("file://"), tmp_path / "store")
+    wider = tiny_spec("reference", f"file://{tmp_path}/store", model={"d_model": 64})
+    lines: list[str] = []
+    result = launch_workers(wider, DP2, on_line=lines.append)
+    fatal = [e for e in result.events if e["event"] == "fatal"]
+    assert result.returncode != 0 and len(fatal) == 1, "\n".join(lines[-30:])
+    assert "none of the 2 committed checkpoints of reference" in fatal[0]["message"]
+    assert "this job's is float32[64]" in fatal[0]["message"]
+    assert f"exitcode  : {EXIT_FATAL}" in "\n".join(lines) and not result.steps
+    assert checkpoint_store(spec).committed_steps() == [8, 12]  # the reference's own store is untouched
+
+
 def test_same_job_on_s3_resumes_bitwise_equal(reference, s3_endpoint: str, s3_bucket: str) -> None:
     _, _, expected = reference
     url = f"s3://{s3_bucket}/parashift"

@@ -54,6 +54,7 @@ from storage import (
     SliceRecord,
     StorageError,
     TensorRecord,
+    TransientStorageError,
 )
 from trainer.optim import LocalShardAdamW
 
@@ -154,6 +155,7 @@ class Checkpointer:
         tier: ObjectStore | None = None,
         copy_host_memory: bool = False,
         tier_budget_bytes: int | None = None,
+        resumed_from: Manifest | None = None,
     ) -> None:
         self.store, self.layout, self.rank, self.group, self.keep = store, layout, rank, group, keep
         self.on_commit = on_commit
@@ -174,6 +176,10 @@ class Checkpointer:
         self.copy_host_memory = copy_host_memory
         self._chunk_buffer = torch.empty(0, dtype=torch.uint8)
         self.last_stall_s: float | None = None  # the loop's wait for the newest save: capture + before_update
+        # (newest step of this training's lineage, the one before it): each manifest names the
+        # checkpoint its training continued from, which is what retention keeps.
+        self._lineage: tuple[int | None, int | None] = (
+            (resumed_from.step, resumed_from.previous_step) if resumed_from is not None else (None, None))
 
     def save(self, step: int, state: dict[str, torch.Tensor], data_position: dict[str, int], plan: dict[str, Any],
              metadata: dict[str, Any], *, blocking: bool = False) -> SaveReport:
@@ -292,19 +298,23 @@ class Checkpointer:
                 raise StorageError(f"checkpoint at step {step} not committed: " + "; ".join(f"rank {r}: {e}" for r, e in failed))
             objects = [ObjectRecord(**o) for _, o, _ in gathered if o is not None]
             records = [SliceRecord(**r) for _, _, rs in gathered for r in rs]
-            manifest = build_manifest(self.store.job_id, step, self.layout, objects, records, data_position, plan, metadata)
+            last, before = self._lineage
+            previous = before if last == step else last  # a step saved again keeps its link
+            manifest = build_manifest(self.store.job_id, step, self.layout, objects, records, data_position, plan, metadata,
+                                      previous_step=previous)
             report.url = self.store.commit(manifest)
+            self._lineage = (step, previous)
             report.write_s = time.perf_counter() - started
             if self.on_commit is not None:
                 self.on_commit(report)
-            self._pruner.submit(self._prune)  # after the commit is reported: never on the save's path
+            self._pruner.submit(self._prune, step)  # after the commit is reported: never on the save's path
         else:
             report.write_s = time.perf_counter() - started
         return report
 
-    def _prune(self) -> None:
+    def _prune(self, newest: int) -> None:
         try:
-            pruned = self.store.prune(self.keep)
+            pruned = self.store.prune(self.keep, newest)
         except StorageError as error:  # the next save prunes again
             log.warning("pruning old checkpoints failed: %s", error)
             return
@@ -328,8 +338,10 @@ class Checkpointer:
 
 
 def build_manifest(job_id: str, step: int, layout: Layout, objects: list[ObjectRecord], records: list[SliceRecord],
-                   data_position: dict[str, int], plan: dict[str, Any], metadata: dict[str, Any]) -> Manifest:
-    """The manifest of a checkpoint whose every rank has written `objects` holding `records`."""
+                   data_position: dict[str, int], plan: dict[str, Any], metadata: dict[str, Any],
+                   previous_step: int | None = None) -> Manifest:
+    """The manifest of a checkpoint whose every rank has written `objects` holding `records`;
+    `previous_step`: the checkpoint its training continued from."""
     slices: dict[str, list[SliceRecord]] = {}
     for record in records:
         slices.setdefault(record.tensor, []).append(record)
@@ -337,7 +349,7 @@ def build_manifest(job_id: str, step: int, layout: Layout, objects: list[ObjectR
                for name, t in layout.tensors.items()}
     return Manifest(job_id=job_id, step=step, created_at=datetime.now(UTC).isoformat(), world_size=layout.world_size,
                     data_position=data_position, plan=plan, tensors=tensors, objects={o.key: o for o in objects},
-                    metadata=metadata)
+                    metadata=metadata, previous_step=previous_step)
 
 
 # ---------------------------------------------------------------------------------- restoring
@@ -454,33 +466,62 @@ def _broadcast(value: Any, group: Group) -> Any:
     return box[0]
 
 
-def _agree(ok: bool, group: Group) -> bool:
-    """True when every rank says so (a CPU collective on the gloo group: it also works where the
-    training group is NCCL-only)."""
+def _agree(verdict: int, group: Group) -> int:
+    """The lowest verdict of all ranks (a CPU collective on the gloo group: it also works where
+    the training group is NCCL-only)."""
     if group is None:
-        return ok
-    flag = torch.tensor([1 if ok else 0], dtype=torch.int64)
+        return verdict
+    flag = torch.tensor([verdict], dtype=torch.int64)
     dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
-    return bool(flag.item())
+    return int(flag.item())
+
+
+class CheckpointsUnusable(RuntimeError):
+    """Committed checkpoints exist, but none can be restored into this job: starting fresh
+    would silently discard them, so the run stops unless the spec asks to start over."""
+
+
+# A rank's verdict on one checkpoint; the ranks act on the lowest.
+_UNREACHABLE, _REFUSED, _RESTORED = 0, 1, 2
+
+# What a restore refuses a checkpoint for (it is then skipped for an older one). A manifest
+# comes from storage, so any of these may follow from one written wrongly or tampered with.
+_REFUSALS = (StorageError, ValueError, KeyError, IndexError, TypeError, OverflowError, RuntimeError)
 
 
 def restore_latest(store: CheckpointStore, layout: Layout, rank: int, group: Group = None,
                    tier: ObjectStore | None = None,
                    on_reads: Callable[[int, RankReads], None] | None = None,
-                   destinations: dict[str, torch.Tensor] | None = None) -> Restored | None:
-    """The newest committed checkpoint that every rank reads intact, as this rank's boxes under
-    `layout`; None to start fresh. A checkpoint that fails a checksum anywhere is skipped (and
-    kept, for inspection). `on_reads(step, reads)` hears this rank's reads before they start.
-    `destinations`: fresh tensors to read into (not live ones: a checkpoint that fails its
-    checksums half-way must leave the live state as it was)."""
-    steps = _broadcast(store.manifest_steps() if rank == 0 else None, group)
+                   destinations: dict[str, torch.Tensor] | None = None,
+                   start_over: bool = False) -> Restored | None:
+    """The newest committed checkpoint that every rank reads intact and that holds exactly this
+    job's state, as this rank's boxes under `layout`; None when there is none to restore.
+
+    A checkpoint that fails a checksum, names objects outside its folder, or does not match
+    the job (tensor missing or extra, other shape or dtype) is refused with one WARNING line
+    and kept, for inspection; an older one is tried. When checkpoints exist but none can be
+    restored, CheckpointsUnusable is raised unless `start_over`. Storage that stays
+    unreachable through its retries raises (a later attempt may read the same checkpoint).
+    `on_reads(step, reads)` hears this rank's reads before they start. `destinations`: fresh
+    tensors to read into (not live ones: a checkpoint refused half-way must leave the live
+    state as it was)."""
+    lead = rank == 0 or group is None  # the rank that lists and reads manifests for all
+    steps = None
+    if lead:
+        steps = store.manifest_steps()
+        for step in store.uncommitted_steps():
+            log.warning("step %d has objects but no manifest (a save that did not finish, or a deleted manifest): "
+                        "not a checkpoint", step)
+    steps = _broadcast(steps, group)
+    refused: list[str] = []
     for step in reversed(steps):
-        raw = None
-        if rank == 0:
+        raw, verdict, reason = None, _REFUSED, "refused by another rank"
+        if lead:
             try:
                 raw = store.read_manifest_bytes(step)
             except StorageError as error:
-                log.warning("checkpoint at step %d: %s", step, error)
+                reason = str(error)
+                verdict = _UNREACHABLE if isinstance(error, TransientStorageError) else _REFUSED
         raw = _broadcast(raw, group)
         restored = None
         if raw is not None:
@@ -493,11 +534,26 @@ def restore_latest(store: CheckpointStore, layout: Layout, rank: int, group: Gro
                     on_reads(step, reads)
                 tensors = execute_reads(store, step, reads, tier, destinations)
                 restored = Restored(step, dict(manifest.data_position), tensors, manifest)
-            except (StorageError, ValueError, KeyError) as error:
-                log.warning("rank %d: checkpoint at step %d is unusable (%s); trying an older one", rank, step, error)
-        if _agree(restored is not None, group):
+                verdict = _RESTORED
+            except TransientStorageError as error:
+                verdict, reason = _UNREACHABLE, str(error)
+            except _REFUSALS as error:
+                verdict, reason = _REFUSED, str(error) or type(error).__name__
+        verdict = _agree(verdict, group)
+        if verdict == _RESTORED:
             return restored
-        log.warning("checkpoint at step %d refused by at least one rank; trying an older one", step)
+        if verdict == _UNREACHABLE:
+            raise StorageError(f"rank {rank}: storage unreachable while restoring the checkpoint at step {step}: {reason}")
+        if lead or reason != "refused by another rank":
+            log.warning("rank %d: refused the checkpoint at step %d: %s", rank, step, reason)
+        refused.append(reason if f"step {step}" in reason else f"step {step}: {reason}")
+    if refused and not start_over:
+        raise CheckpointsUnusable(
+            f"none of the {len(refused)} committed checkpoints of {store.job_id} can be restored into this job "
+            f"(newest: {refused[0]}); fix or move them, or set training.if_checkpoints_unusable: start-over "
+            "to train from step 0 beside them")
+    if refused:
+        log.warning("starting over from step 0: no committed checkpoint can be restored (%d refused)", len(refused))
     return None
 
 
@@ -537,6 +593,7 @@ def apply_state(restored: Restored, model: nn.Module, optimizer: LocalShardAdamW
 
 __all__ = [
     "Checkpointer",
+    "CheckpointsUnusable",
     "Restored",
     "SaveReport",
     "apply_state",

@@ -9,6 +9,9 @@ from typing import Any
 
 PREFIX = "PARASHIFT "
 
+# A worker's exit status for an error no retry can fix (it emits a "fatal" event saying what).
+EXIT_FATAL = 3
+
 
 def emit(event: str, **fields: Any) -> None:
     print(PREFIX + json.dumps({"event": event, **fields}, sort_keys=True), file=sys.stdout, flush=True)

@@ -33,6 +33,7 @@ from storage import CheckpointStore, JobPaths, ObjectStore
 from trainer import metrics
 from trainer.checkpoint import (
     Checkpointer,
+    CheckpointsUnusable,
     SaveReport,
     apply_state,
     collect_state,
@@ -180,8 +181,14 @@ def main(argv: list[str] | None = None) -> int:
 
     # Read into new tensors, adopted after the restore (DDP and compile wrap parameters later).
     phase("layout_s")
-    restored = restore_latest(checkpoints, layout, rank, ckpt_group, tier, on_reads=restoring,
-                              destinations=restore_destinations(module, optimizer))
+    try:
+        restored = restore_latest(checkpoints, layout, rank, ckpt_group, tier, on_reads=restoring,
+                                  destinations=restore_destinations(module, optimizer),
+                                  start_over=train.if_checkpoints_unusable == "start-over")
+    except CheckpointsUnusable as error:  # no retry can fix it: said once, and the run ends
+        if rank == 0:
+            metrics.emit("fatal", message=str(error))
+        return metrics.EXIT_FATAL
     step, position, loss = 0, DataPosition(), None
     if restored is not None:
         loss = restored.manifest.metadata.get("loss") if restored.manifest else None
@@ -220,7 +227,8 @@ def main(argv: list[str] | None = None) -> int:
 
     checkpointer = Checkpointer(checkpoints, layout, rank, ckpt_group, train.keep_checkpoints,
                                 on_commit=committed if rank == 0 else None, tier=tier,
-                                tier_budget_bytes=int(spec.storage.local_tier_max_gb * 1e9 / ranks_here))
+                                tier_budget_bytes=int(spec.storage.local_tier_max_gb * 1e9 / ranks_here),
+                                resumed_from=restored.manifest if restored is not None else None)
     checked = False
 
     def checkpoint(at_step: int) -> None:
