@@ -21,6 +21,9 @@ $(VENV)/.setup-stamp: pyproject.toml Makefile
 	@$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q "$(TORCH_SPEC)"
 	@# The torch chosen above is named again: otherwise the resolver may replace it with a newer (CUDA) build.
 	$(BIN)/pip install -q -e '.[test]' "$(TORCH_SPEC)"
+	@$(BIN)/python -c "import torch, importlib.metadata as md; \
+	cuda = sorted(d.metadata['Name'] for d in md.distributions() if d.metadata['Name'].lower().startswith('nvidia-')); \
+	print(f'parashift uses torch {torch.__version__} (CUDA {torch.version.cuda or \"none\"}; {len(cuda)} CUDA packages)')"
 	@touch $@
 
 run: setup

@@ -1,6 +1,6 @@
 """train_job: a job spec in, a trained and checkpointed model out.
 
-    validate -> profile -> until the job is done: plan -> reshard plan -> launch -> (react) -> report
+    validate -> preflight -> profile -> until the job is done: plan -> reshard plan -> launch -> (react) -> report
 
 The job follows its resource events while it runs: a change of the device count stops the
 workers at a step boundary, and the next launch re-plans and reshards onto the new count. A
@@ -17,8 +17,9 @@ from specs import JobSpec
 from tasks.credentials import environment, storage_environment
 from tasks.events import follow_resources
 from tasks.exclusive import one_run_per_job
-from tasks.launch import launch_training
+from tasks.launch import launch_training, signals_stop_training
 from tasks.plan import plan_parallelism
+from tasks.preflight import preflight_job
 from tasks.profile import profile_model
 from tasks.records import SegmentResult, TrainSummary
 from tasks.recovery import TrainingFailed, recover_from_failure
@@ -31,7 +32,9 @@ from tasks.validate import validate_spec
 def train_job(spec: JobSpec) -> TrainSummary:
     """Train the job a spec describes, resuming from its latest committed checkpoint."""
     spec = validate_spec(spec)
-    with one_run_per_job(spec.job_id):  # another run of this job would prune our checkpoints
+    with environment(storage_environment(spec)):
+        preflight_job(spec)  # storage, data, devices: a job that cannot run ends here, in seconds
+    with one_run_per_job(spec.job_id), signals_stop_training():  # one run at a time: it prunes
         return _train(spec)
 
 

@@ -41,7 +41,7 @@ CREDENTIALS_RULE = (
     "or a Prefect Secret block (`storage.credentials_block`), never from the spec"
 )
 
-_JOB_NAME = re.compile(r"^[a-z0-9][a-z0-9._-]{0,62}$")
+_JOB_NAME = re.compile(r"[a-z0-9][a-z0-9._-]{0,62}")  # fullmatch: `$` would admit a trailing newline
 # Prefect block document names: lower-case letters, digits and dashes.
 _BLOCK_NAME = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
 
@@ -87,17 +87,18 @@ def _check_storage_options(options: dict[str, Any]) -> dict[str, Any]:
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+    # Numbers are bounded to what can run (the limit is in the message); inf and nan never are.
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
 class ModelSpec(_Section):
     """The decoder-only transformer to train (GPT-style)."""
 
-    n_layers: int = Field(2, ge=1, description="Number of transformer blocks.")
-    d_model: int = Field(64, ge=8, description="Width of the residual stream.")
-    n_heads: int = Field(4, ge=1, description="Attention heads per block; must divide d_model.")
-    vocab_size: int = Field(256, ge=2, description="Number of token ids (>= 256 for the bytes tokenizer).")
-    seq_len: int = Field(64, ge=2, description="Context length in tokens.")
+    n_layers: int = Field(2, ge=1, le=1024, description="Number of transformer blocks.")
+    d_model: int = Field(64, ge=8, le=65536, description="Width of the residual stream.")
+    n_heads: int = Field(4, ge=1, le=1024, description="Attention heads per block; must divide d_model.")
+    vocab_size: int = Field(256, ge=2, le=1 << 20, description="Number of token ids (>= 256 for the bytes tokenizer).")
+    seq_len: int = Field(64, ge=2, le=1 << 20, description="Context length in tokens.")
     dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout probability in [0, 1).")
 
     @model_validator(mode="after")
@@ -157,7 +158,7 @@ class OptimizerSpec(_Section):
     betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW (beta1, beta2), each in [0, 1).")
     eps: float = Field(1e-8, gt=0.0, description="AdamW epsilon.")
     weight_decay: float = Field(0.1, ge=0.0, description="Decoupled weight decay.")
-    warmup_steps: int = Field(10, ge=0, description="Steps of linear warmup from 0 to lr.")
+    warmup_steps: int = Field(10, ge=0, le=10**9, description="Steps of linear warmup from 0 to lr.")
     schedule: Literal["cosine", "linear", "constant"] = Field(
         "cosine", description="Decay from lr to min_lr after warmup."
     )
@@ -189,15 +190,15 @@ class OptimizerSpec(_Section):
 class TrainingSpec(_Section):
     """The training loop: batch sizes, length, seeding and checkpointing."""
 
-    global_batch: int = Field(16, ge=1, description="Sequences per optimizer step, over all devices.")
+    global_batch: int = Field(16, ge=1, le=1 << 24, description="Sequences per optimizer step, over all devices.")
     micro_batch: int = Field(
-        4, ge=1, description="Sequences per forward/backward pass; must divide global_batch."
+        4, ge=1, le=1 << 24, description="Sequences per forward/backward pass; must divide global_batch."
     )
-    steps: int = Field(60, ge=1, description="Optimizer steps to train for.")
-    seed: int = Field(1234, ge=0, description="Seed for initialization and data order.")
-    checkpoint_every: int = Field(20, ge=1, description="Commit a checkpoint every this many steps.")
+    steps: int = Field(60, ge=1, le=10**9, description="Optimizer steps to train for.")
+    seed: int = Field(1234, ge=0, le=2**63 - 1, description="Seed for initialization and data order.")
+    checkpoint_every: int = Field(20, ge=1, le=10**9, description="Commit a checkpoint every this many steps.")
     keep_checkpoints: int = Field(
-        2, ge=1, description="Committed checkpoints to keep; older ones are deleted."
+        2, ge=1, le=1000, description="Committed checkpoints to keep; older ones are deleted."
     )
     log_every: int = Field(1, ge=1, description="Log metrics every this many steps.")
     hang_timeout_s: float | None = Field(
@@ -238,13 +239,13 @@ class TrainingSpec(_Section):
 class ResourcesSpec(_Section):
     """The devices the job starts on."""
 
-    devices: int = Field(2, ge=1, description="Number of devices (processes) at start.")
+    devices: int = Field(2, ge=1, le=65536, description="Number of devices (processes) at start.")
     kind: Literal["cpu", "cuda"] = Field("cpu", description="Device type.")
     memory_gb: float | None = Field(
-        None, gt=0.0, description="Memory per device in GB, for the planner (null: measure)."
+        None, gt=0.0, le=1e6, description="Memory per device in GB, for the planner (null: measure).",
     )
     devices_per_node: int | None = Field(
-        None, ge=1, description="Devices per node, for the planner's communication model (null: one node)."
+        None, ge=1, le=1024, description="Devices per node, for the planner's communication model (null: one node)."
     )
 
 
@@ -327,7 +328,7 @@ class ResourceChange(_Section):
     at_step: int = Field(
         ge=1, description="Apply the change before this step (0 < at_step < training.steps)."
     )
-    devices: int = Field(ge=1, description="Device count from then on.")
+    devices: int = Field(ge=1, le=65536, description="Device count from then on.")
     reason: Literal["scale-up", "scale-down", "failure", "manual"] = Field(
         "manual", description="Why the resources change."
     )
@@ -379,7 +380,7 @@ class JobSpec(_Section):
     @field_validator("name")
     @classmethod
     def _safe_name(cls, name: str) -> str:
-        if not _JOB_NAME.match(name):
+        if not _JOB_NAME.fullmatch(name):
             raise ValueError(
                 "must be a safe job id: lower-case letters, digits, '.', '_' or '-', starting with a letter "
                 f"or digit, at most 63 characters (got {name!r})"

@@ -4,8 +4,12 @@ checkpoint), and a worker that dies ends the segment as `failed` for the flow to
 
 from __future__ import annotations
 
+import contextlib
 import re
+import signal
 import statistics
+import threading
+from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
 from typing import Any
 
@@ -44,6 +48,66 @@ def failure_reason(result: LaunchResult, lines: list[str]) -> str:
     return f"workers exited with code {result.returncode}"
 
 
+# Launches in progress in this process, by the function that stops each at a step boundary; and
+# whether this process was asked to stop (a launch that starts afterwards stops at once).
+_stoppers: set[Callable[[str], None]] = set()
+_stoppers_lock = threading.Lock()
+_interrupted = threading.Event()
+
+
+def interrupt(reason: str) -> int:
+    """Stop the training this process runs at the next step boundary, with a committed
+    checkpoint (what `parashift run` does on SIGTERM or SIGINT); safe in a signal handler.
+    Returns how many launches were asked."""
+    _interrupted.set()
+    with _stoppers_lock:
+        stoppers = list(_stoppers)
+
+    def run() -> None:  # storage calls stay out of the signal handler's frame
+        for stop in stoppers:
+            stop(reason)
+
+    threading.Thread(target=run, name="parashift-interrupt", daemon=True).start()
+    return len(stoppers)
+
+
+# Set by `stop_on_signals`: what hears that a signal asked this process to stop.
+_signal_listener: Callable[[str], None] | None = None
+
+
+def _stop_signal_handler(signum: int, frame: object) -> None:
+    if _interrupted.is_set():  # the second time: at once
+        raise KeyboardInterrupt
+    name = signal.Signals(signum).name
+    interrupt(f"{name} to the process running the job")
+    if _signal_listener is not None:
+        _signal_listener(name)
+
+
+def stop_on_signals(listener: Callable[[str], None] | None = None) -> None:
+    """Make SIGTERM and SIGINT stop this process's training at the next step boundary, with a
+    committed checkpoint (a second one: at once), for a process that runs one job and owns
+    its signals, as `parashift run` does. Flow runs a Prefect worker started keep Prefect's
+    handling (SIGTERM cancels them)."""
+    global _signal_listener
+    _signal_listener = listener
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, _stop_signal_handler)
+
+
+@contextlib.contextmanager
+def signals_stop_training() -> Iterator[None]:
+    """Within a flow run: keep `stop_on_signals` in force where the process asked for it
+    (Prefect installs its own SIGTERM handler for the duration of every flow run)."""
+    owned = _signal_listener is not None and threading.current_thread() is threading.main_thread()
+    saved = signal.signal(signal.SIGTERM, _stop_signal_handler) if owned else None
+    try:
+        yield
+    finally:
+        if owned:
+            signal.signal(signal.SIGTERM, saved)
+
+
 # No task retries: a failed segment goes back to the flow, which resumes on the devices left.
 @task(name="launch-training", cache_policy=NO_CACHE)
 def launch_training(spec: JobSpec, plan: Plan, until_step: int | None = None,
@@ -56,15 +120,17 @@ def launch_training(spec: JobSpec, plan: Plan, until_step: int | None = None,
         stop_key = JobPaths(spec.job_id).stop()
         store.delete(stop_key)  # a stop request belongs to the run it stopped
 
+    def stop(reason: str) -> None:
+        workers.request_stop()  # at once, on this node; the stop object reaches workers anywhere
+        with environment(credentials):
+            store.put_json(stop_key, {"reason": reason, "requested_at": datetime.now(UTC).isoformat()})
+
     def stop_for(change: ResourceEvent) -> None:
         if change.devices == plan.devices:
             return
         logger.warning("resource change (%s, epoch %d): %d -> %d devices; stopping at the next step boundary",
                        change.reason, change.epoch, plan.devices, change.devices)
-        workers.request_stop()  # at once, on this node; the stop object reaches workers anywhere
-        with environment(credentials):
-            store.put_json(stop_key, {"reason": f"rescale to {change.devices} devices ({change.reason})",
-                                      "requested_at": datetime.now(UTC).isoformat()})
+        stop(f"rescale to {change.devices} devices ({change.reason})")
 
     def on_event(event: dict[str, Any]) -> None:
         progress.publish({**event, "total_steps": spec.training.steps})
@@ -83,10 +149,16 @@ def launch_training(spec: JobSpec, plan: Plan, until_step: int | None = None,
         pending = resources.wanted(plan.devices)
         if pending is not None:  # arrived while this segment was being planned
             stop_for(pending)
+    with _stoppers_lock:
+        _stoppers.add(stop)
+    if _interrupted.is_set():  # asked before these workers existed: they stop at their first boundary
+        stop("interrupted before the launch")
     try:
         result = launch_workers(spec, plan, on_line=on_line, on_event=on_event, until_step=until_step,
                                 extra_env=credentials, workers=workers)
     finally:
+        with _stoppers_lock:
+            _stoppers.discard(stop)
         if resources is not None:
             resources.on_change = None
     starts = [e for e in result.events if e["event"] == "start"]

@@ -18,6 +18,7 @@ from specs import JobSpec
 from storage import JobPaths, ObjectStore
 from tasks.credentials import environment, storage_environment
 from tasks.records import ModelSummary
+from tasks.retry import retry_if_it_may_help
 
 
 def needs_measurement(spec: JobSpec) -> bool:
@@ -83,7 +84,7 @@ def load_profile(spec: JobSpec, key: str) -> ModelProfile:
         return ModelProfile.model_validate(store.get_json(key))
 
 
-@task(name="profile-model", retries=2, retry_delay_seconds=2)
+@task(name="profile-model", retries=2, retry_delay_seconds=2, retry_condition_fn=retry_if_it_may_help)
 def profile_model(spec: JobSpec) -> ModelSummary:
     """Profile the model, or reuse the profile stored for the same model, batch and devices."""
     logger = get_run_logger()

@@ -12,9 +12,10 @@ from specs import JobSpec
 from tasks.artifacts import artifact_key
 from tasks.credentials import environment, storage_environment
 from tasks.records import ReshardSummary
+from tasks.retry import retry_if_it_may_help
 
 
-@task(name="plan-reshard", retries=2, retry_delay_seconds=2)
+@task(name="plan-reshard", retries=2, retry_delay_seconds=2, retry_condition_fn=retry_if_it_may_help)
 def plan_reshard(spec: JobSpec, plan: Plan) -> ReshardSummary | None:
     """Compute (without starting anything) each new rank's reads from the newest committed
     checkpoint; None when there is none. The workers then execute exactly these reads."""

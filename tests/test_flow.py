@@ -118,9 +118,21 @@ def test_s3_credentials_come_from_a_prefect_secret_block(
     assert summary.checkpoint_url == f"{url}/jobs/s3-secret/ckpt/00000004/manifest.json"
 
 
-def test_parashift_stop_ends_a_running_job_at_a_committed_step(tmp_path: Path) -> None:
-    """`parashift run` in one terminal, `parashift stop` in another."""
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def test_sigterm_stops_parashift_run_at_a_committed_step_and_leaves_nothing_running(tmp_path: Path) -> None:
+    """A process manager's `kill PID` on `parashift run` (embedded Prefect API): the workers
+    stop at a step boundary, the step is committed, and no process it started outlives it
+    (workers, torchrun, the temporary Prefect server)."""
+    import signal
     import time
+
+    from jobs import descendants
 
     spec = tmp_path / "long.yaml"
     spec.write_text(
@@ -133,19 +145,42 @@ def test_parashift_stop_ends_a_running_job_at_a_committed_step(tmp_path: Path) -
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API")}
     env["PREFECT_HOME"] = str(tmp_path / "prefect-home")
     parashift = str(Path(sys.executable).with_name("parashift"))
-    running = subprocess.Popen([parashift, "run", str(spec)], cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    running = subprocess.Popen([parashift, "run", str(spec)], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True, start_new_session=True)
     ckpt = tmp_path / "store/jobs/long-job/ckpt"
     deadline = time.monotonic() + 300
+    seen: set[int] = set()
     while not list(ckpt.glob("*/manifest.json")):
         assert running.poll() is None and time.monotonic() < deadline, running.stdout.read()[-3000:]
+        seen.update(descendants(running.pid))
         time.sleep(0.5)
-    subprocess.run([parashift, "stop", str(spec)], cwd=tmp_path, env=env, check=True, timeout=60)
+    seen.update(descendants(running.pid))
+    assert len(seen) >= 3, "torchrun and two workers at least"
+    running.send_signal(signal.SIGTERM)
     output, _ = running.communicate(timeout=120)
     assert running.returncode == 0, output[-3000:]
-    assert "stopped" in output and "run again to resume" in output
+    assert "SIGTERM" in output and "stopped" in output and "run again to resume" in output
     stopped_at = int(re.search(r"long-job at step (\d+)", output).group(1))
     assert 0 < stopped_at < 100000
     assert (ckpt / f"{stopped_at:08d}/manifest.json").exists(), "the stop step must be committed"
+    deadline = time.monotonic() + 30
+    while any(_alive(pid) for pid in seen) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not [pid for pid in seen if _alive(pid)], "processes outlived parashift run"
+
+
+def test_parashift_stop_asks_the_job_to_stop(tmp_path: Path) -> None:
+    """`parashift stop SPEC` leaves the stop object the workers poll (honoured in test_train_resume)."""
+    from typer.testing import CliRunner
+
+    from parashift.cli import app
+    from storage import JobPaths, ObjectStore
+
+    spec = tmp_path / "job.yaml"
+    spec.write_text(f"name: some-job\nstorage: {{url: 'file://{tmp_path}/store'}}\n")
+    done = CliRunner().invoke(app, ["stop", str(spec)])
+    assert done.exit_code == 0, done.output
+    assert ObjectStore(f"file://{tmp_path}/store").exists(JobPaths("some-job").stop())
 
 
 def test_auto_strategy_measures_on_real_workers_and_plans(prefect_server: None, tmp_path: Path) -> None:

@@ -154,6 +154,10 @@ def worker_env(kind: str) -> dict[str, str]:
     return env
 
 
+# How long workers interrupted from outside get to reach a step boundary and commit.
+STOP_GRACE_S = 60.0
+
+
 def launch_workers(
     spec: JobSpec,
     plan: Plan,
@@ -183,8 +187,8 @@ def launch_workers(
             env={**worker_env(spec.resources.kind), **(extra_env or {})},
         )
         assert process.stdout is not None
-        if workers is not None:
-            workers._attach(process.pid)
+        workers = workers if workers is not None else RunningWorkers()
+        workers._attach(process.pid)
         last_report: list[float] = []  # armed by the first report: starting up is torchrun's to time out
         done = threading.Event()
 
@@ -207,12 +211,21 @@ def launch_workers(
                 if event is not None:
                     last_report[:] = [time.monotonic()]
                     result.events.append(event)
-                    if workers is not None and event["event"] == "start":
+                    if event["event"] == "start":
                         workers._started(event.get("pids", []))
                     on_event(event)
+        except KeyboardInterrupt:  # asked to stop at once: nothing of this launch outlives it
+            kill_tree(process.pid)
+            raise
+        except BaseException:  # e.g. the flow run cancelled: stop at a step boundary, briefly
+            workers.request_stop()
+            try:
+                process.wait(timeout=STOP_GRACE_S)
+            except subprocess.TimeoutExpired:
+                kill_tree(process.pid)
+            raise
         finally:
             result.returncode = process.wait()
             done.set()
-            if workers is not None:
-                workers._attach(None)
+            workers._attach(None)
     return result

@@ -8,7 +8,7 @@ from typing import Any
 
 import typer
 
-from parashift.commands.spec import load_spec_or_exit
+from parashift.commands.spec import load_spec_or_exit, preflight_lines
 
 
 def _prefect_defaults(verbose: bool) -> None:
@@ -24,8 +24,17 @@ def run(
     spec_file: Path = typer.Argument(..., help="job spec YAML"),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="show the flow run's log in the terminal"),
 ) -> None:
-    """Train the job SPEC_FILE describes on its devices; resume from its latest checkpoint."""
+    """Train the job SPEC_FILE describes on its devices; resume from its latest checkpoint.
+    SIGTERM or Ctrl-C stops it at the next step boundary with a committed checkpoint (twice:
+    at once)."""
     spec = load_spec_or_exit(spec_file)
+    # Seconds, before Prefect starts: storage, data and devices (storage whose credentials live
+    # in a Prefect block is probed by the flow, which can read the block).
+    problems = preflight_lines(spec_file, spec, storage=spec.storage.credentials_block is None)
+    if problems:
+        for line in problems:
+            typer.echo(line, err=True)
+        raise typer.Exit(1)
 
     _prefect_defaults(verbose)
     from rich.console import Console
@@ -33,8 +42,11 @@ def run(
 
     from flows.train import train_job
     from tasks import progress as progress_events
+    from tasks.launch import stop_on_signals
 
     console = Console(soft_wrap=True)
+    stop_on_signals(lambda name: console.print(f"[bold yellow]{name}[/]: stopping at the next step boundary "
+                                               "(again to stop at once)"))
     with Progress(
         TextColumn("[bold]{task.description}"),
         BarColumn(),
@@ -55,6 +67,12 @@ def run(
         progress_events.add_listener(on_event)
         try:
             summary = train_job(spec)
+        except Exception as error:  # noqa: BLE001 - the run log has the trace; the terminal gets the reason
+            bar.stop()
+            console.print(f"[bold red]failed[/]: {error}")
+            if not verbose:
+                console.print("  (the flow run's log in Prefect has every line; run with -v to see it here)")
+            raise typer.Exit(1) from None
         finally:
             progress_events.remove_listener(on_event)
 

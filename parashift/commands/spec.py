@@ -24,19 +24,35 @@ def load_spec_or_exit(spec_file: Path) -> JobSpec:
         raise typer.Exit(1) from None
 
 
-def validate(files: list[Path] = typer.Argument(..., help="job spec YAML files")) -> None:
+def preflight_lines(spec_file: Path, spec: JobSpec, *, storage: bool = True) -> list[str]:
+    """`FILE: field: message` for each reason the job cannot run on this machine (storage,
+    data, devices), checked in seconds; [] when it can."""
+    from tasks.preflight import preflight
+
+    return [f"{spec_file}: {problem}" for problem in preflight(spec, storage=storage)]
+
+
+def validate(
+    files: list[Path] = typer.Argument(..., help="job spec YAML files"),
+    check: bool = typer.Option(False, "--check", help="also check storage, data and devices from this machine"),
+) -> None:
     """Check job specs; print one `FILE:LINE:COL: field.path: message` line per error."""
     from specs import SpecError, load_spec
 
     failed = False
     for file in files:
         try:
-            load_spec(file)
+            spec = load_spec(file)
         except SpecError as error:
             failed = True
             for line in error.lines():
                 typer.echo(line, err=False)
-        else:
+            continue
+        problems = preflight_lines(file, spec) if check else []
+        for line in problems:
+            typer.echo(line)
+        failed |= bool(problems)
+        if not problems:
             typer.echo(f"{file}: ok")
     raise typer.Exit(1 if failed else 0)
 

@@ -1,0 +1,261 @@
+"""Preflight: what can be known about a job before any worker starts, checked in seconds.
+
+A spec can be well formed and still unable to run: storage the workers cannot share or reach,
+a backend package that is missing, a corpus that is empty or shorter than one sample, a model
+whose state cannot fit the devices. Each of these is one `Problem` (the spec field and what to
+do about it), found here instead of as a rank's traceback minutes into a launch.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TypeVar
+
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+
+from specs import JobSpec
+
+T = TypeVar("T")
+
+# Each probe of storage or data gets this long before it counts as unreachable.
+PROBE_TIMEOUT_S = 20.0
+# fp32 parameter, gradient and AdamW's two moments: what a replica of the state holds per parameter.
+STATE_BYTES_PER_PARAM = 16
+# What one CPU worker process costs before any tensor (interpreter, torch, gloo): measured ~0.35 GB.
+WORKER_PROCESS_BYTES = 350 * 2**20
+# S3 clients answer within these or the probe reports the endpoint unreachable (botocore's
+# default connect timeout is 60 s, with retries on top).
+_S3_PROBE_CONFIG = {"connect_timeout": 5, "read_timeout": 10, "retries": {"max_attempts": 2}}
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One reason the job cannot run: the spec field it comes from, and what to do."""
+
+    field: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.field}: {self.message}"
+
+
+class PreflightFailed(ValueError):
+    """The job cannot run; `problems` say why, one line each."""
+
+    def __init__(self, job: str, problems: list[Problem]) -> None:
+        self.problems = problems
+        super().__init__(f"{job} cannot run: " + "; ".join(str(p) for p in problems))
+
+
+def _within(seconds: float, what: str, fn: Callable[[], T]) -> T:
+    """fn() on a daemon thread, or TimeoutError after `seconds` (a backend call that hangs on an
+    unreachable host must not hold the check for minutes)."""
+    box: dict[str, object] = {}
+
+    def run() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as error:  # noqa: BLE001 - handed to the caller below
+            box["error"] = error
+
+    thread = threading.Thread(target=run, name=f"parashift-preflight-{what}", daemon=True)
+    thread.start()
+    thread.join(seconds)
+    if thread.is_alive():
+        raise TimeoutError(f"no answer within {seconds:.0f} s")
+    if "error" in box:
+        raise box["error"]  # type: ignore[misc]
+    return box["value"]  # type: ignore[return-value]
+
+
+def _protocol(url: str) -> str:
+    return url.partition("://")[0].lower() if "://" in url else "file"
+
+
+def _backend_problem(field: str, url: str) -> Problem | None:
+    """A Problem when the URL's fsspec backend package is not installed."""
+    import fsspec
+
+    protocol = _protocol(url)
+    if protocol in ("builtin", "file"):
+        return None
+    try:
+        fsspec.get_filesystem_class("s3" if protocol == "s3a" else protocol)
+    except (ImportError, ValueError) as error:
+        return Problem(field, f"{protocol}:// needs a package that is not installed here ({error})")
+    return None
+
+
+def _describe_storage_error(error: BaseException) -> str:
+    from storage import ObjectNotFound, StoragePermissionError
+
+    text = str(error).splitlines()[0] if str(error) else type(error).__name__
+    if "credential" in text.lower():
+        return f"no credentials found ({text}): set them in the environment or name a storage.credentials_block"
+    if isinstance(error, StoragePermissionError):
+        return f"access denied ({text}): check the credentials and the bucket's permissions"
+    if isinstance(error, ObjectNotFound):
+        return f"not found ({text}): fix the URL, or create the bucket or folder"
+    if isinstance(error, TimeoutError):
+        return f"unreachable: {text}"
+    return f"cannot be used: {text}"
+
+
+def check_storage(spec: JobSpec, timeout_s: float = PROBE_TIMEOUT_S) -> list[Problem]:
+    """Storage every process of the job can share: a write, read and delete of a probe object
+    under the job's folder; the node-local tier writable."""
+    from storage import JobPaths, ObjectStore
+
+    url = spec.storage.url
+    if _protocol(url) == "memory":
+        return [Problem("storage.url", "memory:// lives inside one process, and the flow and every worker are "
+                                       "separate processes: use file:// (one machine) or s3://")]
+    missing = _backend_problem("storage.url", url)
+    if missing:
+        return [missing]
+    options = dict(spec.storage.storage_options)
+    if _protocol(url) in ("s3", "s3a"):
+        options.setdefault("config_kwargs", _S3_PROBE_CONFIG)
+    key = JobPaths(spec.job_id).job_key(f".preflight-{uuid.uuid4().hex}")
+
+    def probe() -> None:
+        store = ObjectStore(url, options, max_tries=1)
+        store.put(key, b"parashift preflight")
+        try:
+            if store.get(key) != b"parashift preflight":
+                raise OSError("read back different bytes than were written")
+        finally:
+            store.delete(key)
+
+    problems = []
+    try:
+        _within(timeout_s, "storage", probe)
+    except Exception as error:  # noqa: BLE001 - every failure becomes the one line below
+        problems.append(Problem("storage.url", f"{url} {_describe_storage_error(error)}"))
+    tier = spec.storage.local_tier
+    if tier:
+        try:
+            os.makedirs(tier, exist_ok=True)
+            probe_file = os.path.join(tier, f".{uuid.uuid4().hex}.probe")
+            with open(probe_file, "wb") as handle:
+                handle.write(b"ok")
+            os.unlink(probe_file)
+        except OSError as error:
+            problems.append(Problem("storage.local_tier", f"{tier} is not a writable folder here ({error.strerror})"))
+    return problems
+
+
+def check_data(spec: JobSpec, timeout_s: float = PROBE_TIMEOUT_S) -> list[Problem]:
+    """A corpus that resolves to at least one non-empty file and holds one whole sample."""
+    import fsspec
+
+    from trainer.data import BUILTIN_STDLIB, builtin_corpus_files
+
+    data = spec.data
+    if _protocol(data.url) == "memory":
+        return [Problem("data.url", "memory:// lives inside one process and the workers are other processes: "
+                                    "use a file, a glob or an object store URL")]
+    missing = _backend_problem("data.url", data.url)
+    if missing:
+        return [missing]
+    bytes_per_token = 2 if data.format == "tokens" else 1
+    needed = (spec.model.seq_len + 1) * bytes_per_token  # one sample: seq_len inputs and the next token
+
+    def measure() -> tuple[int, int]:
+        if data.url == BUILTIN_STDLIB:
+            files = [f.removeprefix("file://") for f in builtin_corpus_files()]
+            fs = fsspec.filesystem("file")
+        else:
+            fs, _, files = fsspec.get_fs_token_paths(data.url, storage_options=dict(data.storage_options))
+        total = 0
+        for path in files:
+            total += fs.size(path) or 0
+            if total >= needed:
+                break
+        return len(files), total
+
+    try:
+        count, total = _within(timeout_s, "data", measure)
+    except Exception as error:  # noqa: BLE001 - one line per failure
+        text = str(error).splitlines()[0] if str(error) else type(error).__name__
+        return [Problem("data.url", f"{data.url} cannot be read ({type(error).__name__}: {text})")]
+    if count == 0:
+        return [Problem("data.url", f"{data.url} matches no files")]
+    usable = min(total, data.max_bytes) if data.max_bytes else total
+    if usable < needed:
+        limit = f" (data.max_bytes {data.max_bytes})" if data.max_bytes and data.max_bytes < total else ""
+        return [Problem("data.url", f"{data.url} holds {usable} bytes{limit}; one sample of model.seq_len "
+                                    f"{spec.model.seq_len} needs {needed}: point it at more data or shorten seq_len")]
+    return []
+
+
+def parameter_count(spec: JobSpec) -> int:
+    """The model's parameters, counted on the meta device (nothing allocated)."""
+    import torch
+
+    from trainer.model import GPT, GPTConfig
+
+    with torch.device("meta"):
+        return GPT(GPTConfig.of(spec.model)).num_params()
+
+
+def _host_memory_bytes() -> int:
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def check_devices(spec: JobSpec) -> list[Problem]:
+    """Devices of the spec's kind exist here, and the training state fits them at least when
+    split as far as the strategy allows (a lower bound: a refusal is never wrong)."""
+    import torch
+
+    resources = spec.resources
+    problems = []
+    if resources.kind == "cuda" and not torch.cuda.is_available():
+        problems.append(Problem("resources.kind", "cuda, but no CUDA device is visible on this machine: "
+                                                  "use kind: cpu, or run the job where the GPUs are"))
+        return problems
+    if resources.kind == "cpu" and resources.devices * WORKER_PROCESS_BYTES > _host_memory_bytes():
+        most = _host_memory_bytes() // WORKER_PROCESS_BYTES
+        return [Problem("resources.devices", f"{resources.devices:,} CPU worker processes need about "
+                                             f"{resources.devices * WORKER_PROCESS_BYTES / 1e9:,.0f} GB before any "
+                                             f"tensor; this machine has {_host_memory_bytes() / 1e9:.1f} GB: "
+                                             f"use at most {most}")]
+    params = parameter_count(spec)
+    replica = params * STATE_BYTES_PER_PARAM
+    split = resources.devices if spec.parallelism.strategy == "auto" else 1
+    per_device = replica / split
+    how = f"{params:,} parameters x {STATE_BYTES_PER_PARAM} bytes" + (f" / {split} devices" if split > 1 else "")
+    if resources.memory_gb is not None:
+        have, where = resources.memory_gb * 1e9, f"resources.memory_gb {resources.memory_gb:g}"
+    elif resources.kind == "cuda":
+        have, where = torch.cuda.get_device_properties(0).total_memory, "the GPU's memory"
+    else:  # CPU workers share the host's memory, each a process of its own
+        have = _host_memory_bytes() / resources.devices - WORKER_PROCESS_BYTES
+        where = f"this machine's {_host_memory_bytes() / 1e9:.1f} GB shared by {resources.devices} worker processes"
+    if per_device > have:
+        fix = "a smaller model or more devices" + ("" if split > 1 else ", or parallelism.strategy: auto to split it")
+        problems.append(Problem("model", f"the training state needs at least {per_device / 1e9:,.2f} GB per device "
+                                         f"({how}); {where} gives {max(have, 0) / 1e9:,.2f} GB: {fix}"))
+    return problems
+
+
+def preflight(spec: JobSpec, *, storage: bool = True, timeout_s: float = PROBE_TIMEOUT_S) -> list[Problem]:
+    """Every problem found with the job's devices, data and (unless `storage=False`) storage."""
+    problems = check_devices(spec) + check_data(spec, timeout_s)
+    if storage:
+        problems += check_storage(spec, timeout_s)
+    return problems
+
+
+@task(name="preflight", cache_policy=NO_CACHE)
+def preflight_job(spec: JobSpec) -> None:
+    """Refuse, in seconds and before any worker starts, a job that cannot run (PreflightFailed
+    lists why); the flow does not retry it."""
+    problems = preflight(spec)
+    if problems:
+        raise PreflightFailed(spec.job_id, problems)
