@@ -247,11 +247,29 @@ def test_inline_credentials_nested(tmp_path: Path) -> None:
         ("a..b", "must not contain '..'"),
         ("''", "safe job id"),
         ("x" * 64, "at most 63"),
+        ('"tiny\\n"', "safe job id"),  # a trailing newline
     ],
 )
 def test_bad_job_name(tmp_path: Path, name: str, words: str) -> None:
     file, lines = errors_of(tmp_path, f"# job\nname: {name}\n")
     assert_error(lines, file, 2, 7, "name", words)
+
+
+@pytest.mark.parametrize(
+    ("line", "field", "words"),
+    [
+        ("training: {steps: 1000000000000}", "training.steps", "less than or equal to 1000000000"),
+        ("resources: {devices: 1000000000}", "resources.devices", "less than or equal to 65536"),
+        ("model: {seq_len: 1000000000000}", "model.seq_len", "less than or equal to 1048576"),
+        ("model: {d_model: 100000000}", "model.d_model", "less than or equal to 65536"),
+        ("training: {global_batch: 1000000000000}", "training.global_batch", "less than or equal to 16777216"),
+        ("optimizer: {lr: .inf}", "optimizer.lr", "finite"),
+        ("resources: {memory_gb: .nan}", "resources.memory_gb", "finite"),
+    ],
+)
+def test_numbers_no_machine_can_run_are_bounded(tmp_path: Path, line: str, field: str, words: str) -> None:
+    file, lines = errors_of(tmp_path, f"name: big\n{line}\n")
+    assert any(f"{field}:" in x and words in x for x in lines), lines
 
 
 def test_missing_name(tmp_path: Path) -> None:
