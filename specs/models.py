@@ -9,6 +9,7 @@ its line; constructed in Python they read as an ordinary pydantic `ValidationErr
 from __future__ import annotations
 
 import re
+from pathlib import Path
 from typing import Any, Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -363,6 +364,17 @@ class JobSpec(_Section):
     def on_devices(self, devices: int) -> JobSpec:
         """The same job on another device count (what a resource change runs)."""
         return self.model_copy(update={"resources": self.resources.model_copy(update={"devices": devices})})
+
+    def with_storage_root(self, root: str) -> JobSpec:
+        """The same job with a relative local storage URL (`file://./store`, `store`) made
+        absolute under `root`: a spec read from a temporary checkout must not keep its state
+        inside that checkout."""
+        url = self.storage.url
+        path = url.removeprefix("file://") if url.startswith("file://") else (url if "://" not in url else None)
+        if path is None or path.startswith(("/", "~")):
+            return self
+        absolute = f"file://{Path(root).expanduser().resolve() / path}"
+        return self.model_copy(update={"storage": self.storage.model_copy(update={"url": absolute})})
 
     def scripted_change_after(self, step: int) -> ResourceChange | None:
         """The next scripted change of the device count after `step` (the spec's `elasticity`):

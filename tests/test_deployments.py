@@ -44,9 +44,10 @@ def test_deploy_and_run_a_spec_file_with_a_process_worker(prefect_server: None, 
             return {d.name: d for d in await client.read_deployments()}
 
     found = asyncio.run(deployments())
-    assert {"train-job", "train-spec-file"} <= set(found)
-    schedules = found["train-job"].schedules
-    assert schedules and not any(s.active for s in schedules), "the nightly schedule ships inactive"
+    assert {"train-job", "train-spec-file", "submit-from-git"} <= set(found)
+    assert not found["train-job"].schedules, "re-running a finished job on a timer would train nothing"
+    schedules = found["submit-from-git"].schedules
+    assert schedules and not any(s.active for s in schedules), "the git poll ships inactive until a repository is set"
 
     run = prefect_cli("deployment", "run", "train-spec-file/train-spec-file", "-p", f"path={spec}", env=env)
     assert "Created flow run" in run.stdout

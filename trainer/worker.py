@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import json
 import logging
 import os
 import time
@@ -221,6 +222,9 @@ def main(argv: list[str] | None = None) -> int:
             end_step=end_step,
         )
 
+    # Where the spec came from (repository, commit, path), when a flow says so: kept in each manifest.
+    source = {"source": json.loads(os.environ["PARASHIFT_SOURCE"])} if os.environ.get("PARASHIFT_SOURCE") else {}
+
     def committed(report: SaveReport) -> None:
         metrics.emit("checkpoint", step=report.step, url=report.url, stall_s=round(report.stall_s, 4),
                      write_s=round(report.write_s, 4), bytes_written=report.bytes_written)
@@ -241,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
         state = collect_state(module, optimizer, rank, device, local=True)
         # Asynchronous: the loop goes on while this is written; a stop or the end waits for it.
         checkpointer.save(at_step, state, position.to_dict(stream.samples_per_epoch), plan.model_dump(mode="json"),
-                          {"model": m.model_dump(), "job": spec.name, "loss": loss})
+                          {"model": m.model_dump(), "job": spec.name, "loss": loss, **source})
 
     autocast = (
         torch.autocast(device.type, dtype=torch.bfloat16)

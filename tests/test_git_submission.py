@@ -1,0 +1,76 @@
+"""Specs committed to a git repository (a bare repository on disk as the remote), submitted by
+the `submit-from-git` flow against a real Prefect server: each new or changed spec trains once,
+its state lives outside the temporary checkout, the commit is recorded, and a bad spec fails
+its own run with the validation message without stopping the others."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from storage import CheckpointStore, ObjectStore
+
+pytestmark = pytest.mark.slow
+
+JOB = """\
+name: from-git
+model: {{n_layers: 1, d_model: 32, n_heads: 2, vocab_size: 256, seq_len: 32, dropout: 0.0}}
+data: {{url: "builtin://python-stdlib", max_bytes: 200000}}
+optimizer: {{lr: 0.003, min_lr: 0.0003, warmup_steps: 2}}
+training: {{global_batch: 8, micro_batch: 2, steps: {steps}, seed: 7, checkpoint_every: 4}}
+resources: {{devices: 2, kind: cpu}}
+storage: {{url: "file://./parashift-store"}}
+"""
+BAD = "name: bad-heads\nmodel: {n_layers: 1, d_model: 64, n_heads: 3}\n"
+
+
+def git(*args: str, cwd: Path) -> str:
+    return subprocess.run(["git", *args], cwd=cwd, check=True, capture_output=True, text=True).stdout.strip()
+
+
+def commit(work: Path, files: dict[str, str], message: str) -> str:
+    for name, text in files.items():
+        (work / "specs" / name).write_text(text)
+    git("add", "-A", cwd=work)
+    git("-c", "user.name=t", "-c", "user.email=t@example.com", "commit", "-q", "-m", message, cwd=work)
+    git("push", "-q", "origin", "HEAD:main", cwd=work)
+    return git("rev-parse", "HEAD", cwd=work)
+
+
+def test_each_new_or_changed_spec_trains_once(prefect_server: None, tmp_path: Path) -> None:
+    from flows.git import SubmissionsFailed, submit_from_git
+
+    remote, work, root = tmp_path / "remote.git", tmp_path / "work", tmp_path / "durable"
+    git("init", "-q", "--bare", "-b", "main", str(remote), cwd=tmp_path)
+    git("clone", "-q", str(remote), str(work), cwd=tmp_path)
+    (work / "specs").mkdir()
+    first = commit(work, {"job.yaml": JOB.format(steps=4), "bad.yaml": BAD}, "a job and a bad spec")
+    url = f"file://{remote}"
+
+    state = submit_from_git(url, storage_root=str(root), return_state=True)
+    assert state.is_failed()
+    with pytest.raises(SubmissionsFailed, match=r"specs/bad.yaml:2:31: model.d_model: must be divisible by model.n_heads") as failed:
+        state.result()
+    assert "1 of 2 specs failed" in str(failed.value)
+    store = CheckpointStore(ObjectStore(f"file://{root}/parashift-store"), "from-git")  # not in the checkout
+    assert store.committed_steps() == [4]
+    assert store.latest().metadata["source"] == {"repository": url, "commit": first, "path": "specs/job.yaml",
+                                                 "content_hash": store.latest().metadata["source"]["content_hash"]}
+
+    commit(work, {"bad.yaml": BAD.replace("n_heads: 3", "n_heads: 4").replace("bad-heads", "fixed")
+                  + "training: {global_batch: 4, micro_batch: 2, steps: 2}\n"
+                  + f"storage: {{url: 'file://{tmp_path}/fixed-store'}}\n"}, "fix the bad spec")
+    again = {s.path: s for s in submit_from_git(url, storage_root=str(root))}
+    assert again["specs/job.yaml"].outcome == "already-trained" and again["specs/job.yaml"].final_step == 4
+    assert again["specs/bad.yaml"].outcome == "trained" and again["specs/bad.yaml"].final_step == 2
+    assert store.committed_steps() == [4], "the unchanged spec was not trained again"
+
+    raised = commit(work, {"job.yaml": JOB.format(steps=8)}, "train longer")
+    third = {s.path: s for s in submit_from_git(url, storage_root=str(root))}
+    assert third["specs/job.yaml"].outcome == "trained" and third["specs/job.yaml"].final_step == 8
+    assert third["specs/bad.yaml"].outcome == "already-trained"
+    latest = store.latest()
+    assert latest.step == 8 and latest.previous_step == 4, "resumed from its checkpoint at step 4"
+    assert latest.metadata["source"]["commit"] == raised
