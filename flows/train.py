@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from prefect import flow
 from prefect.logging import get_run_logger
+from prefect.states import Completed
 
 from specs import JobSpec
 from tasks.credentials import environment, storage_environment
@@ -30,12 +31,19 @@ from tasks.validate import validate_spec
 
 @flow(name="train-job", flow_run_name="train-{spec.name}")
 def train_job(spec: JobSpec) -> TrainSummary:
-    """Train the job a spec describes, resuming from its latest committed checkpoint."""
+    """Train the job a spec describes, resuming from its latest committed checkpoint. A job
+    asked to stop ends in a completed state named `Stopped` that says where (calling the flow
+    still returns its summary)."""
     spec = validate_spec(spec)
     with environment(storage_environment(spec)):
         preflight_job(spec)  # storage, data, devices: a job that cannot run ends here, in seconds
     with one_run_per_job(spec.job_id), signals_stop_training():  # one run at a time: it prunes
-        return _train(spec)
+        summary = _train(spec)
+    if summary.segments and summary.segments[-1].stopped:
+        return Completed(data=summary, name="Stopped",  # type: ignore[return-value]
+                         message=f"{spec.job_id} stopped at step {summary.steps} of {spec.training.steps} "
+                                 f"({summary.segments[-1].reason or 'asked to stop'}); run it again to resume")
+    return summary
 
 
 def _train(spec: JobSpec) -> TrainSummary:

@@ -71,6 +71,11 @@ def interrupt(reason: str) -> int:
     return len(stoppers)
 
 
+def reset_interrupt() -> None:
+    """Forget an `interrupt` (a process that goes on to run another job)."""
+    _interrupted.clear()
+
+
 # Set by `stop_on_signals`: what hears that a signal asked this process to stop.
 _signal_listener: Callable[[str], None] | None = None
 

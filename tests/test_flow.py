@@ -169,6 +169,22 @@ def test_sigterm_stops_parashift_run_at_a_committed_step_and_leaves_nothing_runn
     assert not [pid for pid in seen if _alive(pid)], "processes outlived parashift run"
 
 
+def test_a_stopped_job_ends_in_a_state_named_stopped(prefect_server: None, tmp_path: Path) -> None:
+    from flows.train import train_job
+    from tasks import launch
+
+    spec = tiny_spec("stop-state", f"file://{tmp_path}/store", training={"steps": 200})
+    launch.interrupt("a test asked")  # before the launch: the workers stop at their first boundary
+    try:
+        state = train_job(spec, return_state=True)
+    finally:
+        launch.reset_interrupt()
+    assert state.is_completed() and state.name == "Stopped", state
+    summary = state.result()
+    assert 0 < summary.steps < 200
+    assert state.message == f"stop-state stopped at step {summary.steps} of 200 (asked to stop); run it again to resume"
+
+
 def test_parashift_stop_asks_the_job_to_stop(tmp_path: Path) -> None:
     """`parashift stop SPEC` leaves the stop object the workers poll (honoured in test_train_resume)."""
     from typer.testing import CliRunner
