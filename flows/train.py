@@ -15,6 +15,7 @@ from prefect.logging import get_run_logger
 from prefect.states import Completed
 
 from specs import JobSpec
+from tasks.artifacts import TrainingProgress
 from tasks.credentials import environment, storage_environment
 from tasks.events import follow_resources
 from tasks.exclusive import one_run_per_job
@@ -52,6 +53,7 @@ def _train(spec: JobSpec) -> TrainSummary:
     segments: list[SegmentResult] = []
     devices, step = spec.resources.devices, 0
     # The storage credentials stay in the environment while the job's events are recorded.
+    progress = TrainingProgress(spec.job_id, spec.training.steps)
     with environment(storage_environment(spec)), follow_resources(spec) as resources:
         while True:
             change = resources.wanted(devices)
@@ -64,7 +66,7 @@ def _train(spec: JobSpec) -> TrainSummary:
             measured = [s.restore_bytes_per_s for s in segments if s.restore_bytes_per_s]
             plan = plan_parallelism(spec, model, devices, step, measured[-1] if measured else None)
             plan_reshard(spec, plan)  # what the workers will read, shown before they start
-            segment = launch_training(spec, plan, scripted.at_step if scripted else None, resources)
+            segment = launch_training(spec, plan, scripted.at_step if scripted else None, resources, progress)
             segments.append(segment)
             step = segment.final_step
             if segment.outcome == "fatal":  # no retry can fix it
@@ -77,6 +79,7 @@ def _train(spec: JobSpec) -> TrainSummary:
                 if scripted is None or step >= spec.training.steps:
                     break
                 devices = scripted.devices
+    progress.update(segments[-1].final_step if segments else 0, force=True)
     get_run_logger().info("%s: %d segment(s) on %s devices", spec.job_id, len(segments),
                           " -> ".join(str(s.devices) for s in segments))
     return publish_report(spec, model, segments)

@@ -3,7 +3,35 @@
 from __future__ import annotations
 
 import re
+import time
+from uuid import UUID
 
 
 def artifact_key(job_id: str, what: str) -> str:
     return re.sub(r"[^a-z0-9-]+", "-", f"{job_id}-{what}".lower()).strip("-")
+
+
+class TrainingProgress:
+    """The run's progress artifact (percent of the job's steps), updated as steps are reported,
+    at most once every `every_s` seconds: one API call, not one per step."""
+
+    def __init__(self, job_id: str, total_steps: int, step: int = 0, every_s: float = 2.0) -> None:
+        from prefect.artifacts import create_progress_artifact
+
+        self.total_steps, self.every_s = total_steps, every_s
+        self._last = 0.0
+        self.id: UUID = create_progress_artifact(progress=self._percent(step), key=artifact_key(job_id, "progress"),
+                                                 description=f"{job_id}: step {step} of {total_steps}")
+        self.job_id = job_id
+
+    def _percent(self, step: int) -> float:
+        return round(100.0 * min(step, self.total_steps) / self.total_steps, 2)
+
+    def update(self, step: int, force: bool = False) -> None:
+        from prefect.artifacts import update_progress_artifact
+
+        now = time.monotonic()
+        if not force and now - self._last < self.every_s and step < self.total_steps:
+            return
+        self._last = now
+        update_progress_artifact(self.id, self._percent(step), description=f"{self.job_id}: step {step} of {self.total_steps}")

@@ -21,6 +21,7 @@ from planner.plan import Plan
 from specs import JobSpec
 from storage import JobPaths, ObjectStore
 from tasks import progress
+from tasks.artifacts import TrainingProgress
 from tasks.credentials import environment, storage_environment
 from tasks.events import ResourceEvent, ResourceWatcher
 from tasks.records import Outcome, SegmentResult
@@ -116,7 +117,7 @@ def signals_stop_training() -> Iterator[None]:
 # No task retries: a failed segment goes back to the flow, which resumes on the devices left.
 @task(name="launch-training", cache_policy=NO_CACHE)
 def launch_training(spec: JobSpec, plan: Plan, until_step: int | None = None,
-                    resources: ResourceWatcher | None = None) -> SegmentResult:
+                    resources: ResourceWatcher | None = None, progress_bar: TrainingProgress | None = None) -> SegmentResult:
     """Train on `plan.devices` workers until `until_step` (or the end), resuming if possible."""
     logger = get_run_logger()
     credentials = storage_environment(spec)
@@ -139,6 +140,11 @@ def launch_training(spec: JobSpec, plan: Plan, until_step: int | None = None,
 
     def on_event(event: dict[str, Any]) -> None:
         progress.publish({**event, "total_steps": spec.training.steps})
+        if progress_bar is not None and event["event"] in ("step", "start"):
+            try:
+                progress_bar.update(event["step"])
+            except Exception as error:  # noqa: BLE001 - a progress display never stops training
+                logger.debug("progress artifact not updated: %s", error)
 
     lines: list[str] = []
     workers = RunningWorkers()

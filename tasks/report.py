@@ -1,12 +1,19 @@
-"""publish_report: the run's summary and loss curve as Prefect artifacts."""
+"""publish_report: the run's summary and loss curve as Prefect artifacts; the curve's image is
+also kept in the job's storage (`jobs/{job}/reports/loss-curve.png`)."""
 
 from __future__ import annotations
 
+import base64
+
 from prefect import task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
+from prefect.logging import get_run_logger
 
 from specs import JobSpec
+from storage import JobPaths, ObjectStore, StorageError
 from tasks.artifacts import artifact_key
+from tasks.credentials import environment, storage_environment
+from tasks.loss_plot import loss_curve_png
 from tasks.records import ModelSummary, SegmentResult, TrainSummary
 
 _SPARKS = "▁▂▃▄▅▆▇█"
@@ -75,4 +82,23 @@ def publish_report(spec: JobSpec, model: ModelSummary, segments: list[SegmentRes
         table=[{"step": step, "loss": loss, "devices": seg.devices} for seg in segments for step, loss in seg.losses],
         description=f"Loss per step of {spec.job_id}",
     )
+    if any(seg.losses for seg in segments):
+        png = loss_curve_png(spec.job_id, segments)
+        key = JobPaths(spec.job_id).job_key("reports", "loss-curve.png")
+        stored = None
+        try:
+            with environment(storage_environment(spec)):
+                store = ObjectStore(spec.storage.url, dict(spec.storage.storage_options))
+                store.put(key, png)
+                stored = store.url_for(key)
+        except StorageError as error:  # the report must not fail a trained job
+            get_run_logger().warning("could not keep the loss curve image in storage: %s", error)
+        # The image inside the artifact itself (a data URI): the UI shows it with no access to storage.
+        encoded = base64.b64encode(png).decode()
+        create_markdown_artifact(
+            key=artifact_key(spec.job_id, "loss-curve-image"),
+            markdown=f"![loss per step of {spec.job_id}](data:image/png;base64,{encoded})"
+                     + (f"\n\n`{stored}`" if stored else ""),
+            description=f"Loss curve of {spec.job_id}, device changes marked",
+        )
     return summary

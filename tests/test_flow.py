@@ -41,6 +41,11 @@ def test_train_job_flow_trains_checkpoints_and_publishes(prefect_server: None, t
     assert markdown is not None and "final loss" in markdown.data
     curve = read_artifact("flow-job-loss-curve")
     assert curve is not None and "loss" in str(curve.data)
+    image = read_artifact("flow-job-loss-curve-image")
+    assert image is not None and "](data:image/png;base64," in image.data
+    assert (tmp_path / "store/jobs/flow-job/reports/loss-curve.png").read_bytes().startswith(b"\x89PNG")
+    progress = read_artifact("flow-job-progress")
+    assert progress is not None and float(progress.data) == 100.0
 
 
 def test_scripted_elasticity_matches_a_static_run(prefect_server: None, tmp_path: Path) -> None:
