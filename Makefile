@@ -21,6 +21,11 @@ $(VENV)/.setup-stamp: pyproject.toml Makefile
 	@$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q "$(TORCH_SPEC)"
 	@# The torch chosen above is named again: otherwise the resolver may replace it with a newer (CUDA) build.
 	$(BIN)/pip install -q -e '.[test]' "$(TORCH_SPEC)"
+	@# The UI test drives Debian's Chromium through Playwright (no browser download); installed
+	@# where apt can, else that test is skipped.
+	@command -v chromium >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+	  { apt-get install -y -q chromium >/dev/null 2>&1 || { apt-get update -q >/dev/null 2>&1 && \
+	    apt-get install -y -q chromium >/dev/null 2>&1; }; }; } || echo "no Chromium here: the UI test will be skipped"
 	@$(BIN)/python -c "import torch, importlib.metadata as md; \
 	cuda = sorted(d.metadata['Name'] for d in md.distributions() if d.metadata['Name'].lower().startswith('nvidia-')); \
 	print(f'parashift uses torch {torch.__version__} (CUDA {torch.version.cuda or \"none\"}; {len(cuda)} CUDA packages)')"

@@ -1,25 +1,100 @@
 """`parashift serve` (what `make serve` runs): a server, the pool, every deployment and a worker
-from one command; Ctrl-C leaves none of its processes behind."""
+from one command; used as a user would, through the Prefect UI in headless Chromium (a custom
+run of `train-job` from the form, its loss-curve artifact, a bad spec failing its run in
+seconds); Ctrl-C leaves none of its processes behind. Screenshots are kept in `test-outputs/ui/`."""
 
 from __future__ import annotations
 
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
 import time
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 import pytest
 from jobs import descendants
 
 pytestmark = pytest.mark.slow
 
+REPO = Path(__file__).resolve().parents[1]
+SCREENSHOTS = REPO / "test-outputs" / "ui"
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 
-def test_serve_deploys_everything_and_stops_cleanly(tmp_path: Path) -> None:
+
+def api_post(api: str, path: str, body: dict[str, Any]) -> Any:
+    request = urllib.request.Request(f"{api}{path}", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=30) as response:
+        return json.load(response)
+
+
+def wait_for_run(api: str, deployment: str, job: str, timeout_s: float = 300) -> dict[str, Any]:
+    """The flow run of `deployment` whose spec is named `job`, once it has ended."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        runs = api_post(api, "/flow_runs/filter", {"deployments": {"id": {"any_": [deployment]}}})
+        mine = [r for r in runs if r["parameters"]["spec"]["name"] == job]
+        if mine and mine[0]["state"]["type"] in ("COMPLETED", "FAILED", "CRASHED", "CANCELLED"):
+            return mine[0]
+        time.sleep(1)
+    raise AssertionError(f"no finished run of {job} within {timeout_s} s")
+
+
+def use_the_ui(base: str, api: str, deployment: str, store: Path) -> None:
+    """Two custom runs of train-job from the UI's form: a short job that trains, and one whose
+    heads do not divide its width."""
+    from playwright.sync_api import sync_playwright
+
+    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+
+    def field(page: Any, label: str, index: int = 0) -> Any:
+        container = page.locator(f"xpath=//*[normalize-space(text())='{label}']/ancestor::*[.//input or .//textarea][1]")
+        return container.nth(index).locator("input, textarea").first
+
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        form = f"{base}/deployments/deployment/{deployment}/run"
+
+        page.goto(form, wait_until="networkidle")
+        field(page, "Name").fill("from-the-form")
+        field(page, "Steps (Optional)").fill("6")
+        field(page, "Checkpoint Every (Optional)").fill("3")
+        field(page, "Url (Optional)", 1).fill(f"file://{store}")  # storage.url (data.url comes first)
+        page.screenshot(path=str(SCREENSHOTS / "custom-run-form.png"), full_page=True)
+        page.get_by_role("button", name="Submit").click()
+        page.wait_for_url("**/deployments/deployment/*?tab=Runs", timeout=30_000)
+        run = wait_for_run(api, deployment, "from-the-form")
+        assert run["state"]["type"] == "COMPLETED", run["state"]
+        assert run["name"] == "train-from-the-form" and run["parameters"]["spec"]["training"]["steps"] == 6
+        assert (store / "jobs/from-the-form/ckpt/00000006/manifest.json").exists()
+        images = api_post(api, "/artifacts/filter", {"artifacts": {"key": {"any_": ["from-the-form-loss-curve-image"]}}})
+        page.goto(f"{base}/artifacts/artifact/{images[0]['id']}", wait_until="networkidle")
+        page.locator("img").first.wait_for(timeout=30_000)
+        assert page.locator("img").first.evaluate("img => img.naturalWidth") > 100, "the loss curve image renders"
+        page.screenshot(path=str(SCREENSHOTS / "loss-curve-artifact.png"), full_page=True)
+
+        page.goto(form, wait_until="networkidle")
+        field(page, "Name").fill("bad-heads")
+        field(page, "N Heads (Optional)").fill("3")
+        page.get_by_role("button", name="Submit").click()
+        page.wait_for_url("**/deployments/deployment/*?tab=Runs", timeout=30_000)
+        bad = wait_for_run(api, deployment, "bad-heads", timeout_s=120)
+        assert bad["state"]["type"] == "FAILED"
+        assert "d_model: must be divisible by model.n_heads (64 % 3 != 0)" in bad["state"]["message"]
+        assert bad["total_run_time"] < 30, "refused before any worker starts"
+        page.goto(f"{base}/runs/flow-run/{bad['id']}", wait_until="networkidle")
+        page.screenshot(path=str(SCREENSHOTS / "bad-spec-run.png"), full_page=True)
+        browser.close()
+
+
+def test_serve_deploys_everything_runs_from_the_ui_and_stops_cleanly(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API")}
     env["PREFECT_HOME"] = str(tmp_path / "home")
     parashift = str(Path(sys.executable).with_name("parashift"))
@@ -32,13 +107,15 @@ def test_serve_deploys_everything_and_stops_cleanly(tmp_path: Path) -> None:
             assert time.monotonic() < deadline and serve.poll() is None, "".join(lines)
             lines.append(serve.stdout.readline())
         api = next(line for line in lines if line.startswith("PREFECT_API_URL=")).split("=", 1)[1].strip()
-        assert any(re.match(r"Prefect UI: http://127\.0\.0\.1:\d+$", line.strip()) for line in lines)
-        request = urllib.request.Request(f"{api}/deployments/filter", data=b"{}", headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(request, timeout=30) as response:
-            names = {d["name"] for d in json.load(response)}
-        assert {"train-job", "train-spec-file"} <= names
+        ui = next(m.group(1) for line in lines if (m := re.match(r"Prefect UI: (http://127\.0\.0\.1:\d+)$", line.strip())))
+        deployments = {d["name"]: d["id"] for d in api_post(api, "/deployments/filter", {})}
+        assert {"train-job", "train-spec-file", "submit-from-git"} <= set(deployments)
         started = descendants(serve.pid)
         assert started, "the server and the worker run below the command"
+        if not Path(CHROMIUM).exists():
+            pytest.skip("no Chromium here (make setup installs Debian's chromium where it can)")
+        use_the_ui(ui, api, deployments["train-job"], tmp_path / "store")
+        started = sorted(set(started) | set(descendants(serve.pid)))
     finally:
         serve.send_signal(signal.SIGINT)
         output, _ = serve.communicate(timeout=120)

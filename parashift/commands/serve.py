@@ -27,10 +27,11 @@ def start_prefect_server(env: dict[str, str], port: int | None = None, timeout_s
     """`prefect server start` on 127.0.0.1 (its own session, so it can be stopped as a group);
     returns the process and its API URL once `/health` answers."""
     port = port or free_port()
-    env = {k: v for k, v in env.items() if k != "PREFECT_API_URL"}
+    url = f"http://127.0.0.1:{port}/api"
+    # The UI's pages call the API at PREFECT_UI_API_URL, which otherwise defaults to port 4200.
+    env = {**{k: v for k, v in env.items() if k != "PREFECT_API_URL"}, "PREFECT_UI_API_URL": url}
     server = subprocess.Popen([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)],
                               env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    url = f"http://127.0.0.1:{port}/api"
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if server.poll() is not None:
