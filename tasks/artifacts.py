@@ -35,3 +35,22 @@ class TrainingProgress:
             return
         self._last = now
         update_progress_artifact(self.id, self._percent(step), description=f"{self.job_id}: step {step} of {self.total_steps}")
+
+
+def job_tags(job_id: str, model: str, devices: int) -> list[str]:
+    """What a run is found by in the UI's filters: the job, the model's shape, its devices."""
+    return [f"job:{job_id}", f"model:{model}", f"devices:{devices}"]
+
+
+def tag_this_run(tags: list[str]) -> None:
+    """Add `tags` to the flow run in progress (a run's tags are otherwise fixed by whoever
+    started it: the form, a schedule, a parent flow)."""
+    from prefect.client.orchestration import get_client
+    from prefect.context import FlowRunContext
+
+    context = FlowRunContext.get()
+    if context is None or context.flow_run is None:
+        return
+    run = context.flow_run
+    with get_client(sync_client=True) as client:
+        client.update_flow_run(run.id, tags=sorted(set(run.tags) | set(tags)))

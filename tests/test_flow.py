@@ -46,6 +46,16 @@ def test_train_job_flow_trains_checkpoints_and_publishes(prefect_server: None, t
     assert (tmp_path / "store/jobs/flow-job/reports/loss-curve.png").read_bytes().startswith(b"\x89PNG")
     progress = read_artifact("flow-job-progress")
     assert progress is not None and float(progress.data) == 100.0
+    state = train_job(spec, return_state=True)  # already trained: a run that finds nothing to do
+    assert state.is_completed()
+
+    async def tags_of_run() -> list[str]:
+        from prefect.client.orchestration import get_client
+
+        async with get_client() as client:
+            return (await client.read_flow_run(state.state_details.flow_run_id)).tags
+
+    assert {"job:flow-job", "model:1x32", "devices:2"} <= set(asyncio.run(tags_of_run()))
 
 
 def test_scripted_elasticity_matches_a_static_run(prefect_server: None, tmp_path: Path) -> None:
