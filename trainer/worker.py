@@ -91,6 +91,18 @@ def init_distributed(kind: str) -> tuple[int, int, torch.device]:
     return rank, world_size, device
 
 
+def end_distributed(world_size: int) -> None:
+    """Leave the process groups together. The caller drops what holds them first (DDP's reducer,
+    FSDP state, pipeline stages), while the groups are still registered: a gloo group destroyed
+    from the reducer's destructor joins its I/O thread while holding the GIL that thread waits
+    for (a hang at exit with torch 2.13), and one left to interpreter exit aborts the process
+    ("terminate called without an active exception")."""
+    if world_size > 1:
+        gc.collect()
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 def seconds_since_process_start() -> float | None:
     """How long this process has existed (Linux /proc; None elsewhere): its interpreter start
     and imports, the largest part of a relaunch on a small machine."""
@@ -189,6 +201,8 @@ def main(argv: list[str] | None = None) -> int:
     except CheckpointsUnusable as error:  # no retry can fix it: said once, and the run ends
         if rank == 0:
             metrics.emit("fatal", message=str(error))
+        runnable = optimizer = ckpt_group = None  # holders of process groups first (see end_distributed)
+        end_distributed(world_size)
         return metrics.EXIT_FATAL
     step, position, loss = 0, DataPosition(), None
     if restored is not None:
@@ -324,15 +338,8 @@ def main(argv: list[str] | None = None) -> int:
     checkpointer.close()  # the last save is committed before anyone reports or exits
     if rank == 0:
         metrics.emit("stopped" if stopped else "finished", step=step, samples_consumed=position.samples_consumed)
-    if world_size > 1:
-        # Wrappers holding process groups (DDP's reducer, FSDP state, pipeline stages) go first,
-        # while the groups are still registered: a gloo group destroyed from the reducer's
-        # destructor joins its I/O thread while holding the GIL that thread waits for (seen
-        # as a hang at exit with torch 2.13).
-        runnable = pipeline = optimizer = ckpt_group = None
-        gc.collect()
-        dist.barrier()
-        dist.destroy_process_group()
+    runnable = pipeline = optimizer = ckpt_group = None
+    end_distributed(world_size)
     return 0
 
 
