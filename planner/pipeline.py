@@ -90,9 +90,11 @@ def micro_batch_options(batch: int, pp: int, dp: int) -> list[int]:
     return found or [m for m in range(pp, 0, -1) if batch % (m * dp) == 0][:1]
 
 
-def pipelined(profile: ModelProfile, pp: int, dp: int, tp: int, limit: float | None, method: str) -> list:
+def pipelined(profile: ModelProfile, pp: int, dp: int, tp: int, limit: float | None, method: str,
+              skip_unfit: bool = True) -> list:
     """Candidates (planner.search.Candidate) per micro-batch count and stage split; pp may be 1
-    (gradient accumulation)."""
+    (gradient accumulation). `skip_unfit` False: also meshes whose weights cannot fit (to find
+    the layout closest to fitting when nothing does)."""
     from planner.search import Candidate, StageResult, solve_stage
 
     g = profile.graph
@@ -100,7 +102,7 @@ def pipelined(profile: ModelProfile, pp: int, dp: int, tp: int, limit: float | N
     if len(blocks) < pp or g.batch_dim not in g.ops[0].dims:
         return []
     # Weights are split at most tp x pp ways ("dp" only splits the batch): a lower bound.
-    if limit is not None and g.n_params * g.param_state_bytes / (tp * pp) > limit:
+    if skip_unfit and limit is not None and g.n_params * g.param_state_bytes / (tp * pp) > limit:
         return []
     batch = g.ops[0].dims[g.batch_dim]
     mesh = named_mesh(dp, tp, profile.comm.devices_per_node, g.batch_dim)

@@ -173,14 +173,20 @@ def solve_stage(graph: Graph, costs: CostModel, memory_limit: float | None, w: W
     return StageSolver(graph, costs, memory_limit, w, method).finish()
 
 
+def divisors(n: int) -> list[int]:
+    """The divisors of n, ascending, in O(sqrt n) steps (a loop up to n hangs at n = 1e9)."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return small + [n // d for d in reversed(small) if d * d != n]
+
+
 def mesh_degrees(devices: int, max_tp: int | None, max_pp: int | None) -> list[tuple[int, int, int]]:
     """Every (pp, dp, tp) with pp x dp x tp = devices within the limits."""
     out = []
-    for pp in range(1, devices + 1):
-        if devices % pp or pp > (max_pp or devices):
+    for pp in divisors(devices):
+        if pp > (max_pp or devices):
             continue
-        for tp in range(1, devices // pp + 1):
-            if (devices // pp) % tp == 0 and tp <= (max_tp or devices):
+        for tp in divisors(devices // pp):
+            if tp <= (max_tp or devices):
                 out.append((pp, devices // pp // tp, tp))
     return out
 
@@ -210,6 +216,10 @@ def baselines(profile: ModelProfile, devices: int, max_tp: int | None) -> dict[s
         assign = baseline_assign(g, costs)
         if assign is None:
             out[name] = None
+            continue
+        ties = tie_factors(g, costs)
+        if ties and not math.isfinite(dp.evaluate(dp.Problem([], ties), assign)):
+            out[name] = None  # it breaks a tie group: a layout the trainer refuses is no candidate
             continue
         res = _result(g, costs, assign, UNPIPELINED, 0.0)
         tp = dict(zip(mesh.names, mesh.sizes, strict=True)).get("tp", 1)
@@ -269,7 +279,7 @@ PRUNE = True
 
 def candidates(profile: ModelProfile, devices: int, limit: float | None, max_tp: int | None,
                max_pp: int | None, method: Method, incumbent: float = float("inf"),
-               prune: bool | None = None) -> list[Candidate]:
+               prune: bool | None = None, skip_unfit: bool = True) -> list[Candidate]:
     """Every mesh's best strategy (pipelined ones through planner.pipeline).
 
     Pruned (`prune`, default `PRUNE`): only the candidates that may be the fastest fitting one,
@@ -286,7 +296,7 @@ def candidates(profile: ModelProfile, devices: int, limit: float | None, max_tp:
     ties = TieVariants(g)
     out = []
     for pp, dp_, tp in mesh_degrees(devices, max_tp, max_pp):
-        if limit is not None and g.n_params * g.param_state_bytes / (tp * pp) > limit:
+        if skip_unfit and limit is not None and g.n_params * g.param_state_bytes / (tp * pp) > limit:
             continue  # weights split at most tp x pp ways ("dp" splits only the batch): cannot fit
         if pp == 1:
             best = single_stage(profile, dp_, tp, limit, method)
@@ -296,7 +306,7 @@ def candidates(profile: ModelProfile, devices: int, limit: float | None, max_tp:
         # pp == 1 here: gradient accumulation over micro-batches, to cut activation memory.
         for variant, note in ties.for_mesh(pp, dp_, tp, profile.comm.devices_per_node):
             found = pipelined(profile if variant is g else profile.model_copy(update={"graph": variant}),
-                              pp, dp_, tp, limit, method)
+                              pp, dp_, tp, limit, method, skip_unfit)
             for cand in found if note else ():
                 cand.notes.append(note)
             out.extend(found)
@@ -318,7 +328,7 @@ def to_plan(best: Candidate, devices: int, base: dict[str, Candidate | None], li
     notes = list(best.notes)
     for name, cand in base.items():
         if cand is None:
-            notes.append(f"{name} baseline: a split does not divide (uneven splits are pruned)")
+            notes.append(f"{name} baseline: not executable here (a split does not divide, or it breaks a tie group)")
         elif not cand.fits(limit):
             notes.append(f"{name} baseline needs {cand.memory_bytes / 2**30:.1f} GiB per device, over the limit")
     feasible = best.fits(limit)
@@ -352,15 +362,17 @@ def plan_model(source: ModelProfile | Graph, devices: int, memory_limit_bytes: i
     fitting = [c for c in pool if c.fits(limit)]
     if fitting:
         return to_plan(min(fitting, key=lambda c: c.time_s), devices, base, limit)
-    # Nothing fits: say why, and return the fastest strategy ignoring memory (feasible=False).
+    # Nothing fits: say so, and return the layout closest to fitting (least memory, then time),
+    # with the memory it needs (feasible=False). Searched with the limit, every stage that cannot
+    # fit is its least-memory assignment; the bound on weights skips no mesh here.
     g = profile.graph
     floor = g.n_params * g.param_state_bytes / devices
-    known = min((c.time_s for c in base.values() if c is not None), default=float("inf"))
-    pool = candidates(profile, devices, None, max_tp, max_pp, method, known)
+    pool = candidates(profile, devices, limit, max_tp, max_pp, method, prune=False, skip_unfit=False)
     pool += [c for c in base.values() if c is not None]
-    best = min(pool, key=lambda c: c.time_s)
-    best.notes.append(f"weights alone need >= {floor / 2**30:.1f} GiB per device even split {devices} ways; "
-                      "this plan ignores the memory limit")
+    best = min(pool, key=lambda c: (c.memory_bytes, c.time_s))
+    best.notes.append(f"nothing fits {limit / 2**30:.1f} GiB per device: this is the layout closest to fitting, "
+                      f"needing {best.memory_bytes / 2**30:.1f} GiB per device (weights and optimizer state alone "
+                      f"need >= {floor / 2**30:.1f} GiB even split {devices} ways)")
     return to_plan(best, devices, base, limit)
 
 

@@ -144,3 +144,32 @@ def test_cli_plan_json_and_table(tmp_path: Path) -> None:
     out = runner.invoke(app, ["plan", str(spec), "--devices", "2", "--graph", str(graph), "--json"])
     assert out.exit_code == 0, out.output
     assert len(Plan.model_validate_json(out.output).placements) == len(inception_graph(batch=8).ops)
+
+
+def test_mesh_degrees_are_bounded_in_the_device_count() -> None:
+    """Divisors, not a loop up to p: a billion devices enumerate at once, and every count
+    agrees with the plain loop."""
+    import time
+
+    from planner.search import divisors, mesh_degrees
+
+    for n in range(1, 300):
+        assert divisors(n) == [d for d in range(1, n + 1) if n % d == 0]
+    started = time.perf_counter()
+    meshes = mesh_degrees(10**9, None, None)
+    assert time.perf_counter() - started < 1.0
+    assert all(pp * dp * tp == 10**9 for pp, dp, tp in meshes) and (1, 1, 10**9) in meshes
+
+
+def test_nothing_fits_returns_the_layout_closest_to_fitting() -> None:
+    """GPT-3 175B on 8 H200s: no layout fits, and the plan is the least-memory one with what it
+    needs, not the fastest one ignoring memory (data parallelism at 14.8 TB per device)."""
+    from planner.graph import gpt3_175b_graph
+
+    plan = plan_model(profile_graph(gpt3_175b_graph(), "cuda", memory_gb=141), 8)
+    assert not plan.feasible
+    gib = plan.memory_per_device_bytes / 2**30
+    floor = 175e9 * 16 / 8 / 2**30
+    assert floor <= gib < 1.1 * floor, gib  # weights and optimizer state split 8 ways, little more
+    assert all(plan.memory_per_device_bytes <= m for m in plan.baseline_memory_bytes.values())
+    assert any("closest to fitting" in note and f"{gib:.1f} GiB" in note for note in plan.notes)

@@ -305,3 +305,21 @@ def test_choose_plan_keeps_planner_plans_and_falls_back_only_on_refusal(tmp_path
                                OpPlacement(op="l0.qkv", splits={"h": ("tp",)})])
     fallback = choose_plan(spec, refused, 2)
     assert fallback.mesh == {"dp": 2} and "refused by the trainer" in fallback.notes[-1]
+
+
+def test_no_plan_breaks_a_tie_not_even_a_baseline() -> None:
+    """Two tied ops, one of which cannot split over tp on 2 devices: Megatron's layout would
+    split one and not the other, which the trainer refuses; it is no candidate."""
+    from planner.graph import Edge, Op
+    from planner.search import baselines
+
+    ops = [Op(name="a", dims={"b": 4, "f": 8}, inputs=(("b", "f"),), output=("b", "f"), params=(("f",),),
+              tp_dims=("f",), tp_dim="f", tp_group="g"),
+           Op(name="c", dims={"b": 4, "f": 8, "k": 3}, inputs=(("b", "f"),), output=("b", "k"), reduce=("f",),
+              params=(("f", "k"),), tp_dims=("k",), tp_group="g")]  # Megatron leaves c replicated
+    profile = profile_graph(Graph(ops=ops, edges=[Edge(src="a", dst="c")]), "cuda")
+    base = baselines(profile, 2, None)
+    assert "megatron" in base and base["megatron"] is None
+    for plan in (plan_model(profile, 2), exhaustive_search(profile, 2)):
+        on = {p.op: any("tp" in axes for axes in p.splits.values()) for p in plan.placements}
+        assert on["a"] == on["c"], plan.placements
