@@ -60,7 +60,7 @@ from collections.abc import Iterable
 from math import prod
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt, model_validator
 
 Dims = tuple[str, ...]
 
@@ -68,17 +68,17 @@ Dims = tuple[str, ...]
 class Op(BaseModel):
     """One vertex: an iteration space, the tensors it reads and writes as tuples of its dims."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
-    name: str
+    name: str = Field(min_length=1)
     kind: str = "op"
-    dims: dict[str, int]
+    dims: dict[str, PositiveInt]
     reduce: tuple[str, ...] = ()
     nosplit: tuple[str, ...] = ()
     inputs: tuple[Dims, ...] = ()
     output: Dims
     params: tuple[Dims, ...] = ()
-    flops: float = 0.0
+    flops: float = Field(0.0, ge=0.0)
     block: str | None = None
     tp_dim: str | None = None
     tp_dims: tuple[str, ...] | None = None
@@ -127,7 +127,7 @@ class Edge(BaseModel):
 
     src: str
     dst: str
-    slot: int = 0
+    slot: int = Field(0, ge=0)
 
 
 class Graph(BaseModel):
@@ -137,11 +137,11 @@ class Graph(BaseModel):
 
     name: str = "graph"
     batch_dim: str = "b"
-    act_bytes: int = 2
-    grad_bytes: int = 4
+    act_bytes: PositiveInt = 2
+    grad_bytes: PositiveInt = 4
     # Mixed-precision Adam holds 16 bytes per parameter: fp16 weight and grad, fp32 master
     # weight and two moments (ZeRO, Rajbhandari et al. 2020, section 3.1).
-    param_state_bytes: int = 16
+    param_state_bytes: PositiveInt = 16
     ops: list[Op] = Field(default_factory=list)
     edges: list[Edge] = Field(default_factory=list)
 
@@ -149,12 +149,22 @@ class Graph(BaseModel):
     def _edges_fit(self) -> Graph:
         index = {op.name: i for i, op in enumerate(self.ops)}
         if len(index) != len(self.ops):
-            raise ValueError("op names must be unique")
+            names = [op.name for op in self.ops]
+            twice = next(name for i, name in enumerate(names) if name in names[:i])
+            raise ValueError(f"op names must be unique: {twice!r} appears more than once")
+        fed: set[tuple[str, int]] = set()
         for edge in self.edges:
-            if edge.src not in index or edge.dst not in index:
-                raise ValueError(f"edge {edge.src}->{edge.dst}: unknown op")
+            for end in (edge.src, edge.dst):
+                if end not in index:
+                    raise ValueError(f"edge {edge.src}->{edge.dst}: no op is named {end!r}")
+            if edge.src == edge.dst:
+                raise ValueError(f"edge {edge.src}->{edge.dst}: an op cannot feed itself")
+            if (edge.dst, edge.slot) in fed:
+                raise ValueError(f"edge {edge.src}->{edge.dst}: input slot {edge.slot} of {edge.dst} already has an edge")
+            fed.add((edge.dst, edge.slot))
             if index[edge.src] >= index[edge.dst]:
-                raise ValueError(f"edge {edge.src}->{edge.dst}: ops must be listed in topological order")
+                raise ValueError(f"edge {edge.src}->{edge.dst}: ops must be listed in topological order "
+                                 f"({edge.dst} comes before {edge.src}; a cycle has no such order)")
             src, dst = self.ops[index[edge.src]], self.ops[index[edge.dst]]
             if edge.slot >= len(dst.inputs):
                 raise ValueError(f"edge {edge.src}->{edge.dst}: {dst.name} has no input slot {edge.slot}")
@@ -260,9 +270,39 @@ def graph_to_json(graph: Graph) -> str:
     return graph.model_dump_json(indent=1, exclude_defaults=False)
 
 
+class GraphError(ValueError):
+    """A graph file that is not a valid graph: one line per problem, naming the op and field."""
+
+    def __init__(self, path: str | Path, problems: list[str]) -> None:
+        self.problems = [f"{path}: {p}" for p in problems]
+        super().__init__("; ".join(self.problems))
+
+
 def load_graph_json(path: str | Path) -> Graph:
-    """Read a graph written by `graph_to_json` or by hand in the documented format."""
-    return Graph.model_validate_json(Path(path).read_text())
+    """Read a graph written by `graph_to_json` or by hand in the documented format; GraphError
+    says what is wrong (`ops[3].dims.b: ...`, or which op's edge), one line per problem."""
+    from pydantic import ValidationError
+
+    try:
+        raw = json.loads(Path(path).read_text())
+    except OSError as error:
+        raise GraphError(path, [f"cannot read it: {error.strerror or error}"]) from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise GraphError(path, [f"not JSON: {error}"]) from None
+    try:
+        return Graph.model_validate(raw)
+    except ValidationError as error:
+        problems = []
+        for e in error.errors():
+            where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in e["loc"]).lstrip(".")
+            names = raw.get("ops") if isinstance(raw, dict) else None
+            if e["loc"][:1] == ("ops",) and len(e["loc"]) > 1 and isinstance(names, list):
+                i = e["loc"][1]
+                if isinstance(i, int) and i < len(names) and isinstance(names[i], dict) and "name" in names[i]:
+                    where += f" (op {names[i]['name']!r})"
+            message = e["msg"].removeprefix("Value error, ")
+            problems.append(f"{where}: {message}" if where else message)
+        raise GraphError(path, problems) from None
 
 
 # Builders live in their own module; re-exported here because callers look for them here.
@@ -276,6 +316,7 @@ from planner.builders import (  # noqa: E402
 __all__ = [
     "Edge",
     "Graph",
+    "GraphError",
     "Op",
     "gpt3_175b_graph",
     "gpt_graph",

@@ -173,3 +173,56 @@ def test_nothing_fits_returns_the_layout_closest_to_fitting() -> None:
     assert floor <= gib < 1.1 * floor, gib  # weights and optimizer state split 8 ways, little more
     assert all(plan.memory_per_device_bytes <= m for m in plan.baseline_memory_bytes.values())
     assert any("closest to fitting" in note and f"{gib:.1f} GiB" in note for note in plan.notes)
+
+
+GOOD_GRAPH = {"ops": [{"name": "a", "dims": {"b": 4, "f": 8}, "inputs": [["b", "f"]], "output": ["b", "f"],
+                       "params": [["f"]], "flops": 10.0},
+                      {"name": "c", "dims": {"b": 4, "f": 8}, "inputs": [["b", "f"]], "output": ["b", "f"], "flops": 10.0}],
+              "edges": [{"src": "a", "dst": "c"}]}
+
+
+@pytest.mark.parametrize(
+    ("change", "line"),
+    [
+        (lambda g: g["ops"][0]["dims"].update(b=-4), "ops[0].dims.b (op 'a'): Input should be greater than 0"),
+        (lambda g: g["ops"][0]["dims"].update(b=0), "ops[0].dims.b (op 'a'): Input should be greater than 0"),
+        (lambda g: g["ops"][1].update(flops=float("nan")), "ops[1].flops (op 'c'): Input should be a finite number"),
+        (lambda g: g["ops"][1].update(flops=-1.0), "ops[1].flops (op 'c'): Input should be greater than or equal to 0"),
+        (lambda g: g["edges"].append({"src": "c", "dst": "c"}), "edge c->c: an op cannot feed itself"),
+        (lambda g: g["edges"].append({"src": "c", "dst": "a"}), "edge c->a: ops must be listed in topological order"),
+        (lambda g: g["ops"][1].update(name="a"), "op names must be unique: 'a' appears more than once"),
+        (lambda g: g["edges"].append({"src": "x", "dst": "c"}), "edge x->c: no op is named 'x'"),
+        (lambda g: g["edges"].append({"src": "a", "dst": "c"}), "edge a->c: input slot 0 of c already has an edge"),
+        (lambda g: g.update(act_bytes=-2), "act_bytes: Input should be greater than 0"),
+        (lambda g: g.update(ops="nope"), "ops: Input should be a valid list"),
+    ],
+)
+def test_malformed_graphs_are_refused_with_one_line(tmp_path: Path, change, line: str) -> None:
+    """`parashift plan --graph`: the op and field at fault, one line, exit 1, no traceback."""
+    from typer.testing import CliRunner
+
+    from parashift.cli import app
+
+    graph = json.loads(json.dumps(GOOD_GRAPH))
+    change(graph)
+    path = tmp_path / "g.json"
+    path.write_text(json.dumps(graph))
+    done = CliRunner().invoke(app, ["plan", "specs/default.yaml", "--graph", str(path)])
+    assert done.exit_code == 1 and "Traceback" not in done.output, done.output
+    assert done.output.strip().splitlines()[0].startswith(f"{path}: {line}"), done.output
+
+
+def test_plan_input_that_cannot_be_planned(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from parashift.cli import app
+
+    runner = CliRunner()
+    (tmp_path / "t.json").write_text(json.dumps(GOOD_GRAPH)[:40])
+    done = runner.invoke(app, ["plan", "specs/default.yaml", "--graph", str(tmp_path / "t.json")])
+    assert done.exit_code == 1 and f"{tmp_path / 't.json'}: not JSON" in done.output
+    for bad in ("0", "-1", "100000000"):
+        done = runner.invoke(app, ["plan", "specs/default.yaml", "--devices", bad])
+        assert done.exit_code == 2 and "--devices" in done.output and "Traceback" not in done.output
+    (tmp_path / "ok.json").write_text(json.dumps(GOOD_GRAPH))
+    assert runner.invoke(app, ["plan", "specs/default.yaml", "--graph", str(tmp_path / "ok.json")]).exit_code == 0

@@ -13,7 +13,8 @@ def _label(splits: dict[str, tuple[str, ...]]) -> str:
 
 def plan(
     spec: Path = typer.Argument(..., help="job spec YAML (its model, batch, resources and limits)"),
-    devices: int | None = typer.Option(None, "--devices", "-n", help="devices to plan for (default: the spec's)"),
+    devices: int | None = typer.Option(None, "--devices", "-n", min=1, max=65536,
+                                       help="devices to plan for (default: the spec's)"),
     json_out: bool = typer.Option(False, "--json", help="print the Plan as JSON only"),
     exhaustive: bool = typer.Option(False, "--exhaustive", help="brute force instead of the DP (small graphs)"),
     graph: Path | None = typer.Option(None, "--graph", help="plan this JSON op graph instead of the spec's model"),
@@ -21,7 +22,7 @@ def plan(
 ) -> None:
     """Plan the parallelization of a job: per-op placements, step time, memory, baselines."""
     from parashift.commands.spec import load_spec_or_exit
-    from planner.graph import load_graph_json
+    from planner.graph import GraphError, load_graph_json
     from planner.profile import profile_gpt, profile_graph
     from planner.search import exhaustive_search, plan_model
 
@@ -30,14 +31,23 @@ def plan(
     n = devices or res.devices
     kind = getattr(res, "kind", "cpu")
     if graph is not None:
-        profile = profile_graph(load_graph_json(graph), kind, measure, memory_gb=res.memory_gb,
-                                devices_per_node=res.devices_per_node)
+        try:
+            op_graph = load_graph_json(graph)
+        except GraphError as error:
+            for line in error.problems:
+                typer.echo(line, err=True)
+            raise typer.Exit(1) from None
+        profile = profile_graph(op_graph, kind, measure, memory_gb=res.memory_gb, devices_per_node=res.devices_per_node)
     else:
         profile = profile_gpt(model.n_layers, model.d_model, model.n_heads, model.vocab_size, model.seq_len,
                               job.training.global_batch, kind, measure, memory_gb=res.memory_gb,
                               devices_per_node=res.devices_per_node)
     search = exhaustive_search if exhaustive else plan_model
-    result = search(profile, n, None, getattr(par, "max_tp", None), getattr(par, "max_pp", None))
+    try:
+        result = search(profile, n, None, par.max_tp, par.max_pp)
+    except ValueError as error:  # e.g. brute force over more assignments than it can hold
+        typer.echo(f"{graph or spec}: cannot plan it{' exhaustively' if exhaustive else ''}: {error}", err=True)
+        raise typer.Exit(1) from None
     if json_out:
         typer.echo(result.model_dump_json(indent=2))
         return
