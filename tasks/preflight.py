@@ -19,6 +19,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from specs import JobSpec
+from tasks.profile import exact_parameter_count
 
 T = TypeVar("T")
 
@@ -194,16 +195,6 @@ def check_data(spec: JobSpec, timeout_s: float = PROBE_TIMEOUT_S) -> list[Proble
     return []
 
 
-def parameter_count(spec: JobSpec) -> int:
-    """The model's parameters, counted on the meta device (nothing allocated)."""
-    import torch
-
-    from trainer.model import GPT, GPTConfig
-
-    with torch.device("meta"):
-        return GPT(GPTConfig.of(spec.model)).num_params()
-
-
 def _host_memory_bytes() -> int:
     return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
@@ -225,7 +216,7 @@ def check_devices(spec: JobSpec) -> list[Problem]:
                                              f"{resources.devices * WORKER_PROCESS_BYTES / 1e9:,.0f} GB before any "
                                              f"tensor; this machine has {_host_memory_bytes() / 1e9:.1f} GB: "
                                              f"use at most {most}")]
-    params = parameter_count(spec)
+    params = exact_parameter_count(spec)[0]
     replica = params * STATE_BYTES_PER_PARAM
     split = resources.devices if spec.parallelism.strategy == "auto" else 1
     per_device = replica / split

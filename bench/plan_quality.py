@@ -1,0 +1,80 @@
+"""Plan quality, measured: where the planner's pick ranks among every executable mesh when each
+is run, and how far its measured step time is from the fastest.
+
+The cost model's estimates are a means; what users get is the step time of the plan the planner
+picks. On 4 CPU workers: the profile a job with `parallelism.strategy: auto` gets (GEMMs timed
+here, collectives on 4 real workers), the planner's pick for it (`plan_model`, then the same
+executability check the flow applies), and every mesh's best strategy as the planner emits it
+(`bench.cost_model_fidelity.planner_plans`: pp x dp x tp = 4, each micro-batch count, plus the
+Megatron baseline). Each plan runs as a fresh job; its median step time after warm-up counts,
+the fastest of `--passes` passes (other work on a shared machine only slows a pass down).
+
+    OMP_NUM_THREADS=1 python -m bench.plan_quality [--steps 12] [--passes 2] [--max-plans 12]
+
+Last line: one JSON object with `pick_rank` (1 = fastest measured), `pick_s`, `best_s`,
+`ratio` (pick / best; target <= 1.10) and every plan's `estimated_s` and `measured_s`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import tempfile
+
+from bench.cost_model_fidelity import (
+    DEVICES,
+    GLOBAL_BATCH,
+    MODEL,
+    bench_spec,
+    measure,
+    plan_name,
+    planner_plans,
+)
+from planner.comm import CommModel
+from planner.profile import profile_gpt, share_cores
+from planner.search import plan_model
+from tasks.plan import choose_plan
+from trainer.launch import measure_comm_model
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--passes", type=int, default=2)
+    parser.add_argument("--max-plans", type=int, default=12)
+    args = parser.parse_args()
+    comm = CommModel.model_validate(measure_comm_model(DEVICES, "cpu"))
+    profile = profile_gpt(**MODEL, batch=GLOBAL_BATCH, device_kind="cpu", measure=True, comm=comm)
+    profile = profile.model_copy(update={"device": share_cores(profile.device, DEVICES)})
+    with tempfile.TemporaryDirectory(prefix="parashift-quality-") as tmp:
+        spec = bench_spec(args.steps, f"file://{tmp}/store")
+        auto = spec.model_copy(update={"parallelism": spec.parallelism.model_copy(update={"strategy": "auto"})})
+        pick = choose_plan(auto, plan_model(profile, DEVICES), DEVICES)
+        plans = planner_plans(profile, args.max_plans)
+        pick_name = plan_name(pick)
+        plans.setdefault(pick_name, pick)
+        measured: dict[str, list[float]] = {name: [] for name in plans}
+        for k in range(args.passes):
+            for name in (list(plans) if k % 2 == 0 else list(reversed(plans))):
+                step, _ = measure(plans[name], spec, f"q-{name}-{k}")
+                measured[name].append(step)
+                print(f"pass {k}: {name:28s} estimated {plans[name].estimated_step_s * 1e3:8.2f} ms  "
+                      f"measured {step * 1e3:8.2f} ms{'  <- pick' if name == pick_name else ''}", flush=True)
+    best = {name: min(times) for name, times in measured.items()}
+    ranking = sorted(best, key=best.get)
+    result = {
+        "benchmark": "plan_quality", "machine": f"{platform.machine()}", "devices": DEVICES, "model": MODEL,
+        "global_batch": GLOBAL_BATCH, "passes": args.passes, "pick": pick_name, "pick_mesh": pick.mesh,
+        "pick_rank": ranking.index(pick_name) + 1, "plans_measured": len(ranking),
+        "pick_s": best[pick_name], "best": ranking[0], "best_s": best[ranking[0]],
+        "ratio": round(best[pick_name] / best[ranking[0]], 4),
+        "plans": [{"plan": name, "mesh": plans[name].mesh, "micro_batches": plans[name].micro_batches,
+                   "estimated_s": plans[name].estimated_step_s, "measured_s": best[name], "passes_s": measured[name]}
+                  for name in ranking],
+    }
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
