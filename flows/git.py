@@ -15,11 +15,13 @@ import os
 from pathlib import Path
 
 from prefect import flow, tags
+from prefect.artifacts import create_table_artifact
 from prefect.logging import get_run_logger
 from pydantic import BaseModel
 
 from flows.train import train_job
 from specs import parse_spec
+from tasks.artifacts import artifact_key
 from tasks.credentials import environment, storage_environment
 from tasks.git import content_hash, read_specs_from_git, record_trained, trained_before
 
@@ -89,6 +91,9 @@ def submit_from_git(repository: str, branch: str = "main", folder: str = "specs"
         else:
             results.append(Submission(path=path, outcome="failed", message=state.message))
             logger.error("%s: %s", path, state.message)
+    # On the run the schedule or the user started: what became of each spec at this commit.
+    create_table_artifact(key=artifact_key("submit-from-git", branch), table=[r.model_dump() for r in results],
+                          description=f"{repository}@{found.commit[:12]}: {len(results)} spec(s) in {folder}/")
     failed = [r for r in results if r.outcome == "failed"]
     if failed:
         raise SubmissionsFailed(f"{len(failed)} of {len(results)} specs failed: "

@@ -5,6 +5,8 @@ its own run with the validation message without stopping the others."""
 
 from __future__ import annotations
 
+import asyncio
+import json
 import subprocess
 from pathlib import Path
 
@@ -24,6 +26,15 @@ resources: {{devices: 2, kind: cpu}}
 storage: {{url: "file://./parashift-store"}}
 """
 BAD = "name: bad-heads\nmodel: {n_layers: 1, d_model: 64, n_heads: 3}\n"
+
+
+async def latest_artifact(key: str):
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+
+    async with get_client() as client:
+        found = await client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[key])))
+    return max(found, key=lambda a: a.created)
 
 
 def git(*args: str, cwd: Path) -> str:
@@ -71,6 +82,9 @@ def test_each_new_or_changed_spec_trains_once(prefect_server: None, tmp_path: Pa
     third = {s.path: s for s in submit_from_git(url, storage_root=str(root))}
     assert third["specs/job.yaml"].outcome == "trained" and third["specs/job.yaml"].final_step == 8
     assert third["specs/bad.yaml"].outcome == "already-trained"
+    table = asyncio.run(latest_artifact("submit-from-git-main"))
+    rows = table.data if isinstance(table.data, list) else json.loads(table.data)
+    assert {(r["path"], r["outcome"]) for r in rows} == {("specs/job.yaml", "trained"), ("specs/bad.yaml", "already-trained")}
     latest = store.latest()
     assert latest.step == 8 and latest.previous_step == 4, "resumed from its checkpoint at step 4"
     assert latest.metadata["source"]["commit"] == raised
