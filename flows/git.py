@@ -64,8 +64,7 @@ def train_from_git(text: str, path: str, repository: str, commit: str, storage_r
     with tags(f"job:{spec.job_id}", f"commit:{commit[:12]}", "git"), \
             environment({"PARASHIFT_SOURCE": json.dumps(source)}):
         summary = train_job(spec)
-    finished = bool(summary.segments) and summary.segments[-1].outcome == "finished"
-    if finished or summary.steps >= spec.training.steps:
+    if summary.steps >= spec.training.steps:  # trained to the end (a stopped job is submitted again)
         with environment(storage_environment(spec)):
             record_trained(spec, digest, source, summary.steps)
     return Submission(path=path, job=spec.job_id, outcome="trained", final_step=summary.steps)

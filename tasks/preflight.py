@@ -92,10 +92,15 @@ def _backend_problem(field: str, url: str) -> Problem | None:
     return None
 
 
+def _first_line(error: BaseException) -> str:
+    """What an error says, on one line (backend errors carry multi-line detail)."""
+    return str(error).splitlines()[0] if str(error) else type(error).__name__
+
+
 def _describe_storage_error(error: BaseException) -> str:
     from storage import ObjectNotFound, StoragePermissionError
 
-    text = str(error).splitlines()[0] if str(error) else type(error).__name__
+    text = _first_line(error)
     if "credential" in text.lower():
         return f"no credentials found ({text}): set them in the environment or name a storage.credentials_block"
     if isinstance(error, StoragePermissionError):
@@ -183,8 +188,7 @@ def check_data(spec: JobSpec, timeout_s: float = PROBE_TIMEOUT_S) -> list[Proble
     try:
         count, total = _within(timeout_s, "data", measure)
     except Exception as error:  # noqa: BLE001 - one line per failure
-        text = str(error).splitlines()[0] if str(error) else type(error).__name__
-        return [Problem("data.url", f"{data.url} cannot be read ({type(error).__name__}: {text})")]
+        return [Problem("data.url", f"{data.url} cannot be read ({type(error).__name__}: {_first_line(error)})")]
     if count == 0:
         return [Problem("data.url", f"{data.url} matches no files")]
     usable = min(total, data.max_bytes) if data.max_bytes else total
