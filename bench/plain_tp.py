@@ -64,13 +64,13 @@ class Region(nn.Module):
 
 
 class RowParallelLinear(nn.Module):
-    def __init__(self, full: nn.Linear, rank: int, tp: int) -> None:
+    def __init__(self, full: nn.Module, rank: int, tp: int) -> None:
         super().__init__()
-        self.weight = nn.Parameter(full.weight.detach().chunk(tp, dim=1)[rank].clone())  # (out, in / tp)
+        self.weight = nn.Parameter(full.weight.detach().chunk(tp, dim=0)[rank].clone())  # (in / tp, out)
         self.bias = nn.Parameter(full.bias.detach().clone())  # (out,), added after the reduction
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _ReduceFromRegion.apply(F.linear(x, self.weight)) + self.bias  # (B, T, out)
+        return _ReduceFromRegion.apply(x @ self.weight) + self.bias  # (B, T, out)
 
 
 def column_shard(linear: nn.Linear, rank: int, tp: int) -> None:

@@ -30,6 +30,25 @@ class GPTConfig:
         return self.d_model // self.n_heads
 
 
+class InputMajorLinear(nn.Module):
+    """A linear layer whose weight is held (in_features, out_features), as GPT-2's Conv1D.
+
+    Why not `nn.Linear` (out, in): row parallelism splits a linear's input features. Held
+    input-major, that split is dim 0, like every other split a plan makes (column-parallel
+    outputs, vocabulary rows, FSDP's shards), so each rank's share of every tensor is a run of
+    whole rows: contiguous in memory and in checkpoints, never transposed on a save or restore.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(in_features, out_features))
+        self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., in) -> (..., out)
+        y = x @ self.weight
+        return y if self.bias is None else y + self.bias
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
@@ -39,7 +58,7 @@ class CausalSelfAttention(nn.Module):
         self.q_proj = nn.Linear(config.d_model, config.d_model)
         self.k_proj = nn.Linear(config.d_model, config.d_model)
         self.v_proj = nn.Linear(config.d_model, config.d_model)
-        self.out_proj = nn.Linear(config.d_model, config.d_model)
+        self.out_proj = InputMajorLinear(config.d_model, config.d_model)
         self.resid_dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -60,7 +79,7 @@ class MLP(nn.Module):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         self.up_proj = nn.Linear(config.d_model, 4 * config.d_model)
-        self.down_proj = nn.Linear(4 * config.d_model, config.d_model)
+        self.down_proj = InputMajorLinear(4 * config.d_model, config.d_model)
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

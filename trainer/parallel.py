@@ -129,9 +129,8 @@ def plan_to_tp(plan: Plan, n_layers: int) -> tuple[TPChoices, list[str]]:
 
 def tp_shard_dims(choices: TPChoices, n_layers: int) -> dict[str, int]:
     """Parameter name -> the dim `apply_tp` shards it along, for the parts `choices` makes
-    tensor parallel (torch's styles: ColwiseParallel shards a Linear's weight and bias on dim 0,
-    RowwiseParallel its weight on dim 1 and an Embedding's weight on dim 0; the vocab-parallel
-    head is colwise). Checkpoint layouts are computed from this without processes
+    tensor parallel: always dim 0 (column-parallel weights and biases are (out, in), row-parallel
+    weights input-major (in, out), embedding and head weights (vocab, d)). Checkpoint layouts are computed from this without processes
     (`trainer.layout`); the worker checks them against the live DTensors."""
     dims: dict[str, int] = {}
     if choices.embed:
@@ -140,9 +139,9 @@ def tp_shard_dims(choices: TPChoices, n_layers: int) -> dict[str, int]:
         p = f"blocks.{i}."
         if i in choices.attention:
             dims.update({p + f"attn.{name}.{kind}": 0 for name in ("q_proj", "k_proj", "v_proj") for kind in ("weight", "bias")})
-            dims[p + "attn.out_proj.weight"] = 1
+            dims[p + "attn.out_proj.weight"] = 0
         if i in choices.mlp:
-            dims.update({p + "mlp.up_proj.weight": 0, p + "mlp.up_proj.bias": 0, p + "mlp.down_proj.weight": 1})
+            dims.update({p + "mlp.up_proj.weight": 0, p + "mlp.up_proj.bias": 0, p + "mlp.down_proj.weight": 0})
     if choices.head:
         dims["lm_head.weight"] = 0
     return dims

@@ -1,8 +1,9 @@
 """Megatron's tensor-parallel region as ParallelStyles whose matmuls run on local shards.
 
-Parameters are DTensors with exactly the placements of torch's `ColwiseParallel` (weight and
-bias Shard(0)) and `RowwiseParallel` (weight Shard(1), bias Replicate), so checkpoints, the
-optimizer and gradient clipping see the same global tensors; communication is DTensor's
+Parameters are DTensors with the placements of torch's `ColwiseParallel` (an `nn.Linear`'s
+weight and bias Shard(0)) and `RowwiseParallel` (input features sharded, bias Replicate; the
+row-parallel linears are `InputMajorLinear`s, so their input features are dim 0: Shard(0)), so
+checkpoints, the optimizer and gradient clipping see global tensors; communication is DTensor's
 `redistribute`. What differs is the compute: torch's styles leave an `nn.Linear` multiplying
 DTensors, and DTensor decomposes every linear into ~17 dispatched ops (view, t, addmm/mm, sum,
 detach, forward and backward), each paying Python dispatch and sharding propagation. Measured
@@ -35,6 +36,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle
+
+from trainer.model import InputMajorLinear
 
 
 def _shard_parameters(module: nn.Module, mesh: DeviceMesh, placements: dict[str, Placement]) -> None:
@@ -105,14 +108,14 @@ class _LocalColwiseLinear(nn.Linear):
         return F.linear(x, self.weight.to_local(), bias)
 
 
-class _LocalRowwiseLinear(nn.Linear):
+class _LocalRowwiseLinear(InputMajorLinear):
     """Input features sharded: partial products summed over tp into the stream's layout."""
 
     tp_mesh: DeviceMesh
     output_layout: Placement
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, in / tp) -> (B, T, out) or (B, T / tp, out)
-        y = _sum_partials(F.linear(x, self.weight.to_local()), self.tp_mesh, self.output_layout)
+        y = _sum_partials(x @ self.weight.to_local(), self.tp_mesh, self.output_layout)
         if self.bias is None:
             return y
         # On a T chunk each rank's bias gradient covers its tokens only: a partial sum.
@@ -132,7 +135,7 @@ class LocalColwiseParallel(ParallelStyle):
 
 
 class LocalRowwiseParallel(ParallelStyle):
-    """Row-parallel `nn.Linear` (torch's RowwiseParallel placements): takes local input
+    """Row-parallel `InputMajorLinear` (input features, its dim 0, sharded): takes local input
     features, returns the summed output in `output_layout` (Replicate, or Shard(1) for a
     sequence-parallel stream) as a local tensor."""
 
@@ -141,8 +144,8 @@ class LocalRowwiseParallel(ParallelStyle):
         self.output_layout = output_layout
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        assert type(module) is nn.Linear, f"LocalRowwiseParallel applies to nn.Linear, not {type(module)}"
-        _shard_parameters(module, device_mesh, {"weight": Shard(1), "bias": Replicate()})
+        assert type(module) is InputMajorLinear, f"LocalRowwiseParallel applies to InputMajorLinear, not {type(module)}"
+        _shard_parameters(module, device_mesh, {"weight": Shard(0), "bias": Replicate()})
         module.__class__ = _LocalRowwiseLinear
         module.tp_mesh, module.output_layout = device_mesh, self.output_layout
         return module
