@@ -40,13 +40,12 @@ import time
 import numpy as np
 
 from planner.comm import CommModel
-from planner.plan import Plan
 from planner.profile import ModelProfile, profile_gpt, share_cores
 from planner.search import baselines, candidates, to_plan
 from specs import JobSpec
+from specs.plan import Plan
 from trainer.launch import launch_workers, measure_comm_model
 from trainer.mesh import plan_refusals
-from trainer.parallel import executable_plan
 
 DEVICES = 4
 MODEL = {"n_layers": 4, "d_model": 128, "n_heads": 4, "vocab_size": 256, "seq_len": 48}
@@ -77,7 +76,7 @@ def planner_plans(profile: ModelProfile, max_plans: int) -> dict[str, Plan]:
     pool = candidates(profile, DEVICES, None, None, None, "dp", prune=False) + [c for c in base.values() if c is not None]
     plans: dict[str, Plan] = {}
     for cand in sorted(pool, key=lambda c: c.time_s):
-        plan = to_plan(cand, DEVICES, base, None)
+        plan = to_plan(cand, DEVICES, base, None, profile.graph)
         sizes = {k: MODEL[k] for k in ("n_layers", "n_heads", "seq_len")}
         if plan_name(plan) not in plans and not plan_refusals(plan, **sizes, global_batch=GLOBAL_BATCH):
             plans[plan_name(plan)] = plan
@@ -91,8 +90,7 @@ def planner_plans(profile: ModelProfile, max_plans: int) -> dict[str, Plan]:
 
 def features(plan: Plan) -> tuple[float, float, float]:
     """(compute s, op evaluations, tensor-parallel op evaluations) on the slowest stage of the
-    plan as the trainer runs it (a batch split over "tp" everywhere runs as data parallelism)."""
-    plan = executable_plan(plan)
+    plan as the trainer runs it (to_plan gives the planner's plans their executed form)."""
     stages: dict[int, list] = {}
     for p in plan.placements:
         stages.setdefault(p.stage, []).append(p)

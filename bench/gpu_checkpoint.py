@@ -23,8 +23,8 @@ import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
-from planner.plan import Plan
 from specs import JobSpec, example_path, load_spec
+from specs.plan import Plan
 from storage import CheckpointStore, ObjectStore
 from trainer.checkpoint import Checkpointer, apply_state, collect_state, restore_latest
 from trainer.launch import launch_workers

@@ -19,8 +19,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from planner.plan import Plan
 from specs import JobSpec, example_path, load_spec
+from specs.plan import Plan
 from trainer.launch import launch_workers
 from trainer.model import GPT, GPTConfig, flops_per_token
 

@@ -25,8 +25,8 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from planner.plan import Plan
 from specs import JobSpec
+from specs.plan import Plan
 from trainer.launch import torchrun_command, worker_env
 
 # d 768 and 12 heads split over tp 2, 3 and 4; 3 layers + vocab 2048: 24.4M parameters, so

@@ -21,16 +21,16 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 
-from planner.plan import Plan
 from ptc.dtensor import local_data
 from specs import JobSpec
+from specs.plan import Plan
 from storage import CheckpointStore, ObjectStore
 from trainer.checkpoint import Checkpointer, apply_state, collect_state, restore_destinations, restore_latest
 from trainer.layout import layout_mismatches, state_layout
 from trainer.mesh import Coordinates, ParallelDims
 from trainer.model import GPT, GPTConfig
 from trainer.optim import LocalShardAdamW
-from trainer.parallel import executable_plan, parallelize, plan_to_tp
+from trainer.parallel import parallelize
 from trainer.pipeline import build_stage
 
 
@@ -38,14 +38,12 @@ def build(plan: Plan, config: GPTConfig, spec: JobSpec) -> tuple[torch.nn.Module
     """The rank's part of the model under `plan`, as the trainer builds it, with AdamW state
     after one step."""
     dims = ParallelDims.from_plan(plan)
-    mesh = None if dims.pure_data_parallel else dims.build_mesh("cpu")
-    coords = Coordinates.of(mesh)
+    mesh = dims.build_mesh("cpu")
+    coords = Coordinates.of(mesh, dims)
     torch.manual_seed(0)
     model = GPT(config)
     module = build_stage(model, plan, coords.pp_rank) if dims.pp > 1 else model
-    if mesh is not None:
-        choices, _ = plan_to_tp(plan, config.n_layers)
-        parallelize(module, plan, mesh, choices)
+    parallelize(module, plan, mesh, plan.tp_regions(config.n_layers))
     optimizer = LocalShardAdamW(module, spec, torch.device("cpu"))
     for p in module.parameters():
         p.grad = torch.full_like(p, 1e-3)
@@ -126,7 +124,7 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     group = dist.new_group(backend="gloo")
     spec = JobSpec.model_validate_json(args.spec.read_text())
-    plan = executable_plan(Plan.model_validate_json(args.plan.read_text()))
+    plan = Plan.model_validate_json(args.plan.read_text())
     config = GPTConfig.of(spec.model)
     module, optimizer = build(plan, config, spec)
     gc.freeze()  # as the trainer does

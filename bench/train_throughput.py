@@ -23,8 +23,8 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from planner.plan import OpPlacement, Plan
 from specs import JobSpec
+from specs.plan import OpPlacement, Plan
 from trainer import metrics
 from trainer.launch import launch_workers, torchrun_command, worker_env
 

@@ -48,11 +48,11 @@ def _add(g: GraphBuilder, name: str, x: str, y: str, b: int, s: int, d: int, blo
                  flops=1.0 * b * s * d, block=block, **tp)
 
 
-# What the trainer executes over "tp" (trainer/parallel.py `plan_to_tp`), as gpt_graph declares
-# it: norms and residual adds split s (sequence parallel), all of them or none; per layer,
+# What the trainer executes over "tp" (planner/execution.py turns a plan's choice into the
+# trainer's terms through each op's `part` and `layer`), as gpt_graph declares it: norms and residual adds split s (sequence parallel), all of them or none; per layer,
 # attention (qkv, attn, proj) splits heads and the MLP (fc1, fc2) the hidden dim, each region
 # all or none; the embedding, head and loss split the vocabulary, the loss only if the head does.
-SEQUENCE = {"tp_dims": ("s",), "tp_group": "sequence"}
+SEQUENCE = {"tp_dims": ("s",), "tp_group": "sequence", "part": "sequence"}
 
 
 def gpt_graph(n_layers: int, d_model: int, n_heads: int, vocab_size: int, seq_len: int, batch: int,
@@ -70,13 +70,14 @@ def gpt_graph(n_layers: int, d_model: int, n_heads: int, vocab_size: int, seq_le
     g = GraphBuilder(f"gpt-{n_layers}x{d}")
     # Token ids select rows of the (v, d) table: vocab parallel splits v (Partial, then all-reduce).
     x = g.add("embed", {"b": b, "s": s, "v": v, "d": d}, ("b", "s", "d"), inputs=(("b", "s"),), kind="embedding",
-              reduce=("v",), params=(("v", "d"),), flops=2.0 * b * s * d, tp_dim="v", tp_dims=("v",))
+              reduce=("v",), params=(("v", "d"),), flops=2.0 * b * s * d, tp_dim="v", tp_dims=("v",), part="embed")
     for i in range(n_layers):
         blk = f"layer{i}"
         p = f"l{i}."
-        attention = {"tp_dims": ("h",), "tp_group": p + "attention"}
-        mlp = {"tp_dims": ("f",), "tp_group": p + "mlp"}
-        ln1 = _layer_norm(g, p + "ln1", x, b, s, d, blk, **SEQUENCE)
+        attention = {"tp_dims": ("h",), "tp_group": p + "attention", "part": "attention", "layer": i}
+        mlp = {"tp_dims": ("f",), "tp_group": p + "mlp", "part": "mlp", "layer": i}
+        sequence = {**SEQUENCE, "layer": i}
+        ln1 = _layer_norm(g, p + "ln1", x, b, s, d, blk, **sequence)
         qkv = g.add(p + "qkv", {"b": b, "s": s, "d": d, "h": h, "q": 3 * e}, ("b", "s", "h", "q"), srcs=(ln1,),
                     inputs=(("b", "s", "d"),), kind="matmul", reduce=("d",), params=(("d", "h", "q"),),
                     flops=2.0 * b * s * d * 3 * d, block=blk, tp_dim="h", **attention)
@@ -88,22 +89,22 @@ def gpt_graph(n_layers: int, d_model: int, n_heads: int, vocab_size: int, seq_le
         proj = g.add(p + "proj", {"b": b, "s": s, "h": h, "e": e, "d": d}, ("b", "s", "d"), srcs=(att,),
                      inputs=(("b", "s", "h", "e"),), kind="matmul", reduce=("h", "e"), params=(("h", "e", "d"),),
                      flops=2.0 * b * s * d * d, block=blk, tp_dim="h", **attention)
-        add1 = _add(g, p + "add1", x, proj, b, s, d, blk, **SEQUENCE)
-        ln2 = _layer_norm(g, p + "ln2", add1, b, s, d, blk, **SEQUENCE)
+        add1 = _add(g, p + "add1", x, proj, b, s, d, blk, **sequence)
+        ln2 = _layer_norm(g, p + "ln2", add1, b, s, d, blk, **sequence)
         fc1 = g.add(p + "fc1", {"b": b, "s": s, "d": d, "f": f}, ("b", "s", "f"), srcs=(ln2,),
                     inputs=(("b", "s", "d"),), kind="matmul", reduce=("d",), params=(("d", "f"),),
                     flops=2.0 * b * s * d * f, block=blk, tp_dim="f", **mlp)  # GELU fused
         fc2 = g.add(p + "fc2", {"b": b, "s": s, "f": f, "d": d}, ("b", "s", "d"), srcs=(fc1,),
                     inputs=(("b", "s", "f"),), kind="matmul", reduce=("f",), params=(("f", "d"),),
                     flops=2.0 * b * s * d * f, block=blk, tp_dim="f", **mlp)
-        x = _add(g, p + "add2", add1, fc2, b, s, d, blk, **SEQUENCE)
+        x = _add(g, p + "add2", add1, fc2, b, s, d, blk, **sequence)
     lnf = _layer_norm(g, "ln_f", x, b, s, d, None, **SEQUENCE)
     head = g.add("head", {"b": b, "s": s, "d": d, "v": v}, ("b", "s", "v"), srcs=(lnf,), inputs=(("b", "s", "d"),),
                  kind="matmul", reduce=("d",), params=(("d", "v"),), flops=2.0 * b * s * d * v, tp_dim="v",
-                 tp_dims=("v",), tp_group="head")
+                 tp_dims=("v",), tp_group="head", part="head")
     # Cross entropy over v: split v is torch's loss_parallel (an all-reduce of per-token stats).
     g.add("loss", {"b": b, "s": s, "v": v}, ("b", "s"), srcs=(head,), inputs=(("b", "s", "v"),), kind="loss",
-          reduce=("v",), flops=5.0 * b * s * v, tp_dim="v", tp_dims=("v",), tp_needs="head")
+          reduce=("v",), flops=5.0 * b * s * v, tp_dim="v", tp_dims=("v",), tp_needs="head", part="loss")
     return g.build()
 
 

@@ -24,6 +24,7 @@ JSON format (what `parashift plan --graph FILE.json` reads; `graph_to_json` writ
          "params": [["d", "f"]],                              # weight tensors, axes as dims
          "flops": 2.0e9,                                      # forward FLOPs of the whole op
          "block": "layer0",                                   # optional: repeated-block instance
+         "part": "mlp", "layer": 0,                           # optional: what the trainer runs it as
          "tp_dim": "f",                                       # optional: dim Megatron splits
          "tp_dims": ["f"],                                    # optional: dims "tp" may split
          "tp_group": "layer0.mlp",                            # optional: tie group on "tp"
@@ -50,6 +51,10 @@ and a graph without them is searched over every layout, as PaSE does):
   itself must split evenly on every mesh with a "tp" axis, else the op has no configuration).
 
 These apply to named meshes (planner/configs.py `named_mesh`); PaSE's counts space ignores them.
+
+`part` and `layer` say which part of the trainer's GPT an op is ("embed", "sequence",
+"attention", "mlp", "head", "loss"); a plan is executable by the trainer only for a graph whose
+every op says so (planner/execution.py turns per-op splits into the trainer's terms).
 """
 
 from __future__ import annotations
@@ -80,6 +85,10 @@ class Op(BaseModel):
     params: tuple[Dims, ...] = ()
     flops: float = Field(0.0, ge=0.0)
     block: str | None = None
+    # The part of the model the trainer executes this op in (planner.execution): "embed",
+    # "sequence" (norms, residual adds), "attention", "mlp", "head", "loss"; and its layer.
+    part: str | None = None
+    layer: int | None = Field(default=None, ge=0)
     tp_dim: str | None = None
     tp_dims: tuple[str, ...] | None = None
     tp_group: str | None = None
@@ -114,9 +123,10 @@ class Op(BaseModel):
     def signature(self) -> str:
         """Everything the cost model reads, without the name: equal signatures cost the same.
 
-        Tie groups (`tp_group`, `tp_needs`) are left out: they constrain combinations of ops,
-        not one op's costs, and names differ per layer (planner/problem.py `tie_factors`)."""
-        body = self.model_dump(exclude={"name", "block", "tp_group", "tp_needs"})
+        Tie groups (`tp_group`, `tp_needs`) and the layer are left out: they constrain
+        combinations of ops, not one op's costs, and differ per layer (planner/problem.py
+        `tie_factors`)."""
+        body = self.model_dump(exclude={"name", "block", "layer", "tp_group", "tp_needs"})
         return hashlib.sha1(json.dumps(body, sort_keys=True).encode()).hexdigest()
 
 

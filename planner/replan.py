@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from planner.plan import Plan
+from specs.plan import Plan
 
 
 @dataclass(frozen=True)

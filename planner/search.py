@@ -29,10 +29,11 @@ from planner import dp
 from planner.baselines import baseline_assign, baseline_meshes
 from planner.configs import Mesh, counts_mesh, dtensor_placements, mesh_configs, named_mesh
 from planner.costs import CostModel
+from planner.execution import executable
 from planner.graph import Graph, Op
-from planner.plan import OpPlacement, Plan
 from planner.problem import UNPIPELINED, OpBreakdown, Weights, breakdown, build_problem, tie_factors
 from planner.profile import ModelProfile, profile_graph
+from specs.plan import OpPlacement, Plan
 
 Method = Literal["dp", "exhaustive"]
 
@@ -313,8 +314,10 @@ def candidates(profile: ModelProfile, devices: int, limit: float | None, max_tp:
     return out
 
 
-def to_plan(best: Candidate, devices: int, base: dict[str, Candidate | None], limit: float | None) -> Plan:
-    """The Plan the trainer executes, with per-op costs and DTensor placements."""
+def to_plan(best: Candidate, devices: int, base: dict[str, Candidate | None], limit: float | None,
+            graph: Graph) -> Plan:
+    """The Plan the trainer executes (planner.execution: its per-op choice in the trainer's
+    terms), annotated with per-op costs and DTensor placements."""
     placements, stages = [], []
     for s, st in enumerate(best.stages):
         names = []
@@ -335,13 +338,13 @@ def to_plan(best: Candidate, devices: int, base: dict[str, Candidate | None], li
     if not feasible:
         notes.append(f"no strategy fits {limit / 2**30:.1f} GiB per device")
     mesh = {axis: n for axis, n in (("pp", best.pp), ("dp", best.dp), ("tp", best.tp)) if n > 1} or {"dp": 1}
-    return Plan(
+    return executable(Plan(
         devices=devices, mesh=mesh, placements=placements, micro_batches=best.micro_batches,
         estimated_step_s=best.time_s, memory_per_device_bytes=int(best.memory_bytes), strategy=best.name,
         baselines={k: c.time_s for k, c in base.items() if c is not None},
         baseline_memory_bytes={k: int(c.memory_bytes) for k, c in base.items() if c is not None},
         stages=stages if len(stages) > 1 else [], feasible=feasible, notes=notes,
-    )
+    ), graph)
 
 
 def plan_model(source: ModelProfile | Graph, devices: int, memory_limit_bytes: int | None = None,
@@ -361,7 +364,7 @@ def plan_model(source: ModelProfile | Graph, devices: int, memory_limit_bytes: i
     pool += [c for c in base.values() if c is not None]
     fitting = [c for c in pool if c.fits(limit)]
     if fitting:
-        return to_plan(min(fitting, key=lambda c: c.time_s), devices, base, limit)
+        return to_plan(min(fitting, key=lambda c: c.time_s), devices, base, limit, profile.graph)
     # Nothing fits: say so, and return the layout closest to fitting (least memory, then time),
     # with the memory it needs (feasible=False). Searched with the limit, every stage that cannot
     # fit is its least-memory assignment; the bound on weights skips no mesh here.
@@ -373,7 +376,7 @@ def plan_model(source: ModelProfile | Graph, devices: int, memory_limit_bytes: i
     best.notes.append(f"nothing fits {limit / 2**30:.1f} GiB per device: this is the layout closest to fitting, "
                       f"needing {best.memory_bytes / 2**30:.1f} GiB per device (weights and optimizer state alone "
                       f"need >= {floor / 2**30:.1f} GiB even split {devices} ways)")
-    return to_plan(best, devices, base, limit)
+    return to_plan(best, devices, base, limit, profile.graph)
 
 
 def exhaustive_search(source: ModelProfile | Graph, devices: int, memory_limit_bytes: int | None = None,
@@ -401,7 +404,7 @@ def plan_options(source: ModelProfile | Graph, devices: int, memory_limit_bytes:
     profile = _as_profile(source, device_kind, devices_per_node)
     limit = memory_limit_bytes if memory_limit_bytes is not None else profile.device.memory_bytes
     base = baselines(profile, devices, max_tp)
-    options = [best] + [to_plan(c, devices, base, limit) for c in base.values() if c is not None and c.fits(limit)]
+    options = [best] + [to_plan(c, devices, base, limit, profile.graph) for c in base.values() if c is not None and c.fits(limit)]
     unique: dict[tuple[object, ...], Plan] = {}
     for plan in options:
         key = (tuple(sorted(plan.mesh.items())), tuple((p.op, tuple(sorted(p.splits.items()))) for p in plan.placements))

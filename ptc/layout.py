@@ -102,13 +102,15 @@ class Layout:
 @dataclass(frozen=True)
 class TensorPlacement:
     """Where one global tensor lives under a plan: its shape and dtype, the pipeline stage that
-    holds it (None: every stage), the dim the "tp" axis shards (None: replicated), the one
-    rank that holds it alone (a rank's RNG state), if any."""
+    holds it (None: every stage), the dim the "tp" axis shards (None: replicated), the dim the
+    sharded part of the "dp" axis shards within each tp box (FSDP; None: replicated over dp),
+    the one rank that holds it alone (a rank's RNG state), if any."""
 
     shape: tuple[int, ...]
     dtype: str
     stage: int | None = None
     tp_dim: int | None = None
+    dp_dim: int | None = None
     rank: int | None = None
     # The dim any plan may shard (stored outermost in checkpoints), whether or not this one does.
     split_dim: int | None = None
@@ -136,8 +138,18 @@ def shard_box(shape: tuple[int, ...], dim: int, parts: int, index: int) -> Slice
     return Slice(offsets, lengths)
 
 
-def mesh_layout(mesh: dict[str, int], tensors: dict[str, TensorPlacement]) -> Layout:
-    """The Layout of a collection under a mesh, computed without processes. Empty boxes (uneven
+def shard_within(box: Slice, dim: int, parts: int, index: int) -> Slice:
+    """Part `index` of `parts` of `box` along `dim`, by the same rule: FSDP's chunk of a rank's
+    tensor-parallel shard (torch.chunk, which FSDP2 uses, cuts as Shard does)."""
+    length, offset = Shard.local_shard_size_and_offset(box.lengths[dim], parts, index)
+    offsets = tuple(o + offset if d == dim else o for d, o in enumerate(box.offsets))
+    lengths = tuple(length if d == dim else n for d, n in enumerate(box.lengths))
+    return Slice(offsets, lengths)
+
+
+def mesh_layout(mesh: dict[str, int], tensors: dict[str, TensorPlacement], dp_shard: int = 1) -> Layout:
+    """The Layout of a collection under a mesh, computed without processes. `dp_shard`: the dp
+    axis is (dp / dp_shard replicas) x (dp_shard shards), row-major. Empty boxes (uneven
     shards) are left out, as DTensor holds no elements there."""
     coords = mesh_coordinates(mesh)
     tp = mesh.get("tp", 1)
@@ -152,6 +164,8 @@ def mesh_layout(mesh: dict[str, int], tensors: dict[str, TensorPlacement]) -> La
             if where.stage is not None and where.stage != coord["pp"]:
                 continue
             box = Slice.whole(shape) if split is None else shard_box(shape, split, tp, coord["tp"])
+            if dp_shard > 1 and where.dp_dim is not None:
+                box = shard_within(box, where.dp_dim, dp_shard, coord["dp"] % dp_shard)
             if box.numel > 0 or not shape:
                 layout.holders[rank] = box
         layouts[name] = layout

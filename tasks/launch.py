@@ -17,8 +17,8 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 from prefect.logging import get_run_logger
 
-from planner.plan import Plan
 from specs import JobSpec
+from specs.plan import Plan
 from storage import JobPaths, ObjectStore
 from tasks import progress
 from tasks.artifacts import TrainingProgress

@@ -6,10 +6,10 @@ from prefect import task
 from prefect.artifacts import create_table_artifact
 from prefect.logging import get_run_logger
 
-from planner.plan import Plan
 from planner.replan import Option, comparison, pick
 from planner.search import plan_model, plan_options
 from specs import JobSpec
+from specs.plan import Plan
 from tasks.artifacts import artifact_key
 from tasks.credentials import environment, storage_environment
 from tasks.profile import load_profile

@@ -7,8 +7,8 @@ from prefect import task
 from prefect.artifacts import create_table_artifact
 from prefect.logging import get_run_logger
 
-from planner.plan import Plan
 from specs import JobSpec
+from specs.plan import Plan
 from tasks.artifacts import artifact_key
 from tasks.credentials import environment, storage_environment
 from tasks.records import ReshardSummary

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 from jobs import assert_bitwise_equal, checkpoint_store, final_state, kill_tree, tiny_spec
 
-from planner.plan import Plan
 from specs import JobSpec
+from specs.plan import Plan
 from trainer import launch, metrics
 from trainer.launch import launch_workers
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from jobs import tiny_spec
 
-from planner.plan import Plan
+from specs.plan import Plan
 from storage import CheckpointStore, ObjectStore
 from trainer.checkpoint import (
     Checkpointer,

@@ -13,13 +13,12 @@ import pytest
 import torch
 from jobs import assert_bitwise_equal, final_state, tiny_spec
 
-from planner.plan import OpPlacement, Plan
 from planner.profile import profile_gpt
 from planner.search import plan_model
 from specs import JobSpec
+from specs.plan import Plan, TensorParallel
 from trainer.launch import LaunchResult, launch_workers
 from trainer.mesh import plan_refusals
-from trainer.parallel import TPChoices, plan_to_tp
 
 pytestmark = pytest.mark.slow
 
@@ -48,26 +47,19 @@ def planner_plan(devices: int, max_tp: int | None, max_pp: int | None) -> Plan:
     return plan_model(profile, devices, max_tp=max_tp, max_pp=max_pp, device_kind="cpu")
 
 
+LAYERS = tuple(range(MODEL["n_layers"]))
+
+
 def attention_only_tp(mesh: dict[str, int]) -> Plan:
-    """A hand-built mixed plan in the planner's format: Megatron attention and sequence
-    parallel norms, but replicated MLPs and a replicated embedding and head."""
-    placements = [OpPlacement(op="embed"), OpPlacement(op="ln_f", splits={"s": ("tp",)})]
-    for i in range(MODEL["n_layers"]):
-        placements += [OpPlacement(op=f"l{i}.{op}", splits={"h": ("tp",)}) for op in ("qkv", "attn", "proj")]
-        placements += [OpPlacement(op=f"l{i}.{op}", splits={"s": ("tp",)}) for op in ("ln1", "ln2", "add1", "add2")]
-        placements += [OpPlacement(op=f"l{i}.{op}") for op in ("fc1", "fc2")]
-    return mesh_plan(mesh, placements=placements)
+    """A mixed plan: Megatron attention and sequence parallel norms, but replicated MLPs and a
+    replicated embedding and head."""
+    return mesh_plan(mesh, tensor_parallel=TensorParallel(sequence=True, attention=LAYERS))
 
 
 def megatron_replicated_stream(mesh: dict[str, int]) -> Plan:
     """Megatron attention and MLP, everything else replicated over tp (no sequence parallelism):
     the region boundaries are the in-place all-reduces of trainer/tp_styles.py's fast path."""
-    placements = [OpPlacement(op=op) for op in ("embed", "ln_f", "head", "loss")]
-    for i in range(MODEL["n_layers"]):
-        placements += [OpPlacement(op=f"l{i}.{op}", splits={"h": ("tp",)}) for op in ("qkv", "attn", "proj")]
-        placements += [OpPlacement(op=f"l{i}.{op}", splits={"f": ("tp",)}) for op in ("fc1", "fc2")]
-        placements += [OpPlacement(op=f"l{i}.{op}") for op in ("ln1", "ln2", "add1", "add2")]
-    return mesh_plan(mesh, placements=placements)
+    return mesh_plan(mesh, tensor_parallel=TensorParallel(attention=LAYERS, mlp=LAYERS))
 
 
 def run(spec: JobSpec, plan: Plan, until_step: int | None = None, schedule: str | None = None) -> LaunchResult:
@@ -120,14 +112,6 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[float], di
     return losses, final_state(spec)
 
 
-def batch_over_tp(mesh: dict[str, int]) -> Plan:
-    """Every op splits the batch over dp and tp: what the planner picks for small models."""
-    axes = tuple(a for a in ("dp", "tp") if a in mesh)
-    ops = ["embed", "ln_f", "head", "loss"] + [f"l{i}.{op}" for i in range(MODEL["n_layers"]) for op in
-                                               ("ln1", "qkv", "attn", "proj", "add1", "ln2", "fc1", "fc2", "add2")]
-    return mesh_plan(mesh, placements=[OpPlacement(op=op, splits={"b": axes}) for op in ops])
-
-
 PLANS = {
     "dp4": lambda: Plan.data_parallel(4),
     "tp4": lambda: mesh_plan({"tp": 4}),  # no placements: Megatron + sequence + loss parallel
@@ -139,7 +123,12 @@ PLANS = {
     "tp4-planner-mixed": lambda: planner_plan(4, max_tp=None, max_pp=1),
     "dp2xtp2-attention-only": lambda: attention_only_tp({"dp": 2, "tp": 2}),
     "tp4-megatron-replicated-stream": lambda: megatron_replicated_stream({"tp": 4}),
-    "dp2xtp2-batch-over-tp": lambda: batch_over_tp({"dp": 2, "tp": 2}),
+    # The dp axis sharding the training state (FSDP2), alone and with every other axis.
+    "fsdp4": lambda: Plan.fully_sharded(4),
+    "fsdp3": lambda: Plan.fully_sharded(3),  # uneven shards of every tensor, shares of 3, 3, 2
+    "fsdp2xtp2": lambda: mesh_plan({"dp": 2, "tp": 2}, dp_shard=2),
+    "hsdp2x2": lambda: mesh_plan({"dp": 4}, dp_shard=2),
+    "pp2xfsdp2": lambda: mesh_plan({"pp": 2, "dp": 2}, dp_shard=2, micro_batches=2),
 }
 
 
@@ -156,12 +145,12 @@ def test_plan_matches_single_process(name: str, reference, tmp_path: Path) -> No
 def test_planner_plans_are_the_mixed_ones_tested() -> None:
     """The planner's choices for this model really are mixed per-op plans (else the two
     planner cases above would test nothing new)."""
-    tp4, _ = plan_to_tp(planner_plan(4, None, 1), MODEL["n_layers"])
-    assert tp4.mlp and not tp4.attention, tp4
+    tp4 = planner_plan(4, None, 1).tensor_parallel
+    assert tp4 is not None and tp4.mlp and not tp4.attention, tp4
     tp3 = planner_plan(3, None, 1)
-    assert tp3.mesh == {"tp": 3} and plan_to_tp(tp3, MODEL["n_layers"])[1] == []
+    assert tp3.mesh == {"tp": 3} and tp3.tensor_parallel is not None and not tp3.trainer_refusals
     pp = planner_plan(4, max_tp=1, max_pp=2)
-    assert pp.degree("pp") == 2 and pp.stages
+    assert pp.degree("pp") == 2 and pp.stage_layers
 
 
 def test_checkpoint_moves_between_plans(reference, tmp_path: Path) -> None:
@@ -178,6 +167,22 @@ def test_checkpoint_moves_between_plans(reference, tmp_path: Path) -> None:
     assert next(e for e in third.events if e["event"] == "start")["step"] == 14
     assert third.final_step == 20
     assert_losses_match(third, expected_losses)
+    assert_state_matches(final_state(spec), expected_state)
+
+
+def test_checkpoint_moves_between_sharded_plans(reference, tmp_path: Path) -> None:
+    """Replicated -> sharded -> sharded with tp -> pipelined and sharded -> HSDP: every four
+    steps a new plan resumes the last one's checkpoint, and the run keeps the losses and the
+    final state of the uninterrupted single process."""
+    expected_losses, expected_state = reference
+    spec = spec_for("sharded-moves", tmp_path)
+    plans = [mesh_plan({"dp": 2, "tp": 2}), Plan.fully_sharded(4), mesh_plan({"dp": 2, "tp": 2}, dp_shard=2),
+             mesh_plan({"pp": 2, "dp": 2}, dp_shard=2, micro_batches=2), mesh_plan({"dp": 4}, dp_shard=2)]
+    for i, plan in enumerate(plans):
+        result = run(spec, plan, until_step=4 * (i + 1))
+        assert next(e for e in result.events if e["event"] == "start")["step"] == 4 * i
+        assert result.final_step == 4 * (i + 1)
+        assert_losses_match(result, expected_losses)
     assert_state_matches(final_state(spec), expected_state)
 
 
@@ -207,15 +212,15 @@ def test_unexecutable_plans_are_refused_with_reasons() -> None:
     assert any("n_heads (4) divisible by tp (3)" in r for r in tp3), tp3
     sp = plan_refusals(mesh_plan({"tp": 4}), **{**sizes, "seq_len": 30})
     assert any("seq_len (30)" in r for r in sp), sp
-    batch_here_heads_there = [OpPlacement(op="l0.fc1", splits={"b": ("tp",)}), OpPlacement(op="l0.qkv", splits={"h": ("tp",)})]
-    odd = plan_refusals(mesh_plan({"tp": 2}, placements=batch_here_heads_there), **sizes)
-    assert any("l0.fc1 splits ['b'] over tp" in r for r in odd), odd
+    beyond = plan_refusals(mesh_plan({"tp": 2}, tensor_parallel=TensorParallel(mlp=(0, 2))), **sizes)
+    assert any("layers [2] do not exist" in r for r in beyond), beyond
     pp = plan_refusals(mesh_plan({"pp": 2, "dp": 2}, micro_batches=3), **sizes)
     assert any("micro-batches" in r for r in pp), pp
     assert plan_refusals(mesh_plan({"pp": 2, "tp": 2}, micro_batches=4), **sizes) == []
     too_few = plan_refusals(mesh_plan({"pp": 2, "tp": 2}, micro_batches=1), **sizes)
     assert any("at least 2 micro-batches" in r for r in too_few), too_few
-    assert plan_to_tp(mesh_plan({"tp": 2}), 2)[0] == TPChoices.megatron(2)
+    assert mesh_plan({"tp": 2}).tp_regions(2) == TensorParallel.megatron(2)
+    assert plan_refusals(mesh_plan({"pp": 2, "dp": 2}, dp_shard=2, micro_batches=2), **sizes) == []
 
 
 def test_launcher_refuses_an_unexecutable_plan_before_starting_processes(tmp_path: Path) -> None:

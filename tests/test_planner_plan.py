@@ -19,9 +19,9 @@ from planner.graph import (
     load_graph_json,
     pase_transformer_graph,
 )
-from planner.plan import Plan
 from planner.profile import profile_gpt, profile_graph
 from planner.search import exhaustive_search, plan_model
+from specs.plan import Plan
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -16,17 +16,17 @@ from planner import dp
 from planner.comm import default_comm
 from planner.configs import Config, Mesh, mesh_configs, named_mesh, splits_on
 from planner.costs import CostModel
+from planner.execution import executable
 from planner.graph import Graph, gpt_graph, graph_to_json, inception_graph, pase_transformer_graph
 from planner.pipeline import _stage_ops, block_order, stage_splits
-from planner.plan import OpPlacement, Plan
 from planner.problem import Weights, build_problem, tie_factors
 from planner.profile import DEFAULT_DEVICES, profile_gpt, profile_graph
 from planner.search import TieVariants, exhaustive_search, plan_model, solve_stage
+from specs.plan import OpPlacement, Plan
 from trainer.mesh import plan_refusals
-from trainer.parallel import plan_to_tp
 
-# The trainer's per-op rule over "tp" (trainer/parallel.py plan_to_tp), written out here to
-# check the declarations against it.
+# The trainer's per-op rule over "tp" (planner/execution.py), written out here to check the
+# declarations against it.
 TRAINER_TP = {"embed": {"v"}, "head": {"v"}, "loss": {"v"}, "ln_f": {"s"}, "ln1": {"s"}, "ln2": {"s"},
               "add1": {"s"}, "add2": {"s"}, "qkv": {"h"}, "attn": {"h"}, "proj": {"h"}, "fc1": {"f"}, "fc2": {"f"}}
 
@@ -124,8 +124,7 @@ def test_every_planner_plan_for_gpt_is_executable(size: tuple[int, ...]) -> None
                 plan = plan_model(prof, p, limit, **kw)
                 _executable(plan, layers, heads, seq, batch)
                 if plan.degree("tp") > 1:
-                    choices, _ = plan_to_tp(plan, layers)
-                    kinds.add(("pp" if plan.degree("pp") > 1 else "tp", choices.sequence))
+                    kinds.add(("pp" if plan.degree("pp") > 1 else "tp", plan.tp_regions(layers).sequence))
     assert kinds, "the limits never forced tensor parallelism"
 
 
@@ -159,19 +158,19 @@ def test_local_groups_never_cross_a_stage_boundary() -> None:
             assert where["loss"] == where["head"]
 
 
-def _trainer_accepts(g: Graph, mesh: Mesh, assign: list[int], costs: CostModel, n_layers: int) -> bool:
+def _trainer_accepts(g: Graph, mesh: Mesh, assign: list[int], costs: CostModel) -> bool:
     placements = [OpPlacement(op=op.name, splits=costs.op_cost(op).configs[i].splits(op, mesh))
                   for op, i in zip(g.ops, assign, strict=True)]
     degrees = dict(zip(mesh.names, mesh.sizes, strict=True))
     plan = Plan(devices=mesh.devices, mesh=degrees, placements=placements, strategy="test")
-    return not plan_to_tp(plan, n_layers)[1]
+    return not executable(plan, g).trainer_refusals
 
 
 @pytest.mark.parametrize("tp", [2, 4])
 @pytest.mark.parametrize("lam", [0.0, 1.6e-9])
 def test_tied_dp_equals_brute_force_over_what_the_trainer_accepts(tp: int, lam: float) -> None:
     """On a 1-layer GPT (13 ops), every assignment of the restricted configurations is checked
-    by the trainer's own plan_to_tp; the DP with tie tables finds the cheapest accepted one."""
+    by planner.execution, the one translation into what the trainer executes; the DP with tie tables finds the cheapest accepted one."""
     g = gpt_graph(1, 64, 4, 128, 16, 8)
     mesh = named_mesh(1, tp)
     costs = CostModel(g, DEFAULT_DEVICES["cuda"], default_comm("cuda"), mesh)
@@ -187,14 +186,14 @@ def test_tied_dp_equals_brute_force_over_what_the_trainer_accepts(tp: int, lam: 
     accepted = 0
     for flat in np.argsort(full, axis=None, kind="stable"):  # cheapest first, to the first accepted
         idx = [int(i) for i in np.unravel_index(flat, full.shape)]
-        if _trainer_accepts(g, mesh, idx, costs, 1):
+        if _trainer_accepts(g, mesh, idx, costs):
             best = float(full.reshape(-1)[flat])
             break
         accepted += 1
     if lam:  # there the cheapest assignment breaks a tie (sequence parallel on some norms only)
         assert accepted > 0
     assert value == pytest.approx(best, rel=1e-12)
-    assert _trainer_accepts(g, mesh, assign, costs, 1)
+    assert _trainer_accepts(g, mesh, assign, costs)
     assert dp.brute_force(tied)[1] == pytest.approx(best, rel=1e-12)
 
 
@@ -300,9 +299,10 @@ def test_choose_plan_keeps_planner_plans_and_falls_back_only_on_refusal(tmp_path
         assert profile_task.profile_key(spec) != key
     finally:
         profile_task.PROFILE_FORMAT -= 1
-    refused = Plan(devices=2, mesh={"tp": 2}, strategy="hand",
-                   placements=[OpPlacement(op="l0.fc1", splits={"b": ("tp",)}),
-                               OpPlacement(op="l0.qkv", splits={"h": ("tp",)})])
+    refused = executable(Plan(devices=2, mesh={"tp": 2}, strategy="hand",
+                              placements=[OpPlacement(op="l0.fc1", splits={"b": ("tp",)}),
+                                          OpPlacement(op="l0.qkv", splits={"h": ("tp",)})]), prof.graph)
+    assert any("l0.fc1 splits ['b'] over tp" in r for r in refused.trainer_refusals), refused.trainer_refusals
     fallback = choose_plan(spec, refused, 2)
     assert fallback.mesh == {"dp": 2} and "refused by the trainer" in fallback.notes[-1]
 

@@ -13,10 +13,10 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from states import box_of, global_state, save_all_ranks
 
-from planner.plan import Plan
 from ptc import Layout
 from ptc.chunks import chunk_rows, split_points, storage_order
 from ptc.layout import Slice
+from specs.plan import Plan
 from storage import CheckpointStore, ObjectStore
 from trainer.checkpoint import execute_reads, reads_for, reshard_plan
 from trainer.layout import state_layout

@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 from jobs import tiny_spec
 
-from planner.plan import Plan
 from planner.profile import profile_gpt
 from planner.replan import Option, pick
 from planner.search import plan_options
+from specs.plan import Plan
 from tasks.plan import cheapest_to_continue, executable_reasons
 from trainer.launch import launch_workers
 

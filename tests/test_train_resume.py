@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from jobs import assert_bitwise_equal, checkpoint_store, final_state, kill_tree, tiny_spec
 
-from planner.plan import Plan
+from specs.plan import Plan
 from storage import JobPaths, ObjectStore
 from trainer.launch import LaunchResult, launch_workers
 

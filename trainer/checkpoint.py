@@ -35,7 +35,6 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from planner.plan import Plan
 from ptc import Layout, Slice
 from ptc.chunks import chunk_rows, row_bytes, storage_order
 from ptc.codec import tensor_bytes, torch_dtype
@@ -43,6 +42,7 @@ from ptc.dtensor import local_data
 from ptc.reconfig import LOCAL, Assembly, RankReads, ReconfigPlan, StoredBox, rank_reads, reconfig_plan
 from ptc.transpose import copy_across_transpose
 from specs import JobSpec
+from specs.plan import Plan
 from storage import (
     CheckpointStore,
     Manifest,

@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from planner.plan import Plan
 from specs import JobSpec
+from specs.plan import Plan
 from trainer import metrics
 from trainer.mesh import job_plan_refusals
 

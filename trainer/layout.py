@@ -3,8 +3,9 @@
 Every tensor of the state is named: parameters `model/<name>`, AdamW state
 `optim/<name>/{exp_avg,exp_avg_sq,step}` and each rank's RNG state `rng/rank<r>/<device>`.
 Which rank holds which box follows from the plan alone: the pipeline stage that owns a
-parameter (`trainer.pipeline.stage_layers`), the dim tensor parallelism shards it along
-(`trainer.parallel.tp_shard_dims`), and data parallelism replicating it. The same function
+parameter (`Plan.layers_per_stage`), the dim tensor parallelism shards it along
+(`trainer.parallel.tp_shard_dims`), and data parallelism replicating it or, sharded (FSDP),
+cutting each tensor-parallel box along dim 0 (FSDP2 shards every parameter on dim 0). The same function
 serves the worker (what to write, what to read), the CLI and the flow (the reshard plan shown
 before anything moves).
 """
@@ -13,13 +14,12 @@ from __future__ import annotations
 
 import torch
 
-from planner.plan import Plan
 from ptc import Layout, dtype_name
 from ptc.dtensor import holdings
 from ptc.layout import TensorPlacement, mesh_layout
+from specs.plan import Plan, TensorParallel
 from trainer.model import GPT, GPTConfig
-from trainer.parallel import TPChoices, executable_plan, plan_to_tp, tp_shard_dims
-from trainer.pipeline import stage_layers
+from trainer.parallel import tp_shard_dims
 
 # AdamW's per-parameter state: two moments shaped and placed like the parameter, and a scalar
 # float32 step count (torch.optim.AdamW without `capturable`).
@@ -48,18 +48,18 @@ def _stage_of(name: str, stages: list[list[int]]) -> int | None:
 
 def state_layout(plan: Plan, config: GPTConfig, rng_bytes: dict[str, int] | None = None) -> Layout:
     """Every rank's box of every tensor of the training state under `plan`."""
-    plan = executable_plan(plan)
     n = config.n_layers
-    choices, _ = plan_to_tp(plan, n)
-    sharded = tp_shard_dims(choices, n)
-    splittable = tp_shard_dims(TPChoices.megatron(n), n)  # stored outermost under every plan
-    stages = stage_layers(plan, n) if plan.degree("pp") > 1 else [list(range(n))]
+    sharded = tp_shard_dims(plan.tp_regions(n))
+    splittable = tp_shard_dims(TensorParallel.megatron(n))  # stored outermost under every plan
+    stages = plan.layers_per_stage(n)
+    fsdp_dim = 0 if plan.dp_shard > 1 else None
     with torch.device("meta"):
         model = GPT(config)
     placements: dict[str, TensorPlacement] = {}
     for name, param in model.named_parameters():
         stage = _stage_of(name, stages)
-        where = TensorPlacement(tuple(param.shape), dtype_name(param.dtype), stage, sharded.get(name), split_dim=splittable.get(name))
+        where = TensorPlacement(tuple(param.shape), dtype_name(param.dtype), stage, sharded.get(name), fsdp_dim,
+                                split_dim=splittable.get(name, 0))
         placements[f"model/{name}"] = where
         for moment in MOMENTS:
             placements[f"optim/{name}/{moment}"] = where
@@ -67,7 +67,7 @@ def state_layout(plan: Plan, config: GPTConfig, rng_bytes: dict[str, int] | None
     for rank in range(plan.devices):
         for device, size in (rng_bytes or rng_state_bytes(torch.device("cpu"))).items():
             placements[f"rng/rank{rank:05d}/{device}"] = TensorPlacement((size,), "uint8", rank=rank)
-    return mesh_layout(plan.mesh, placements)
+    return mesh_layout(plan.mesh, placements, plan.dp_shard)
 
 
 def layout_mismatches(layout: Layout, state: dict[str, torch.Tensor], rank: int) -> list[str]:

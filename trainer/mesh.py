@@ -1,6 +1,11 @@
 """ParallelDims: the Plan's degrees checked against the world size and the model, and the one
 place that builds device meshes (after torchtitan's ParallelDims).
 
+Every plan runs on a mesh, pure data parallelism included (a mesh whose only axis of size > 1
+is dp). The dp axis is two axes underneath, ("dp_replicate", "dp_shard"), flattened back into
+"dp": the training state is replicated over the first and sharded (FSDP) over the second, so
+data parallelism, FSDP and HSDP are three sizes of one mesh.
+
 `plan_refusals` runs before any process group exists (the worker calls it first; launchers and
 tasks can call it before starting processes), so a plan the trainer cannot execute fails with a
 reason instead of a crash inside a collective.
@@ -13,40 +18,47 @@ from dataclasses import dataclass
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from planner.plan import MESH_AXES, Plan
 from specs import JobSpec
+from specs.plan import Plan
+
+# The mesh as built: dp split into its replicate and shard parts (rank order is unchanged:
+# dp = dp_replicate * dp_shard + dp_shard index, as the Plan's ("pp", "dp", "tp") order reads it).
+BUILT_AXES = ("pp", "dp_replicate", "dp_shard", "tp")
 
 
 @dataclass(frozen=True)
 class ParallelDims:
-    """Degrees of the ("pp", "dp", "tp") mesh, outermost first (the Plan's axis order)."""
+    """Degrees of the mesh, outermost first; dp = dp_replicate x dp_shard."""
 
     pp: int
-    dp: int
+    dp_replicate: int
+    dp_shard: int
     tp: int
 
     @classmethod
     def from_plan(cls, plan: Plan) -> ParallelDims:
-        return cls(pp=plan.degree("pp"), dp=plan.degree("dp"), tp=plan.degree("tp"))
+        return cls(pp=plan.degree("pp"), dp_replicate=plan.dp_replicate, dp_shard=plan.dp_shard, tp=plan.degree("tp"))
+
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
 
     @property
     def world_size(self) -> int:
         return self.pp * self.dp * self.tp
-
-    @property
-    def pure_data_parallel(self) -> bool:
-        """DDP over every rank, no mesh: the trainer's original (and fastest-to-start) path."""
-        return self.pp == 1 and self.tp == 1
 
     def validate(self, world_size: int) -> None:
         if self.world_size != world_size:
             raise ValueError(f"mesh pp{self.pp} x dp{self.dp} x tp{self.tp} needs {self.world_size} devices, got {world_size}")
 
     def build_mesh(self, device_type: str) -> DeviceMesh:
-        """The 3-D ("pp", "dp", "tp") mesh; axes of size 1 are kept so names always resolve.
-        Sub-meshes by name: `mesh["tp"]`, `mesh["dp"]`, `mesh["pp"]`."""
+        """The ("pp", "dp_replicate", "dp_shard", "tp") mesh with "dp" flattened from its two
+        parts; axes of size 1 are kept so names always resolve: `mesh["tp"]`, `mesh["dp"]`,
+        `mesh["dp_shard"]`, `mesh["dp_replicate", "dp_shard"]`, `mesh["pp"]`."""
         self.validate(dist.get_world_size())
-        return init_device_mesh(device_type, (self.pp, self.dp, self.tp), mesh_dim_names=MESH_AXES)
+        mesh = init_device_mesh(device_type, (self.pp, self.dp_replicate, self.dp_shard, self.tp), mesh_dim_names=BUILT_AXES)
+        mesh["dp_replicate", "dp_shard"]._flatten("dp")  # torch's way to name a product of axes
+        return mesh
 
 
 @dataclass(frozen=True)
@@ -54,16 +66,24 @@ class Coordinates:
     """This rank's place on each mesh axis."""
 
     pp_rank: int
-    dp_rank: int
+    dp_replicate_rank: int
+    dp_shard_rank: int
     tp_rank: int
+    dp_shard: int
 
     @classmethod
-    def of(cls, mesh: DeviceMesh | None) -> Coordinates:
-        if mesh is None:
-            return cls(0, 0, 0)
+    def of(cls, mesh: DeviceMesh, dims: ParallelDims) -> Coordinates:
         coord = mesh.get_coordinate()
         assert coord is not None, "this rank is not in the mesh"
-        return cls(*coord)
+        return cls(*coord, dp_shard=dims.dp_shard)
+
+    @property
+    def dp_rank(self) -> int:
+        return self.dp_replicate_rank * self.dp_shard + self.dp_shard_rank
+
+    def within_stage(self) -> dict[str, int]:
+        """Coordinates on the axes a pipeline stage's tensors may be replicated or split over."""
+        return {"dp_replicate": self.dp_replicate_rank, "dp_shard": self.dp_shard_rank, "tp": self.tp_rank}
 
 
 def job_plan_refusals(plan: Plan, spec: JobSpec) -> list[str]:
@@ -74,31 +94,28 @@ def job_plan_refusals(plan: Plan, spec: JobSpec) -> list[str]:
 
 def plan_refusals(plan: Plan, *, n_layers: int, n_heads: int, seq_len: int, global_batch: int) -> list[str]:
     """Why this plan cannot run on this model and batch (empty: it can). No processes needed."""
-    from trainer.parallel import executable_plan, plan_to_tp  # the one Plan -> module mapping lives there
-
-    plan = executable_plan(plan)
-    dims = ParallelDims.from_plan(plan)
-    reasons: list[str] = []
-    if dims.tp > 1:
-        choices, problems = plan_to_tp(plan, n_layers)
-        reasons += problems
-        if choices.attention and n_heads % dims.tp:
-            reasons.append(f"tensor-parallel attention needs n_heads ({n_heads}) divisible by tp ({dims.tp})")
-        if choices.sequence and seq_len % dims.tp:
-            reasons.append(f"sequence parallelism needs seq_len ({seq_len}) divisible by tp ({dims.tp}) (DTensor cannot shard an uneven sequence)")
-    if global_batch < dims.dp:
-        reasons.append(f"global batch {global_batch} is smaller than the data-parallel degree {dims.dp}")
-    if dims.pp > 1:
-        from trainer.pipeline import stage_layers
-
+    reasons = list(plan.trainer_refusals)
+    tp, dp, pp = plan.degree("tp"), plan.degree("dp"), plan.degree("pp")
+    if tp > 1:
+        regions = plan.tp_regions(n_layers)
+        beyond = sorted(i for i in {*regions.attention, *regions.mlp} if i >= n_layers)
+        if beyond:
+            reasons.append(f"tensor-parallel layers {beyond} do not exist in a model of {n_layers} layers")
+        if regions.attention and n_heads % tp:
+            reasons.append(f"tensor-parallel attention needs n_heads ({n_heads}) divisible by tp ({tp})")
+        if regions.sequence and seq_len % tp:
+            reasons.append(f"sequence parallelism needs seq_len ({seq_len}) divisible by tp ({tp}) (DTensor cannot shard an uneven sequence)")
+    if global_batch < dp:
+        reasons.append(f"global batch {global_batch} is smaller than the data-parallel degree {dp}")
+    if pp > 1:
         try:
-            stage_layers(plan, n_layers)
+            plan.layers_per_stage(n_layers)
         except ValueError as error:
             reasons.append(str(error))
-        if plan.micro_batches < dims.pp:
-            reasons.append(f"a pipeline of {dims.pp} stages needs at least {dims.pp} micro-batches (the plan has "
+        if plan.micro_batches < pp:
+            reasons.append(f"a pipeline of {pp} stages needs at least {pp} micro-batches (the plan has "
                            f"{plan.micro_batches})")
-        base, extra = divmod(global_batch, dims.dp)
+        base, extra = divmod(global_batch, dp)
         for share in {base, base + 1} if extra else {base}:
             if share % plan.micro_batches:
                 reasons.append(

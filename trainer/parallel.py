@@ -1,31 +1,22 @@
 """Apply a Plan to the single-device GPT with PyTorch's own machinery (torchtitan's order):
 tensor/sequence parallelism through `parallelize_module` -> optional compile -> the data axis.
 
-`plan_to_tp` is the ONE place that reads per-op placements and turns them into module styles;
-everything else takes its `TPChoices`. Ops of the planner's GPT graph (planner/builders.py)
-map onto modules as follows, per layer i:
+What "tp" splits comes from the Plan's `TensorParallel` (specs/plan.py), part by part:
 
-    embed          tok_emb           v on tp: vocab-parallel embedding (RowwiseParallel)
-    l{i}.ln1/ln2   attn_norm/mlp_norm s on tp: sequence parallel (norms and residual stream)
-    l{i}.qkv/attn/proj  attn         h on tp: Megatron attention (q/k/v colwise, out rowwise)
-    l{i}.fc1/fc2   mlp               f on tp: Megatron MLP (up colwise, down rowwise)
-    ln_f           norm              s on tp: sequence parallel
-    head, loss     lm_head           v on tp: vocab-parallel head (+ loss_parallel when the
-                                     loss op splits v too)
+    embed        tok_emb             vocab-parallel embedding (RowwiseParallel)
+    sequence     norms, residual     sequence parallel (T chunks of the residual stream)
+    attention    blocks.i.attn       Megatron attention (q/k/v colwise, out rowwise)
+    mlp          blocks.i.mlp        Megatron MLP (up colwise, down rowwise)
+    head         lm_head             vocab-parallel head (+ loss_parallel)
 
-An op with no split on "tp" runs replicated on every tp rank (the planner does choose this,
-e.g. replicated attention with a tensor-parallel MLP). A plan whose every op splits the batch
-over "tp" is data parallelism over dp x tp and runs as such (`executable_plan`). A plan without
-placements gets torchtitan's default: everything Megatron-style plus sequence parallelism.
-Other splits over "tp" (the batch on some ops only, s on matmuls, d) are refused with a reason
-(`plan_to_tp`'s problems).
+A part not split runs replicated on every tp rank (the planner does choose this, e.g.
+replicated attention with a tensor-parallel MLP).
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -43,91 +34,11 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from planner.plan import Plan
+from specs.plan import Plan, TensorParallel
 from trainer.tp_styles import LocalColwiseParallel, LocalRowwiseParallel, RegionEntry
 
 
-@dataclass(frozen=True)
-class TPChoices:
-    """Which parts of the GPT are tensor parallel; everything else is replicated over tp."""
-
-    sequence: bool = False  # norms and the residual stream sharded on the sequence (T)
-    embed: bool = False  # vocab-parallel token embedding
-    attention: frozenset[int] = field(default_factory=frozenset)  # layers with Megatron attention
-    mlp: frozenset[int] = field(default_factory=frozenset)  # layers with Megatron MLPs
-    head: bool = False  # vocab-parallel LM head
-    loss_parallel: bool = False  # cross entropy on vocab-sharded logits (needs head)
-
-    @classmethod
-    def megatron(cls, n_layers: int, pipelined: bool = False) -> TPChoices:
-        layers = frozenset(range(n_layers))
-        return cls(True, True, layers, layers, True, not pipelined)
-
-
-def executable_plan(plan: Plan) -> Plan:
-    """The plan as the trainer runs it: when every op splits the batch over "tp" (the planner's
-    choice for small models), the tp axis is more data parallelism, so the mesh becomes
-    pp x (dp * tp) with the same rank order (the batch splits nest in mesh order either way)."""
-    tp = plan.degree("tp")
-    if tp == 1 or not plan.placements or not all(_on_tp(p.splits) == {"b"} for p in plan.placements):
-        return plan
-    mesh = {"pp": plan.degree("pp"), "dp": plan.degree("dp") * tp}
-    placements = [p.model_copy(update={"splits": {d: tuple(dict.fromkeys("dp" if a == "tp" else a for a in axes))
-                                                  for d, axes in p.splits.items()}}) for p in plan.placements]
-    return plan.model_copy(update={"mesh": {k: n for k, n in mesh.items() if n > 1}, "placements": placements,
-                                   "notes": [*plan.notes, f"tp {tp} splits only the batch: run as data parallelism"]})
-
-
-def _on_tp(splits: dict[str, tuple[str, ...]]) -> set[str]:
-    return {dim for dim, axes in splits.items() if "tp" in axes}
-
-
-def plan_to_tp(plan: Plan, n_layers: int) -> tuple[TPChoices, list[str]]:
-    """The Plan's per-op placements as module styles, and why any cannot be executed."""
-    pipelined = plan.degree("pp") > 1
-    if plan.degree("tp") == 1:
-        return TPChoices(), []
-    if not plan.placements:
-        return TPChoices.megatron(n_layers, pipelined), []
-    tp = {p.op: _on_tp(p.splits) for p in plan.placements}
-    problems: list[str] = []
-    for p in plan.placements:
-        extra = [d for d, axes in p.splits.items() if "dp" in axes and d != "b"]
-        if extra:
-            problems.append(f"op {p.op} splits {extra} over dp; the trainer's dp axis splits only the batch")
-
-    def want(op: str, allowed: set[str]) -> set[str]:
-        got = tp.get(op, set())
-        if got - allowed:
-            problems.append(f"op {op} splits {sorted(got - allowed)} over tp; the trainer implements {sorted(allowed) or 'none'}")
-        return got & allowed
-
-    norms = ["ln_f", *(f"l{i}.{n}" for i in range(n_layers) for n in ("ln1", "ln2", "add1", "add2"))]
-    seq = [bool(want(op, {"s"})) for op in norms]
-    if any(seq) and not all(seq):
-        problems.append("sequence parallelism must cover every norm and residual add (all or none split s over tp)")
-    attention, mlp = set(), set()
-    for i in range(n_layers):
-        parts = [bool(want(f"l{i}.{n}", {"h"})) for n in ("qkv", "attn", "proj")]
-        if all(parts):
-            attention.add(i)
-        elif any(parts):
-            problems.append(f"layer {i}: qkv, attn and proj must all split heads over tp, or none")
-        fc = [bool(want(f"l{i}.{n}", {"f"})) for n in ("fc1", "fc2")]
-        if all(fc):
-            mlp.add(i)
-        elif any(fc):
-            problems.append(f"layer {i}: fc1 and fc2 must both split f over tp, or neither")
-    head = bool(want("head", {"v"}))
-    loss = bool(want("loss", {"v"}))
-    if loss and not head:
-        problems.append("the loss splits the vocabulary over tp but the head does not")
-    choices = TPChoices(all(seq), bool(want("embed", {"v"})), frozenset(attention), frozenset(mlp), head,
-                        loss and head and not pipelined)
-    return choices, problems
-
-
-def tp_shard_dims(choices: TPChoices, n_layers: int) -> dict[str, int]:
+def tp_shard_dims(choices: TensorParallel) -> dict[str, int]:
     """Parameter name -> the dim `apply_tp` shards it along, for the parts `choices` makes
     tensor parallel: always dim 0 (column-parallel weights and biases are (out, in), row-parallel
     weights input-major (in, out), embedding and head weights (vocab, d)). Checkpoint layouts are computed from this without processes
@@ -135,13 +46,13 @@ def tp_shard_dims(choices: TPChoices, n_layers: int) -> dict[str, int]:
     dims: dict[str, int] = {}
     if choices.embed:
         dims["tok_emb.weight"] = 0
-    for i in range(n_layers):
-        p = f"blocks.{i}."
-        if i in choices.attention:
-            dims.update({p + f"attn.{name}.{kind}": 0 for name in ("q_proj", "k_proj", "v_proj") for kind in ("weight", "bias")})
-            dims[p + "attn.out_proj.weight"] = 0
-        if i in choices.mlp:
-            dims.update({p + "mlp.up_proj.weight": 0, p + "mlp.up_proj.bias": 0, p + "mlp.down_proj.weight": 0})
+    for i in choices.attention:
+        p = f"blocks.{i}.attn."
+        dims.update({p + f"{name}.{kind}": 0 for name in ("q_proj", "k_proj", "v_proj") for kind in ("weight", "bias")})
+        dims[p + "out_proj.weight"] = 0
+    for i in choices.mlp:
+        p = f"blocks.{i}.mlp."
+        dims.update({p + "up_proj.weight": 0, p + "up_proj.bias": 0, p + "down_proj.weight": 0})
     if choices.head:
         dims["lm_head.weight"] = 0
     return dims
@@ -153,7 +64,7 @@ def _blocks(model: nn.Module) -> Iterator[tuple[int, nn.Module]]:
         yield int(name), block
 
 
-def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, choices: TPChoices) -> None:
+def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, choices: TensorParallel) -> None:
     """Shard the GPT (or a stage of it) over `tp_mesh` as `choices` say, in place.
 
     Activations between blocks are local tensors: (B, T/tp, d) chunks under sequence
@@ -217,7 +128,7 @@ def _seed_rank_stream(device: torch.device, tp_rank: int) -> None:
         torch.cuda.default_generators[device.index if device.index is not None else torch.cuda.current_device()].manual_seed(seed)
 
 
-def apply_dropout_streams(model: nn.Module, tp_rank: int, choices: TPChoices, device: torch.device) -> None:
+def apply_dropout_streams(model: nn.Module, tp_rank: int, choices: TensorParallel, device: torch.device) -> None:
     """Dropout that stays correct under tensor parallelism (Megatron's two RNG streams).
 
     Every tp peer seeds its default generator alike (the worker seeds by dp and pp coordinate),
@@ -264,27 +175,39 @@ class ReplicatedRegion(ParallelStyle):
         return scatter._apply(gather._apply(module, device_mesh), device_mesh)
 
 
-def apply_dp(model: nn.Module, dp_mesh: DeviceMesh) -> nn.Module:
-    """Replicate over the dp axis with FSDP2's replicate (DDP semantics, DTensor-aware, so it
-    composes with tensor parallelism and pipeline stages)."""
-    from torch.distributed._composable.replicate_with_fsdp import replicate
+def apply_dp(model: nn.Module, plan: Plan, mesh: DeviceMesh) -> nn.Module:
+    """The data axis: FSDP2's `replicate` (DDP semantics, DTensor-aware, so it composes with
+    tensor parallelism and pipeline stages) when the state is replicated; `fully_shard` per
+    block and at the root (torchtitan's order: each block's parameters gathered just before it
+    runs) when it is sharded, over a 2-D (replicate, shard) mesh for HSDP. Both reduce
+    gradients to their mean over the dp axis."""
+    if plan.dp_shard == 1:
+        from torch.distributed._composable.replicate_with_fsdp import replicate
 
-    return replicate(model, mesh=dp_mesh)
+        return replicate(model, mesh=mesh["dp"])
+    from torch.distributed.fsdp import fully_shard
+
+    dp_mesh = mesh["dp_replicate", "dp_shard"] if plan.dp_replicate > 1 else mesh["dp_shard"]
+    for _, block in _blocks(model):
+        fully_shard(block, mesh=dp_mesh, reshard_after_forward=plan.reshard_after_forward)
+    # The root's own parameters (embeddings, final norm, head) are gathered for the whole step.
+    fully_shard(model, mesh=dp_mesh, reshard_after_forward=False)
+    return model
 
 
-def parallelize(model: nn.Module, plan: Plan, mesh: DeviceMesh, choices: TPChoices, compile: bool = False) -> nn.Module:
+def parallelize(model: nn.Module, plan: Plan, mesh: DeviceMesh, regions: TensorParallel, compile: bool = False) -> nn.Module:
     """The Plan applied to `model` (a GPT or a pipeline stage): TP -> compile -> data parallel.
     Returns the module to call; parameters keep their names (checkpoints rely on that)."""
     if plan.degree("tp") > 1:
-        apply_tp(model, mesh["tp"], choices)
+        apply_tp(model, mesh["tp"], regions)
         if any(m.p > 0 for m in model.modules() if isinstance(m, nn.Dropout)):
             device = next(model.parameters()).device
-            apply_dropout_streams(model, mesh["tp"].get_local_rank(), choices, device)
+            apply_dropout_streams(model, mesh["tp"].get_local_rank(), regions, device)
     if compile:
         for _, block in _blocks(model):
             block.compile()  # per block, as torchtitan does: small graphs, shared across layers
     if plan.degree("dp") > 1:
-        model = apply_dp(model, mesh["dp"])
+        model = apply_dp(model, plan, mesh)
     return model
 
 
@@ -302,7 +225,7 @@ def gradient_sync(model: nn.Module, enabled: bool) -> Iterator[None]:
         setter(True)
 
 
-def loss_context(choices: TPChoices) -> contextlib.AbstractContextManager:
+def loss_context(choices: TensorParallel) -> contextlib.AbstractContextManager:
     """`loss_parallel` when the logits arrive vocab-sharded (forward and backward run inside)."""
     return loss_parallel() if choices.loss_parallel else contextlib.nullcontext()
 
@@ -312,19 +235,23 @@ def plain(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
+# A flattened mesh axis stands for the axes it was made of (trainer.mesh builds "dp" so).
+_MADE_OF = {"dp": ("dp_replicate", "dp_shard")}
+
+
 def _first_replica(tensor: torch.Tensor, coords: dict[str, int]) -> bool:
     """Whether this rank holds the first copy of its box of `tensor`: its coordinate is 0 on
-    every axis the box is replicated over (Replicate placements, and "dp"/"tp" axes that the
-    tensor's mesh does not include at all)."""
-    names: tuple[str, ...] = ()
+    every axis the box is replicated over (Replicate placements, and axes of `coords` that the
+    tensor's mesh does not include at all). `coords`: this rank's coordinate on each axis of
+    its pipeline stage ("dp_replicate", "dp_shard", "tp")."""
+    covered: set[str] = set()
     if isinstance(tensor, DTensor):
-        mesh = tensor.device_mesh
-        names = mesh.mesh_dim_names or ()
-        coord = mesh.get_coordinate()
-        assert coord is not None
-        if any(c != 0 for c, p in zip(coord, tensor.placements, strict=True) if isinstance(p, Replicate)):
-            return False
-    return all(c == 0 for axis, c in coords.items() if axis not in names)
+        for name, placement in zip(tensor.device_mesh.mesh_dim_names or (), tensor.placements, strict=True):
+            axes = _MADE_OF.get(name, (name,))
+            covered.update(axes)
+            if isinstance(placement, Replicate) and any(coords[a] for a in axes):
+                return False
+    return all(c == 0 for axis, c in coords.items() if axis not in covered)
 
 
 @torch.no_grad()
@@ -342,10 +269,9 @@ def settle_gradients(params: list[torch.Tensor]) -> None:
 
 @torch.no_grad()
 def clip_grad_norm_(params: list[torch.Tensor], max_norm: float, coords: dict[str, int]) -> torch.Tensor:
-    """torch.nn.utils.clip_grad_norm_ for parameters spread over a pp x dp x tp mesh: every
-    distinct gradient box counted once (replicas skipped), squares summed over all ranks.
-    Gradients must be settled (`settle_gradients`). `coords`: this rank's "dp" and "tp"
-    coordinates."""
+    """torch.nn.utils.clip_grad_norm_ for parameters spread over a pp x dp x tp mesh, replicated
+    or sharded: every distinct gradient box counted once (replicas skipped), squares summed over
+    all ranks. Gradients must be settled (`settle_gradients`). `coords`: as `_first_replica`."""
     grads = [p.grad for p in params if p.grad is not None]
     device = grads[0].device if grads else torch.device("cpu")
     total = torch.zeros((), dtype=torch.float32, device=device)

@@ -7,14 +7,13 @@ checkpoints name parameters the same under every plan.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from planner.plan import Plan
+from specs.plan import Plan
 from trainer.model import GPT
 
 # Names of torch.distributed.pipelining's schedules. The package is imported only by a pipeline
@@ -23,32 +22,6 @@ from trainer.model import GPT
 SCHEDULES = ("1F1B", "GPipe")
 # The planner costs pipelines as 1F1B (planner/pipeline.py), so that is the default.
 DEFAULT_SCHEDULE = "1F1B"
-
-_LAYER = re.compile(r"^l(\d+)\.")
-
-
-def stage_layers(plan: Plan, n_layers: int) -> list[list[int]]:
-    """Layer indices per stage: from the Plan's stage op lists when it has them, else balanced.
-    Raises ValueError for stages the trainer cannot build (empty, out of order, embedding not
-    first or head not last)."""
-    pp = plan.degree("pp")
-    if not plan.stages:
-        base, extra = divmod(n_layers, pp)
-        counts = [base + (1 if s < extra else 0) for s in range(pp)]
-        if min(counts) < 1:
-            raise ValueError(f"{n_layers} layers cannot fill {pp} pipeline stages")
-        starts = [sum(counts[:s]) for s in range(pp)]
-        return [list(range(a, a + n)) for a, n in zip(starts, counts, strict=True)]
-    if len(plan.stages) != pp:
-        raise ValueError(f"plan has {len(plan.stages)} stage lists for a pp degree of {pp}")
-    layers = [sorted({int(m.group(1)) for op in ops if (m := _LAYER.match(op))}) for ops in plan.stages]
-    flat = [i for stage in layers for i in stage]
-    if flat != list(range(n_layers)) or any(not stage for stage in layers):
-        raise ValueError(f"pipeline stages must hold contiguous, non-empty runs of layers 0..{n_layers - 1}; got {layers}")
-    if "embed" in {op for s in plan.stages[1:] for op in s} or "head" in {op for s in plan.stages[:-1] for op in s}:
-        raise ValueError("the embedding must sit on the first pipeline stage and the head on the last")
-    return layers
-
 
 class GPTStage(nn.Module):
     """Some consecutive layers of a GPT; the first stage also embeds, the last also projects."""
@@ -76,7 +49,7 @@ class GPTStage(nn.Module):
 
 
 def build_stage(model: GPT, plan: Plan, pp_rank: int) -> GPTStage:
-    layers = stage_layers(plan, len(model.blocks))
+    layers = plan.layers_per_stage(len(model.blocks))
     return GPTStage(model, layers[pp_rank], first=pp_rank == 0, last=pp_rank == len(layers) - 1)
 
 

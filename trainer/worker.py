@@ -4,10 +4,11 @@ data-parallel rank takes a contiguous share of every global batch (tensor-parall
 the same share), and gradients are scaled so that their mean over the dp axis is the
 global-batch mean on any device count.
 
-Plans: pure data parallel runs DDP over all ranks (no device mesh); any plan with "tp" or "pp"
-builds the ("pp", "dp", "tp") mesh and applies `trainer.parallel.parallelize` (DTensor tensor
-and sequence parallelism, FSDP2's replicate on dp) and, with "pp", `trainer.pipeline` stages
-(1F1B; PARASHIFT_PP_SCHEDULE=GPipe overrides it) over plan.micro_batches micro-batches.
+Every plan takes one path: the ("pp", "dp", "tp") mesh (`trainer.mesh`), this rank's pipeline
+stage (the whole model without "pp"), `trainer.parallel.parallelize` (DTensor tensor and
+sequence parallelism, then FSDP2's replicate or fully_shard on dp), and with "pp" the
+`trainer.pipeline` schedule (1F1B; PARASHIFT_PP_SCHEDULE=GPipe overrides it) over
+plan.micro_batches micro-batches.
 
     torchrun --standalone --nproc-per-node N -m trainer.worker --spec spec.json --plan plan.json
 """
@@ -25,11 +26,10 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel
 
-from planner.plan import Plan
 from ptc.reconfig import LOCAL, RankReads
 from specs import JobSpec
+from specs.plan import Plan
 from storage import CheckpointStore, JobPaths, ObjectStore
 from trainer import metrics
 from trainer.checkpoint import (
@@ -49,12 +49,10 @@ from trainer.model import GPT, GPTConfig, flops_per_token, token_loss_sum
 from trainer.optim import LocalShardAdamW
 from trainer.parallel import (
     clip_grad_norm_,
-    executable_plan,
     gradient_sync,
     loss_context,
     parallelize,
     plain,
-    plan_to_tp,
     settle_gradients,
 )
 from trainer.pipeline import DEFAULT_SCHEDULE, PipelineRunner, build_stage
@@ -72,7 +70,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def init_distributed(kind: str) -> tuple[int, int, torch.device]:
-    """Rank, world size and device from torchrun's environment (a single process without it)."""
+    """Rank, world size and device from torchrun's environment (a single process without it),
+    and the default process group: always one, so that every plan runs on a device mesh."""
     rank = int(os.environ.get("RANK", "0"))
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -82,12 +81,14 @@ def init_distributed(kind: str) -> tuple[int, int, torch.device]:
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
-    if world_size > 1:
-        # On GPUs the default group carries CPU collectives too (gloo) beside NCCL's CUDA ones.
-        # PARASHIFT_DIST_BACKEND overrides it: NCCL refuses two ranks on one GPU, gloo does not.
-        backend = os.environ.get("PARASHIFT_DIST_BACKEND") or ("cpu:gloo,cuda:nccl" if kind == "cuda" else "gloo")
-        nccl = "nccl" in backend
-        dist.init_process_group(backend=backend, device_id=device if nccl else None)
+    # On GPUs the default group carries CPU collectives too (gloo) beside NCCL's CUDA ones.
+    # PARASHIFT_DIST_BACKEND overrides it: NCCL refuses two ranks on one GPU, gloo does not.
+    backend = os.environ.get("PARASHIFT_DIST_BACKEND") or ("cpu:gloo,cuda:nccl" if kind == "cuda" else "gloo")
+    nccl = "nccl" in backend
+    # A process started without torchrun has no rendezvous: it is a world of one, in memory.
+    store = None if "MASTER_ADDR" in os.environ else dist.HashStore()
+    dist.init_process_group(backend=backend, device_id=device if nccl else None, store=store,
+                            rank=rank if store else -1, world_size=world_size if store else -1)
     return rank, world_size, device
 
 
@@ -97,10 +98,10 @@ def end_distributed(world_size: int) -> None:
     from the reducer's destructor joins its I/O thread while holding the GIL that thread waits
     for (a hang at exit with torch 2.13), and one left to interpreter exit aborts the process
     ("terminate called without an active exception")."""
+    gc.collect()
     if world_size > 1:
-        gc.collect()
         dist.barrier()
-        dist.destroy_process_group()
+    dist.destroy_process_group()
 
 
 def seconds_since_process_start() -> float | None:
@@ -128,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     # The rank in every record: the run log interleaves every worker's lines.
     logging.basicConfig(level=logging.INFO, format=f"%(levelname)s rank{os.environ.get('RANK', '0')} %(name)s: %(message)s")
     spec = JobSpec.model_validate_json(args.spec.read_text())
-    plan = executable_plan(Plan.model_validate_json(args.plan.read_text()))
+    plan = Plan.model_validate_json(args.plan.read_text())
     train, m = spec.training, spec.model
     refusals = job_plan_refusals(plan, spec)
     if refusals:
@@ -140,8 +141,8 @@ def main(argv: list[str] | None = None) -> int:
     rank, world_size, device = init_distributed(spec.resources.kind)
     if world_size != plan.devices:
         raise SystemExit(f"plan is for {plan.devices} devices, torchrun started {world_size}")
-    mesh = None if dims.pure_data_parallel else dims.build_mesh(device.type)
-    coords = Coordinates.of(mesh) if mesh is not None else Coordinates(0, rank, 0)
+    mesh = dims.build_mesh(device.type)
+    coords = Coordinates.of(mesh, dims)
     phase("distributed_s")
 
     # data: every rank builds the same global sample stream; dp ranks take shares of each batch
@@ -158,12 +159,10 @@ def main(argv: list[str] | None = None) -> int:
     config = GPTConfig.of(m)
     model = GPT(config).to(device)
     n_params = model.num_params()
-    choices, _ = plan_to_tp(plan, m.n_layers)
-    if mesh is None:
-        module = runnable = model
-    else:  # this rank's stage (the whole model without pp), then the Plan applied to it
-        module = build_stage(model, plan, coords.pp_rank) if dims.pp > 1 else model
-        runnable = parallelize(module, plan, mesh, choices, compile=spec.parallelism.compile)
+    regions = plan.tp_regions(m.n_layers)
+    # this rank's stage (the whole model without pp), then the Plan applied to it
+    module = build_stage(model, plan, coords.pp_rank) if dims.pp > 1 else model
+    runnable = parallelize(module, plan, mesh, regions, compile=spec.parallelism.compile)
     optimizer = LocalShardAdamW(module, spec, device)
     # Everything built so far lives for the whole run: keep it out of the garbage collector's
     # full passes, which otherwise cost ~0.3 s whenever a restore or a save allocates many small
@@ -181,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"rank {rank}: the plan's layout disagrees with the parallelized model: " + "; ".join(mismatches[:5]))
     # Checkpoint coordination gets its own gloo group: saves talk from a background thread
     # while training uses the default group, and CPU collectives work there on any device.
-    ckpt_group = dist.new_group(backend="gloo") if world_size > 1 else None
+    ckpt_group = dist.new_group(backend="gloo") if world_size > 1 else None  # None: nobody to talk to
     store = ObjectStore(spec.storage.url, dict(spec.storage.storage_options))
     checkpoints = CheckpointStore(store, spec.job_id)
     tier = ObjectStore(spec.storage.local_tier) if spec.storage.local_tier else None
@@ -207,13 +206,9 @@ def main(argv: list[str] | None = None) -> int:
     step, position, loss = 0, DataPosition(), None
     if restored is not None:
         loss = restored.manifest.metadata.get("loss") if restored.manifest else None
-        apply_state(restored, module, optimizer, rank, device, adopt=True)
+        apply_state(restored, module, optimizer, rank, device, adopt=not spec.parallelism.compile)
         step, position = restored.step, DataPosition(restored.data_position["samples_consumed"])
     phase("restore_s")
-    if mesh is None:
-        runnable = DistributedDataParallel(model) if world_size > 1 else model
-        if spec.parallelism.compile:
-            runnable = torch.compile(runnable)
     stops = StopRequests(store, spec.job_id, poll=rank == 0)
     tokens_per_step = train.global_batch * m.seq_len
     pids = [os.getpid()]  # by rank, in the run log: which process is which rank when one fails
@@ -290,23 +285,14 @@ def main(argv: list[str] | None = None) -> int:
             inputs, targets = stream.batch(position.samples_consumed + share_offset + offset, size)
             inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
             last = i == len(micros) - 1
-            if mesh is None:
-                sync = contextlib.nullcontext() if last or world_size == 1 else runnable.no_sync()
-            else:
-                sync = gradient_sync(runnable, last)
-            with sync, loss_context(choices):
+            with gradient_sync(runnable, last), loss_context(regions):
                 with autocast:
                     micro_loss = token_loss_sum(runnable(inputs), targets)  # scalar, sum over tokens
                 (micro_loss * loss_scale).backward()
             loss_sum += plain(micro_loss.detach()).float()
-        if mesh is not None:
-            settle_gradients(list(module.parameters()))
+        settle_gradients(list(module.parameters()))
         if spec.optimizer.grad_clip:
-            if mesh is None:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), spec.optimizer.grad_clip)
-            else:
-                params = list(module.parameters())
-                clip_grad_norm_(params, spec.optimizer.grad_clip, {"dp": coords.dp_rank, "tp": coords.tp_rank})
+            clip_grad_norm_(list(module.parameters()), spec.optimizer.grad_clip, coords.within_stage())
         checkpointer.before_update()  # a save in flight may still be reading these tensors
         optimizer.step()
         optimizer.zero_grad()

@@ -27,7 +27,7 @@ def reshard_plan(
     """Show the reconfiguration plan from the newest committed checkpoint to a plan: bytes each
     new rank needs and reads, its ranged requests, and what this node's tier serves."""
     from parashift.commands.spec import load_spec_or_exit
-    from planner.plan import Plan
+    from specs.plan import Plan
     from trainer.checkpoint import job_reshard_plan
     from trainer.mesh import job_plan_refusals
 
