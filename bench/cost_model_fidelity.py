@@ -39,12 +39,12 @@ import time
 
 import numpy as np
 
-from planner.comm import CommModel
+from planner.comm import comm_model_from_timings
 from planner.profile import ModelProfile, profile_gpt, share_cores
 from planner.search import baselines, candidates, to_plan
 from specs import JobSpec
 from specs.plan import Plan
-from trainer.launch import launch_workers, measure_comm_model
+from trainer.launch import launch_workers, measure_comm_timings
 from trainer.mesh import plan_refusals
 
 DEVICES = 4
@@ -163,7 +163,7 @@ def main() -> None:
     args = parser.parse_args()
     # As `tasks/profile` builds it for a job: GEMM rate and bandwidth measured here and shared
     # among the workers on these cores, collectives measured on 4 real workers.
-    comm = CommModel.model_validate(measure_comm_model(DEVICES, "cpu"))
+    comm = comm_model_from_timings(measure_comm_timings(DEVICES, "cpu"))
     profile = profile_gpt(**MODEL, batch=GLOBAL_BATCH, device_kind="cpu", measure=True, comm=comm)
     profile = profile.model_copy(update={"device": share_cores(profile.device, DEVICES)})
     p2p = profile.comm.p2p or profile.comm.intra

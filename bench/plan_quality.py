@@ -31,11 +31,11 @@ from bench.cost_model_fidelity import (
     plan_name,
     planner_plans,
 )
-from planner.comm import CommModel
+from planner.comm import comm_model_from_timings
 from planner.profile import profile_gpt, share_cores
 from planner.search import plan_model
 from tasks.plan import choose_plan
-from trainer.launch import measure_comm_model
+from trainer.launch import measure_comm_timings
 
 
 def main() -> None:
@@ -44,7 +44,7 @@ def main() -> None:
     parser.add_argument("--passes", type=int, default=2)
     parser.add_argument("--max-plans", type=int, default=12)
     args = parser.parse_args()
-    comm = CommModel.model_validate(measure_comm_model(DEVICES, "cpu"))
+    comm = comm_model_from_timings(measure_comm_timings(DEVICES, "cpu"))
     profile = profile_gpt(**MODEL, batch=GLOBAL_BATCH, device_kind="cpu", measure=True, comm=comm)
     profile = profile.model_copy(update={"device": share_cores(profile.device, DEVICES)})
     with tempfile.TemporaryDirectory(prefix="parashift-quality-") as tmp:

@@ -29,8 +29,8 @@ def _rss_mb() -> float:
 
 def _pase_case(p: int) -> dict[str, Any]:
     """PaSE's space (per-dim split counts, aligned layouts, no memory limit), as in its paper."""
+    from planner.builders import pase_transformer_graph
     from planner.configs import counts_mesh, op_configs
-    from planner.graph import pase_transformer_graph
     from planner.profile import profile_graph
     from planner.search import baselines, search_counts
 
@@ -55,7 +55,7 @@ def _pase_case(p: int) -> dict[str, Any]:
 
 def _gpt3_case(p: int) -> dict[str, Any]:
     """The whole planner (meshes, pipelines, per-op DP, memory limit) on GPT-3 175B."""
-    from planner.graph import gpt3_175b_graph
+    from planner.builders import gpt3_175b_graph
     from planner.profile import profile_graph
     from planner.search import plan_model
 

@@ -11,7 +11,6 @@ step after step (gloo, 4 processes on 2 cores: 0.2-0.6 ms per send against 2-3 m
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -106,77 +105,18 @@ def _fit(points: list[tuple[float, float]]) -> Link:
     return Link(latency_s=max(float(intercept), 0.0), bandwidth_Bps=1.0 / slope)
 
 
-def measure_collectives(group: Any = None, sizes: tuple[int, ...] = (1 << 14, 1 << 18, 1 << 22),
-                        repeats: int = 3, devices_per_node: int | None = None) -> CommModel:
-    """Time all_reduce and all_gather on a live torch.distributed group; fit latency + bandwidth.
-    Also time point-to-point sends (every rank sends to the next and receives from the previous
-    at once, as pipeline stages do) and fit the p2p link from them.
+def comm_model_from_timings(timings: dict[str, Any], devices_per_node: int | None = None) -> CommModel:
+    """Fit latency + bandwidth to collectives timed on live workers (`trainer.measure_comm`:
+    {"group_size": g, "all_reduce" | "all_gather" | "p2p": [[bytes, seconds], ...]}).
 
-    Call it on every rank of the group (it runs collectives). The fitted link is used for both
-    levels unless the group spans nodes; per-device bandwidth is backed out of the ring formulas.
+    Per-device volumes follow the ring formulas: all-reduce 2(g-1)/g x size, all-gather
+    (g-1) x size; point-to-point sends (pipeline stage boundaries) get a link of their own. The
+    fitted link is used for both levels unless the group spans nodes.
     """
-    import torch
-    import torch.distributed as dist
-
-    g = dist.get_world_size(group)
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else torch.device("cpu")
-    rank = dist.get_rank(group)
-
-    def peer(k: int) -> int:  # global rank of the group member k places on
-        local = (rank + k) % g
-        return dist.get_global_rank(group, local) if group is not None else local
-
-    to_next, from_prev = peer(1), peer(-1)
-    reduce_pts: list[tuple[float, float]] = []
-    gather_pts: list[tuple[float, float]] = []
-    p2p_pts: list[tuple[float, float]] = []
-
-    def shift(x: Any, y: Any) -> None:
-        if g < 2:
-            return
-        ops = [dist.P2POp(dist.isend, x, to_next, group), dist.P2POp(dist.irecv, y, from_prev, group)]
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
-
-    for size in sizes:
-        numel = size // 4
-        x = torch.ones(numel, dtype=torch.float32, device=device)
-        y = torch.empty_like(x)
-        out = [torch.empty_like(x) for _ in range(g)]
-        dist.all_reduce(x, group=group)  # warm-up (connects, allocates)
-        dist.all_gather(out, x, group=group)
-        shift(x, y)
-        best_r = best_g = best_p = float("inf")
-        for _ in range(repeats):
-            dist.barrier(group=group)
-            t0 = time.perf_counter()
-            shift(x, y)
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            best_p = min(best_p, time.perf_counter() - t0)
-            dist.barrier(group=group)
-            t0 = time.perf_counter()
-            dist.all_reduce(x, group=group)
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            best_r = min(best_r, time.perf_counter() - t0)
-            dist.barrier(group=group)
-            t0 = time.perf_counter()
-            dist.all_gather(out, x, group=group)
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            best_g = min(best_g, time.perf_counter() - t0)
-        # Ring volumes: all-reduce 2(g-1)/g * size, all-gather (g-1) * size per device.
-        ring = max(g - 1, 1)
-        reduce_pts.append((2.0 * ring / max(g, 1) * size, best_r))
-        gather_pts.append((float(ring * size), best_g))
-        p2p_pts.append((float(size), best_p))
-    times = torch.tensor([p[1] for p in reduce_pts + gather_pts + p2p_pts], dtype=torch.float64)
-    dist.all_reduce(times, op=dist.ReduceOp.MAX, group=group)  # every rank returns the same model
-    n = len(reduce_pts)
-    reduce_pts = [(b, float(t)) for (b, _), t in zip(reduce_pts, times[:n], strict=True)]
-    gather_pts = [(b, float(t)) for (b, _), t in zip(gather_pts, times[n:2 * n], strict=True)]
-    p2p_pts = [(b, float(t)) for (b, _), t in zip(p2p_pts, times[2 * n:], strict=True)]
+    g = int(timings["group_size"])
+    ring = max(g - 1, 1)
+    reduce_pts = [(2.0 * ring / max(g, 1) * size, t) for size, t in timings["all_reduce"]]
+    gather_pts = [(float(ring * size), t) for size, t in timings["all_gather"]]
     link = _fit(reduce_pts + gather_pts)
-    return CommModel(intra=link, inter=link, devices_per_node=devices_per_node or g, p2p=_fit(p2p_pts) if g > 1 else None,
-                     measured=True)
+    p2p = _fit([(float(size), t) for size, t in timings["p2p"]]) if g > 1 else None
+    return CommModel(intra=link, inter=link, devices_per_node=devices_per_node or g, p2p=p2p, measured=True)

@@ -315,23 +315,4 @@ def load_graph_json(path: str | Path) -> Graph:
         raise GraphError(path, problems) from None
 
 
-# Builders live in their own module; re-exported here because callers look for them here.
-from planner.builders import (  # noqa: E402
-    gpt3_175b_graph,
-    gpt_graph,
-    inception_graph,
-    pase_transformer_graph,
-)
-
-__all__ = [
-    "Edge",
-    "Graph",
-    "GraphError",
-    "Op",
-    "gpt3_175b_graph",
-    "gpt_graph",
-    "graph_to_json",
-    "inception_graph",
-    "load_graph_json",
-    "pase_transformer_graph",
-]
+__all__ = ["Edge", "Graph", "GraphError", "Op", "graph_to_json", "load_graph_json"]

@@ -1,7 +1,7 @@
 """Branch and bound over the outer search: meshes, micro-batch counts and stage splits.
 
 `search.candidates` (with `prune=False`) enumerates every mesh pp x dp x tp, every micro-batch
-count and every stage split, and runs the memory bisection of `search.StageSolver` on each
+count and every stage split, and runs the memory bisection of `stage.StageSolver` on each
 distinct stage. This module visits the same candidates, best lower bound first, and drops those
 that provably cannot beat the fastest fitting candidate met so far (the incumbent; the fitting
 baselines seed it). It is exact: the best candidate, and the first one in enumeration order
@@ -20,7 +20,7 @@ stage-boundary transfer, all valid because every cost term is non-negative:
 Memoisation: a context (mesh, micro-batch count) builds its micro-batch graph and cost tables
 once, and solves each distinct stage (same ops, edges and tie structure up to names) once,
 whichever split it comes from; stage splits and their keys are computed once per pipeline depth
-and tie state (`search.TieVariants`: pipelined candidates are enumerated once per on/off state
+and tie state (`stage.TieVariants`: pipelined candidates are enumerated once per on/off state
 of the tie groups a stage split can cut, as the plain enumeration does), independent of mesh and
 micro-batch size.
 """
@@ -34,10 +34,18 @@ from dataclasses import dataclass, field
 from planner.configs import named_mesh
 from planner.costs import CostModel
 from planner.graph import Graph, Op
-from planner.pipeline import _stage_ops, block_order, micro_batch_options, stage_splits, step_time
+from planner.pipeline import _stage_ops, block_order, stage_splits, step_time
 from planner.problem import UNPIPELINED, Weights
 from planner.profile import ModelProfile
-from planner.search import Candidate, Method, StageResult, StageSolver, TieVariants, mesh_degrees
+from planner.stage import (
+    Candidate,
+    Method,
+    StageResult,
+    StageSolver,
+    TieVariants,
+    mesh_degrees,
+    micro_batch_options,
+)
 
 # Relative slack on the incumbent: bounds and times are sums in different orders.
 EPS = 1e-9
@@ -189,7 +197,7 @@ class _Spec:
     boundary: float
     layout: _Layout | None = None  # None: the unpipelined single stage
     cond: _Spec | None = None  # pp = 1 accumulation: only when the single stage does not fit
-    tie_note: str | None = None  # the tie groups fixed for this candidate (search.TieVariants)
+    tie_note: str | None = None  # the tie groups fixed for this candidate (stage.TieVariants)
     lb: float = 0.0
     fits: bool | None = None  # known once evaluated (single stages)
     done: bool = False

@@ -25,6 +25,7 @@ from planner.costs import CostModel
 from planner.graph import Graph
 from planner.problem import Weights
 from planner.profile import ModelProfile
+from planner.stage import Candidate, StageResult, micro_batch_options, solve_stage
 
 
 def block_order(graph: Graph) -> list[str]:
@@ -80,23 +81,11 @@ def _key(sub: Graph, costs: CostModel) -> tuple:
             tuple((index[e.src], index[e.dst], e.slot) for e in sub.edges))
 
 
-def micro_batch_options(batch: int, pp: int, dp: int) -> list[int]:
-    """Micro-batch counts to try: pp, 2pp, 4pp, and those giving each data-parallel replica
-    1, 2, 4 or 8 sequences per micro-batch (what Megatron runs large models with); m >= pp."""
-    wanted = {pp, 2 * pp, 4 * pp} | {batch // (dp * k) for k in (1, 2, 4, 8) if batch % (dp * k) == 0}
-    # Every replica's share splits into m equal micro-batches (the pipeline schedules need equal
-    # shapes; trainer/mesh.py refuses the rest).
-    found = sorted(m for m in wanted if m >= pp and m >= 1 and batch % (m * dp) == 0)
-    return found or [m for m in range(pp, 0, -1) if batch % (m * dp) == 0][:1]
-
-
 def pipelined(profile: ModelProfile, pp: int, dp: int, tp: int, limit: float | None, method: str,
               skip_unfit: bool = True) -> list:
-    """Candidates (planner.search.Candidate) per micro-batch count and stage split; pp may be 1
+    """Candidates (planner.stage.Candidate) per micro-batch count and stage split; pp may be 1
     (gradient accumulation). `skip_unfit` False: also meshes whose weights cannot fit (to find
     the layout closest to fitting when nothing does)."""
-    from planner.search import Candidate, StageResult, solve_stage
-
     g = profile.graph
     blocks = block_order(g)
     if len(blocks) < pp or g.batch_dim not in g.ops[0].dims:

@@ -2,7 +2,7 @@
 
 Measured rates replace the defaults when `measure=True`: a few GEMMs and one large elementwise op
 timed on this machine (a couple of seconds on CPU). Collectives are measured on real workers
-through `planner.comm.measure_collectives` and passed in as `comm`.
+(`trainer.measure_comm`), fitted by `planner.comm.comm_model_from_timings` and passed in as `comm`.
 """
 
 from __future__ import annotations
@@ -11,8 +11,9 @@ import time
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from planner.builders import gpt_graph
 from planner.comm import CommModel, default_comm
-from planner.graph import Graph, gpt_graph
+from planner.graph import Graph
 
 
 class DeviceModel(BaseModel):

@@ -21,175 +21,28 @@ before: same configurations, same tables, same plans.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
-from itertools import product
-from typing import Literal
 
 from planner import dp
 from planner.baselines import baseline_assign, baseline_meshes
-from planner.configs import Mesh, counts_mesh, dtensor_placements, mesh_configs, named_mesh
+from planner.configs import counts_mesh, dtensor_placements
 from planner.costs import CostModel
 from planner.execution import executable
-from planner.graph import Graph, Op
-from planner.problem import UNPIPELINED, OpBreakdown, Weights, breakdown, build_problem, tie_factors
+from planner.graph import Graph
+from planner.outer import branch_and_bound
+from planner.pipeline import pipelined
+from planner.problem import UNPIPELINED, tie_factors
 from planner.profile import ModelProfile, profile_graph
+from planner.stage import (
+    Candidate,
+    Method,
+    StageResult,
+    TieVariants,
+    mesh_degrees,
+    single_stage,
+    solve_stage,
+    stage_result,
+)
 from specs.plan import OpPlacement, Plan
-
-Method = Literal["dp", "exhaustive"]
-
-
-@dataclass
-class StageResult:
-    """One stage's chosen configurations and what they cost."""
-
-    graph: Graph
-    costs: CostModel
-    assign: list[int]
-    weights: Weights
-    rows: list[OpBreakdown]
-    lam: float = 0.0
-
-    @property
-    def mesh(self) -> Mesh:
-        return self.costs.mesh
-
-    @property
-    def time_s(self) -> float:
-        return sum(r.compute_s + r.comm_s for r in self.rows)
-
-    @property
-    def memory_bytes(self) -> float:
-        return sum(r.memory_bytes for r in self.rows)
-
-
-@dataclass
-class Candidate:
-    """A whole strategy: mesh degrees, micro-batches, stages; its step time and memory."""
-
-    name: str
-    pp: int
-    dp: int
-    tp: int
-    micro_batches: int
-    stages: list[StageResult]
-    time_s: float
-    memory_bytes: float
-    notes: list[str] = field(default_factory=list)
-
-    def fits(self, limit: float | None) -> bool:
-        return limit is None or self.memory_bytes <= limit
-
-
-def _solve(problem: dp.Problem, method: Method) -> list[int]:
-    return (dp.solve(problem) if method == "dp" else dp.brute_force(problem))[0]
-
-
-def _result(graph: Graph, costs: CostModel, assign: list[int], w: Weights, lam: float) -> StageResult:
-    return StageResult(graph, costs, assign, w, breakdown(graph, costs, assign, w), lam)
-
-
-class StageSolver:
-    """`solve_stage` in steps, so an outer search can stop early (planner/outer.py).
-
-    `floor()`: the least-memory solution that keeps the graph's ties (an exact test: memory is a
-    sum of per-op terms; the DP over memory alone when per-op minima break a tie);
-    `first()`: the lambda = 0 solution, the fastest with no memory limit (a lower bound on the
-    stage time of every solution); `finish()`: the bisection, as `solve_stage` returns it.
-    Each step runs once and is kept.
-    """
-
-    def __init__(self, graph: Graph, costs: CostModel, memory_limit: float | None, w: Weights = UNPIPELINED,
-                 method: Method = "dp") -> None:
-        self.graph, self.costs, self.limit, self.w, self.method = graph, costs, memory_limit, w, method
-        self._floor: StageResult | None = None
-        self._first: StageResult | None = None
-        self._done: tuple[StageResult, list[StageResult]] | None = None
-
-    def floor(self) -> StageResult:
-        if self._floor is None:
-            g, costs, w = self.graph, self.costs, self.w
-            least = [int((c.param_mem + w.inflight * c.act_mem).argmin()) for c in map(costs.op_cost, g.ops)]
-            ties = tie_factors(g, costs)
-            if ties and not math.isfinite(dp.evaluate(dp.Problem([], ties), least)):
-                # Each op's least-memory configuration breaks a tie: the exact least-memory
-                # assignment that keeps them all (memory is a sum of per-op terms, ties pairwise).
-                least = dp.solve(build_problem(g, costs, w=w, memory_only=True))[0]
-            self._floor = _result(g, costs, least, w, float("inf"))
-        return self._floor
-
-    def infeasible(self) -> bool:
-        """No assignment fits the memory limit."""
-        return self.limit is not None and self.floor().memory_bytes > self.limit
-
-    def first(self) -> StageResult:
-        if self._first is None:
-            g, costs, w = self.graph, self.costs, self.w
-            self._first = _result(g, costs, _solve(build_problem(g, costs, 0.0, w), self.method), w, 0.0)
-        return self._first
-
-    def finish(self) -> tuple[StageResult, list[StageResult]]:
-        if self._done is None:
-            self._done = self._finish()
-        return self._done
-
-    def _finish(self) -> tuple[StageResult, list[StageResult]]:
-        graph, costs, w, memory_limit, method = self.graph, self.costs, self.w, self.limit, self.method
-        if memory_limit is not None and self.infeasible():
-            return self.floor(), [self.floor()]
-        first = self.first()
-        seen = [first]
-        if memory_limit is None or first.memory_bytes <= memory_limit:
-            return first, seen
-
-        def at(lam: float) -> StageResult:
-            res = _result(graph, costs, _solve(build_problem(graph, costs, lam, w), method), w, lam)
-            seen.append(res)
-            return res
-
-        scale = first.time_s / max(first.memory_bytes, 1.0)
-        lo, hi = 0.0, scale * 1e-3
-        while True:  # doubling until the memory fits or lambda makes time irrelevant
-            res = at(hi)
-            if res.memory_bytes <= memory_limit or hi > scale * 1e9:
-                break
-            lo, hi = hi, hi * 4.0
-        if res.memory_bytes <= memory_limit:
-            for _ in range(5):  # bisection in log space for the smallest fitting lambda
-                mid = math.sqrt(hi * lo) if lo > 0 else hi / 4.0
-                if at(mid).memory_bytes <= memory_limit:
-                    hi = mid
-                else:
-                    lo = mid
-        fitting = [r for r in seen if r.memory_bytes <= memory_limit]
-        best = min(fitting, key=lambda r: r.time_s) if fitting else min(seen, key=lambda r: r.memory_bytes)
-        return best, seen
-
-
-def solve_stage(graph: Graph, costs: CostModel, memory_limit: float | None, w: Weights = UNPIPELINED,
-                method: Method = "dp") -> tuple[StageResult, list[StageResult]]:
-    """The fastest configurations that fit `memory_limit`, and every solution met on the way.
-
-    When none fits, the first element is the least-memory solution (check its memory).
-    """
-    return StageSolver(graph, costs, memory_limit, w, method).finish()
-
-
-def divisors(n: int) -> list[int]:
-    """The divisors of n, ascending, in O(sqrt n) steps (a loop up to n hangs at n = 1e9)."""
-    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
-    return small + [n // d for d in reversed(small) if d * d != n]
-
-
-def mesh_degrees(devices: int, max_tp: int | None, max_pp: int | None) -> list[tuple[int, int, int]]:
-    """Every (pp, dp, tp) with pp x dp x tp = devices within the limits."""
-    out = []
-    for pp in divisors(devices):
-        if pp > (max_pp or devices):
-            continue
-        for tp in divisors(devices // pp):
-            if tp <= (max_tp or devices):
-                out.append((pp, devices // pp // tp, tp))
-    return out
 
 
 def _as_profile(source: ModelProfile | Graph, device_kind: str, devices_per_node: int | None) -> ModelProfile:
@@ -198,14 +51,6 @@ def _as_profile(source: ModelProfile | Graph, device_kind: str, devices_per_node
             source = source.model_copy(update={"comm": source.comm.model_copy(update={"devices_per_node": devices_per_node})})
         return source
     return profile_graph(source, device_kind, devices_per_node=devices_per_node)
-
-
-def single_stage(profile: ModelProfile, dp_: int, tp: int, limit: float | None, method: Method) -> Candidate:
-    """The best unpipelined strategy on a dp x tp mesh."""
-    g = profile.graph
-    mesh = named_mesh(dp_, tp, profile.comm.devices_per_node, g.batch_dim)
-    res, _ = solve_stage(g, CostModel(g, profile.device, profile.comm, mesh), limit, method=method)
-    return Candidate("pase-dp" if method == "dp" else "exhaustive", 1, dp_, tp, 1, [res], res.time_s, res.memory_bytes)
 
 
 def baselines(profile: ModelProfile, devices: int, max_tp: int | None) -> dict[str, Candidate | None]:
@@ -222,55 +67,10 @@ def baselines(profile: ModelProfile, devices: int, max_tp: int | None) -> dict[s
         if ties and not math.isfinite(dp.evaluate(dp.Problem([], ties), assign)):
             out[name] = None  # it breaks a tie group: a layout the trainer refuses is no candidate
             continue
-        res = _result(g, costs, assign, UNPIPELINED, 0.0)
+        res = stage_result(g, costs, assign, UNPIPELINED, 0.0)
         tp = dict(zip(mesh.names, mesh.sizes, strict=True)).get("tp", 1)
         out[name] = Candidate(name, 1, devices // tp, tp, 1, [res], res.time_s, res.memory_bytes)
     return out
-
-
-class TieVariants:
-    """The graphs pipelined candidates are searched on: one per on/off state of the tie groups
-    that a stage split may cut (`Graph.spanning_tp_groups`), each with a note naming its state.
-
-    Stages are solved one at a time, so the per-stage DP cannot keep a tie between ops of two
-    stages; fixing those groups beforehand (`Graph.with_tp_states`) and searching every state
-    as its own candidate keeps the search exact. A state is skipped on a mesh where some op it
-    forces on has no even split over "tp" at one of the micro-batch sizes searched (exact for
-    ties whose `tp_dims` do not include the batch dim, as in gpt_graph; otherwise that state is
-    left out on that mesh). Unpipelined candidates (one stage) and meshes without a "tp" axis
-    keep the graph as it is: there every tie is a DP constraint (planner/problem.py).
-    Variant graphs are built once per state.
-    """
-
-    def __init__(self, graph: Graph) -> None:
-        self.graph = graph
-        self.groups = graph.spanning_tp_groups()
-        self._variants: dict[tuple[bool, ...], tuple[Graph, list[Op], str]] = {}
-
-    def _variant(self, bits: tuple[bool, ...]) -> tuple[Graph, list[Op], str]:
-        if bits not in self._variants:
-            states = dict(zip(self.groups, bits, strict=True))
-            g = self.graph.with_tp_states(states)
-            forced = {op.signature(): op for op in g.ops if op.tp_required}
-            note = "tie groups across stages: " + ", ".join(f"{n} {'on' if b else 'off'}" for n, b in states.items())
-            self._variants[bits] = (g, list(forced.values()), note)
-        return self._variants[bits]
-
-    def for_mesh(self, pp: int, dp_: int, tp: int, devices_per_node: int) -> list[tuple[Graph, str | None]]:
-        g = self.graph
-        if pp == 1 or tp == 1 or not self.groups or g.batch_dim not in g.ops[0].dims:
-            return [(g, None)]
-        from planner.pipeline import micro_batch_options
-
-        mesh = named_mesh(dp_, tp, devices_per_node, g.batch_dim)
-        batch = g.ops[0].dims[g.batch_dim]
-        sizes = [batch // m for m in micro_batch_options(batch, pp, dp_)]
-        out: list[tuple[Graph, str | None]] = []
-        for bits in product((False, True), repeat=len(self.groups)):
-            variant, forced, note = self._variant(bits)
-            if all(mesh_configs(variant.op_with_batch(op, n), mesh) for op in forced for n in sizes):
-                out.append((variant, note))
-        return out
 
 
 # Branch and bound over the outer loop (planner/outer.py); False: the plain enumeration below,
@@ -288,11 +88,7 @@ def candidates(profile: ModelProfile, devices: int, limit: float | None, max_tp:
     candidate, and the first among equals, is the same either way.
     """
     if PRUNE if prune is None else prune:
-        from planner.outer import branch_and_bound
-
         return branch_and_bound(profile, devices, limit, max_tp, max_pp, method, incumbent)
-    from planner.pipeline import pipelined
-
     g = profile.graph
     ties = TieVariants(g)
     out = []

@@ -12,7 +12,7 @@ import json
 from prefect import task
 from prefect.logging import get_run_logger
 
-from planner.comm import CommModel
+from planner.comm import comm_model_from_timings
 from planner.profile import ModelProfile, profile_gpt, share_cores
 from specs import JobSpec
 from storage import JobPaths, ObjectStore
@@ -63,13 +63,13 @@ def exact_parameter_count(spec: JobSpec) -> tuple[int, int]:
 def build_profile(spec: JobSpec) -> ModelProfile:
     """The planner's profile: GEMM rates timed here and collectives timed on the job's own
     workers when the planner will choose; the defaults for the device kind otherwise."""
-    from trainer.launch import measure_comm_model
+    from trainer.launch import measure_comm_timings
 
     measure = needs_measurement(spec)
     res, m = spec.resources, spec.model
     comm = None
     if measure and res.devices > 1:
-        comm = CommModel.model_validate(measure_comm_model(res.devices, res.kind, res.devices_per_node))
+        comm = comm_model_from_timings(measure_comm_timings(res.devices, res.kind), res.devices_per_node)
     profile = profile_gpt(
         m.n_layers, m.d_model, m.n_heads, m.vocab_size, m.seq_len, spec.training.global_batch,
         res.kind, measure, memory_gb=res.memory_gb, devices_per_node=res.devices_per_node, comm=comm,

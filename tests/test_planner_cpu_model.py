@@ -10,7 +10,8 @@ from planner.comm import CommModel, Link
 from planner.pipeline import pipelined, step_time
 from planner.problem import OpBreakdown, Weights
 from planner.profile import DEFAULT_DEVICES, profile_gpt, share_cores
-from planner.search import StageResult, plan_model, single_stage
+from planner.search import plan_model
+from planner.stage import StageResult, single_stage
 
 COLLECTIVE = Link(latency_s=3e-3, bandwidth_Bps=1e9)
 P2P = Link(latency_s=2e-4, bandwidth_Bps=1e9)

@@ -141,7 +141,7 @@ def test_memoised_blocks_are_exact(problem: dp.Problem) -> None:
 
 def test_identical_blocks_are_solved_once(monkeypatch: pytest.MonkeyPatch) -> None:
     """Depth must not multiply the work: 24 identical layers cost the block eliminations of ~2."""
-    from planner.graph import gpt_graph
+    from planner.builders import gpt_graph
 
     calls = []
     real = dp.eliminate

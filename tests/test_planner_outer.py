@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from planner import search
-from planner.graph import gpt_graph
+from planner.builders import gpt_graph
 from planner.outer import _enumerate
 from planner.profile import profile_graph
 from planner.search import candidates, plan_model
@@ -55,7 +55,7 @@ def test_bounds_never_exceed_the_candidates_they_bound(monkeypatch: pytest.Monke
     for p, limit in ((8, None), (8, 40 * 2**20), (16, 20 * 2**20)):
         plain = candidates(prof, p, limit, None, None, "dp", prune=False)
         # Notes name the stage split and, with tensor parallelism, the state of the tie groups
-        # fixed across stages (search.TieVariants): together with the mesh, a unique key.
+        # fixed across stages (stage.TieVariants): together with the mesh, a unique key.
         times = {(c.pp, c.dp, c.tp, c.micro_batches, tuple(c.notes)): c.time_s for c in plain}
         assert len(times) == len(plain)
         specs = _enumerate(prof, p, limit, None, None, "dp")

@@ -9,16 +9,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from planner.builders import gpt_graph, inception_graph, pase_transformer_graph
 from planner.configs import dtensor_placements, named_mesh
 from planner.costs import CostModel
-from planner.graph import (
-    Graph,
-    gpt_graph,
-    graph_to_json,
-    inception_graph,
-    load_graph_json,
-    pase_transformer_graph,
-)
+from planner.graph import Graph, graph_to_json, load_graph_json
 from planner.profile import profile_gpt, profile_graph
 from planner.search import exhaustive_search, plan_model
 from specs.plan import Plan
@@ -151,7 +145,7 @@ def test_mesh_degrees_are_bounded_in_the_device_count() -> None:
     agrees with the plain loop."""
     import time
 
-    from planner.search import divisors, mesh_degrees
+    from planner.stage import divisors, mesh_degrees
 
     for n in range(1, 300):
         assert divisors(n) == [d for d in range(1, n + 1) if n % d == 0]
@@ -164,7 +158,7 @@ def test_mesh_degrees_are_bounded_in_the_device_count() -> None:
 def test_nothing_fits_returns_the_layout_closest_to_fitting() -> None:
     """GPT-3 175B on 8 H200s: no layout fits, and the plan is the least-memory one with what it
     needs, not the fastest one ignoring memory (data parallelism at 14.8 TB per device)."""
-    from planner.graph import gpt3_175b_graph
+    from planner.builders import gpt3_175b_graph
 
     plan = plan_model(profile_graph(gpt3_175b_graph(), "cuda", memory_gb=141), 8)
     assert not plan.feasible

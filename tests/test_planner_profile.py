@@ -30,12 +30,13 @@ def test_comm_model_costs() -> None:
 def _worker(rank: int, world: int, path: str, out: dict) -> None:
     import torch.distributed as dist
 
-    from planner.comm import measure_collectives
+    from planner.comm import comm_model_from_timings
+    from trainer.measure_comm import time_collectives
 
     os.environ["OMP_NUM_THREADS"] = "1"
     dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=world)
     try:
-        model = measure_collectives(sizes=(1 << 12, 1 << 16, 1 << 20), repeats=2)
+        model = comm_model_from_timings(time_collectives(sizes=(1 << 12, 1 << 16, 1 << 20), repeats=2))
         out[rank] = model.model_dump_json()
     finally:
         dist.destroy_process_group()

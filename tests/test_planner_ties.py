@@ -13,15 +13,17 @@ from hypothesis import strategies as st
 from test_planner_dp import _meshes, graphs
 
 from planner import dp
+from planner.builders import gpt_graph, inception_graph, pase_transformer_graph
 from planner.comm import default_comm
 from planner.configs import Config, Mesh, mesh_configs, named_mesh, splits_on
 from planner.costs import CostModel
 from planner.execution import executable
-from planner.graph import Graph, gpt_graph, graph_to_json, inception_graph, pase_transformer_graph
+from planner.graph import Graph, graph_to_json
 from planner.pipeline import _stage_ops, block_order, stage_splits
 from planner.problem import Weights, build_problem, tie_factors
 from planner.profile import DEFAULT_DEVICES, profile_gpt, profile_graph
-from planner.search import TieVariants, exhaustive_search, plan_model, solve_stage
+from planner.search import exhaustive_search, plan_model
+from planner.stage import TieVariants, solve_stage
 from specs.plan import OpPlacement, Plan
 from trainer.mesh import plan_refusals
 

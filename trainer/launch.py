@@ -133,16 +133,15 @@ def worker_command(devices: int, spec_file: Path, plan_file: Path, until_step: i
     return command
 
 
-def measure_comm_model(devices: int, kind: str, devices_per_node: int | None = None) -> dict[str, Any]:
-    """Run `trainer.measure_comm` on `devices` workers; the fitted model as a JSON dict."""
+def measure_comm_timings(devices: int, kind: str) -> dict[str, Any]:
+    """Run `trainer.measure_comm` on `devices` workers; the collectives' timings (the planner
+    fits its model to them: `planner.comm.comm_model_from_timings`)."""
     command = torchrun_command(devices, "trainer.measure_comm", "--kind", kind)
-    if devices_per_node:
-        command += ["--devices-per-node", str(devices_per_node)]
     done = subprocess.run(command, capture_output=True, text=True, env=worker_env(kind), timeout=600)
-    events = [e for line in done.stdout.splitlines() if (e := metrics.parse(line)) and e["event"] == "comm_model"]
+    events = [e for line in done.stdout.splitlines() if (e := metrics.parse(line)) and e["event"] == "comm_timings"]
     if done.returncode != 0 or not events:
         raise RuntimeError(f"measuring collectives failed ({done.returncode}):\n{done.stderr[-2000:]}")
-    return events[-1]["comm"]
+    return events[-1]["timings"]
 
 
 def worker_env(kind: str) -> dict[str, str]:

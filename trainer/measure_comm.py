@@ -1,6 +1,6 @@
-"""A torchrun program that measures collectives and point-to-point sends on the job's own
-workers (the planner's communication model: `planner.comm.measure_collectives`) and reports it
-as one worker event.
+"""A torchrun program that times collectives and point-to-point sends on the job's own workers
+and reports the timings as one worker event; the planner fits its communication model to them
+(`planner.comm.comm_model_from_timings`).
 
     torchrun --standalone --nproc-per-node N -m trainer.measure_comm --kind cpu
 """
@@ -8,25 +8,81 @@ as one worker event.
 from __future__ import annotations
 
 import argparse
+import time
+from typing import Any
 
+import torch
 import torch.distributed as dist
 
-from planner.comm import measure_collectives
 from trainer import metrics
 from trainer.worker import init_distributed
+
+
+def time_collectives(group: Any = None, sizes: tuple[int, ...] = (1 << 14, 1 << 18, 1 << 22),
+                     repeats: int = 3) -> dict[str, Any]:
+    """Best-of-`repeats` seconds of all_reduce, all_gather and a ring of point-to-point sends
+    (every rank sends to the next and receives from the previous at once, as pipeline stages
+    do) for each message size, slowest rank: `{"group_size": g, "all_reduce": [[bytes, s],
+    ...], "all_gather": [...], "p2p": [...]}`. Call it on every rank of the group."""
+    g = dist.get_world_size(group)
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else torch.device("cpu")
+    rank = dist.get_rank(group)
+
+    def peer(k: int) -> int:  # global rank of the group member k places on
+        local = (rank + k) % g
+        return dist.get_global_rank(group, local) if group is not None else local
+
+    to_next, from_prev = peer(1), peer(-1)
+
+    def shift(x: torch.Tensor, y: torch.Tensor) -> None:
+        if g < 2:
+            return
+        ops = [dist.P2POp(dist.isend, x, to_next, group), dist.P2POp(dist.irecv, y, from_prev, group)]
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+
+    def best_of(fn: Any) -> float:
+        best = float("inf")
+        for _ in range(repeats):
+            dist.barrier(group=group)
+            started = time.perf_counter()
+            fn()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            best = min(best, time.perf_counter() - started)
+        return best
+
+    kinds = ("all_reduce", "all_gather", "p2p")
+    seconds: dict[str, list[float]] = {kind: [] for kind in kinds}
+    for size in sizes:
+        x = torch.ones(size // 4, dtype=torch.float32, device=device)
+        y = torch.empty_like(x)
+        out = [torch.empty_like(x) for _ in range(g)]
+        dist.all_reduce(x, group=group)  # warm-up (connects, allocates)
+        dist.all_gather(out, x, group=group)
+        shift(x, y)
+        seconds["p2p"].append(best_of(lambda: shift(x, y)))  # noqa: B023 (called at once)
+        seconds["all_reduce"].append(best_of(lambda: dist.all_reduce(x, group=group)))  # noqa: B023
+        seconds["all_gather"].append(best_of(lambda: dist.all_gather(out, x, group=group)))  # noqa: B023
+    slowest = torch.tensor([t for kind in kinds for t in seconds[kind]], dtype=torch.float64)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)  # every rank reports the same timings
+    n = len(sizes)
+    timings: dict[str, Any] = {"group_size": g}
+    for i, kind in enumerate(kinds):
+        timings[kind] = [[size, float(t)] for size, t in zip(sizes, slowest[i * n:(i + 1) * n], strict=True)]
+    return timings
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--kind", choices=("cpu", "cuda"), default="cpu")
-    parser.add_argument("--devices-per-node", type=int, default=None)
     args = parser.parse_args(argv)
     rank, world_size, _ = init_distributed(args.kind)
     if world_size < 2:
         raise SystemExit("measuring collectives needs at least 2 workers")
-    comm = measure_collectives(devices_per_node=args.devices_per_node)
+    timings = time_collectives()
     if rank == 0:
-        metrics.emit("comm_model", comm=comm.model_dump(mode="json"))
+        metrics.emit("comm_timings", timings=timings)
     dist.destroy_process_group()
     return 0
 

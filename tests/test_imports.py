@@ -1,0 +1,92 @@
+"""The rooms' import rules, read from the source (no imports executed): no package imports
+itself in a circle (counting imports inside functions, which only hide a circle until the
+first call), the trainer never imports the planner (the Plan contract lives in `specs`), and
+the engines never import Prefect."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("specs", "planner", "ptc", "storage", "trainer", "tasks", "flows", "parashift")
+ENGINES = ("specs", "planner", "ptc", "storage", "trainer")
+
+
+def modules() -> dict[str, Path]:
+    found = {}
+    for package in PACKAGES:
+        for path in (ROOT / package).rglob("*.py"):
+            name = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+            found[name.removesuffix(".__init__")] = path
+    return found
+
+
+def imports_of(path: Path, known: dict[str, Path]) -> set[str]:
+    """Every module `path` imports, at any depth of its code (absolute imports only)."""
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            out.add(node.module)
+            out.update(f"{node.module}.{alias.name}" for alias in node.names if f"{node.module}.{alias.name}" in known)
+    return out
+
+
+def graph() -> dict[str, set[str]]:
+    known = modules()
+    return {name: imports_of(path, known) for name, path in known.items()}
+
+
+def circles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected groups of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in edges[v] & edges.keys():
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while True:
+                w = stack.pop()
+                group.append(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                found.append(sorted(group))
+
+    for v in edges:
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_import_circles() -> None:
+    edges = {name: {m for m in deps if m != name} for name, deps in graph().items()}
+    assert circles(edges) == []
+
+
+def test_a_circle_is_seen() -> None:
+    assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_trainer_never_imports_the_planner() -> None:
+    bad = {(name, m) for name, deps in graph().items() if name.startswith("trainer") for m in deps
+           if m == "planner" or m.startswith("planner.")}
+    assert bad == set()
+
+
+def test_engines_never_import_prefect() -> None:
+    bad = {(name, m) for name, deps in graph().items() if name.split(".")[0] in ENGINES for m in deps
+           if m == "prefect" or m.startswith("prefect.")}
+    assert bad == set()
