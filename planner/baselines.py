@@ -47,4 +47,5 @@ def baseline_meshes(graph: Graph, devices: int, devices_per_node: int, max_tp: i
     return {
         "data-parallel": named_mesh(devices, 1, devices_per_node, graph.batch_dim),
         "megatron": named_mesh(devices // tp, tp, devices_per_node, graph.batch_dim),
+        "fsdp": named_mesh(devices, 1, devices_per_node, graph.batch_dim, shard_dp=True),
     }

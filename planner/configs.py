@@ -42,6 +42,7 @@ class Mesh:
     batch_only: tuple[str, ...] = ()  # axes that may split only the batch dim (or replicate)
     batch_dim: str = "b"
     full: bool = False  # counts space: every op uses all devices (no replicated compute)
+    shard_dp: bool = False  # the "dp" axis shards parameter state (FSDP / ZeRO-3) instead of replicating it
 
     @property
     def devices(self) -> int:
@@ -66,14 +67,16 @@ class Mesh:
         return size, max(self.spans[a] for a in axes) <= self.devices_per_node
 
 
-def named_mesh(dp: int, tp: int, devices_per_node: int = 8, batch_dim: str = "b") -> Mesh:
+def named_mesh(dp: int, tp: int, devices_per_node: int = 8, batch_dim: str = "b", shard_dp: bool = False) -> Mesh:
     """The ("dp", "tp") mesh of a stage; axes of size 1 are dropped.
 
-    "dp" splits only the batch (or replicates): that is what data parallelism means to the
-    trainer (replicated weights, gradient all-reduce). "tp" may split any dim, the batch too.
+    "dp" splits only the batch: what data parallelism means to the trainer. The weights are
+    replicated over it (gradient all-reduce) or, `shard_dp`, sharded over it (FSDP: gathered
+    for each use, gradients reduce-scattered). "tp" may split any dim, the batch too.
     """
     axes = [(n, s) for n, s in (("dp", dp), ("tp", tp)) if s > 1]
-    return Mesh(tuple(n for n, _ in axes), tuple(s for _, s in axes), False, devices_per_node, ("dp",), batch_dim)
+    return Mesh(tuple(n for n, _ in axes), tuple(s for _, s in axes), False, devices_per_node, ("dp",), batch_dim,
+                shard_dp=shard_dp and dp > 1)
 
 
 def _prime_factors(n: int) -> list[int]:

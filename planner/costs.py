@@ -13,6 +13,10 @@ the collectives inside the op, plus the sum over edges of layout conversion. Her
 - optimizer step: once per step, reading and writing the parameter state of the device's shard
   (bandwidth-bound; counted with the gradient sync, the other once-per-step term);
 - memory per device: parameter state (weights, grads, Adam) of its shard plus saved activations.
+- sharded data parallelism (`Mesh.shard_dp`, FSDP): parameter state and the optimizer step
+  divided over "dp"; the weight gradient's all-reduce over "dp" becomes FSDP's traffic (two
+  all-gathers of the weight, a reduce-scatter of its gradient). The gathered weights of the one
+  block in flight are not counted (FSDP frees them after use).
 
 Tables are cached by op signature, so identical layers cost one computation.
 """
@@ -75,16 +79,28 @@ class CostModel:
             self._edges[key] = self._build_edge(src, dst, edge.slot)
         return self._edges[key]
 
+    def _dp_axis(self) -> int | None:
+        """Index of the "dp" axis when it shards parameter state (FSDP), else None."""
+        return self.mesh.names.index("dp") if self.mesh.shard_dp and "dp" in self.mesh.names else None
+
     def _allreduce(self, op: Op, cfg: Config, tensor: tuple[str, ...], elem_bytes: int, bucketed: bool = False) -> float:
         """All-reduce of a tensor that is a partial sum over the axes splitting dims it lacks
-        (`bucketed`: a weight gradient, fused with others into buckets)."""
+        (`bucketed`: a weight gradient, fused with others into buckets; over a sharded "dp"
+        axis that part is FSDP's gathers and reduce-scatter instead)."""
         axes = {a for d, ax in zip(op.dims, cfg.axes, strict=True) if d not in tensor for a in ax}
+        dp_axis = self._dp_axis() if bucketed else None
+        fsdp = 0.0
+        if dp_axis is not None:  # FSDP gathers and reduce-scatters every weight, whatever the op splits
+            axes.discard(dp_axis)
+            local = op.numel(tensor) / prod(c for d, c in zip(op.dims, cfg.counts, strict=True) if d in tensor)
+            group, intra = self.mesh.group({dp_axis})
+            fsdp = self.comm.sharded_gradient_sync(local * self.graph.act_bytes, local * elem_bytes, group, intra)
         if not axes:
-            return 0.0
+            return fsdp
         group, intra = self.mesh.group(axes)
         local = op.numel(tensor) / prod(c for d, c in zip(op.dims, cfg.counts, strict=True) if d in tensor)
         reduce = self.comm.bucketed_all_reduce if bucketed else self.comm.all_reduce
-        return reduce(local * elem_bytes, group, intra)
+        return fsdp + reduce(local * elem_bytes, group, intra)
 
     def _build_op(self, op: Op) -> OpCost:
         g, dev = self.graph, self.device
@@ -93,6 +109,8 @@ class CostModel:
         compute, comm, grad_comm = np.zeros(n), np.zeros(n), np.zeros(n)
         param_mem, act_mem = np.zeros(n), np.zeros(n)
         rate = dev.matmul_flops if op.kind in GEMM_KINDS else float("inf")
+        dp_axis = self._dp_axis()
+        state_share = 1 if dp_axis is None else self.mesh.sizes[dp_axis]  # FSDP: each rank holds 1/dp
         for i, cfg in enumerate(configs):
             split = dict(zip(op.dims, cfg.counts, strict=True))
 
@@ -111,8 +129,8 @@ class CostModel:
             grad_comm[i] = sum(self._allreduce(op, cfg, t, g.grad_bytes, bucketed=True) for t in op.params)
             # The optimizer step reads and writes the parameter state of the local shard once:
             # replicas (dp, or ops replicated over tp) each pay it again.
-            grad_comm[i] += 2.0 * g.param_state_bytes * params / dev.memory_Bps
-            param_mem[i] = g.param_state_bytes * params
+            grad_comm[i] += 2.0 * g.param_state_bytes * params / state_share / dev.memory_Bps
+            param_mem[i] = g.param_state_bytes * params / state_share
             act_mem[i] = g.act_bytes * local(op.output)
         return OpCost(configs, compute, comm, grad_comm, param_mem, act_mem)
 

@@ -45,6 +45,7 @@ from planner.stage import (
     TieVariants,
     mesh_degrees,
     micro_batch_options,
+    weights_floor,
 )
 
 # Relative slack on the incumbent: bounds and times are sums in different orders.
@@ -129,7 +130,7 @@ class _Context:
 
     def __init__(self, profile: ModelProfile, g: Graph, dp: int, tp: int, size: int | None, w: Weights,
                  limit: float | None, method: Method, sig: dict[str, str]) -> None:
-        mesh = named_mesh(dp, tp, profile.comm.devices_per_node, g.batch_dim)
+        mesh = named_mesh(dp, tp, profile.comm.devices_per_node, g.batch_dim, profile.shard_dp)
         self.base, self.size, self.w, self.limit, self.method, self.sig = g, size, w, limit, method, sig
         # Workers sharing cores: a pipeline's step is at least this share of its slowest stage
         # (planner.pipeline.step_time), so stage bounds scale by it (1 on GPUs: unchanged).
@@ -230,7 +231,9 @@ def _enumerate(profile: ModelProfile, devices: int, limit: float | None, max_tp:
     layouts: dict[tuple[int, int], list[_Layout]] = {}
     specs: list[_Spec] = []
     for pp, dp_, tp in mesh_degrees(devices, max_tp, max_pp):
-        if limit is not None and g.n_params * g.param_state_bytes / (tp * pp) > limit:
+        if profile.shard_dp and dp_ == 1:
+            continue  # as search.candidates: nothing to shard over
+        if limit is not None and weights_floor(profile, pp, dp_, tp) > limit:
             continue
         single = None
         if pp == 1:

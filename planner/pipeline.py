@@ -25,7 +25,7 @@ from planner.costs import CostModel
 from planner.graph import Graph
 from planner.problem import Weights
 from planner.profile import ModelProfile
-from planner.stage import Candidate, StageResult, micro_batch_options, solve_stage
+from planner.stage import Candidate, StageResult, micro_batch_options, solve_stage, weights_floor
 
 
 def block_order(graph: Graph) -> list[str]:
@@ -91,10 +91,10 @@ def pipelined(profile: ModelProfile, pp: int, dp: int, tp: int, limit: float | N
     if len(blocks) < pp or g.batch_dim not in g.ops[0].dims:
         return []
     # Weights are split at most tp x pp ways ("dp" only splits the batch): a lower bound.
-    if skip_unfit and limit is not None and g.n_params * g.param_state_bytes / (tp * pp) > limit:
+    if skip_unfit and limit is not None and weights_floor(profile, pp, dp, tp) > limit:
         return []
     batch = g.ops[0].dims[g.batch_dim]
-    mesh = named_mesh(dp, tp, profile.comm.devices_per_node, g.batch_dim)
+    mesh = named_mesh(dp, tp, profile.comm.devices_per_node, g.batch_dim, profile.shard_dp)
     # Stage boundaries: the pp axis is outermost, so neighbours are dp x tp ranks apart.
     intra = dp * tp * 2 <= profile.comm.devices_per_node
     out = []

@@ -85,6 +85,7 @@ class ModelProfile(BaseModel):
     graph: Graph
     device: DeviceModel
     comm: CommModel
+    shard_dp: bool = Field(default=False, description="search with the dp axis sharding parameter state (FSDP)")
 
 
 def measure_device(kind: str = "cpu", repeats: int = 3) -> DeviceModel:

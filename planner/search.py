@@ -41,6 +41,7 @@ from planner.stage import (
     single_stage,
     solve_stage,
     stage_result,
+    weights_floor,
 )
 from specs.plan import OpPlacement, Plan
 
@@ -93,7 +94,9 @@ def candidates(profile: ModelProfile, devices: int, limit: float | None, max_tp:
     ties = TieVariants(g)
     out = []
     for pp, dp_, tp in mesh_degrees(devices, max_tp, max_pp):
-        if skip_unfit and limit is not None and g.n_params * g.param_state_bytes / (tp * pp) > limit:
+        if profile.shard_dp and dp_ == 1:
+            continue  # nothing to shard over: the replicated space has this mesh
+        if skip_unfit and limit is not None and weights_floor(profile, pp, dp_, tp) > limit:
             continue  # weights split at most tp x pp ways ("dp" splits only the batch): cannot fit
         if pp == 1:
             best = single_stage(profile, dp_, tp, limit, method)
@@ -134,8 +137,10 @@ def to_plan(best: Candidate, devices: int, base: dict[str, Candidate | None], li
     if not feasible:
         notes.append(f"no strategy fits {limit / 2**30:.1f} GiB per device")
     mesh = {axis: n for axis, n in (("pp", best.pp), ("dp", best.dp), ("tp", best.tp)) if n > 1} or {"dp": 1}
+    sharded = bool(best.stages) and best.stages[0].mesh.shard_dp
     return executable(Plan(
-        devices=devices, mesh=mesh, placements=placements, micro_batches=best.micro_batches,
+        devices=devices, mesh=mesh, dp_shard=best.dp if sharded else 1, placements=placements,
+        micro_batches=best.micro_batches,
         estimated_step_s=best.time_s, memory_per_device_bytes=int(best.memory_bytes), strategy=best.name,
         baselines={k: c.time_s for k, c in base.items() if c is not None},
         baseline_memory_bytes={k: int(c.memory_bytes) for k, c in base.items() if c is not None},
@@ -145,18 +150,26 @@ def to_plan(best: Candidate, devices: int, base: dict[str, Candidate | None], li
 
 def plan_model(source: ModelProfile | Graph, devices: int, memory_limit_bytes: int | None = None,
                max_tp: int | None = None, max_pp: int | None = None, *, device_kind: str = "cuda",
-               devices_per_node: int | None = None, method: Method = "dp") -> Plan:
+               devices_per_node: int | None = None, method: Method = "dp", shard_dp: bool = True) -> Plan:
     """The fastest strategy under the cost model that fits the memory limit, as a Plan.
 
     `memory_limit_bytes` None: the profile's device memory (unlimited if unknown). Baselines are
     evaluated on the same cost model; a fitting baseline that is faster than every searched
     candidate would be chosen, which cannot happen since both lie in the searched space.
+    `shard_dp`: the dp axis may also shard parameter state (FSDP): a second space, searched with
+    the first one's best fitting time as its incumbent; among equals the replicated plan wins.
     """
     profile = _as_profile(source, device_kind, devices_per_node)
     limit = memory_limit_bytes if memory_limit_bytes is not None else profile.device.memory_bytes
     base = baselines(profile, devices, max_tp)
+    if not shard_dp:
+        base.pop("fsdp", None)
     known = min((c.time_s for c in base.values() if c is not None and c.fits(limit)), default=float("inf"))
-    pool = candidates(profile, devices, limit, max_tp, max_pp, method, known)
+    pool: list[Candidate] = []
+    for space in _spaces(profile, shard_dp):
+        found = candidates(space, devices, limit, max_tp, max_pp, method, known)
+        known = min([known] + [c.time_s for c in found if c.fits(limit)])
+        pool += found
     pool += [c for c in base.values() if c is not None]
     fitting = [c for c in pool if c.fits(limit)]
     if fitting:
@@ -166,13 +179,19 @@ def plan_model(source: ModelProfile | Graph, devices: int, memory_limit_bytes: i
     # fit is its least-memory assignment; the bound on weights skips no mesh here.
     g = profile.graph
     floor = g.n_params * g.param_state_bytes / devices
-    pool = candidates(profile, devices, limit, max_tp, max_pp, method, prune=False, skip_unfit=False)
+    pool = [c for space in _spaces(profile, shard_dp)
+            for c in candidates(space, devices, limit, max_tp, max_pp, method, prune=False, skip_unfit=False)]
     pool += [c for c in base.values() if c is not None]
     best = min(pool, key=lambda c: (c.memory_bytes, c.time_s))
     best.notes.append(f"nothing fits {limit / 2**30:.1f} GiB per device: this is the layout closest to fitting, "
                       f"needing {best.memory_bytes / 2**30:.1f} GiB per device (weights and optimizer state alone "
                       f"need >= {floor / 2**30:.1f} GiB even split {devices} ways)")
     return to_plan(best, devices, base, limit, profile.graph)
+
+
+def _spaces(profile: ModelProfile, shard_dp: bool) -> list[ModelProfile]:
+    """The search spaces: replicated dp, and sharded dp (FSDP) where allowed."""
+    return [profile, profile.model_copy(update={"shard_dp": True})] if shard_dp else [profile]
 
 
 def exhaustive_search(source: ModelProfile | Graph, devices: int, memory_limit_bytes: int | None = None,
@@ -191,18 +210,21 @@ def search_counts(graph: Graph, profile: ModelProfile, devices: int, method: Met
 
 def plan_options(source: ModelProfile | Graph, devices: int, memory_limit_bytes: int | None = None,
                  max_tp: int | None = None, max_pp: int | None = None, *, device_kind: str = "cuda",
-                 devices_per_node: int | None = None) -> list[Plan]:
+                 devices_per_node: int | None = None, shard_dp: bool = True) -> list[Plan]:
     """The search's choice and every baseline that fits, as Plans, fastest first: for a choice
     that weighs more than step time (re-planning a running job also pays for moving its
     checkpoint onto the new plan, which differs from plan to plan)."""
     best = plan_model(source, devices, memory_limit_bytes, max_tp, max_pp, device_kind=device_kind,
-                      devices_per_node=devices_per_node)
+                      devices_per_node=devices_per_node, shard_dp=shard_dp)
     profile = _as_profile(source, device_kind, devices_per_node)
     limit = memory_limit_bytes if memory_limit_bytes is not None else profile.device.memory_bytes
     base = baselines(profile, devices, max_tp)
+    if not shard_dp:
+        base.pop("fsdp", None)
     options = [best] + [to_plan(c, devices, base, limit, profile.graph) for c in base.values() if c is not None and c.fits(limit)]
     unique: dict[tuple[object, ...], Plan] = {}
     for plan in options:
-        key = (tuple(sorted(plan.mesh.items())), tuple((p.op, tuple(sorted(p.splits.items()))) for p in plan.placements))
+        key = (tuple(sorted(plan.mesh.items())), plan.dp_shard,
+               tuple((p.op, tuple(sorted(p.splits.items()))) for p in plan.placements))
         unique.setdefault(key, plan)
     return sorted(unique.values(), key=lambda p: p.estimated_step_s if p.estimated_step_s is not None else float("inf"))

@@ -178,10 +178,17 @@ def mesh_degrees(devices: int, max_tp: int | None, max_pp: int | None) -> list[t
     return out
 
 
+def weights_floor(profile: ModelProfile, pp: int, dp: int, tp: int) -> float:
+    """Bytes of parameter state per device at best on this mesh: split tp x pp ways, and dp
+    ways more where dp shards it (a mesh below this can never fit a limit)."""
+    g = profile.graph
+    return g.n_params * g.param_state_bytes / (tp * pp * (dp if profile.shard_dp else 1))
+
+
 def single_stage(profile: ModelProfile, dp_: int, tp: int, limit: float | None, method: Method) -> Candidate:
     """The best unpipelined strategy on a dp x tp mesh."""
     g = profile.graph
-    mesh = named_mesh(dp_, tp, profile.comm.devices_per_node, g.batch_dim)
+    mesh = named_mesh(dp_, tp, profile.comm.devices_per_node, g.batch_dim, profile.shard_dp)
     res, _ = solve_stage(g, CostModel(g, profile.device, profile.comm, mesh), limit, method=method)
     return Candidate("pase-dp" if method == "dp" else "exhaustive", 1, dp_, tp, 1, [res], res.time_s, res.memory_bytes)
 

@@ -34,7 +34,7 @@ def test_gpt_plan_never_worse_than_baselines(layers: int, d: int, batch: int, p:
 def test_memory_forces_tensor_parallelism() -> None:
     """Replicated weights do not fit; sharded ones do: the plan must split weights over tp."""
     prof = profile_gpt(4, 2048, 16, 32768, 256, 8, "cuda")
-    replicated = plan_model(prof, 4, memory_limit_bytes=None, max_pp=1, max_tp=1)
+    replicated = plan_model(prof, 4, memory_limit_bytes=None, max_pp=1, max_tp=1, shard_dp=False)
     limit = int(replicated.memory_per_device_bytes * 0.45)
     plan = plan_model(prof, 4, memory_limit_bytes=limit, max_pp=1)
     assert plan.feasible and plan.memory_per_device_bytes <= limit
@@ -49,9 +49,9 @@ def test_memory_forces_tensor_parallelism() -> None:
 
 def test_memory_forces_pipeline_when_tp_is_not_allowed() -> None:
     prof = profile_gpt(8, 1024, 16, 8192, 256, 16, "cuda")
-    full = plan_model(prof, 4, memory_limit_bytes=None, max_pp=1, max_tp=1)
+    full = plan_model(prof, 4, memory_limit_bytes=None, max_pp=1, max_tp=1, shard_dp=False)
     limit = int(full.memory_per_device_bytes * 0.4)
-    plan = plan_model(prof, 4, memory_limit_bytes=limit, max_tp=1)
+    plan = plan_model(prof, 4, memory_limit_bytes=limit, max_tp=1, shard_dp=False)  # replicated dp only
     assert plan.feasible and plan.memory_per_device_bytes <= limit
     assert plan.degree("pp") > 1 and len(plan.stages) == plan.degree("pp")
     assert sum(len(s) for s in plan.stages) == len(prof.graph.ops)

@@ -133,8 +133,8 @@ def test_every_planner_plan_for_gpt_is_executable(size: tuple[int, ...]) -> None
 def test_pipelines_with_tensor_parallelism_are_executable() -> None:
     """Pipelined tp plans: every sequence-parallel state is searched, stage by stage consistent."""
     prof = profile_graph(gpt_graph(4, 256, 8, 1024, 64, 32), "cuda", devices_per_node=4)
-    free = plan_model(prof, 8, None, max_pp=1, max_tp=1)
-    plan = plan_model(prof, 8, int(free.memory_per_device_bytes * 0.15))
+    free = plan_model(prof, 8, None, max_pp=1, max_tp=1, shard_dp=False)
+    plan = plan_model(prof, 8, int(free.memory_per_device_bytes * 0.15), shard_dp=False)
     assert plan.degree("pp") > 1 and plan.degree("tp") > 1, plan.mesh
     assert any(n.startswith("tie groups across stages: sequence") for n in plan.notes), plan.notes
     _executable(plan, 4, 8, 64, 32)
@@ -205,14 +205,32 @@ def test_restricted_search_equals_exhaustive_search(fraction: float | None) -> N
     prof = profile_graph(g, "cuda")
     limit = None
     if fraction is not None:
-        limit = int(plan_model(prof, 2, None, max_tp=1).memory_per_device_bytes * fraction)
-    a = plan_model(prof, 2, limit, max_pp=1)
-    b = exhaustive_search(prof, 2, limit, max_pp=1)
+        limit = int(plan_model(prof, 2, None, max_tp=1, shard_dp=False).memory_per_device_bytes * fraction)
+    a = plan_model(prof, 2, limit, max_pp=1, shard_dp=False)
+    b = exhaustive_search(prof, 2, limit, max_pp=1, shard_dp=False)
     assert a.estimated_step_s == pytest.approx(b.estimated_step_s, rel=1e-12)
     assert a.memory_per_device_bytes == b.memory_per_device_bytes
     _executable(a, 1, 4, 16, 8)
     if fraction is not None:  # these limits force tensor parallelism, with mixed choices
         assert a.degree("tp") == 2 and a.feasible
+
+
+@pytest.mark.parametrize("fraction", [None, 0.7, 0.5, 0.4, 0.3])
+def test_search_with_sharded_dp_equals_exhaustive_search(fraction: float | None) -> None:
+    """With the dp axis allowed to shard parameter state (FSDP), the DP and brute force over the
+    same two spaces agree, and tight limits are met by sharding."""
+    g = gpt_graph(1, 64, 4, 128, 16, 8)
+    prof = profile_graph(g, "cuda")
+    limit = None
+    if fraction is not None:
+        limit = int(plan_model(prof, 4, None, max_tp=1, shard_dp=False).memory_per_device_bytes * fraction)
+    a = plan_model(prof, 4, limit, max_pp=1)
+    b = exhaustive_search(prof, 4, limit, max_pp=1)
+    assert a.estimated_step_s == pytest.approx(b.estimated_step_s, rel=1e-12)
+    assert (a.memory_per_device_bytes, a.dp_shard, a.mesh) == (b.memory_per_device_bytes, b.dp_shard, b.mesh)
+    _executable(a, 1, 4, 16, 8)
+    if fraction is not None and fraction <= 0.4:
+        assert a.feasible and a.dp_shard > 1, (a.mesh, a.dp_shard, a.feasible)
 
 
 def _random_ties(graph: Graph, data: st.DataObject) -> Graph:
