@@ -63,10 +63,14 @@ def _gpt3_case(p: int) -> dict[str, Any]:
     prof = profile_graph(g, "cuda", memory_gb=H200_GB)
     base_mb = _rss_mb()
     t0 = time.perf_counter()
-    plan = plan_model(prof, p)
+    plan = plan_model(prof, p)  # dp may replicate or shard (FSDP) the weights
     search_s = time.perf_counter() - t0
+    replicated = plan_model(prof, p, shard_dp=False)  # the space before FSDP, for comparison
     return {
         "graph": "gpt3-175b", "ops": len(g.ops), "devices": p, "search_s": round(search_s, 3),
+        "dp_shard": plan.dp_shard, "replicated_only": {
+            "mesh": replicated.mesh, "cost": replicated.estimated_step_s, "feasible": replicated.feasible,
+            "memory_per_device_gb": round(replicated.memory_per_device_bytes / 2**30, 1)},
         "peak_mb": round(_rss_mb(), 1), "base_mb": round(base_mb, 1), "cost": plan.estimated_step_s,
         "dp_baseline_cost": plan.baselines.get("data-parallel"),
         "megatron_baseline_cost": plan.baselines.get("megatron"),

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import sys
+import threading
 from typing import Any
 
 PREFIX = "PARASHIFT "
@@ -13,8 +14,17 @@ PREFIX = "PARASHIFT "
 EXIT_FATAL = 3
 
 
+# Events come from the training loop and from the checkpoint thread (commits): `print` writes a
+# line and its newline separately, so two threads could interleave them into one unparsable
+# line (seen under load: a step event lost). One write per event, one thread at a time.
+_WRITING = threading.Lock()
+
+
 def emit(event: str, **fields: Any) -> None:
-    print(PREFIX + json.dumps({"event": event, **fields}, sort_keys=True), file=sys.stdout, flush=True)
+    line = PREFIX + json.dumps({"event": event, **fields}, sort_keys=True) + "\n"
+    with _WRITING:
+        sys.stdout.write(line)
+        sys.stdout.flush()
 
 
 def parse(line: str) -> dict[str, Any] | None:
