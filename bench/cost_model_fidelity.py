@@ -66,14 +66,17 @@ def bench_spec(steps: int, store: str) -> JobSpec:
 
 
 def plan_name(plan: Plan) -> str:
-    mesh = "x".join(f"{axis}{n}" for axis, n in plan.mesh.items())
+    mesh = "x".join(f"{'fsdp' if axis == 'dp' and plan.dp_shard > 1 else axis}{n}" for axis, n in plan.mesh.items())
     return f"{mesh}-m{plan.micro_batches}" if plan.degree("pp") > 1 else f"{mesh}-{plan.strategy}"
 
 
 def planner_plans(profile: ModelProfile, max_plans: int) -> dict[str, Plan]:
-    """Each mesh's best strategy and micro-batch count as the planner emits it; runnable ones."""
+    """Each mesh's best strategy and micro-batch count as the planner emits it, with dp
+    replicating and with dp sharding (FSDP) the weights; runnable ones."""
     base = baselines(profile, DEVICES, None)
-    pool = candidates(profile, DEVICES, None, None, None, "dp", prune=False) + [c for c in base.values() if c is not None]
+    sharded = profile.model_copy(update={"shard_dp": True})
+    pool = [c for space in (profile, sharded) for c in candidates(space, DEVICES, None, None, None, "dp", prune=False)]
+    pool += [c for c in base.values() if c is not None]
     plans: dict[str, Plan] = {}
     for cand in sorted(pool, key=lambda c: c.time_s):
         plan = to_plan(cand, DEVICES, base, None, profile.graph)

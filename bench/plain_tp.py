@@ -81,14 +81,14 @@ def column_shard(linear: nn.Linear, rank: int, tp: int) -> None:
 
 def megatron(model: GPT, rank: int, tp: int) -> list[nn.Parameter]:
     """Shard every block in place; returns the sharded parameters (the others are replicated)."""
-    for block in model.blocks:
+    for block in model.blocks.values():
         for name in ("q_proj", "k_proj", "v_proj"):
             column_shard(getattr(block.attn, name), rank, tp)
         block.attn.out_proj = RowParallelLinear(block.attn.out_proj, rank, tp)
         column_shard(block.mlp.up_proj, rank, tp)
         block.mlp.down_proj = RowParallelLinear(block.mlp.down_proj, rank, tp)
         block.attn, block.mlp = Region(block.attn), Region(block.mlp)
-    return [p for b in model.blocks for n, p in b.named_parameters() if "proj.weight" in n or n.endswith(("q_proj.bias", "k_proj.bias", "v_proj.bias", "up_proj.bias"))]
+    return [p for b in model.blocks.values() for n, p in b.named_parameters() if "proj.weight" in n or n.endswith(("q_proj.bias", "k_proj.bias", "v_proj.bias", "up_proj.bias"))]
 
 
 def main() -> None:

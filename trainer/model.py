@@ -103,7 +103,9 @@ class GPT(nn.Module):
     """Token + position embeddings, n pre-norm blocks, a final norm and an untied LM head.
 
     The head is untied from the embedding so each weight has exactly one owner: simpler to
-    slice in a parallel plan and to reshard.
+    slice in a parallel plan and to reshard. Blocks are keyed by layer index, so a pipeline
+    stage is this same module with other stages' parts removed (`trainer.pipeline.build_stage`):
+    without an embedding it takes hidden states, without a head it returns them.
     """
 
     def __init__(self, config: GPTConfig) -> None:
@@ -112,7 +114,7 @@ class GPT(nn.Module):
         self.tok_emb = nn.Embedding(config.vocab_size, config.d_model)
         self.pos_emb = nn.Embedding(config.seq_len, config.d_model)
         self.drop = nn.Dropout(config.dropout)
-        self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layers))
+        self.blocks = nn.ModuleDict({str(i): Block(config) for i in range(config.n_layers)})
         self.norm = nn.LayerNorm(config.d_model)
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
         self.reset_parameters()
@@ -129,13 +131,15 @@ class GPT(nn.Module):
             else:
                 nn.init.normal_(param, std=0.02)
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        B, T = idx.shape  # (B, T)
-        pos = torch.arange(T, device=idx.device)  # (T,)
-        x = self.drop(self.tok_emb(idx) + self.pos_emb(pos))  # (B, T, d)
-        for block in self.blocks:
-            x = block(x)  # (B, T, d)
-        return self.lm_head(self.norm(x))  # (B, T, vocab)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tok_emb is not None:  # x: (B, T) token ids
+            pos = torch.arange(x.shape[1], device=x.device)  # (T,)
+            x = self.drop(self.tok_emb(x) + self.pos_emb(pos))  # (B, T, d)
+        for block in self.blocks.values():
+            x = block(x)  # (B, T, d), or (B, T/tp, d) under sequence parallelism
+        if self.lm_head is not None:
+            x = self.lm_head(self.norm(x))  # (B, T, vocab)
+        return x
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())

@@ -1,8 +1,8 @@
 """Pipeline parallelism with `torch.distributed.pipelining`: the GPT cut into stages of whole
 layers (the Plan's stages), micro-batches = plan.micro_batches, a GPipe or 1F1B schedule.
 
-A stage module holds the original modules under their original names (`blocks.<i>...`), so
-checkpoints name parameters the same under every plan.
+A stage is the one GPT with the other stages' parts removed (`build_stage`), so its parameters
+keep their names (`blocks.<i>...`) under every plan and its forward is the model's own.
 """
 
 from __future__ import annotations
@@ -23,34 +23,20 @@ SCHEDULES = ("1F1B", "GPipe")
 # The planner costs pipelines as 1F1B (planner/pipeline.py), so that is the default.
 DEFAULT_SCHEDULE = "1F1B"
 
-class GPTStage(nn.Module):
-    """Some consecutive layers of a GPT; the first stage also embeds, the last also projects."""
-
-    def __init__(self, model: GPT, layers: list[int], first: bool, last: bool) -> None:
-        super().__init__()
-        self.first, self.last = first, last
-        self.tok_emb = model.tok_emb if first else None
-        self.pos_emb = model.pos_emb if first else None
-        self.drop = model.drop if first else None
-        self.blocks = nn.ModuleDict({str(i): model.blocks[i] for i in layers})
-        self.norm = model.norm if last else None
-        self.lm_head = model.lm_head if last else None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.first:
-            T = x.shape[1]  # x: (B, T) token ids
-            pos = torch.arange(T, device=x.device)  # (T,)
-            x = self.drop(self.tok_emb(x) + self.pos_emb(pos))  # (B, T, d)
-        for block in self.blocks.values():
-            x = block(x)  # (B, T, d), or (B, T/tp, d) under sequence parallelism
-        if self.last:
-            x = self.lm_head(self.norm(x))  # (B, T, vocab)
-        return x
-
-
-def build_stage(model: GPT, plan: Plan, pp_rank: int) -> GPTStage:
-    layers = plan.layers_per_stage(len(model.blocks))
-    return GPTStage(model, layers[pp_rank], first=pp_rank == 0, last=pp_rank == len(layers) - 1)
+def build_stage(model: GPT, plan: Plan, pp_rank: int) -> GPT:
+    """This rank's pipeline stage: `model` itself with the other stages' layers removed, and the
+    embedding (all but the first stage) or the final norm and head (all but the last) set to
+    None; the GPT's own forward then runs the stage (after torchtitan's pipeline split).
+    Parameters keep their names, so checkpoints name them the same under every plan."""
+    stages = plan.layers_per_stage(model.config.n_layers)
+    kept = {str(i) for i in stages[pp_rank]}
+    for name in [n for n in model.blocks if n not in kept]:
+        del model.blocks[name]
+    if pp_rank > 0:
+        model.tok_emb = model.pos_emb = model.drop = None
+    if pp_rank < len(stages) - 1:
+        model.norm = model.lm_head = None
+    return model
 
 
 class PipelineRunner:
