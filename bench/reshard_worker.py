@@ -28,9 +28,9 @@ from storage import CheckpointStore, ObjectStore
 from trainer.checkpoint import Checkpointer, apply_state, collect_state, restore_destinations, restore_latest
 from trainer.layout import layout_mismatches, state_layout
 from trainer.mesh import Coordinates, ParallelDims
-from trainer.model import GPT, GPTConfig
+from trainer.model import GPT, GPTConfig, initial_value
 from trainer.optim import LocalShardAdamW
-from trainer.parallel import parallelize
+from trainer.parallel import materialize, parallelize
 from trainer.pipeline import build_stage
 
 
@@ -40,10 +40,11 @@ def build(plan: Plan, config: GPTConfig, spec: JobSpec) -> tuple[torch.nn.Module
     dims = ParallelDims.from_plan(plan)
     mesh = dims.build_mesh("cpu")
     coords = Coordinates.of(mesh, dims)
-    torch.manual_seed(0)
-    model = GPT(config)
+    with torch.device("meta"):
+        model = GPT(config)
     module = build_stage(model, plan, coords.pp_rank) if dims.pp > 1 else model
-    parallelize(module, plan, mesh, plan.tp_regions(config.n_layers))
+    parallelize(module, plan, mesh, plan.tp_regions(config.n_layers), torch.device("cpu"))
+    materialize(module, torch.device("cpu"), lambda name, shape: initial_value(config, name, shape, 0))
     optimizer = LocalShardAdamW(module, spec, torch.device("cpu"))
     for p in module.parameters():
         p.grad = torch.full_like(p, 1e-3)

@@ -4,6 +4,7 @@ knows about processes, meshes or plans; `trainer.parallel` applies those from ou
 from __future__ import annotations
 
 import math
+import zlib
 from dataclasses import dataclass
 
 import torch
@@ -50,7 +51,7 @@ class InputMajorLinear(nn.Module):
 
 
 class CausalSelfAttention(nn.Module):
-    def __init__(self, config: GPTConfig) -> None:
+    def __init__(self, config: GPTConfig, seed: int = 0) -> None:
         super().__init__()
         self.n_heads = config.n_heads
         self.head_dim = config.head_dim
@@ -76,7 +77,7 @@ class CausalSelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config: GPTConfig) -> None:
+    def __init__(self, config: GPTConfig, seed: int = 0) -> None:
         super().__init__()
         self.up_proj = nn.Linear(config.d_model, 4 * config.d_model)
         self.down_proj = InputMajorLinear(4 * config.d_model, config.d_model)
@@ -87,7 +88,7 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, config: GPTConfig) -> None:
+    def __init__(self, config: GPTConfig, seed: int = 0) -> None:
         super().__init__()
         self.attn_norm = nn.LayerNorm(config.d_model)
         self.attn = CausalSelfAttention(config)
@@ -108,7 +109,7 @@ class GPT(nn.Module):
     without an embedding it takes hidden states, without a head it returns them.
     """
 
-    def __init__(self, config: GPTConfig) -> None:
+    def __init__(self, config: GPTConfig, seed: int = 0) -> None:
         super().__init__()
         self.config = config
         self.tok_emb = nn.Embedding(config.vocab_size, config.d_model)
@@ -117,19 +118,14 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleDict({str(i): Block(config) for i in range(config.n_layers)})
         self.norm = nn.LayerNorm(config.d_model)
         self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
-        self.reset_parameters()
+        if not self.lm_head.weight.is_meta:  # on the meta device there is nothing to fill yet
+            self.reset_parameters(seed)
 
-    def reset_parameters(self) -> None:
-        """GPT-2 initialisation: N(0, 0.02), residual projections scaled by 1/sqrt(2 n_layers)."""
-        for name, param in self.named_parameters():
-            if name.endswith("bias"):
-                nn.init.zeros_(param)
-            elif "norm" in name:
-                nn.init.ones_(param)
-            elif name.endswith(("out_proj.weight", "down_proj.weight")):
-                nn.init.normal_(param, std=0.02 / math.sqrt(2 * self.config.n_layers))
-            else:
-                nn.init.normal_(param, std=0.02)
+    def reset_parameters(self, seed: int = 0) -> None:
+        """Every parameter's `initial_value` (whole, as this module holds them)."""
+        with torch.no_grad():
+            for name, param in self.named_parameters():
+                param.copy_(initial_value(self.config, name, tuple(param.shape), seed))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tok_emb is not None:  # x: (B, T) token ids
@@ -143,6 +139,21 @@ class GPT(nn.Module):
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
+
+
+def initial_value(config: GPTConfig, name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
+    """Parameter `name`'s initial value, whole, on the CPU: GPT-2's initialisation (N(0, 0.02),
+    residual projections scaled by 1/sqrt(2 n_layers), biases 0, norms 1), drawn from a
+    generator seeded by the job's seed and the name. Why per name: a rank that holds part of a
+    parameter under any plan fills its part from the same draw, one parameter at a time, so no
+    rank ever builds the whole model, and every plan starts from the same weights."""
+    if name.endswith("bias"):
+        return torch.zeros(shape)
+    if "norm" in name:
+        return torch.ones(shape)
+    std = 0.02 / math.sqrt(2 * config.n_layers) if name.endswith(("out_proj.weight", "down_proj.weight")) else 0.02
+    generator = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+    return torch.normal(0.0, std, shape, generator=generator)
 
 
 def flops_per_token(config: GPTConfig, n_params: int) -> int:

@@ -16,7 +16,7 @@ replicated attention with a tensor-parallel MLP).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -34,6 +34,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from ptc.dtensor import local_box, local_data
 from specs.plan import Plan, TensorParallel
 from trainer.tp_styles import LocalColwiseParallel, LocalRowwiseParallel, RegionEntry
 
@@ -195,13 +196,14 @@ def apply_dp(model: nn.Module, plan: Plan, mesh: DeviceMesh) -> nn.Module:
     return model
 
 
-def parallelize(model: nn.Module, plan: Plan, mesh: DeviceMesh, regions: TensorParallel, compile: bool = False) -> nn.Module:
-    """The Plan applied to `model` (a GPT or a pipeline stage): TP -> compile -> data parallel.
-    Returns the module to call; parameters keep their names (checkpoints rely on that)."""
+def parallelize(model: nn.Module, plan: Plan, mesh: DeviceMesh, regions: TensorParallel, device: torch.device,
+                compile: bool = False) -> nn.Module:
+    """The Plan applied to `model` (a GPT or a pipeline stage, on `device` or still on the meta
+    device): TP -> compile -> data parallel. Returns the module to call; parameters keep their
+    names (checkpoints rely on that)."""
     if plan.degree("tp") > 1:
         apply_tp(model, mesh["tp"], regions)
         if any(m.p > 0 for m in model.modules() if isinstance(m, nn.Dropout)):
-            device = next(model.parameters()).device
             apply_dropout_streams(model, mesh["tp"].get_local_rank(), regions, device)
     if compile:
         for _, block in _blocks(model):
@@ -209,6 +211,20 @@ def parallelize(model: nn.Module, plan: Plan, mesh: DeviceMesh, regions: TensorP
     if plan.degree("dp") > 1:
         model = apply_dp(model, plan, mesh)
     return model
+
+
+@torch.no_grad()
+def materialize(model: nn.Module, device: torch.device, initial_value: Callable[[str, tuple[int, ...]], torch.Tensor]) -> None:
+    """Give a model built on the meta device and parallelized there its memory on `device`, and
+    fill each rank's part of every parameter from `initial_value(name, global shape)` (whole, on
+    the CPU), one parameter at a time (after torchtitan: build on meta, parallelize, then
+    `to_empty` and initialise). FSDP2 re-pads its shards inside `to_empty`, so the local
+    tensors written here are the ones it keeps."""
+    model.to_empty(device=device)
+    for name, param in model.named_parameters():
+        shape, box = local_box(param)
+        part = initial_value(name, shape)[tuple(slice(o, o + n) for o, n in zip(box.offsets, box.lengths, strict=True))]
+        local_data(param).copy_(part)
 
 
 @contextlib.contextmanager

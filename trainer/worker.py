@@ -45,12 +45,13 @@ from trainer.control import StopRequests
 from trainer.data import DataPosition, SampleStream, load_tokens, micro_batches, rank_share
 from trainer.layout import layout_mismatches, rng_state_bytes, state_layout
 from trainer.mesh import Coordinates, ParallelDims, job_plan_refusals
-from trainer.model import GPT, GPTConfig, flops_per_token, token_loss_sum
+from trainer.model import GPT, GPTConfig, flops_per_token, initial_value, token_loss_sum
 from trainer.optim import LocalShardAdamW
 from trainer.parallel import (
     clip_grad_norm_,
     gradient_sync,
     loss_context,
+    materialize,
     parallelize,
     plain,
     settle_gradients,
@@ -154,15 +155,16 @@ def main(argv: list[str] | None = None) -> int:
     micros = micro_batches(share_count, micro_size)
     phase("data_s")
 
-    # model: the same seed on every rank gives the same initial weights
-    torch.manual_seed(train.seed)
+    # model: built on the meta device (no memory), cut to this rank's stage, the Plan applied,
+    # then only this rank's parts allocated and filled (the same initial weights under any plan)
     config = GPTConfig.of(m)
-    model = GPT(config).to(device)
+    with torch.device("meta"):
+        model = GPT(config)
     n_params = model.num_params()
     regions = plan.tp_regions(m.n_layers)
-    # this rank's stage (the whole model without pp), then the Plan applied to it
     module = build_stage(model, plan, coords.pp_rank) if dims.pp > 1 else model
-    runnable = parallelize(module, plan, mesh, regions, compile=spec.parallelism.compile)
+    runnable = parallelize(module, plan, mesh, regions, device, compile=spec.parallelism.compile)
+    materialize(module, device, lambda name, shape: initial_value(config, name, shape, train.seed))
     optimizer = LocalShardAdamW(module, spec, device)
     # Everything built so far lives for the whole run: keep it out of the garbage collector's
     # full passes, which otherwise cost ~0.3 s whenever a restore or a save allocates many small
