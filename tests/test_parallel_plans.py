@@ -171,17 +171,20 @@ def test_checkpoint_moves_between_plans(reference, tmp_path: Path) -> None:
 
 
 def test_checkpoint_moves_between_sharded_plans(reference, tmp_path: Path) -> None:
-    """Replicated -> sharded -> sharded with tp -> pipelined and sharded -> HSDP: every four
-    steps a new plan resumes the last one's checkpoint, and the run keeps the losses and the
-    final state of the uninterrupted single process."""
+    """Replicated -> sharded -> sharded with tp -> pipelined and sharded -> HSDP -> tensor
+    parallel -> pipelined and replicated: every three steps a new plan resumes the last one's
+    checkpoint, and the run keeps the losses and the final state of the uninterrupted single
+    process."""
     expected_losses, expected_state = reference
     spec = spec_for("sharded-moves", tmp_path)
     plans = [mesh_plan({"dp": 2, "tp": 2}), Plan.fully_sharded(4), mesh_plan({"dp": 2, "tp": 2}, dp_shard=2),
-             mesh_plan({"pp": 2, "dp": 2}, dp_shard=2, micro_batches=2), mesh_plan({"dp": 4}, dp_shard=2)]
+             mesh_plan({"pp": 2, "dp": 2}, dp_shard=2, micro_batches=2), mesh_plan({"dp": 4}, dp_shard=2),
+             mesh_plan({"tp": 4}), mesh_plan({"pp": 2, "dp": 2}, micro_batches=2)]
     for i, plan in enumerate(plans):
-        result = run(spec, plan, until_step=4 * (i + 1))
-        assert next(e for e in result.events if e["event"] == "start")["step"] == 4 * i
-        assert result.final_step == 4 * (i + 1)
+        until = min(3 * (i + 1), 20) if i < len(plans) - 1 else None
+        result = run(spec, plan, until_step=until)
+        assert next(e for e in result.events if e["event"] == "start")["step"] == 3 * i
+        assert result.final_step == (until or 20)
         assert_losses_match(result, expected_losses)
     assert_state_matches(final_state(spec), expected_state)
 

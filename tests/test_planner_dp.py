@@ -59,6 +59,8 @@ def graphs(draw, max_ops: int = 5, shape: str | None = None) -> Graph:
 def _meshes(p: int) -> list:
     out = [counts_mesh(p, devices_per_node=4)]
     out += [named_mesh(dp_, p // dp_, devices_per_node=4) for dp_ in (1, 2, 4, 8) if p % dp_ == 0 and dp_ <= p]
+    # dp sharding the weights (FSDP): other per-op costs, the same exactness
+    out += [named_mesh(dp_, p // dp_, devices_per_node=4, shard_dp=True) for dp_ in (2, 4) if p % dp_ == 0]
     return out
 
 
