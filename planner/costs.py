@@ -62,6 +62,13 @@ class CostModel:
         self._edges: dict[tuple[str, str, int], np.ndarray] = {}
         self._sig = signatures if signatures is not None else {op.name: op.signature() for op in graph.ops}
         self._by_name = ops if ops is not None else {op.name: op for op in graph.ops}
+        # FSDP units (a block, or the root's ops outside blocks): how many ops with weights each
+        # has, so that an op pays its share of the unit's collectives. Block tags of identical
+        # layers hold the same ops, so ops of equal signature get equal shares.
+        self._unit_ops: dict[str | None, int] = {}
+        for op in graph.ops:
+            if op.params:
+                self._unit_ops[op.block] = self._unit_ops.get(op.block, 0) + 1
 
     def signature(self, name: str) -> str:
         return self._sig[name]
@@ -94,7 +101,8 @@ class CostModel:
             axes.discard(dp_axis)
             local = op.numel(tensor) / prod(c for d, c in zip(op.dims, cfg.counts, strict=True) if d in tensor)
             group, intra = self.mesh.group({dp_axis})
-            fsdp = self.comm.sharded_gradient_sync(local * self.graph.act_bytes, local * elem_bytes, group, intra)
+            share = 1.0 / (len(op.params) * self._unit_ops.get(op.block, 1))
+            fsdp = self.comm.sharded_gradient_sync(local * self.graph.act_bytes, local * elem_bytes, group, intra, share)
         if not axes:
             return fsdp
         group, intra = self.mesh.group(axes)
