@@ -58,19 +58,6 @@ class CommModel(BaseModel):
         link = self.link(intra)
         return link.latency_s * min(1.0, nbytes / self.gradient_bucket_bytes) + 2.0 * (group - 1) / group * nbytes / link.bandwidth_Bps
 
-    def sharded_gradient_sync(self, param_bytes: float, grad_bytes: float, group: int, intra: bool = True,
-                              unit_share: float = 1.0) -> float:
-        """A weight's FSDP traffic per step over `group` devices (bytes of the whole local
-        weight): all-gathered before forward and again before backward, its gradient
-        reduce-scattered. FSDP2 issues these three collectives once per unit (a block, or the
-        root's own weights) whatever its size, so each weight pays `unit_share` of the unit's
-        three latencies (measured on CPU: per-unit latency, not bytes, is what FSDP costs there)."""
-        if group <= 1 or param_bytes <= 0:
-            return 0.0
-        link = self.link(intra)
-        nbytes = 2.0 * param_bytes + grad_bytes
-        return 3.0 * link.latency_s * unit_share + (group - 1) / group * nbytes / link.bandwidth_Bps
-
     def all_gather(self, out_bytes: float, group: int, intra: bool = True) -> float:
         """Seconds to all-gather a result of `out_bytes` (per device) over `group` devices."""
         if group <= 1 or out_bytes <= 0:

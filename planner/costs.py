@@ -14,9 +14,13 @@ the collectives inside the op, plus the sum over edges of layout conversion. Her
   (bandwidth-bound; counted with the gradient sync, the other once-per-step term);
 - memory per device: parameter state (weights, grads, Adam) of its shard plus saved activations.
 - sharded data parallelism (`Mesh.shard_dp`, FSDP): parameter state and the optimizer step
-  divided over "dp"; the weight gradient's all-reduce over "dp" becomes FSDP's traffic (two
-  all-gathers of the weight, a reduce-scatter of its gradient). The gathered weights of the one
-  block in flight are not counted (FSDP frees them after use).
+  divided over "dp"; the weight gradient's all-reduce over "dp" becomes FSDP's traffic: the
+  weight all-gathered before forward and again before backward on every evaluation
+  (micro-batch), its gradient reduce-scattered once per step. FSDP2 issues each collective
+  once per unit (a block, or the root's own weights), so a weight pays its share of the unit's
+  latency and of the per-collective CPU cost (half a sharded op's overhead: a tensor-parallel
+  op runs about two collectives). The gathered weights of the one block in flight are not
+  counted (FSDP frees them after use).
 
 Tables are cached by op signature, so identical layers cost one computation.
 """
@@ -90,25 +94,34 @@ class CostModel:
         """Index of the "dp" axis when it shards parameter state (FSDP), else None."""
         return self.mesh.names.index("dp") if self.mesh.shard_dp and "dp" in self.mesh.names else None
 
+    def _fsdp(self, op: Op, cfg: Config, weight: tuple[str, ...]) -> tuple[float, float]:
+        """FSDP's traffic for one weight over the sharded "dp" axis: (seconds per evaluation:
+        two all-gathers, seconds per step: one reduce-scatter)."""
+        dp_axis = self._dp_axis()
+        if dp_axis is None:
+            return 0.0, 0.0
+        local = op.numel(weight) / prod(c for d, c in zip(op.dims, cfg.counts, strict=True) if d in weight)
+        group, intra = self.mesh.group({dp_axis})
+        link = self.comm.link(intra)
+        share = 1.0 / (len(op.params) * self._unit_ops.get(op.block, 1))
+        fixed = share * (link.latency_s + self.device.sharded_op_overhead_s / 2)
+        ring = (group - 1) / group / link.bandwidth_Bps
+        return 2.0 * (fixed + ring * local * self.graph.act_bytes), fixed + ring * local * self.graph.grad_bytes
+
     def _allreduce(self, op: Op, cfg: Config, tensor: tuple[str, ...], elem_bytes: int, bucketed: bool = False) -> float:
         """All-reduce of a tensor that is a partial sum over the axes splitting dims it lacks
         (`bucketed`: a weight gradient, fused with others into buckets; over a sharded "dp"
-        axis that part is FSDP's gathers and reduce-scatter instead)."""
+        axis that part is FSDP's, `_fsdp`)."""
         axes = {a for d, ax in zip(op.dims, cfg.axes, strict=True) if d not in tensor for a in ax}
         dp_axis = self._dp_axis() if bucketed else None
-        fsdp = 0.0
         if dp_axis is not None:  # FSDP gathers and reduce-scatters every weight, whatever the op splits
             axes.discard(dp_axis)
-            local = op.numel(tensor) / prod(c for d, c in zip(op.dims, cfg.counts, strict=True) if d in tensor)
-            group, intra = self.mesh.group({dp_axis})
-            share = 1.0 / (len(op.params) * self._unit_ops.get(op.block, 1))
-            fsdp = self.comm.sharded_gradient_sync(local * self.graph.act_bytes, local * elem_bytes, group, intra, share)
         if not axes:
-            return fsdp
+            return 0.0
         group, intra = self.mesh.group(axes)
         local = op.numel(tensor) / prod(c for d, c in zip(op.dims, cfg.counts, strict=True) if d in tensor)
         reduce = self.comm.bucketed_all_reduce if bucketed else self.comm.all_reduce
-        return fsdp + reduce(local * elem_bytes, group, intra)
+        return reduce(local * elem_bytes, group, intra)
 
     def _build_op(self, op: Op) -> OpCost:
         g, dev = self.graph, self.device
@@ -135,6 +148,10 @@ class CostModel:
             comm[i] = self._allreduce(op, cfg, op.output, g.act_bytes) + sum(
                 self._allreduce(op, cfg, t, g.act_bytes) for t in op.inputs)
             grad_comm[i] = sum(self._allreduce(op, cfg, t, g.grad_bytes, bucketed=True) for t in op.params)
+            for t in op.params:
+                per_evaluation, per_step = self._fsdp(op, cfg, t)
+                comm[i] += per_evaluation
+                grad_comm[i] += per_step
             # The optimizer step reads and writes the parameter state of the local shard once:
             # replicas (dp, or ops replicated over tp) each pay it again.
             grad_comm[i] += 2.0 * g.param_state_bytes * params / state_share / dev.memory_Bps
