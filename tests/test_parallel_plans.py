@@ -44,7 +44,7 @@ def planner_plan(devices: int, max_tp: int | None, max_pp: int | None) -> Plan:
     roofline = profile.device.model_copy(update={"op_overhead_s": 0.0, "sharded_op_overhead_s": 0.0})
     unbucketed = profile.comm.model_copy(update={"gradient_bucket_bytes": 1})
     profile = profile.model_copy(update={"device": roofline, "comm": unbucketed})
-    return plan_model(profile, devices, max_tp=max_tp, max_pp=max_pp, device_kind="cpu")
+    return plan_model(profile, devices, max_tp=max_tp, max_pp=max_pp, device_kind="cpu", shard_dp=False)
 
 
 LAYERS = tuple(range(MODEL["n_layers"]))
