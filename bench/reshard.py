@@ -42,7 +42,10 @@ MESHES = {
     "tp4": {"tp": 4},
     "tp2": {"tp": 2},
     "tp1": {},
+    "fsdp4": {"dp": 4},  # dp sharding the state (FSDP2): see SHARDED
+    "fsdp3": {"dp": 3},
 }
+SHARDED = {"fsdp4", "fsdp3"}
 CASES = ["dp2xtp2-tp3", "dp2xtp2-dp3", "pp2xdp2-dp4"]
 
 
@@ -51,7 +54,8 @@ def plan_of(name: str) -> Plan:
     devices = 1
     for n in mesh.values():
         devices *= n
-    return Plan(devices=devices, mesh=mesh, strategy="bench", micro_batches=mesh.get("pp", 1))
+    return Plan(devices=devices, mesh=mesh, strategy="bench", micro_batches=mesh.get("pp", 1),
+                dp_shard=mesh["dp"] if name in SHARDED else 1)
 
 
 def spec_for(job: str, url: str, options: dict[str, Any]) -> JobSpec:

@@ -571,7 +571,7 @@ def apply_state(restored: Restored, model: nn.Module, optimizer: LocalShardAdamW
                 *, adopt: bool = False) -> None:
     """Put restored tensors (this rank's boxes) into the live model, optimizer and RNGs.
     `adopt`: a plain parameter takes a restored host tensor as its data instead of copying it;
-    only before anything (DDP, compile, a pipeline stage) has taken hold of parameter storage."""
+    only before anything (compile, a pipeline stage) has taken hold of parameter storage."""
     tensors = restored.tensors
     with torch.no_grad():
         for name, param in model.named_parameters():

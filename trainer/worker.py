@@ -94,8 +94,8 @@ def init_distributed(kind: str) -> tuple[int, int, torch.device]:
 
 
 def end_distributed(world_size: int) -> None:
-    """Leave the process groups together. The caller drops what holds them first (DDP's reducer,
-    FSDP state, pipeline stages), while the groups are still registered: a gloo group destroyed
+    """Leave the process groups together. The caller drops what holds them first (FSDP2's
+    replicate and fully_shard state, pipeline stages), while the groups are still registered: a gloo group destroyed
     from the reducer's destructor joins its I/O thread while holding the GIL that thread waits
     for (a hang at exit with torch 2.13), and one left to interpreter exit aborts the process
     ("terminate called without an active exception")."""
@@ -193,7 +193,8 @@ def main(argv: list[str] | None = None) -> int:
             metrics.emit("restoring", step=at_step, bytes_needed=reads.bytes_needed, bytes_read=reads.bytes_read,
                          requests=len(reads.requests), bytes_local=reads.bytes_from(LOCAL))
 
-    # Read into new tensors, adopted after the restore (DDP and compile wrap parameters later).
+    # Read into new tensors where a parameter is a plain host tensor (adopted after the restore);
+    # DTensor parameters (tp, replicate, fully_shard) are written in place.
     phase("layout_s")
     try:
         restored = restore_latest(checkpoints, layout, rank, ckpt_group, tier, on_reads=restoring,
