@@ -24,11 +24,11 @@ import tempfile
 from pathlib import Path
 
 from specs import JobSpec
-from specs.plan import OpPlacement, Plan
+from specs.plan import Plan, TensorParallel
 from trainer import metrics
 from trainer.launch import launch_workers, torchrun_command, worker_env
 
-WARMUP_STEPS = 3  # the first steps pay for allocator growth and DDP bucket rebuilding
+WARMUP_STEPS = 3  # the first steps pay for allocator growth and gradient bucket building
 
 
 N_LAYERS = 6
@@ -36,12 +36,10 @@ N_LAYERS = 6
 
 def megatron_plan(devices: int) -> Plan:
     """Attention and MLP of every layer split over "tp" (heads, ffn), the rest replicated: the
-    split bench/plain_tp.py writes by hand, in the planner's per-op format."""
-    placements = []
-    for i in range(N_LAYERS):
-        placements += [OpPlacement(op=f"l{i}.{op}", splits={"h": ("tp",)}) for op in ("qkv", "attn", "proj")]
-        placements += [OpPlacement(op=f"l{i}.{op}", splits={"f": ("tp",)}) for op in ("fc1", "fc2")]
-    return Plan(devices=devices, mesh={"tp": devices}, placements=placements, strategy="megatron")
+    split bench/plain_tp.py writes by hand."""
+    layers = tuple(range(N_LAYERS))
+    return Plan(devices=devices, mesh={"tp": devices}, tensor_parallel=TensorParallel(attention=layers, mlp=layers),
+                strategy="megatron")
 
 
 # mode -> (the trainer's plan, the plain program, whether each rank takes a share of the batch)
