@@ -260,6 +260,10 @@ class ParallelismSpec(_Section):
         None, ge=1, description="Largest tensor-parallel degree to consider (null: any)."
     )
     max_pp: int | None = Field(None, ge=1, description="Largest number of pipeline stages (null: any).")
+    shard_data_parallel: bool = Field(
+        True, description="Let the planner shard parameters, gradients and optimizer state over the data-parallel "
+                          "axis (FSDP) where its cost model says it pays; false: data parallelism replicates them.",
+    )
     precision: Literal["fp32", "bf16"] = Field("fp32", description="Compute precision.")
     compile: bool = Field(False, description="torch.compile the model.")
 

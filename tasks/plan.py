@@ -77,10 +77,12 @@ def plan_parallelism(spec: JobSpec, model: ModelSummary, devices: int, step: int
     logger = get_run_logger()
     profile = load_profile(spec, model.profile_key)
     par = spec.parallelism
-    searched = plan_model(profile, devices, None, par.max_tp, par.max_pp, device_kind=spec.resources.kind)
+    searched = plan_model(profile, devices, None, par.max_tp, par.max_pp, device_kind=spec.resources.kind,
+                          shard_dp=par.shard_data_parallel)
     plan = choose_plan(spec, searched, devices)
     if spec.parallelism.strategy == "auto" and step > 0:
-        options = [p for p in plan_options(profile, devices, None, par.max_tp, par.max_pp, device_kind=spec.resources.kind)
+        options = [p for p in plan_options(profile, devices, None, par.max_tp, par.max_pp, device_kind=spec.resources.kind,
+                                              shard_dp=par.shard_data_parallel)
                    if not executable_reasons(spec, p)]
         with environment(storage_environment(spec)):
             chosen = cheapest_to_continue(spec, options, step, read_bytes_per_s) if len(options) > 1 else None

@@ -220,3 +220,27 @@ def test_plan_input_that_cannot_be_planned(tmp_path: Path) -> None:
         assert done.exit_code == 2 and "--devices" in done.output and "Traceback" not in done.output
     (tmp_path / "ok.json").write_text(json.dumps(GOOD_GRAPH))
     assert runner.invoke(app, ["plan", "specs/default.yaml", "--graph", str(tmp_path / "ok.json")]).exit_code == 0
+
+
+def test_the_spec_can_forbid_sharding_data_parallelism(tmp_path: Path) -> None:
+    """Without tensor or pipeline parallelism, a GPT too large to replicate on 8 devices fits
+    only sharded over dp: the planner shards it; with `parallelism.shard_data_parallel: false`
+    it may not, and says that nothing fits."""
+    import yaml
+    from typer.testing import CliRunner
+
+    from parashift.cli import app
+
+    data = yaml.safe_load((REPO / "specs" / "default.yaml").read_text())
+    data["model"] = {**data["model"], "n_layers": 4, "d_model": 512, "n_heads": 8, "vocab_size": 8192, "seq_len": 64}
+    data["resources"] = {**data["resources"], "kind": "cuda", "memory_gb": 0.2}
+    plans = {}
+    for allowed in (True, False):
+        data["parallelism"] = {**data["parallelism"], "max_tp": 1, "max_pp": 1, "shard_data_parallel": allowed}
+        spec = tmp_path / f"spec-{allowed}.yaml"
+        spec.write_text(yaml.safe_dump(data))
+        out = CliRunner().invoke(app, ["plan", str(spec), "--devices", "8", "--json"])
+        assert out.exit_code == 0, out.output
+        plans[allowed] = Plan.model_validate_json(out.output)
+    assert plans[False].dp_shard == 1 and not plans[False].feasible
+    assert plans[True].dp_shard == 8 and plans[True].feasible, (plans[True].mesh, plans[True].dp_shard)

@@ -44,7 +44,7 @@ def plan(
                               devices_per_node=res.devices_per_node)
     search = exhaustive_search if exhaustive else plan_model
     try:
-        result = search(profile, n, None, par.max_tp, par.max_pp)
+        result = search(profile, n, None, par.max_tp, par.max_pp, shard_dp=par.shard_data_parallel)
     except ValueError as error:  # e.g. brute force over more assignments than it can hold
         typer.echo(f"{graph or spec}: cannot plan it{' exhaustively' if exhaustive else ''}: {error}", err=True)
         raise typer.Exit(1) from None
@@ -55,7 +55,9 @@ def plan(
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"{profile.name} on {n} {kind} devices: mesh {result.mesh}, {result.micro_batches} micro-batches")
+    sharded = f", dp sharded over {result.dp_shard}" if result.dp_shard > 1 else ""
+    table = Table(title=f"{profile.name} on {n} {kind} devices: mesh {result.mesh}{sharded}, "
+                        f"{result.micro_batches} micro-batches")
     for col in ("op", "stage", "configuration", "compute ms", "comm ms", "memory MB"):
         table.add_column(col, justify="left" if col in ("op", "configuration") else "right")
     for p in result.placements:
