@@ -21,7 +21,7 @@ becomes that mesh. Splits over "dp" of anything but the batch are not executed.
 from __future__ import annotations
 
 from planner.graph import Graph, Op
-from specs.plan import OpPlacement, Plan, TensorParallel
+from specs.plan import Plan, TensorParallel
 
 # The iteration dim each part splits over "tp".
 TP_DIM = {"embed": "v", "sequence": "s", "attention": "h", "mlp": "f", "head": "v", "loss": "v"}
@@ -117,8 +117,3 @@ def _stage_layers(stages: list[list[str]], ops: dict[str, Op], problems: list[st
         problems.append(f"pipeline stages must hold contiguous, non-empty runs of layers; got {layers}")
         return []
     return layers
-
-
-def placements_for(graph: Graph, splits: dict[str, dict[str, tuple[str, ...]]]) -> list[OpPlacement]:
-    """Placements for every op of `graph`, from `{op name: splits}` (absent: not split)."""
-    return [OpPlacement(op=op.name, splits=splits.get(op.name, {})) for op in graph.ops]

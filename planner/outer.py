@@ -43,8 +43,8 @@ from planner.stage import (
     StageResult,
     StageSolver,
     TieVariants,
-    mesh_degrees,
     micro_batch_options,
+    searched_meshes,
     weights_floor,
 )
 
@@ -230,9 +230,7 @@ def _enumerate(profile: ModelProfile, devices: int, limit: float | None, max_tp:
     sigs: dict[int, dict[str, str]] = {id(g): sig}  # per variant graph
     layouts: dict[tuple[int, int], list[_Layout]] = {}
     specs: list[_Spec] = []
-    for pp, dp_, tp in mesh_degrees(devices, max_tp, max_pp):
-        if profile.shard_dp and dp_ == 1:
-            continue  # as search.candidates: nothing to shard over
+    for pp, dp_, tp in searched_meshes(profile, devices, max_tp, max_pp):
         if limit is not None and weights_floor(profile, pp, dp_, tp) > limit:
             continue
         single = None

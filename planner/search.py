@@ -37,7 +37,7 @@ from planner.stage import (
     Method,
     StageResult,
     TieVariants,
-    mesh_degrees,
+    searched_meshes,
     single_stage,
     solve_stage,
     stage_result,
@@ -54,11 +54,15 @@ def _as_profile(source: ModelProfile | Graph, device_kind: str, devices_per_node
     return profile_graph(source, device_kind, devices_per_node=devices_per_node)
 
 
-def baselines(profile: ModelProfile, devices: int, max_tp: int | None) -> dict[str, Candidate | None]:
-    """Data parallel and Megatron on the same cost model (None: a split does not divide)."""
+def baselines(profile: ModelProfile, devices: int, max_tp: int | None,
+              shard_dp: bool = True) -> dict[str, Candidate | None]:
+    """Data parallel, Megatron and (`shard_dp`) FSDP on the same cost model (None: a split does
+    not divide)."""
     g = profile.graph
     out: dict[str, Candidate | None] = {}
     for name, mesh in baseline_meshes(g, devices, profile.comm.devices_per_node, max_tp).items():
+        if mesh.shard_dp and not shard_dp:
+            continue
         costs = CostModel(g, profile.device, profile.comm, mesh)
         assign = baseline_assign(g, costs)
         if assign is None:
@@ -93,9 +97,7 @@ def candidates(profile: ModelProfile, devices: int, limit: float | None, max_tp:
     g = profile.graph
     ties = TieVariants(g)
     out = []
-    for pp, dp_, tp in mesh_degrees(devices, max_tp, max_pp):
-        if profile.shard_dp and dp_ == 1:
-            continue  # nothing to shard over: the replicated space has this mesh
+    for pp, dp_, tp in searched_meshes(profile, devices, max_tp, max_pp):
         if skip_unfit and limit is not None and weights_floor(profile, pp, dp_, tp) > limit:
             continue  # weights split at most tp x pp ways ("dp" splits only the batch): cannot fit
         if pp == 1:
@@ -161,9 +163,7 @@ def plan_model(source: ModelProfile | Graph, devices: int, memory_limit_bytes: i
     """
     profile = _as_profile(source, device_kind, devices_per_node)
     limit = memory_limit_bytes if memory_limit_bytes is not None else profile.device.memory_bytes
-    base = baselines(profile, devices, max_tp)
-    if not shard_dp:
-        base.pop("fsdp", None)
+    base = baselines(profile, devices, max_tp, shard_dp)
     known = min((c.time_s for c in base.values() if c is not None and c.fits(limit)), default=float("inf"))
     pool: list[Candidate] = []
     for space in _spaces(profile, shard_dp):
@@ -218,9 +218,7 @@ def plan_options(source: ModelProfile | Graph, devices: int, memory_limit_bytes:
                       devices_per_node=devices_per_node, shard_dp=shard_dp)
     profile = _as_profile(source, device_kind, devices_per_node)
     limit = memory_limit_bytes if memory_limit_bytes is not None else profile.device.memory_bytes
-    base = baselines(profile, devices, max_tp)
-    if not shard_dp:
-        base.pop("fsdp", None)
+    base = baselines(profile, devices, max_tp, shard_dp)
     options = [best] + [to_plan(c, devices, base, limit, profile.graph) for c in base.values() if c is not None and c.fits(limit)]
     unique: dict[tuple[object, ...], Plan] = {}
     for plan in options:

@@ -178,6 +178,14 @@ def mesh_degrees(devices: int, max_tp: int | None, max_pp: int | None) -> list[t
     return out
 
 
+def searched_meshes(profile: ModelProfile, devices: int, max_tp: int | None,
+                    max_pp: int | None) -> list[tuple[int, int, int]]:
+    """The (pp, dp, tp) meshes a space searches: every one, except that the sharded space
+    (`profile.shard_dp`) skips dp = 1, where there is nothing to shard and the replicated space
+    has the same mesh."""
+    return [(pp, dp, tp) for pp, dp, tp in mesh_degrees(devices, max_tp, max_pp) if dp > 1 or not profile.shard_dp]
+
+
 def weights_floor(profile: ModelProfile, pp: int, dp: int, tp: int) -> float:
     """Bytes of parameter state per device at best on this mesh: split tp x pp ways, and dp
     ways more where dp shards it (a mesh below this can never fit a limit)."""

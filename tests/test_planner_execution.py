@@ -7,11 +7,17 @@ import pytest
 from pydantic import ValidationError
 
 from planner.builders import gpt_graph, inception_graph
-from planner.execution import executable, placements_for
-from specs.plan import Plan, TensorParallel
+from planner.execution import executable
+from planner.graph import Graph
+from specs.plan import OpPlacement, Plan, TensorParallel
 
 GRAPH = gpt_graph(2, 48, 4, 256, 24, 8)
 LAYER_OPS = ("ln1", "qkv", "attn", "proj", "add1", "ln2", "fc1", "fc2", "add2")
+
+
+def placements_for(graph: Graph, splits: dict[str, dict[str, tuple[str, ...]]]) -> list[OpPlacement]:
+    """Placements for every op of `graph`, from `{op name: splits}` (absent: not split)."""
+    return [OpPlacement(op=op.name, splits=splits.get(op.name, {})) for op in graph.ops]
 
 
 def splits(**by_part: str) -> dict[str, dict[str, tuple[str, ...]]]:

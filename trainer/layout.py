@@ -17,7 +17,7 @@ import torch
 from ptc import Layout, dtype_name
 from ptc.dtensor import holdings
 from ptc.layout import TensorPlacement, mesh_layout
-from specs.plan import Plan, TensorParallel
+from specs.plan import Plan
 from trainer.model import GPT, GPTConfig
 from trainer.parallel import tp_shard_dims
 
@@ -50,7 +50,6 @@ def state_layout(plan: Plan, config: GPTConfig, rng_bytes: dict[str, int] | None
     """Every rank's box of every tensor of the training state under `plan`."""
     n = config.n_layers
     sharded = tp_shard_dims(plan.tp_regions(n))
-    splittable = tp_shard_dims(TensorParallel.megatron(n))  # stored outermost under every plan
     stages = plan.layers_per_stage(n)
     fsdp_dim = 0 if plan.dp_shard > 1 else None
     with torch.device("meta"):
@@ -59,7 +58,7 @@ def state_layout(plan: Plan, config: GPTConfig, rng_bytes: dict[str, int] | None
     for name, param in model.named_parameters():
         stage = _stage_of(name, stages)
         where = TensorPlacement(tuple(param.shape), dtype_name(param.dtype), stage, sharded.get(name), fsdp_dim,
-                                split_dim=splittable.get(name, 0))
+                                split_dim=0)  # every plan splits dim 0 (docs/plans.md): stored as is
         placements[f"model/{name}"] = where
         for moment in MOMENTS:
             placements[f"optim/{name}/{moment}"] = where
