@@ -41,7 +41,7 @@ import numpy as np
 
 from planner.comm import comm_model_from_timings
 from planner.profile import ModelProfile, profile_gpt, share_cores
-from planner.search import baselines, candidates, to_plan
+from planner.search import baselines, candidates, spaces, to_plan
 from specs import JobSpec
 from specs.plan import Plan
 from trainer.launch import launch_workers, measure_comm_timings
@@ -67,15 +67,17 @@ def bench_spec(steps: int, store: str) -> JobSpec:
 
 def plan_name(plan: Plan) -> str:
     mesh = "x".join(f"{'fsdp' if axis == 'dp' and plan.dp_shard > 1 else axis}{n}" for axis, n in plan.mesh.items())
+    if plan.dp_shard > 1 and not plan.reshard_after_forward:
+        mesh += "-held"  # FSDP keeps the gathered weights (no reshard after forward)
     return f"{mesh}-m{plan.micro_batches}" if plan.degree("pp") > 1 else f"{mesh}-{plan.strategy}"
 
 
 def planner_plans(profile: ModelProfile, max_plans: int) -> dict[str, Plan]:
-    """Each mesh's best strategy and micro-batch count as the planner emits it, with dp
-    replicating and with dp sharding (FSDP) the weights; runnable ones."""
+    """Each mesh's best strategy and micro-batch count as the planner emits it, in every space
+    it searches (dp replicating the weights, dp sharding them with and without resharding after
+    forward); runnable ones."""
     base = baselines(profile, DEVICES, None)
-    sharded = profile.model_copy(update={"shard_dp": True})
-    pool = [c for space in (profile, sharded) for c in candidates(space, DEVICES, None, None, None, "dp", prune=False)]
+    pool = [c for space in spaces(profile, True) for c in candidates(space, DEVICES, None, None, None, "dp", prune=False)]
     pool += [c for c in base.values() if c is not None]
     plans: dict[str, Plan] = {}
     for cand in sorted(pool, key=lambda c: c.time_s):

@@ -66,11 +66,17 @@ def _gpt3_case(p: int) -> dict[str, Any]:
     plan = plan_model(prof, p)  # dp may replicate or shard (FSDP) the weights
     search_s = time.perf_counter() - t0
     replicated = plan_model(prof, p, shard_dp=False)  # the space before FSDP, for comparison
+    shallow = plan_model(prof, p, max_pp=8)  # what fits without a pipeline deeper than 8
+
+    def brief(other: Any) -> dict[str, Any]:
+        return {"mesh": other.mesh, "dp_shard": other.dp_shard, "reshard_after_forward": other.reshard_after_forward,
+                "micro_batches": other.micro_batches, "cost": other.estimated_step_s, "feasible": other.feasible,
+                "memory_per_device_gb": round(other.memory_per_device_bytes / 2**30, 1)}
+
     return {
         "graph": "gpt3-175b", "ops": len(g.ops), "devices": p, "search_s": round(search_s, 3),
-        "dp_shard": plan.dp_shard, "replicated_only": {
-            "mesh": replicated.mesh, "cost": replicated.estimated_step_s, "feasible": replicated.feasible,
-            "memory_per_device_gb": round(replicated.memory_per_device_bytes / 2**30, 1)},
+        "dp_shard": plan.dp_shard, "reshard_after_forward": plan.reshard_after_forward,
+        "replicated_only": brief(replicated), "pp_at_most_8": brief(shallow),
         "peak_mb": round(_rss_mb(), 1), "base_mb": round(base_mb, 1), "cost": plan.estimated_step_s,
         "dp_baseline_cost": plan.baselines.get("data-parallel"),
         "megatron_baseline_cost": plan.baselines.get("megatron"),

@@ -15,12 +15,13 @@ the collectives inside the op, plus the sum over edges of layout conversion. Her
 - memory per device: parameter state (weights, grads, Adam) of its shard plus saved activations.
 - sharded data parallelism (`Mesh.shard_dp`, FSDP): parameter state and the optimizer step
   divided over "dp"; the weight gradient's all-reduce over "dp" becomes FSDP's traffic: the
-  weight all-gathered before forward and again before backward on every evaluation
-  (micro-batch), its gradient reduce-scattered once per step. FSDP2 issues each collective
-  once per unit (a block, or the root's own weights), so a weight pays its share of the unit's
-  latency and of the per-collective CPU cost (half a sharded op's overhead: a tensor-parallel
-  op runs about two collectives). The gathered weights of the one block in flight are not
-  counted (FSDP frees them after use).
+  cost of one all-gather of each weight (`OpCost.gather`) and its gradient's reduce-scatter
+  once per step, and the bytes of the unsharded weight and gradient (`unsharded_weight`,
+  `unsharded_grad`). How many gathers a step makes and which unsharded tensors stay in memory
+  depend on the schedule (micro-batches, pipeline, reshard after forward): `problem.Weights`
+  decides. FSDP2 issues each collective once per unit (a block, or the root's own weights), so
+  a weight pays its share of the unit's latency and of the per-collective CPU cost (half a
+  sharded op's overhead: a tensor-parallel op runs about two collectives).
 
 Tables are cached by op signature, so identical layers cost one computation.
 """
@@ -52,6 +53,11 @@ class OpCost:
     grad_comm: np.ndarray  # s, once per step: weight-gradient all-reduce + optimizer update of the shard
     param_mem: np.ndarray  # bytes of parameter state held
     act_mem: np.ndarray  # bytes of activations saved for the backward pass, one evaluation
+    # Sharded dp (FSDP) only, else zeros: one all-gather of the weights, s; bytes of the
+    # unsharded weights and of their unsharded gradients (held as problem.Weights says).
+    gather: np.ndarray
+    unsharded_weight: np.ndarray
+    unsharded_grad: np.ndarray
 
 
 class CostModel:
@@ -95,8 +101,8 @@ class CostModel:
         return self.mesh.names.index("dp") if self.mesh.shard_dp and "dp" in self.mesh.names else None
 
     def _fsdp(self, op: Op, cfg: Config, weight: tuple[str, ...]) -> tuple[float, float]:
-        """FSDP's traffic for one weight over the sharded "dp" axis: (seconds per evaluation:
-        two all-gathers, seconds per step: one reduce-scatter)."""
+        """FSDP's traffic for one weight over the sharded "dp" axis: seconds of one all-gather
+        of it and of one reduce-scatter of its gradient."""
         dp_axis = self._dp_axis()
         if dp_axis is None:
             return 0.0, 0.0
@@ -106,7 +112,7 @@ class CostModel:
         share = 1.0 / (len(op.params) * self._unit_ops.get(op.block, 1))
         fixed = share * (link.latency_s + self.device.sharded_op_overhead_s / 2)
         ring = (group - 1) / group / link.bandwidth_Bps
-        return 2.0 * (fixed + ring * local * self.graph.act_bytes), fixed + ring * local * self.graph.grad_bytes
+        return fixed + ring * local * self.graph.act_bytes, fixed + ring * local * self.graph.grad_bytes
 
     def _allreduce(self, op: Op, cfg: Config, tensor: tuple[str, ...], elem_bytes: int, bucketed: bool = False) -> float:
         """All-reduce of a tensor that is a partial sum over the axes splitting dims it lacks
@@ -129,6 +135,7 @@ class CostModel:
         n = len(configs)
         compute, comm, grad_comm = np.zeros(n), np.zeros(n), np.zeros(n)
         param_mem, act_mem = np.zeros(n), np.zeros(n)
+        gather, unsharded_weight, unsharded_grad = np.zeros(n), np.zeros(n), np.zeros(n)
         rate = dev.matmul_flops if op.kind in GEMM_KINDS else float("inf")
         dp_axis = self._dp_axis()
         state_share = 1 if dp_axis is None else self.mesh.sizes[dp_axis]  # FSDP: each rank holds 1/dp
@@ -149,15 +156,18 @@ class CostModel:
                 self._allreduce(op, cfg, t, g.act_bytes) for t in op.inputs)
             grad_comm[i] = sum(self._allreduce(op, cfg, t, g.grad_bytes, bucketed=True) for t in op.params)
             for t in op.params:
-                per_evaluation, per_step = self._fsdp(op, cfg, t)
-                comm[i] += per_evaluation
-                grad_comm[i] += per_step
+                all_gather, reduce_scatter = self._fsdp(op, cfg, t)
+                gather[i] += all_gather
+                grad_comm[i] += reduce_scatter
+            if dp_axis is not None:
+                unsharded_weight[i] = g.act_bytes * params
+                unsharded_grad[i] = g.grad_bytes * params
             # The optimizer step reads and writes the parameter state of the local shard once:
             # replicas (dp, or ops replicated over tp) each pay it again.
             grad_comm[i] += 2.0 * g.param_state_bytes * params / state_share / dev.memory_Bps
             param_mem[i] = g.param_state_bytes * params / state_share
             act_mem[i] = g.act_bytes * local(op.output)
-        return OpCost(configs, compute, comm, grad_comm, param_mem, act_mem)
+        return OpCost(configs, compute, comm, grad_comm, param_mem, act_mem, gather, unsharded_weight, unsharded_grad)
 
     def _build_edge(self, src: Op, dst: Op, slot: int) -> np.ndarray:
         """Seconds to convert src's output layout to dst's input layout, and the gradient back."""
@@ -210,7 +220,3 @@ class CostModel:
                 out += np.where(sel & (recv > 0), link.latency_s + recv / link.bandwidth_Bps, 0.0)
         return out
 
-
-def op_time(cost: OpCost, micro_batches: int = 1) -> np.ndarray:
-    """Seconds per step of an op per configuration, unpipelined (micro-batches run in sequence)."""
-    return micro_batches * (cost.compute + cost.comm) + cost.grad_comm

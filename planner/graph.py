@@ -220,7 +220,7 @@ class Graph(BaseModel):
     def anchor_blocks(self) -> dict[str, str | None]:
         """Op name -> the block it travels with when blocks are cut into pipeline stages: its
         own, else the last block before it, else the first block (as planner/pipeline.py
-        `_stage_ops` assigns ops to stages). None only in a graph without blocks."""
+        `stage_ops` assigns ops to stages). None only in a graph without blocks."""
         current = next((op.block for op in self.ops if op.block is not None), None)
         out = {}
         for op in self.ops:

@@ -1,11 +1,13 @@
-"""Branch and bound over the outer search: meshes, micro-batch counts and stage splits.
+"""The outer search: one enumeration of meshes, micro-batch counts and stage splits, two visits.
 
-`search.candidates` (with `prune=False`) enumerates every mesh pp x dp x tp, every micro-batch
-count and every stage split, and runs the memory bisection of `stage.StageSolver` on each
-distinct stage. This module visits the same candidates, best lower bound first, and drops those
-that provably cannot beat the fastest fitting candidate met so far (the incumbent; the fitting
-baselines seed it). It is exact: the best candidate, and the first one in enumeration order
-among equals, is the same as without pruning (tests/test_planner_outer.py checks this).
+`enumerate_specs` lists every candidate of the space (mesh pp x dp x tp, micro-batch count,
+stage split, tie state), unevaluated. `evaluate_all` solves every one (the memory bisection of
+`stage.StageSolver` on each distinct stage); `branch_and_bound` visits the same candidates, best
+lower bound first, and drops those that provably cannot beat the fastest fitting candidate met
+so far (the incumbent; the fitting baselines seed it). It is exact: the best candidate, and the
+first one in enumeration order among equals, is the same as `evaluate_all`'s
+(tests/test_planner_outer.py checks this). Stage objectives are `problem.Weights`' terms and a
+pipeline's step is `pipeline.step_time`, for both visits and every bound.
 
 Lower bounds on a candidate's step time, max over its stages of the stage time plus the
 stage-boundary transfer, all valid because every cost term is non-negative:
@@ -21,8 +23,7 @@ Memoisation: a context (mesh, micro-batch count) builds its micro-batch graph an
 once, and solves each distinct stage (same ops, edges and tie structure up to names) once,
 whichever split it comes from; stage splits and their keys are computed once per pipeline depth
 and tie state (`stage.TieVariants`: pipelined candidates are enumerated once per on/off state
-of the tie groups a stage split can cut, as the plain enumeration does), independent of mesh and
-micro-batch size.
+of the tie groups a stage split can cut), independent of mesh and micro-batch size.
 """
 
 from __future__ import annotations
@@ -34,8 +35,8 @@ from dataclasses import dataclass, field
 from planner.configs import named_mesh
 from planner.costs import CostModel
 from planner.graph import Graph, Op
-from planner.pipeline import _stage_ops, block_order, stage_splits, step_time
-from planner.problem import UNPIPELINED, Weights
+from planner.pipeline import block_order, boundary_s, stage_ops, stage_splits, step_time
+from planner.problem import Weights
 from planner.profile import ModelProfile
 from planner.stage import (
     Candidate,
@@ -85,7 +86,7 @@ def _tie_key(g: Graph, names: list[str]) -> tuple:
 def _layouts(g: Graph, blocks: list[str], pp: int, sig: dict[str, str]) -> list[_Layout]:
     out = []
     for counts in stage_splits(len(blocks), pp):
-        names = _stage_ops(g, blocks, counts)
+        names = stage_ops(g, blocks, counts)
         where = {n: s for s, stage in enumerate(names) for n in stage}
         pos = {n: i for stage in names for i, n in enumerate(stage)}
         inner: list[list[tuple[int, int, int]]] = [[] for _ in names]
@@ -158,8 +159,7 @@ class _Context:
     def least_time(self, sig: str) -> float:
         """The cheapest time per step of ops of signature `sig` (layout conversions aside)."""
         if sig not in self._least:
-            c, w = self.costs.op_cost(self.ops[self._rep[sig]]), self.w
-            self._least[sig] = float((w.weight * (c.compute + c.comm) + c.grad_comm).min())
+            self._least[sig] = float(self.w.time(self.costs.op_cost(self.ops[self._rep[sig]])).min())
         return self._least[sig]
 
     def stage(self, key: tuple, names: list[str], counts: tuple[tuple[str, int], ...]) -> _Stage:
@@ -185,7 +185,7 @@ class _Stage:
 
 
 @dataclass
-class _Spec:
+class CandidateSpec:
     """One candidate of the plain enumeration, not yet (or partly) evaluated."""
 
     order: int
@@ -197,7 +197,7 @@ class _Spec:
     stages: list[_Stage]
     boundary: float
     layout: _Layout | None = None  # None: the unpipelined single stage
-    cond: _Spec | None = None  # pp = 1 accumulation: only when the single stage does not fit
+    cond: CandidateSpec | None = None  # pp = 1 accumulation: only when the single stage does not fit
     tie_note: str | None = None  # the tie groups fixed for this candidate (stage.TieVariants)
     lb: float = 0.0
     fits: bool | None = None  # known once evaluated (single stages)
@@ -213,38 +213,44 @@ class _Spec:
         self.lb = self.ctx.share * max(st.lb for st in self.distinct) + self.boundary
 
     def notes(self) -> list[str]:
-        """The candidate's notes, as planner.pipeline.pipelined and search.candidates write them."""
+        """The candidate's notes: its stage split and micro-batches, and the tie state fixed."""
         if self.layout is None:
             return []
         note = f"stages of {self.layout.counts} blocks, {self.m} micro-batches (1F1B)"
         return [note, self.tie_note] if self.tie_note else [note]
 
 
-def _enumerate(profile: ModelProfile, devices: int, limit: float | None, max_tp: int | None, max_pp: int | None,
-               method: Method) -> list[_Spec]:
-    """The candidates of `search.candidates(prune=False)`, in its order, as unevaluated specs."""
+def enumerate_specs(profile: ModelProfile, devices: int, limit: float | None, max_tp: int | None,
+                    max_pp: int | None, method: Method, skip_unfit: bool = True) -> list[CandidateSpec]:
+    """Every candidate of the search space, unevaluated, in the order that breaks ties.
+
+    Per mesh (pp, dp, tp): the unpipelined single stage (pp = 1), then per tie state, micro-batch
+    count and stage split a pipelined candidate (pp = 1 with several micro-batches: gradient
+    accumulation, searched only if the single stage does not fit). `skip_unfit`: leave out
+    meshes whose parameter state alone exceeds the limit (False: keep them, to find the layout
+    closest to fitting when nothing fits).
+    """
     g = profile.graph
     sig = {op.name: op.signature() for op in g.ops}
     blocks = block_order(g)
     ties = TieVariants(g)
     sigs: dict[int, dict[str, str]] = {id(g): sig}  # per variant graph
     layouts: dict[tuple[int, int], list[_Layout]] = {}
-    specs: list[_Spec] = []
+    specs: list[CandidateSpec] = []
     for pp, dp_, tp in searched_meshes(profile, devices, max_tp, max_pp):
-        if limit is not None and weights_floor(profile, pp, dp_, tp) > limit:
+        if skip_unfit and limit is not None and weights_floor(profile, pp, dp_, tp) > limit:
             continue
         single = None
         if pp == 1:
-            ctx = _Context(profile, g, dp_, tp, None, UNPIPELINED, limit, method, sig)
+            ctx = _Context(profile, g, dp_, tp, None, Weights.schedule(1, 1, profile.reshard_after_forward),
+                           limit, method, sig)
             names = [op.name for op in g.ops]
             stage = ctx.stage(("single",), names, _sig_counts(names, sig))
-            single = _Spec(len(specs), 1, dp_, tp, 1, ctx, [stage], 0.0)
+            single = CandidateSpec(len(specs), 1, dp_, tp, 1, ctx, [stage], 0.0)
             specs.append(single)
-        # planner.pipeline.pipelined's conditions
         if len(blocks) < pp or g.batch_dim not in g.ops[0].dims:
-            continue
+            continue  # no blocks to cut into stages, or no batch to cut into micro-batches
         batch = g.ops[0].dims[g.batch_dim]
-        intra = dp_ * tp * 2 <= profile.comm.devices_per_node
         for gv, note in ties.for_mesh(pp, dp_, tp, profile.comm.devices_per_node):
             if id(gv) not in sigs:
                 sigs[id(gv)] = {op.name: op.signature() for op in gv.ops}
@@ -253,39 +259,37 @@ def _enumerate(profile: ModelProfile, devices: int, limit: float | None, max_tp:
                 layouts[pp, id(gv)] = _layouts(gv, blocks, pp, sv)
             for m in micro_batch_options(batch, pp, dp_):
                 if pp == 1 and m == 1:
-                    continue  # the unpipelined search covers it
-                w = Weights(weight=float(m + pp - 1), inflight=float(min(m, pp)))
+                    continue  # the single stage above
+                w = Weights.schedule(pp, m, profile.reshard_after_forward)
                 ctx = _Context(profile, gv, dp_, tp, batch // m, w, limit, method, sv)
                 for lay in layouts[pp, id(gv)]:
                     stages = [ctx.stage(*x) for x in zip(lay.keys, lay.names, lay.sig_counts, strict=True)]
-                    # As planner.pipeline._boundary_s: the largest crossing activation, point to point.
-                    worst = 0.0
+                    worst = 0.0  # the largest activation crossing a stage boundary
                     for src in lay.crossing:
                         op = ctx.ops[src]
                         worst = max(worst, float(op.numel(op.output) * g.act_bytes))
-                    # Each dp replica sends its share of the bytes; each send pays the latency.
-                    send = profile.comm.transfer(worst / dp_, intra) if worst else 0.0
-                    boundary = send * 2.0 * (m + pp - 1)
-                    specs.append(_Spec(len(specs), pp, dp_, tp, m, ctx, stages, boundary, lay, single, tie_note=note))
+                    boundary = boundary_s(profile.comm, worst, pp, dp_, tp, m)
+                    specs.append(CandidateSpec(len(specs), pp, dp_, tp, m, ctx, stages, boundary, lay, single, tie_note=note))
     return specs
 
 
-def _single(spec: _Spec) -> Candidate:
+def _single(spec: CandidateSpec) -> Candidate:
     res, _ = spec.stages[0].solver.finish()
     name = "pase-dp" if spec.ctx.method == "dp" else "exhaustive"
     return Candidate(name, 1, spec.dp, spec.tp, 1, [res], res.time_s, res.memory_bytes)
 
 
-def _pipelined(spec: _Spec, bound: float) -> Candidate | None:
-    """The candidate, or None when a finished stage already makes it slower than `bound` or
-    too large for the limit."""
+def _pipelined(spec: CandidateSpec, bound: float | None) -> Candidate | None:
+    """The candidate; with a `bound`, None as soon as a finished stage makes it slower than
+    `bound` or too large for the limit."""
     ctx, limit = spec.ctx, spec.ctx.limit
-    for st in sorted(spec.distinct, key=lambda s: -s.solver.first().time_s):
-        res, _ = st.solver.finish()
-        if limit is not None and res.memory_bytes > limit:
-            return None
-        if ctx.share * res.time_s + spec.boundary > bound:
-            return None
+    if bound is not None:
+        for st in sorted(spec.distinct, key=lambda s: -s.solver.first().time_s):
+            res, _ = st.solver.finish()
+            if limit is not None and res.memory_bytes > limit:
+                return None
+            if ctx.share * res.time_s + spec.boundary > bound:
+                return None
     results = []
     for st, names in zip(spec.stages, spec.layout.names, strict=True):
         r = st.solver.finish()[0]
@@ -297,24 +301,43 @@ def _pipelined(spec: _Spec, bound: float) -> Candidate | None:
     return Candidate(name, spec.pp, spec.dp, spec.tp, spec.m, results, time_s, memory, spec.notes())
 
 
-def branch_and_bound(profile: ModelProfile, devices: int, limit: float | None, max_tp: int | None,
-                     max_pp: int | None, method: Method, incumbent: float = float("inf")) -> list[Candidate]:
+def evaluate(spec: CandidateSpec) -> Candidate:
+    """One candidate, every stage solved."""
+    cand = _single(spec) if spec.layout is None else _pipelined(spec, None)
+    assert cand is not None
+    return cand
+
+
+def evaluate_all(specs: list[CandidateSpec], limit: float | None) -> list[Candidate]:
+    """Every candidate, in enumeration order (the reference that `branch_and_bound` is tested
+    against); accumulation only on meshes whose single stage does not fit."""
+    out = []
+    for spec in specs:
+        if spec.cond is not None and spec.cond.fits:
+            continue
+        cand = evaluate(spec)
+        if spec.layout is None:
+            spec.fits = cand.fits(limit)
+        out.append(cand)
+    return out
+
+
+def branch_and_bound(specs: list[CandidateSpec], limit: float | None, incumbent: float = float("inf")) -> list[Candidate]:
     """Candidates that may be the fastest fitting one (every one that ties with or beats
     `incumbent`, the time of a fitting strategy known beforehand), in enumeration order.
     Under a memory limit only fitting candidates are returned; with none, every survivor."""
-    specs = _enumerate(profile, devices, limit, max_tp, max_pp, method)
     best = incumbent
 
     def bound() -> float:
         return best + EPS * abs(best)
 
-    def settle(spec: _Spec, cand: Candidate | None) -> None:
+    def settle(spec: CandidateSpec, cand: Candidate | None) -> None:
         nonlocal best
         spec.done, spec.result = True, cand
         if cand is not None and cand.fits(limit):
             best = min(best, cand.time_s)
 
-    def single_fits(spec: _Spec) -> bool:
+    def single_fits(spec: CandidateSpec) -> bool:
         if spec.fits is None:
             stage = spec.stages[0]
             if limit is not None and stage.solver.infeasible():

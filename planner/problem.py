@@ -27,10 +27,67 @@ from planner.graph import Graph
 
 @dataclass(frozen=True)
 class Weights:
-    """How a stage's per-evaluation costs add up to a step."""
+    """How a stage's per-evaluation costs add up to a step: the one definition of a stage's
+    objective terms, which the DP tables, the per-op breakdown, the stage bounds of the outer
+    search and the least-memory floor all read (a new cost term is written once, in costs.py).
+
+    Sharded dp (FSDP2, as the trainer runs it: `fully_shard` per block, pipeline stages through
+    torch.distributed.pipelining): `gathers` all-gathers of each weight per step and which
+    unsharded tensors stay in memory follow the schedule (`schedule`).
+    """
 
     weight: float = 1.0  # evaluations of each op on the critical path per step
     inflight: float = 1.0  # micro-batches whose activations are held at once
+    gathers: float = 2.0  # FSDP all-gathers of each weight per step (on the critical path)
+    holds_weights: bool = False  # FSDP: the stage's unsharded weights stay gathered
+    holds_grads: bool = False  # FSDP: unsharded gradients accumulate over micro-batches
+    reshard_after_forward: bool = True  # the plan choice these FSDP terms follow
+
+    @classmethod
+    def schedule(cls, pp: int, micro_batches: int, reshard_after_forward: bool = True) -> Weights:
+        """The weights of a 1F1B pipeline of `pp` stages (or plain accumulation, pp 1) over
+        `micro_batches`.
+
+        FSDP2 all-gathers a block's weights before its forward and, after resharding them
+        (`reshard_after_forward`), again before its backward. Accumulating over micro-batches
+        it keeps unsharded gradients until the last one. A pipeline stage
+        (torch.distributed.pipelining) also keeps the weights gathered after each backward
+        until the step's end, so in 1F1B a forward finds them gathered: about one gather per
+        evaluation, or one per step without resharding after forward.
+        """
+        m, weight = micro_batches, float(micro_batches + pp - 1)
+        if pp > 1:
+            gathers, holds_weights, holds_grads = (weight if reshard_after_forward else 1.0), True, True
+        else:
+            gathers = float(m * (2 if reshard_after_forward else 1))
+            holds_weights, holds_grads = not reshard_after_forward, m > 1
+        return cls(weight, float(min(m, pp)), gathers, holds_weights, holds_grads, reshard_after_forward)
+
+    def compute(self, c: OpCost) -> np.ndarray:
+        """Seconds of compute per step, per configuration."""
+        return self.weight * c.compute
+
+    def comm(self, c: OpCost) -> np.ndarray:
+        """Seconds of communication per step, per configuration: collectives inside each
+        evaluation, FSDP's gathers, and once per step the weight-gradient sync."""
+        return self.weight * c.comm + self.gathers * c.gather + c.grad_comm
+
+    def time(self, c: OpCost) -> np.ndarray:
+        return self.compute(c) + self.comm(c)
+
+    def memory(self, c: OpCost) -> np.ndarray:
+        """Bytes per device: parameter state once, activations of the micro-batches in flight,
+        and what FSDP keeps unsharded."""
+        out = c.param_mem + self.inflight * c.act_mem
+        if self.holds_weights:
+            out = out + c.unsharded_weight
+        if self.holds_grads:
+            out = out + c.unsharded_grad
+        return out
+
+    def edge(self, table: np.ndarray) -> np.ndarray:
+        """Seconds per step of a layout conversion between two ops (each evaluation pays it)."""
+        return table if self.weight == 1.0 else self.weight * table
 
 
 UNPIPELINED = Weights()
@@ -140,17 +197,15 @@ def build_problem(graph: Graph, costs: CostModel, lam: float = 0.0, w: Weights =
     for v, op in enumerate(graph.ops):
         c = costs.op_cost(op)
         if id(c) not in unary:
-            memory = c.param_mem + w.inflight * c.act_mem
-            unary[id(c)] = memory if memory_only else (
-                w.weight * (c.compute + c.comm) + c.grad_comm + lam * memory)
+            memory = w.memory(c)
+            unary[id(c)] = memory if memory_only else w.time(c) + lam * memory
         factors.append(Factor((v,), unary[id(c)], owner=op.block))
         card.append(len(c.configs))
     for e in () if memory_only else graph.edges:
         table = costs.edge_cost(e)
-        if w.weight != 1.0:
-            if id(table) not in scaled:
-                scaled[id(table)] = w.weight * table
-            table = scaled[id(table)]
+        if id(table) not in scaled:
+            scaled[id(table)] = w.edge(table)
+        table = scaled[id(table)]
         s, d = index[e.src], index[e.dst]
         factors.append(Factor((s, d), table, owner=graph.ops[d].block))
     factors += tie_factors(graph, costs)
@@ -168,13 +223,16 @@ class OpBreakdown:
 def breakdown(graph: Graph, costs: CostModel, assign: list[int], w: Weights = UNPIPELINED) -> list[OpBreakdown]:
     """Per-op time and memory of an assignment; layout conversions are charged to the consumer."""
     index = graph.index()
+    terms: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}  # ops of equal signature share them
     rows = []
     for v, op in enumerate(graph.ops):
         c = costs.op_cost(op)
+        if id(c) not in terms:
+            terms[id(c)] = (w.compute(c), w.comm(c), w.memory(c))
+        compute, comm, memory = terms[id(c)]
         i = assign[v]
-        rows.append(OpBreakdown(w.weight * float(c.compute[i]), w.weight * float(c.comm[i]) + float(c.grad_comm[i]),
-                                float(c.param_mem[i] + w.inflight * c.act_mem[i])))
+        rows.append(OpBreakdown(float(compute[i]), float(comm[i]), float(memory[i])))
     for e in graph.edges:
         s, d = index[e.src], index[e.dst]
-        rows[d].comm_s += w.weight * float(costs.edge_cost(e)[assign[s], assign[d]])
+        rows[d].comm_s += float(w.edge(costs.edge_cost(e)[assign[s], assign[d]]))
     return rows

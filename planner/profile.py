@@ -86,6 +86,9 @@ class ModelProfile(BaseModel):
     device: DeviceModel
     comm: CommModel
     shard_dp: bool = Field(default=False, description="search with the dp axis sharding parameter state (FSDP)")
+    reshard_after_forward: bool = Field(
+        default=True, description="sharded dp: search with FSDP freeing gathered weights after forward (False: "
+                                  "gathered once per evaluation, or once per step in a pipeline, and held)")
 
 
 def measure_device(kind: str = "cpu", repeats: int = 3) -> DeviceModel:

@@ -1,8 +1,8 @@
 """The planner's entry points: search meshes, stages and per-op configurations; emit a Plan.
 
-Outer loop: every mesh pp x dp x tp = p (within max_tp / max_pp), pipeline micro-batch counts
-(pipeline.py), visited by an exact branch and bound (outer.py) that skips candidates whose lower
-bound exceeds the fastest fitting one. Inner: the exact per-op DP (dp.py) on each stage's graph. Memory is a hard
+Outer loop: one enumeration (outer.py) of every mesh pp x dp x tp = p (within max_tp / max_pp),
+pipeline micro-batch counts and stage splits (pipeline.py), visited by an exact branch and bound
+that skips candidates whose lower bound exceeds the fastest fitting one. Inner: the exact per-op DP (dp.py) on each stage's graph. Memory is a hard
 limit: the DP minimises time + lambda x memory, lambda found by doubling then bisection; among
 every solution met (and the baselines) the fastest one that fits wins. The DP is exact for each
 lambda; the constrained choice is exact among those candidates (a Lagrangian relaxation).
@@ -28,20 +28,15 @@ from planner.configs import counts_mesh, dtensor_placements
 from planner.costs import CostModel
 from planner.execution import executable
 from planner.graph import Graph
-from planner.outer import branch_and_bound
-from planner.pipeline import pipelined
+from planner.outer import branch_and_bound, enumerate_specs, evaluate_all
 from planner.problem import UNPIPELINED, tie_factors
 from planner.profile import ModelProfile, profile_graph
 from planner.stage import (
     Candidate,
     Method,
     StageResult,
-    TieVariants,
-    searched_meshes,
-    single_stage,
     solve_stage,
     stage_result,
-    weights_floor,
 )
 from specs.plan import OpPlacement, Plan
 
@@ -78,41 +73,25 @@ def baselines(profile: ModelProfile, devices: int, max_tp: int | None,
     return out
 
 
-# Branch and bound over the outer loop (planner/outer.py); False: the plain enumeration below,
-# which visits every candidate (the reference the tests compare the pruned search with).
+# Branch and bound over the outer loop (planner/outer.py); False: every candidate evaluated
+# (the reference the tests compare the pruned search with).
 PRUNE = True
 
 
 def candidates(profile: ModelProfile, devices: int, limit: float | None, max_tp: int | None,
                max_pp: int | None, method: Method, incumbent: float = float("inf"),
                prune: bool | None = None, skip_unfit: bool = True) -> list[Candidate]:
-    """Every mesh's best strategy (pipelined ones through planner.pipeline).
+    """The candidates of the one enumeration (`outer.enumerate_specs`: meshes, micro-batch
+    counts, stage splits), each with its stages solved.
 
     Pruned (`prune`, default `PRUNE`): only the candidates that may be the fastest fitting one,
     given a fitting strategy of time `incumbent` (see planner/outer.py); the fastest fitting
     candidate, and the first among equals, is the same either way.
     """
+    specs = enumerate_specs(profile, devices, limit, max_tp, max_pp, method, skip_unfit)
     if PRUNE if prune is None else prune:
-        return branch_and_bound(profile, devices, limit, max_tp, max_pp, method, incumbent)
-    g = profile.graph
-    ties = TieVariants(g)
-    out = []
-    for pp, dp_, tp in searched_meshes(profile, devices, max_tp, max_pp):
-        if skip_unfit and limit is not None and weights_floor(profile, pp, dp_, tp) > limit:
-            continue  # weights split at most tp x pp ways ("dp" splits only the batch): cannot fit
-        if pp == 1:
-            best = single_stage(profile, dp_, tp, limit, method)
-            out.append(best)
-            if best.fits(limit):
-                continue
-        # pp == 1 here: gradient accumulation over micro-batches, to cut activation memory.
-        for variant, note in ties.for_mesh(pp, dp_, tp, profile.comm.devices_per_node):
-            found = pipelined(profile if variant is g else profile.model_copy(update={"graph": variant}),
-                              pp, dp_, tp, limit, method, skip_unfit)
-            for cand in found if note else ():
-                cand.notes.append(note)
-            out.extend(found)
-    return out
+        return branch_and_bound(specs, limit, incumbent)
+    return evaluate_all(specs, limit)
 
 
 def to_plan(best: Candidate, devices: int, base: dict[str, Candidate | None], limit: float | None,
@@ -142,6 +121,7 @@ def to_plan(best: Candidate, devices: int, base: dict[str, Candidate | None], li
     sharded = bool(best.stages) and best.stages[0].mesh.shard_dp
     return executable(Plan(
         devices=devices, mesh=mesh, dp_shard=best.dp if sharded else 1, placements=placements,
+        reshard_after_forward=not sharded or best.stages[0].weights.reshard_after_forward,
         micro_batches=best.micro_batches,
         estimated_step_s=best.time_s, memory_per_device_bytes=int(best.memory_bytes), strategy=best.name,
         baselines={k: c.time_s for k, c in base.items() if c is not None},
@@ -158,15 +138,16 @@ def plan_model(source: ModelProfile | Graph, devices: int, memory_limit_bytes: i
     `memory_limit_bytes` None: the profile's device memory (unlimited if unknown). Baselines are
     evaluated on the same cost model; a fitting baseline that is faster than every searched
     candidate would be chosen, which cannot happen since both lie in the searched space.
-    `shard_dp`: the dp axis may also shard parameter state (FSDP): a second space, searched with
-    the first one's best fitting time as its incumbent; among equals the replicated plan wins.
+    `shard_dp`: the dp axis may also shard parameter state (FSDP): two more spaces (resharding
+    after forward or not), each searched with the best fitting time so far as its incumbent;
+    among equals the earlier space (replicated first) wins.
     """
     profile = _as_profile(source, device_kind, devices_per_node)
     limit = memory_limit_bytes if memory_limit_bytes is not None else profile.device.memory_bytes
     base = baselines(profile, devices, max_tp, shard_dp)
     known = min((c.time_s for c in base.values() if c is not None and c.fits(limit)), default=float("inf"))
     pool: list[Candidate] = []
-    for space in _spaces(profile, shard_dp):
+    for space in spaces(profile, shard_dp):
         found = candidates(space, devices, limit, max_tp, max_pp, method, known)
         known = min([known] + [c.time_s for c in found if c.fits(limit)])
         pool += found
@@ -179,7 +160,7 @@ def plan_model(source: ModelProfile | Graph, devices: int, memory_limit_bytes: i
     # fit is its least-memory assignment; the bound on weights skips no mesh here.
     g = profile.graph
     floor = g.n_params * g.param_state_bytes / devices
-    pool = [c for space in _spaces(profile, shard_dp)
+    pool = [c for space in spaces(profile, shard_dp)
             for c in candidates(space, devices, limit, max_tp, max_pp, method, prune=False, skip_unfit=False)]
     pool += [c for c in base.values() if c is not None]
     best = min(pool, key=lambda c: (c.memory_bytes, c.time_s))
@@ -189,9 +170,12 @@ def plan_model(source: ModelProfile | Graph, devices: int, memory_limit_bytes: i
     return to_plan(best, devices, base, limit, profile.graph)
 
 
-def _spaces(profile: ModelProfile, shard_dp: bool) -> list[ModelProfile]:
-    """The search spaces: replicated dp, and sharded dp (FSDP) where allowed."""
-    return [profile, profile.model_copy(update={"shard_dp": True})] if shard_dp else [profile]
+def spaces(profile: ModelProfile, shard_dp: bool) -> list[ModelProfile]:
+    """The search spaces: replicated dp and, where allowed, sharded dp (FSDP) freeing gathered
+    weights after forward or keeping them (a plan choice: fewer gathers for more memory)."""
+    if not shard_dp:
+        return [profile]
+    return [profile] + [profile.model_copy(update={"shard_dp": True, "reshard_after_forward": r}) for r in (True, False)]
 
 
 def exhaustive_search(source: ModelProfile | Graph, devices: int, memory_limit_bytes: int | None = None,
@@ -222,7 +206,7 @@ def plan_options(source: ModelProfile | Graph, devices: int, memory_limit_bytes:
     options = [best] + [to_plan(c, devices, base, limit, profile.graph) for c in base.values() if c is not None and c.fits(limit)]
     unique: dict[tuple[object, ...], Plan] = {}
     for plan in options:
-        key = (tuple(sorted(plan.mesh.items())), plan.dp_shard,
+        key = (tuple(sorted(plan.mesh.items())), plan.dp_shard, plan.reshard_after_forward,
                tuple((p.op, tuple(sorted(p.splits.items()))) for p in plan.placements))
         unique.setdefault(key, plan)
     return sorted(unique.values(), key=lambda p: p.estimated_step_s if p.estimated_step_s is not None else float("inf"))

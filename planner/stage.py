@@ -3,8 +3,7 @@ micro-batch counts and the tie-state variants of a graph.
 
 `StageSolver` runs the exact per-op DP (dp.py) on one stage's graph under a memory limit
 (lambda bisection over time + lambda x memory); `Candidate` is a whole strategy. The outer
-searches (`search.candidates` enumerating, `outer.branch_and_bound` pruning, `pipeline.pipelined`
-for stage splits) all build on these, so none imports another's entry point.
+search (planner/outer.py) and the entry points (planner/search.py) build on these.
 """
 
 from __future__ import annotations
@@ -94,7 +93,7 @@ class StageSolver:
     def floor(self) -> StageResult:
         if self._floor is None:
             g, costs, w = self.graph, self.costs, self.w
-            least = [int((c.param_mem + w.inflight * c.act_mem).argmin()) for c in map(costs.op_cost, g.ops)]
+            least = [int(w.memory(c).argmin()) for c in map(costs.op_cost, g.ops)]
             ties = tie_factors(g, costs)
             if ties and not math.isfinite(dp.evaluate(dp.Problem([], ties), least)):
                 # Each op's least-memory configuration breaks a tie: the exact least-memory
@@ -191,14 +190,6 @@ def weights_floor(profile: ModelProfile, pp: int, dp: int, tp: int) -> float:
     ways more where dp shards it (a mesh below this can never fit a limit)."""
     g = profile.graph
     return g.n_params * g.param_state_bytes / (tp * pp * (dp if profile.shard_dp else 1))
-
-
-def single_stage(profile: ModelProfile, dp_: int, tp: int, limit: float | None, method: Method) -> Candidate:
-    """The best unpipelined strategy on a dp x tp mesh."""
-    g = profile.graph
-    mesh = named_mesh(dp_, tp, profile.comm.devices_per_node, g.batch_dim, profile.shard_dp)
-    res, _ = solve_stage(g, CostModel(g, profile.device, profile.comm, mesh), limit, method=method)
-    return Candidate("pase-dp" if method == "dp" else "exhaustive", 1, dp_, tp, 1, [res], res.time_s, res.memory_bytes)
 
 
 class TieVariants:

@@ -129,6 +129,8 @@ PLANS = {
     "fsdp2xtp2": lambda: mesh_plan({"dp": 2, "tp": 2}, dp_shard=2),
     "hsdp2x2": lambda: mesh_plan({"dp": 4}, dp_shard=2),
     "pp2xfsdp2": lambda: mesh_plan({"pp": 2, "dp": 2}, dp_shard=2, micro_batches=2),
+    # FSDP keeping the gathered weights through the step (the planner's other sharded choice)
+    "pp2xfsdp2-held": lambda: mesh_plan({"pp": 2, "dp": 2}, dp_shard=2, micro_batches=4, reshard_after_forward=False),
 }
 
 

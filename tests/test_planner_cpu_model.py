@@ -7,14 +7,22 @@ import pytest
 
 from planner import search
 from planner.comm import CommModel, Link
-from planner.pipeline import pipelined, step_time
+from planner.outer import enumerate_specs, evaluate
+from planner.pipeline import step_time
 from planner.problem import OpBreakdown, Weights
-from planner.profile import DEFAULT_DEVICES, profile_gpt, share_cores
+from planner.profile import DEFAULT_DEVICES, ModelProfile, profile_gpt, share_cores
 from planner.search import plan_model
-from planner.stage import StageResult, single_stage
+from planner.stage import Candidate, StageResult
 
 COLLECTIVE = Link(latency_s=3e-3, bandwidth_Bps=1e9)
 P2P = Link(latency_s=2e-4, bandwidth_Bps=1e9)
+
+
+def _on_mesh(profile: ModelProfile, pp: int, dp: int, tp: int, pipelined: bool = True) -> list[Candidate]:
+    """The search's candidates on one mesh, every one evaluated: pipelined (incl. gradient
+    accumulation, which the search skips where the single stage fits) or the single stage."""
+    specs = enumerate_specs(profile, pp * dp * tp, None, None, None, "dp")
+    return [evaluate(s) for s in specs if (s.pp, s.dp, s.tp) == (pp, dp, tp) and (s.layout is not None) == pipelined]
 
 
 def _comm(p2p: Link | None) -> CommModel:
@@ -44,8 +52,8 @@ def _profile(p2p: Link | None = None, workers: int | None = 4, cores: int = 2):
 def test_stage_boundaries_pay_the_p2p_latency_not_a_collectives() -> None:
     slow, fast = _profile(None, None), _profile(P2P, None)  # a core per worker: boundaries only differ
     for pp, dp, tp in ((4, 1, 1), (2, 2, 1)):
-        a = {c.micro_batches: c.time_s for c in pipelined(slow, pp, dp, tp, None, "dp")}
-        b = {c.micro_batches: c.time_s for c in pipelined(fast, pp, dp, tp, None, "dp")}
+        a = {c.micro_batches: c.time_s for c in _on_mesh(slow, pp, dp, tp)}
+        b = {c.micro_batches: c.time_s for c in _on_mesh(fast, pp, dp, tp)}
         for m in a:
             # 2 sends (activation, gradient) per micro-batch slot; every replica's send pays latency
             saved = (COLLECTIVE.latency_s - P2P.latency_s) * 2.0 * (m + pp - 1)
@@ -96,9 +104,10 @@ def test_oversubscription_only_changes_pipelines_on_shared_cores() -> None:
     whole = whole.model_copy(update={"device": whole.device.model_copy(update={"core_share": 1.0})})
     # the same per-op costs; only the pipeline's step differs, and only downward
     for dp, tp in ((4, 1), (2, 2)):
-        assert single_stage(shared, dp, tp, None, "dp").time_s == single_stage(whole, dp, tp, None, "dp").time_s
-    a = _fastest(pipelined(shared, 4, 1, 1, None, "dp"))
-    b = _fastest(pipelined(whole, 4, 1, 1, None, "dp"))
+        [a], [b] = _on_mesh(shared, 1, dp, tp, pipelined=False), _on_mesh(whole, 1, dp, tp, pipelined=False)
+        assert a.time_s == b.time_s
+    a = _fastest(_on_mesh(shared, 4, 1, 1))
+    b = _fastest(_on_mesh(whole, 4, 1, 1))
     assert a.keys() == b.keys() == {4, 8, 16}
     for m in a:
         assert a[m] < b[m]
@@ -106,8 +115,8 @@ def test_oversubscription_only_changes_pipelines_on_shared_cores() -> None:
     # no CPU, so the fewer the micro-batches, the more the estimate drops
     assert a[4] / b[4] < a[8] / b[8] < a[16] / b[16]
     # gradient accumulation (pp = 1) is all work either way
-    acc_a = _fastest(pipelined(shared, 1, 4, 1, None, "dp"))
-    acc_b = _fastest(pipelined(whole, 1, 4, 1, None, "dp"))
+    acc_a = _fastest(_on_mesh(shared, 1, 4, 1))
+    acc_b = _fastest(_on_mesh(whole, 1, 4, 1))
     assert acc_a == pytest.approx(acc_b)
 
 

@@ -71,7 +71,10 @@ def _check(graph: Graph, p: int, lam: float) -> int:
     checked = 0
     for mesh in _meshes(p):
         costs = CostModel(graph, device, comm, mesh)
-        problem = build_problem(graph, costs, lam, Weights(weight=2.0, inflight=2.0))
+        # sharded meshes under a pipeline's FSDP schedule: gathers once per step, holds the
+        # unsharded weights and gradients (every FSDP term in play)
+        w = Weights.schedule(2, 2, reshard_after_forward=False) if mesh.shard_dp else Weights(weight=2.0, inflight=2.0)
+        problem = build_problem(graph, costs, lam, w)
         if np.prod(problem.card, dtype=np.float64) > 2e6:
             continue
         assign, value = dp.solve(problem)

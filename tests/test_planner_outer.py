@@ -1,4 +1,5 @@
-"""The outer search's branch and bound (planner/outer.py) against the plain enumeration.
+"""The outer search's branch and bound (planner/outer.py) against evaluating every candidate
+of the same enumeration.
 
 Pruning and memoisation must not change the plan: same candidate, same cost, same placements,
 on small GPT graphs at several device counts and memory limits (none, tight ones that force
@@ -11,7 +12,7 @@ import pytest
 
 from planner import search
 from planner.builders import gpt_graph
-from planner.outer import _enumerate
+from planner.outer import enumerate_specs
 from planner.profile import profile_graph
 from planner.search import candidates, plan_model
 
@@ -58,7 +59,7 @@ def test_bounds_never_exceed_the_candidates_they_bound(monkeypatch: pytest.Monke
         # fixed across stages (stage.TieVariants): together with the mesh, a unique key.
         times = {(c.pp, c.dp, c.tp, c.micro_batches, tuple(c.notes)): c.time_s for c in plain}
         assert len(times) == len(plain)
-        specs = _enumerate(prof, p, limit, None, None, "dp")
+        specs = enumerate_specs(prof, p, limit, None, None, "dp")
         assert len(specs) >= len(plain)
         checked = 0
         for s in specs:

@@ -19,7 +19,7 @@ from planner.configs import Config, Mesh, mesh_configs, named_mesh, splits_on
 from planner.costs import CostModel
 from planner.execution import executable
 from planner.graph import Graph, graph_to_json
-from planner.pipeline import _stage_ops, block_order, stage_splits
+from planner.pipeline import block_order, stage_ops, stage_splits
 from planner.problem import Weights, build_problem, tie_factors
 from planner.profile import DEFAULT_DEVICES, profile_gpt, profile_graph
 from planner.search import exhaustive_search, plan_model
@@ -153,7 +153,7 @@ def test_local_groups_never_cross_a_stage_boundary() -> None:
     blocks = block_order(g)
     for pp in (2, 3, 4, 6):
         for counts in stage_splits(len(blocks), pp):
-            where = {n: s for s, names in enumerate(_stage_ops(g, blocks, counts)) for n in names}
+            where = {n: s for s, names in enumerate(stage_ops(g, blocks, counts)) for n in names}
             for group, names in g.tp_groups().items():
                 if group != "sequence":
                     assert len({where[n] for n in names}) == 1, (group, counts)
