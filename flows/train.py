@@ -17,7 +17,7 @@ from prefect.states import Completed
 from specs import JobSpec
 from tasks.artifacts import TrainingProgress, job_tags, tag_this_run
 from tasks.credentials import environment, storage_environment
-from tasks.events import follow_resources
+from tasks.events import ResourceEvent, apply_change, follow_resources
 from tasks.exclusive import one_run_per_job
 from tasks.launch import launch_training, signals_stop_training
 from tasks.plan import plan_parallelism
@@ -53,34 +53,38 @@ def _train(spec: JobSpec) -> TrainSummary:
     """Profile, then segment after segment until the job is done, stopped or cannot go on."""
     profiles = {spec.resources.devices: profile_model(spec)}
     segments: list[SegmentResult] = []
-    devices, step = spec.resources.devices, 0
+    devices, nodes, step = spec.resources.devices, spec.resources.nodes, 0
     # The storage credentials stay in the environment while the job's events are recorded.
     progress = TrainingProgress(spec.job_id, spec.training.steps)
     with environment(storage_environment(spec)), follow_resources(spec) as resources:
         while True:
-            change = resources.wanted(devices)
+            change = resources.wanted(devices, nodes)
             if change is not None:
-                devices = change.devices
+                try:
+                    devices, nodes = apply_change(change, spec, devices, nodes)
+                except ValueError as error:
+                    get_run_logger().warning("resource change ignored: %s", error)
+            here = spec if nodes is None else spec.on_nodes(nodes)  # the nodes of this segment
             scripted = spec.scripted_change_after(step)
             if devices not in profiles:  # collectives and the core share measured on this count (cached in storage)
                 profiles[devices] = profile_model(spec.on_devices(devices))
             model = profiles[devices]
             measured = [s.restore_bytes_per_s for s in segments if s.restore_bytes_per_s]
             plan = plan_parallelism(spec, model, devices, step, measured[-1] if measured else None)
-            plan_reshard(spec, plan)  # what the workers will read, shown before they start
-            segment = launch_training(spec, plan, scripted.at_step if scripted else None, resources, progress)
+            plan_reshard(here, plan)  # what the workers will read, shown before they start
+            segment = launch_training(here, plan, scripted.at_step if scripted else None, resources, progress)
             segments.append(segment)
             step = segment.final_step
             if segment.outcome == "fatal":  # no retry can fix it
                 raise TrainingFailed(segment.reason or "the workers stopped with an error no retry can fix")
             if segment.outcome == "failed":
-                devices = recover_from_failure(spec, segments, resources)
+                devices, nodes = recover_from_failure(spec, segments, resources)
             elif segment.outcome == "stopped":  # asked to stop: the checkpoint is committed, the rest waits
                 break
             elif segment.outcome == "finished":
                 if scripted is None or step >= spec.training.steps:
                     break
-                devices = scripted.devices
+                devices, nodes = apply_change(ResourceEvent(devices=scripted.devices, epoch=0), spec, devices, nodes)
     progress.update(segments[-1].final_step if segments else 0, force=True)
     get_run_logger().info("%s: %d segment(s) on %s devices", spec.job_id, len(segments),
                           " -> ".join(str(s.devices) for s in segments))

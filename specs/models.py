@@ -248,6 +248,54 @@ class ResourcesSpec(_Section):
     devices_per_node: int | None = Field(
         None, ge=1, le=1024, description="Devices per node, for the planner's communication model (null: one node)."
     )
+    nodes: list[str] | None = Field(
+        None,
+        min_length=1,
+        max_length=4096,
+        description=(
+            "Names of the nodes the job runs on (null: this machine alone). Each node runs a Prefect worker on the "
+            "work queue of its name in the pool of `node_deployment`; the job starts one launcher per node there. "
+            "devices = nodes x devices_per_node."
+        ),
+    )
+    node_deployment: str = Field(
+        "node-launcher/parashift-node",
+        pattern=r"^[^/\s]+/[^/\s]+$",
+        description="The deployment (flow/deployment) of the per-node launcher (prefect.yaml's parashift-node).",
+    )
+
+    @field_validator("nodes")
+    @classmethod
+    def _node_names(cls, nodes: list[str] | None) -> list[str] | None:
+        if nodes is None:
+            return None
+        issues: list[tuple[Loc, str]] = []
+        for i, name in enumerate(nodes):
+            if not _JOB_NAME.fullmatch(name):
+                issues.append(((i,), f"must be a node name of lower-case letters, digits, '.', '_' or '-' (got {name!r})"))
+            elif name in nodes[:i]:
+                issues.append(((i,), f"names node {name!r} twice"))
+        _raise_if(issues)
+        return nodes
+
+    @model_validator(mode="after")
+    def _devices_on_nodes(self) -> Self:
+        if self.nodes is None:
+            return self
+        n = len(self.nodes)
+        if self.devices_per_node is None:
+            if self.devices % n:
+                _raise_if([(("devices",), f"must be a multiple of the {n} nodes (got {self.devices}); "
+                                          "or set resources.devices_per_node")])
+            self.devices_per_node = self.devices // n
+        elif self.devices != n * self.devices_per_node:
+            _raise_if([(("devices",), f"must be nodes x devices_per_node = {n} x {self.devices_per_node} = "
+                                      f"{n * self.devices_per_node} (got {self.devices})")])
+        return self
+
+    def node_devices(self, nodes: list[str]) -> int:
+        """Devices (worker processes) on `nodes` of this job."""
+        return len(nodes) * (self.devices_per_node or 1)
 
 
 class ParallelismSpec(_Section):
@@ -368,6 +416,11 @@ class JobSpec(_Section):
     def on_devices(self, devices: int) -> JobSpec:
         """The same job on another device count (what a resource change runs)."""
         return self.model_copy(update={"resources": self.resources.model_copy(update={"devices": devices})})
+
+    def on_nodes(self, nodes: list[str]) -> JobSpec:
+        """The same job on another set of nodes, each with the spec's devices per node."""
+        resources = self.resources.model_copy(update={"nodes": list(nodes), "devices": self.resources.node_devices(nodes)})
+        return self.model_copy(update={"resources": resources})
 
     def with_storage_root(self, root: str) -> JobSpec:
         """The same job with a relative local storage URL (`file://./store`, `store`) made

@@ -153,6 +153,10 @@ class JobPaths:
     def stop(self) -> str:
         return self.control("stop")
 
+    def launch(self, launch_id: str, name: str) -> str:
+        """A launch across nodes: its rendezvous, each node's report, an abort request."""
+        return self.job_key("launches", launch_id, f"{name}.json")
+
 
 class CheckpointStore:
     """Write, commit, find, read, verify and prune the checkpoints of one job."""

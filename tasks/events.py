@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from pydantic import BaseModel, Field, ValidationError
+from pydantic import BaseModel, Field, ValidationError, model_validator
 
 from specs import JobSpec
 from storage import JobPaths, ObjectStore, StorageError
@@ -41,11 +41,30 @@ def now_epoch() -> int:
 
 
 class ResourceEvent(BaseModel):
-    """The payload of a resource event: how many devices the job should run on from now."""
+    """The payload of a resource event: the devices, or the nodes, the job should run on from now."""
 
-    devices: int = Field(ge=1, le=65536, description="devices (worker processes) the job should use")
+    devices: int | None = Field(None, ge=1, le=65536, description="devices (worker processes) the job should use")
+    nodes: list[str] | None = Field(
+        None, min_length=1, max_length=4096,
+        description="a job across nodes: the nodes it should use (each with the spec's devices per node)")
     epoch: int = Field(ge=0, description="ordering: a change with a higher epoch replaces any lower one")
-    reason: str = Field("scale", max_length=200, description="why: scale, failure, preemption, ...")
+    reason: str = Field("scale", max_length=200, description="why: scale, failure, node-left, preemption, ...")
+
+    @model_validator(mode="after")
+    def _says_what(self) -> ResourceEvent:
+        if self.devices is None and self.nodes is None:
+            raise ValueError("a resource change names devices or nodes")
+        return self
+
+    def differs(self, devices: int, nodes: list[str] | None) -> bool:
+        """Whether this change asks for something else than `devices` on `nodes` (None: one
+        node; node lists matter only to jobs across nodes)."""
+        if self.nodes is not None and nodes is not None and list(self.nodes) != list(nodes):
+            return True
+        return self.devices is not None and self.devices != devices
+
+    def describe(self) -> str:
+        return f"nodes {','.join(self.nodes)}" if self.nodes is not None else f"{self.devices} devices"
 
 
 def api_url() -> str | None:
@@ -73,6 +92,27 @@ def emit_resource_change(job_id: str, change: ResourceEvent) -> None:
             await client.emit(event)
 
     asyncio.run(send())
+
+
+def apply_change(change: ResourceEvent, spec: JobSpec, devices: int,
+                 nodes: list[str] | None) -> tuple[int, list[str] | None]:
+    """The devices and nodes a job runs on after `change`. A job across nodes takes a node
+    list as it is, and a device count as the first nodes that hold it (a count that is not
+    whole nodes is refused: ValueError)."""
+    if nodes is None:
+        if change.devices is None:
+            raise ValueError(f"{change.describe()}: this job runs on one node; name devices, not nodes")
+        return change.devices, None
+    if change.nodes is not None:
+        return spec.resources.node_devices(change.nodes), list(change.nodes)
+    per_node = spec.resources.devices_per_node or 1
+    assert change.devices is not None
+    if change.devices % per_node:
+        raise ValueError(f"{change.devices} devices are not whole nodes of {per_node} devices")
+    kept = nodes[: change.devices // per_node]
+    if len(kept) * per_node != change.devices:
+        raise ValueError(f"{change.devices} devices need more nodes than the {len(nodes)} running; name them")
+    return change.devices, kept
 
 
 class EventLog:
@@ -145,7 +185,7 @@ class ResourceWatcher:
                 log.info("ignored resource change %s: epoch not above %d", change, self.highest_epoch)
                 return False
             self.highest_epoch, self.latest = change.epoch, change
-        log.info("resource change for job %s: %d devices (%s, epoch %d)", self.job_id, change.devices,
+        log.info("resource change for job %s: %s (%s, epoch %d)", self.job_id, change.describe(),
                  change.reason, change.epoch)
         if self.event_log is not None:
             self.event_log.record(change)
@@ -154,11 +194,12 @@ class ResourceWatcher:
             on_change(change)
         return True
 
-    def wanted(self, running: int) -> ResourceEvent | None:
-        """The newest change if it asks for another device count than `running`."""
+    def wanted(self, running: int, nodes: list[str] | None = None) -> ResourceEvent | None:
+        """The newest change if it asks for another device count than `running` (or, for a
+        job across nodes, other `nodes`)."""
         with self._lock:
             latest = self.latest
-        return latest if latest is not None and latest.devices != running else None
+        return latest if latest is not None and latest.differs(running, nodes) else None
 
     def _run(self) -> None:
         self._loop = asyncio.new_event_loop()
@@ -212,5 +253,5 @@ def follow_resources(spec: JobSpec) -> Iterator[ResourceWatcher]:
         watcher.stop()
 
 
-__all__ = ["EVENT", "EventLog", "ResourceEvent", "ResourceWatcher", "api_url", "emit_resource_change",
+__all__ = ["EVENT", "EventLog", "ResourceEvent", "ResourceWatcher", "api_url", "apply_change", "emit_resource_change",
            "follow_resources", "now_epoch", "resource_id"]

@@ -24,6 +24,7 @@ from tasks import progress
 from tasks.artifacts import TrainingProgress
 from tasks.credentials import environment, storage_environment
 from tasks.events import ResourceEvent, ResourceWatcher
+from tasks.nodes import node_launch
 from tasks.records import Outcome, SegmentResult
 from tasks.worker_log import present
 from trainer.launch import LaunchResult, RunningWorkers, launch_workers
@@ -131,12 +132,14 @@ def launch_training(spec: JobSpec, plan: Plan, until_step: int | None = None,
         with environment(credentials):
             store.put_json(stop_key, {"reason": reason, "requested_at": datetime.now(UTC).isoformat()})
 
+    nodes = spec.resources.nodes
+
     def stop_for(change: ResourceEvent) -> None:
-        if change.devices == plan.devices:
+        if not change.differs(plan.devices, nodes):
             return
-        logger.warning("resource change (%s, epoch %d): %d -> %d devices; stopping at the next step boundary",
-                       change.reason, change.epoch, plan.devices, change.devices)
-        stop(f"rescale to {change.devices} devices ({change.reason})")
+        logger.warning("resource change (%s, epoch %d): %d devices -> %s; stopping at the next step boundary",
+                       change.reason, change.epoch, plan.devices, change.describe())
+        stop(f"rescale to {change.describe()} ({change.reason})")
 
     def on_event(event: dict[str, Any]) -> None:
         progress.publish({**event, "total_steps": spec.training.steps})
@@ -157,16 +160,25 @@ def launch_training(spec: JobSpec, plan: Plan, until_step: int | None = None,
 
     if resources is not None:
         resources.on_change = stop_for
-        pending = resources.wanted(plan.devices)
+        pending = resources.wanted(plan.devices, nodes)
         if pending is not None:  # arrived while this segment was being planned
             stop_for(pending)
     with _stoppers_lock:
         _stoppers.add(stop)
     if _interrupted.is_set():  # asked before these workers existed: they stop at their first boundary
         stop("interrupted before the launch")
+    left: list[str] = []
     try:
-        result = launch_workers(spec, plan, on_line=on_line, on_event=on_event, until_step=until_step,
-                                extra_env=credentials, workers=workers)
+        if nodes is None:
+            result = launch_workers(spec, plan, on_line=on_line, on_event=on_event, until_step=until_step,
+                                    extra_env=credentials, workers=workers)
+        else:  # one launcher per node, each on its node's Prefect worker
+            with environment(credentials):
+                across = node_launch(spec, plan, until_step, store, logger.info)
+                result, left = across.run()
+                lines += across.tail()
+            for event in result.events:
+                on_event(event)
     finally:
         with _stoppers_lock:
             _stoppers.discard(stop)
@@ -184,15 +196,19 @@ def launch_training(spec: JobSpec, plan: Plan, until_step: int | None = None,
         outcome, reason = "fatal", fatal[-1]["message"]
         final_step = start.get("step", 0)
         logger.error("%s", reason)
+    elif left:
+        outcome, reason = "failed", f"node{'s' if len(left) > 1 else ''} {', '.join(left)} left"
+        final_step = committed[-1]["step"] if committed else start.get("step", 0)
+        logger.error("%s; the last committed step is %d", reason, final_step)
     elif result.final_step is None or (result.returncode != 0 and not result.stopped):
         outcome, reason = "failed", failure_reason(result, lines)
         final_step = committed[-1]["step"] if committed else start.get("step", 0)
         logger.error("workers failed: %s; the last committed step is %d", reason, final_step)
     else:
         final_step = result.final_step
-        change = resources.wanted(plan.devices) if resources is not None and result.stopped else None
+        change = resources.wanted(plan.devices, nodes) if resources is not None and result.stopped else None
         if change is not None:
-            outcome, reason = "rescaled", f"{change.reason}: {plan.devices} -> {change.devices} devices"
+            outcome, reason = "rescaled", f"{change.reason}: {plan.devices} devices -> {change.describe()}"
         else:
             outcome = "stopped" if result.stopped else "finished"
     rates = [e["tokens_per_s"] for e in result.steps[1:]]  # the first step pays for warm-up
@@ -212,4 +228,7 @@ def launch_training(spec: JobSpec, plan: Plan, until_step: int | None = None,
         resumed_from_url=start.get("checkpoint_url"),
         resumed_loss=start.get("checkpoint_loss"),
         restore_bytes_per_s=restore_rate,
+        restore_bytes=start.get("restore_bytes"),
+        nodes=nodes,
+        left_nodes=left,
     )

@@ -37,6 +37,12 @@ class SegmentResult(BaseModel):
     restore_bytes_per_s: float | None = Field(
         default=None, description="the restore's read rate, all ranks together (rank 0's bytes x ranks / its time)"
     )
+    restore_bytes: dict[str, int] | None = Field(
+        default=None, description="the restore's bytes over all ranks: needed, read, and where from (local: the "
+        "readers' node-local tiers; store: object storage)"
+    )
+    nodes: list[str] | None = Field(default=None, description="a job across nodes: the nodes of this segment")
+    left_nodes: list[str] = Field(default_factory=list, description="nodes that left during this segment")
 
     @property
     def stopped(self) -> bool:

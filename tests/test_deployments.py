@@ -27,7 +27,8 @@ def test_deploy_and_run_a_spec_file_with_a_process_worker(prefect_server: None, 
     from prefect.settings import PREFECT_API_URL
 
     env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value(), "PREFECT_HOME": str(tmp_path / "home")}
-    prefect_cli("work-pool", "create", "parashift", "--type", "process", "--overwrite", env=env)
+    for pool in ("parashift", "parashift-nodes"):
+        prefect_cli("work-pool", "create", pool, "--type", "process", "--overwrite", env=env)
     prefect_cli("--no-prompt", "deploy", "--all", env=env)
 
     spec = tmp_path / "job.yaml"
@@ -44,7 +45,7 @@ def test_deploy_and_run_a_spec_file_with_a_process_worker(prefect_server: None, 
             return {d.name: d for d in await client.read_deployments()}
 
     found = asyncio.run(deployments())
-    assert {"train-job", "train-spec-file", "submit-from-git"} <= set(found)
+    assert {"train-job", "train-spec-file", "submit-from-git", "parashift-node"} <= set(found)
     assert not found["train-job"].schedules, "re-running a finished job on a timer would train nothing"
     schedules = found["submit-from-git"].schedules
     assert schedules and not any(s.active for s in schedules), "the git poll ships inactive until a repository is set"

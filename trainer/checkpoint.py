@@ -55,6 +55,7 @@ from storage import (
     StorageError,
     TensorRecord,
     TransientStorageError,
+    rank_object_name,
 )
 from trainer.optim import LocalShardAdamW
 
@@ -386,6 +387,23 @@ def stored_boxes(manifest: Manifest) -> tuple[dict[str, list[StoredBox]], dict[s
     return boxes, {name: t.dtype for name, t in manifest.tensors.items()}
 
 
+def node_tier(local_tier: str | None, node: str) -> ObjectStore | None:
+    """This node's local tier: the spec's folder, with `{node}` (if present) replaced by the
+    node's name (nodes that share a filesystem keep apart that way)."""
+    return ObjectStore(local_tier.replace("{node}", node)) if local_tier else None
+
+
+def restore_totals(reads: RankReads | None, group: Group = None) -> dict[str, int]:
+    """Bytes every rank of the job needed and read for its restore, and where the reads came
+    from (`local`: the reader's node-local tier; `store`: object storage), summed over ranks."""
+    mine = [0, 0, 0] if reads is None else [reads.bytes_needed, reads.bytes_read, reads.bytes_from(LOCAL)]
+    totals = torch.tensor(mine, dtype=torch.int64)
+    if group is not None:
+        dist.all_reduce(totals, group=group)
+    needed, read, local = (int(x) for x in totals.tolist())
+    return {"needed": needed, "read": read, "local": local, "store": read - local}
+
+
 def node_objects(tier: ObjectStore | None, store: CheckpointStore, step: int) -> frozenset[str]:
     """The objects of `step` this node's tier holds."""
     if tier is None:
@@ -416,27 +434,44 @@ def load_tensors(store: CheckpointStore, manifest: Manifest, names: list[str]) -
 
 
 def reshard_plan(store: CheckpointStore, layout: Layout, manifest: Manifest | None = None,
-                 tier: ObjectStore | None = None) -> ReconfigPlan | None:
+                 tier: ObjectStore | None = None, nodes: list[str] | None = None) -> ReconfigPlan | None:
     """What every rank of `layout` would read from the newest (or given) checkpoint: computed
-    from the manifest alone, before any process starts. None when nothing is committed."""
+    from the manifest alone, before any process starts. None when nothing is committed.
+
+    Where each read comes from: on one node (`nodes` None), the objects `tier` holds. Across
+    `nodes` (node-major ranks, `trainer.launch.NodeRendezvous`) with tiers (`tier` not None:
+    any node's, only its presence counts), the objects the manifest says were written on the
+    reader's node, which that node's tier keeps (one that lost them is read around at restore
+    time, from object storage)."""
     manifest = manifest or store.latest()
     if manifest is None:
         return None
     boxes, dtypes = stored_boxes(manifest)
-    local = node_objects(tier, store, manifest.step)
-    return reconfig_plan(manifest.step, boxes, dtypes, layout, {r: local for r in range(layout.world_size)})
+    world = layout.world_size
+    if nodes is None:
+        local = node_objects(tier, store, manifest.step)
+        return reconfig_plan(manifest.step, boxes, dtypes, layout, {r: local for r in range(world)})
+    written = manifest.metadata.get("nodes")
+    on_node: dict[str, set[str]] = {}
+    if tier is not None and isinstance(written, list):
+        for old_rank, node in enumerate(written):
+            on_node.setdefault(str(node), set()).add(rank_object_name(old_rank))
+    per_node = max(1, world // len(nodes))
+    local_objects = {r: frozenset(on_node.get(nodes[min(r // per_node, len(nodes) - 1)], ())) for r in range(world)}
+    return reconfig_plan(manifest.step, boxes, dtypes, layout, local_objects)
 
 
 def job_reshard_plan(spec: JobSpec, plan: Plan) -> ReconfigPlan | None:
-    """What the job's workers under `plan` would read from its newest checkpoint, from this
-    node's tier and from the store; None when nothing is committed yet."""
+    """What the job's workers under `plan` would read from its newest checkpoint, from
+    node-local tiers and from the store; None when nothing is committed yet."""
     from trainer.layout import rng_state_bytes, state_layout
     from trainer.model import GPTConfig
 
     store = CheckpointStore(ObjectStore(spec.storage.url, dict(spec.storage.storage_options)), spec.job_id)
-    tier = ObjectStore(spec.storage.local_tier) if spec.storage.local_tier else None
+    nodes = spec.resources.nodes
+    tier = node_tier(spec.storage.local_tier, "local") if nodes is None or spec.storage.local_tier else None
     layout = state_layout(plan, GPTConfig.of(spec.model), rng_state_bytes(torch.device(spec.resources.kind)))
-    return reshard_plan(store, layout, tier=tier)
+    return reshard_plan(store, layout, tier=tier, nodes=nodes)
 
 
 def check_matches(manifest: Manifest, layout: Layout) -> None:

@@ -71,6 +71,14 @@ class RunningWorkers:
         with self._lock:
             self._pids = list(pids)
 
+    def kill(self) -> None:
+        """End this launch's torchrun and every worker below it at once (the node is leaving,
+        or the launch was aborted)."""
+        with self._lock:
+            launcher = self._launcher
+        if launcher is not None:
+            kill_tree(launcher)
+
     def request_stop(self) -> int:
         """Ask every worker to stop at its next step boundary; returns how many were signalled
         (0 before the workers reported their pids: then only the stop object reaches them)."""
@@ -120,14 +128,46 @@ def _parent_of(pid: int) -> int | None:
     return int(stat.rsplit(")", 1)[1].split()[1])
 
 
-def torchrun_command(devices: int, module: str, *args: str) -> list[str]:
-    """`torchrun` starting `python -m module args` on `devices` local processes."""
-    # --standalone: a private rendezvous on a free local port
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={devices}", "-m", module, *args]
+@dataclass(frozen=True)
+class NodeRendezvous:
+    """This node's place in a job across nodes: its rank among `nodes` and where node 0's
+    launcher waits for the others.
+
+    torchrun's static rendezvous with a fixed `--node-rank`: global ranks are node-major
+    (node i holds ranks i x k ... i x k + k - 1), which the plan relies on (tensor-parallel groups
+    inside a node, each rank's node-local tier known before launch). c10d's dynamic rendezvous
+    numbers nodes by arrival, and its elasticity (restarting workers on a smaller world) would
+    run a plan made for another device count; parashift re-plans on a node change instead.
+    """
+
+    nodes: tuple[str, ...]
+    node_rank: int
+    master_addr: str
+    master_port: int
+
+    @property
+    def node(self) -> str:
+        return self.nodes[self.node_rank]
+
+    def env(self) -> dict[str, str]:
+        """What the workers learn about their node (`trainer.worker`: node-local tier, manifest)."""
+        return {"PARASHIFT_NODE": self.node, "PARASHIFT_NODES": ",".join(self.nodes)}
 
 
-def worker_command(devices: int, spec_file: Path, plan_file: Path, until_step: int | None) -> list[str]:
-    command = torchrun_command(devices, "trainer.worker", "--spec", str(spec_file), "--plan", str(plan_file))
+def torchrun_command(devices: int, module: str, *args: str, node: NodeRendezvous | None = None) -> list[str]:
+    """`torchrun` starting `python -m module args` on `devices` local processes: a private
+    rendezvous on a free local port, or this node's part of a job across `node.nodes`."""
+    if node is None:
+        where = ["--standalone"]
+    else:
+        where = [f"--nnodes={len(node.nodes)}", f"--node-rank={node.node_rank}", "--rdzv-backend=static",
+                 f"--master-addr={node.master_addr}", f"--master-port={node.master_port}"]
+    return [sys.executable, "-m", "torch.distributed.run", *where, f"--nproc-per-node={devices}", "-m", module, *args]
+
+
+def worker_command(devices: int, spec_file: Path, plan_file: Path, until_step: int | None,
+                   node: NodeRendezvous | None = None) -> list[str]:
+    command = torchrun_command(devices, "trainer.worker", "--spec", str(spec_file), "--plan", str(plan_file), node=node)
     if until_step is not None:
         command += ["--until-step", str(until_step)]
     return command
@@ -165,11 +205,15 @@ def launch_workers(
     until_step: int | None = None,
     extra_env: dict[str, str] | None = None,
     workers: RunningWorkers | None = None,
+    node: NodeRendezvous | None = None,
 ) -> LaunchResult:
-    """Run torchrun with `plan.devices` workers until they exit; every output line goes to
-    `on_line`, every worker event also to `on_event`. A plan the trainer cannot execute is
-    refused here, before any process starts. `workers` follows the processes while they run."""
+    """Run torchrun with `plan.devices` workers until they exit (with `node`: this node's
+    share of them, the rest on the other nodes); every output line goes to `on_line`, every
+    worker event also to `on_event`. A plan the trainer cannot execute is refused here, before
+    any process starts. `workers` follows the processes while they run."""
     refusals = job_plan_refusals(plan, spec)
+    if node is not None and plan.devices % len(node.nodes):
+        refusals.append(f"{plan.devices} devices do not split evenly over {len(node.nodes)} nodes")
     if refusals:
         raise PlanNotExecutable(f"plan {plan.mesh} cannot run on {spec.job_id}: " + "; ".join(refusals))
     result = LaunchResult(returncode=-1)
@@ -177,13 +221,14 @@ def launch_workers(
         spec_file, plan_file = Path(tmp, "spec.json"), Path(tmp, "plan.json")
         spec_file.write_text(spec.model_dump_json())
         plan_file.write_text(plan.model_dump_json())
+        here = plan.devices if node is None else plan.devices // len(node.nodes)
         process = subprocess.Popen(
-            worker_command(plan.devices, spec_file, plan_file, until_step),
+            worker_command(here, spec_file, plan_file, until_step, node),
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
             bufsize=1,
-            env={**worker_env(spec.resources.kind), **(extra_env or {})},
+            env={**worker_env(spec.resources.kind), **(extra_env or {}), **(node.env() if node else {})},
         )
         assert process.stdout is not None
         workers = workers if workers is not None else RunningWorkers()

@@ -38,8 +38,10 @@ from trainer.checkpoint import (
     SaveReport,
     apply_state,
     collect_state,
+    node_tier,
     restore_destinations,
     restore_latest,
+    restore_totals,
 )
 from trainer.control import StopRequests
 from trainer.data import DataPosition, SampleStream, load_tokens, micro_batches, rank_share
@@ -185,10 +187,13 @@ def main(argv: list[str] | None = None) -> int:
     ckpt_group = dist.new_group(backend="gloo") if world_size > 1 else None  # None: nobody to talk to
     store = ObjectStore(spec.storage.url, dict(spec.storage.storage_options))
     checkpoints = CheckpointStore(store, spec.job_id)
-    tier = ObjectStore(spec.storage.local_tier) if spec.storage.local_tier else None
+    node = os.environ.get("PARASHIFT_NODE", "local")  # set by a launcher of a job across nodes
+    tier = node_tier(spec.storage.local_tier, node)
     ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    my_reads: list[RankReads] = []
 
     def restoring(at_step: int, reads: RankReads) -> None:
+        my_reads[:] = [reads]
         if rank == 0:
             metrics.emit("restoring", step=at_step, bytes_needed=reads.bytes_needed, bytes_read=reads.bytes_read,
                          requests=len(reads.requests), bytes_local=reads.bytes_from(LOCAL))
@@ -214,14 +219,20 @@ def main(argv: list[str] | None = None) -> int:
     phase("restore_s")
     stops = StopRequests(store, spec.job_id, poll=rank == 0)
     tokens_per_step = train.global_batch * m.seq_len
-    pids = [os.getpid()]  # by rank, in the run log: which process is which rank when one fails
+    # By rank: the process (in the run log, which process is which rank when one fails) and its
+    # node (kept in each manifest: whose node-local tier holds which rank's objects).
+    where: list[tuple[int, str]] = [(os.getpid(), node)]
     if world_size > 1:
-        pids = [0] * world_size
-        dist.all_gather_object(pids, os.getpid(), group=ckpt_group)
+        where = [(0, "")] * world_size
+        dist.all_gather_object(where, (os.getpid(), node), group=ckpt_group)
+    pids, nodes = [p for p, _ in where], [n for _, n in where]
+    restore_bytes = restore_totals(my_reads[0] if restored is not None and my_reads else None, ckpt_group)
     if rank == 0:
         metrics.emit(
             "start",
             pids=pids,
+            nodes=nodes,
+            restore_bytes=restore_bytes,
             restore_s=phases["restore_s"],
             phases=phases,
             step=step,
@@ -257,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
         state = collect_state(module, optimizer, rank, device, local=True)
         # Asynchronous: the loop goes on while this is written; a stop or the end waits for it.
         checkpointer.save(at_step, state, position.to_dict(stream.samples_per_epoch), plan.model_dump(mode="json"),
-                          {"model": m.model_dump(), "job": spec.name, "loss": loss, **source})
+                          {"model": m.model_dump(), "job": spec.name, "loss": loss, "nodes": nodes, **source})
 
     autocast = (
         torch.autocast(device.type, dtype=torch.bfloat16)

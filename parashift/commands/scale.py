@@ -1,4 +1,4 @@
-"""`parashift scale JOB --devices N`: tell a running job its device count changed."""
+"""`parashift scale JOB --devices N` (or `--nodes a,b`): tell a running job its devices changed."""
 
 from __future__ import annotations
 
@@ -12,13 +12,19 @@ from parashift.commands.spec import load_spec_or_exit
 
 def scale(
     job: str = typer.Argument(..., help="the job's spec YAML, or its name"),
-    devices: int = typer.Option(..., "--devices", "-n", min=1, help="devices the job should run on from now"),
+    devices: int | None = typer.Option(None, "--devices", "-n", min=1, help="devices the job should run on from now"),
+    nodes: str | None = typer.Option(None, "--nodes", help="a job across nodes: the nodes it should run on, "
+                                                           "comma-separated (each with the spec's devices per node)"),
     epoch: int | None = typer.Option(None, min=0, help="ordering of changes (default: now, in ms since 1970)"),
     reason: str = typer.Option("scale", help="recorded with the change"),
 ) -> None:
     """Emit a `parashift.resources.changed` event for JOB. A running job stops at its next step
-    boundary, re-plans for the new count, reshards its checkpoint and continues. Needs the
-    Prefect server the job runs against (PREFECT_API_URL)."""
+    boundary, re-plans for the new devices (or nodes), reshards its checkpoint and continues.
+    Needs the Prefect server the job runs against (PREFECT_API_URL)."""
+    if (devices is None) == (nodes is None):
+        typer.echo("parashift scale: give --devices or --nodes (one of them)", err=True)
+        raise typer.Exit(2)
+    node_list = [n.strip() for n in nodes.split(",") if n.strip()] if nodes is not None else None
     job_id = load_spec_or_exit(Path(job)).job_id if job.endswith((".yaml", ".yml")) or Path(job).is_file() else job
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     from tasks.events import EVENT, ResourceEvent, api_url, emit_resource_change, now_epoch, resource_id
@@ -28,6 +34,6 @@ def scale(
                    "a job run by `parashift run` on the embedded API cannot hear them (stop it with "
                    "`parashift stop` and run it again with other devices).", err=True)
         raise typer.Exit(2)
-    change = ResourceEvent(devices=devices, epoch=now_epoch() if epoch is None else epoch, reason=reason)
+    change = ResourceEvent(devices=devices, nodes=node_list, epoch=now_epoch() if epoch is None else epoch, reason=reason)
     emit_resource_change(job_id, change)
-    typer.echo(f"{EVENT} {resource_id(job_id)}: devices={change.devices} epoch={change.epoch} reason={change.reason}")
+    typer.echo(f"{EVENT} {resource_id(job_id)}: {change.describe()} epoch={change.epoch} reason={change.reason}")

@@ -1,0 +1,57 @@
+"""node_launcher: one node's share of a job's segment, run by that node's Prefect worker.
+
+    meet the other nodes (node 0 publishes the rendezvous) -> torchrun this node's workers ->
+    report to the job (in its storage)
+
+Deployed as `node-launcher/parashift-node` (prefect.yaml); each node runs a worker of the
+deployment's pool on the work queue named after the node, so the job's flow places each run on
+its node (tasks/nodes.py). If that worker goes away mid-run, the node is leaving: its workers
+are stopped at once and the report says so.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from prefect import flow
+from prefect.logging import get_run_logger
+
+from specs import JobSpec
+from specs.plan import Plan
+from storage import JobPaths, ObjectStore
+from tasks.credentials import environment, storage_environment
+from tasks.nodes import NodeReport, meet, stop_workers_when
+from tasks.worker_log import present
+from trainer.launch import RunningWorkers, launch_workers
+
+
+@flow(name="node-launcher", flow_run_name="{spec.name}-{node}")
+def node_launcher(spec: JobSpec, plan: Plan, launch_id: str, nodes: list[str], node: str,
+                  until_step: int | None = None) -> NodeReport:
+    """Run this node's workers of the segment `launch_id` until they exit; report to the job."""
+    logger = get_run_logger()
+    credentials = storage_environment(spec)
+    with environment(credentials):
+        store = ObjectStore(spec.storage.url, dict(spec.storage.storage_options))
+        rendezvous = meet(store, spec.job_id, launch_id, nodes, node)
+    logger.info("node %s (%d of %d): rendezvous at %s:%d", node, rendezvous.node_rank, len(nodes),
+                rendezvous.master_addr, rendezvous.master_port)
+    tail: list[str] = []
+
+    def on_line(line: str) -> None:
+        tail.append(f"[{node}] {line}")
+        del tail[:-200]
+        level, message = present(line, spec.training.steps)
+        logger.log(level, "[%s] %s", node, message)
+
+    workers, left = RunningWorkers(), threading.Event()
+    with environment(credentials), stop_workers_when(store, spec.job_id, launch_id, workers, left):
+        result = launch_workers(spec, plan, on_line=on_line, until_step=until_step, extra_env=credentials,
+                                workers=workers, node=rendezvous)
+    if left.is_set():
+        logger.warning("node %s: its worker went away; this node's workers were stopped (the node left)", node)
+    report = NodeReport(node=node, returncode=result.returncode, events=result.events, hung_s=result.hung_s,
+                        left=left.is_set(), tail=tail[-60:])
+    with environment(credentials):
+        store.put_json(JobPaths(spec.job_id).launch(launch_id, f"node-{node}"), report.model_dump(mode="json"))
+    return report

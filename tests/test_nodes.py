@@ -1,0 +1,162 @@
+"""Jobs across nodes, on this machine: one Prefect process worker per node (work queues `a` and
+`b` of the pool `parashift-nodes`), each with its own node-local tier; torchrun's rendezvous on
+127.0.0.1. The job's flow runs here, against the session's Prefect server."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from jobs import descendants, kill_tree, tiny_spec
+from test_deployments import REPO, prefect_cli
+
+from specs import JobSpec
+from specs.plan import Plan
+from trainer.launch import launch_workers
+
+pytestmark = pytest.mark.slow
+POOL = "parashift-nodes"
+
+
+class NodeWorker:
+    """A node: a Prefect worker serving the node's work queue, started and stopped by PID."""
+
+    def __init__(self, name: str, env: dict[str, str], home: Path) -> None:
+        self.name, self.env, self.home = name, env, home
+        self.process: subprocess.Popen[bytes] | None = None
+        self.orphans: list[int] = []  # its flow runs outlive a killed worker; they end by themselves
+
+    def start(self) -> None:
+        prefect = Path(sys.executable).with_name("prefect")
+        env = {**self.env, "PREFECT_HOME": str(self.home / self.name)}
+        log = open(self.home / f"worker-{self.name}.log", "ab")  # noqa: SIM115 - the process owns it
+        self.process = subprocess.Popen([str(prefect), "worker", "start", "--pool", POOL, "--work-queue", self.name,
+                                         "--name", f"node-{self.name}"], cwd=REPO, env=env, stdout=log,
+                                        stderr=subprocess.STDOUT, start_new_session=True)
+
+    def kill(self) -> None:
+        """The node goes away: its worker dies at once (SIGKILL), as on a lost machine."""
+        assert self.process is not None
+        self.orphans = descendants(self.process.pid)
+        self.process.send_signal(signal.SIGKILL)
+        self.process.wait()
+
+    def close(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            kill_tree(self.process.pid)
+            self.process.wait()
+        for pid in self.orphans:
+            kill_tree(pid) if Path(f"/proc/{pid}").exists() else None
+
+
+@pytest.fixture(scope="module")
+def nodes(prefect_server: None, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, NodeWorker]]:
+    """The node deployment from prefect.yaml, and workers for nodes a and b."""
+    from prefect.settings import PREFECT_API_URL
+
+    home = tmp_path_factory.mktemp("nodes")
+    env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value(), "PREFECT_HOME": str(home / "cli"),
+           "PARASHIFT_NODE_ADDR": "127.0.0.1", "PREFECT_WORKER_QUERY_SECONDS": "1", "PARASHIFT_STOP_POLL_SECONDS": "0"}
+    prefect_cli("work-pool", "create", POOL, "--type", "process", "--overwrite", env=env)
+    prefect_cli("--no-prompt", "deploy", "--name", "parashift-node", env=env)
+    workers = {name: NodeWorker(name, env, home) for name in ("a", "b")}
+    try:
+        for worker in workers.values():
+            worker.start()
+        yield workers
+    finally:
+        for worker in workers.values():
+            worker.close()
+
+
+def node_spec(name: str, tmp_path: Path, **training: Any) -> JobSpec:
+    return tiny_spec(name, f"file://{tmp_path}/store", training={"log_every": 1, **training},
+                     resources={"devices": 4, "nodes": ["a", "b"]},
+                     storage={"local_tier": f"{tmp_path}/tier-{{node}}"})
+
+
+def static_losses(spec: JobSpec) -> dict[int, float]:
+    """The same job on one node of 4 workers, never changed."""
+    single = spec.model_copy(update={"name": f"{spec.name}-static",
+                                     "resources": spec.resources.model_copy(update={"nodes": None})})
+    result = launch_workers(single, Plan.data_parallel(4))
+    assert result.returncode == 0
+    return {e["step"]: e["loss"] for e in result.steps}
+
+
+def assert_same_losses(got: dict[int, float], want: dict[int, float]) -> None:
+    assert sorted(got) == sorted(want)
+    for step, loss in want.items():
+        assert got[step] == pytest.approx(loss, rel=1e-5, abs=1e-6), f"step {step}"
+
+
+def segment_losses(summary: Any) -> dict[int, float]:
+    """Every step's loss; steps trained again after a failure count as the run that kept them."""
+    return {step: loss for seg in summary.segments for step, loss in seg.losses}
+
+
+def test_two_nodes_of_two_train_as_one_node_of_four(nodes: dict[str, NodeWorker], tmp_path: Path) -> None:
+    from flows.train import train_job
+
+    spec = node_spec("two-nodes", tmp_path, steps=12, checkpoint_every=4)
+    summary = train_job(spec)
+    assert [(s.nodes, s.outcome) for s in summary.segments] == [(["a", "b"], "finished")]
+    assert_same_losses(segment_losses(summary), static_losses(spec))
+    # each node's tier holds what its ranks wrote (ranks 0-1 on a, 2-3 on b)
+    for node in ("a", "b"):
+        assert list((tmp_path / f"tier-{node}").rglob("rank*.bin")), node
+
+
+def latest_step(root: Path) -> int:
+    steps = [int(p.parent.name) for p in root.glob("ckpt/*/manifest.json")]
+    return max(steps, default=-1)
+
+
+def test_a_node_leaves_the_job_goes_on_and_a_node_joins_at_a_step_boundary(nodes: dict[str, NodeWorker],
+                                                                          tmp_path: Path) -> None:
+    """Node b's worker dies at step >= 10: the job resumes from its last checkpoint on node a
+    alone; node b's worker comes back and an event names both nodes: the job takes b in at the
+    next step boundary. Every step's loss equals the static run's."""
+    from flows.train import train_job
+    from tasks.events import ResourceEvent, emit_resource_change, now_epoch
+
+    spec = node_spec("node-leaves", tmp_path, steps=240, checkpoint_every=5)
+    root = tmp_path / "store/jobs/node-leaves"
+    seen: dict[str, Any] = {}
+
+    def drive() -> None:
+        deadline = time.monotonic() + 400
+        while latest_step(root) < 10 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        seen["killed_after"] = latest_step(root)
+        nodes["b"].kill()
+        # the job goes on alone on node a: a second launch, and checkpoints past the kill
+        while time.monotonic() < deadline and not (
+                len(list((root / "launches").glob("*/node-a.json"))) >= 1
+                and len(list((root / "launches").iterdir())) >= 2 and latest_step(root) >= seen["killed_after"] + 20):
+            time.sleep(0.2)
+        nodes["b"].start()
+        seen["joined_after"] = latest_step(root)
+        emit_resource_change(spec.job_id, ResourceEvent(nodes=["a", "b"], epoch=now_epoch(), reason="node-joined"))
+
+    driver = threading.Thread(target=drive, daemon=True)
+    driver.start()
+    summary = train_job(spec)
+    driver.join(timeout=60)
+    assert [(s.nodes, s.outcome) for s in summary.segments] == [
+        (["a", "b"], "failed"), (["a"], "rescaled"), (["a", "b"], "finished")], summary.segments
+    left, alone, joined = summary.segments
+    assert left.left_nodes == ["b"] and "node b left" in (left.reason or "")
+    assert alone.devices == 2 and alone.start_step == left.final_step
+    assert joined.devices == 4 and joined.start_step == alone.final_step >= seen["joined_after"]
+    # node a's ranks read their own node's objects back from its tier; node b's came from the store
+    assert alone.restore_bytes and alone.restore_bytes["local"] > 0 and alone.restore_bytes["store"] > 0
+    assert_same_losses(segment_losses(summary), static_losses(spec))
