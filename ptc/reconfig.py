@@ -36,10 +36,19 @@ class StoredBox:
     object: str
     byte_offset: int
     chunks: tuple[tuple[int, int], ...]
+    copies: tuple[tuple[str, int], ...] = ()  # the same bytes at (object, byte_offset) in node-local tiers
 
     @property
     def nbytes(self) -> int:
         return sum(n for n, _ in self.chunks)
+
+    def located(self, local_objects: frozenset[str]) -> tuple[str, int]:
+        """Where a reader on a node holding `local_objects` reads this box: a copy on its node
+        if there is one, else the stored object."""
+        for obj, offset in self.copies:
+            if obj in local_objects:
+                return obj, offset
+        return self.object, self.byte_offset
 
 
 @dataclass(frozen=True)
@@ -151,9 +160,9 @@ def rank_reads(stored: dict[str, list[StoredBox]], dtypes: dict[str, str], wante
             covered += cut.numel
             lo, hi, checks = _cover(source, cut, itemsize)
             per_row = row_bytes(source.box, source.order, itemsize)
-            start = source.byte_offset + lo * per_row
+            obj, base = source.located(local_objects)
             piece = Piece(name, dtypes[name], source, lo, hi, 0, cut)
-            ranges.append((source.object, start, source.byte_offset + hi * per_row, piece, checks))
+            ranges.append((obj, base + lo * per_row, base + hi * per_row, piece, checks))
         if covered != box.numel:
             raise ValueError(f"{name}: the checkpoint's boxes cover {covered} of the {box.numel} elements rank {rank} needs")
     # Coalesce: ranges that touch (or overlap) in one object become one request.

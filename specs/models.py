@@ -336,8 +336,9 @@ class StorageSpec(_Section):
         None,
         description=(
             "A folder on each node (host memory such as /dev/shm/parashift, or a local SSD) where the node keeps "
-            "the newest checkpoint's slices its ranks wrote; a restore on that node reads them from there and only "
-            "the rest from the store. The store still receives everything."
+            "everything its ranks held at the two newest checkpoints; a restore on that node reads from there what "
+            "it can and only the rest from the store, which still receives everything. '{node}' in the path is "
+            "replaced by the node's name (nodes sharing a filesystem)."
         ),
     )
     local_tier_max_gb: float = Field(

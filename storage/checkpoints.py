@@ -27,6 +27,7 @@ from storage.errors import (
     MalformedManifest,
     ObjectNotFound,
     StorageError,
+    TierUnusable,
 )
 from storage.manifest import FORMAT_VERSION, Manifest, ObjectRecord, SliceKey, SliceRecord
 from storage.objects import ObjectStore
@@ -98,6 +99,12 @@ def _whole_checks(record: SliceRecord) -> tuple[tuple[int, int, int], ...]:
 def rank_object_name(rank: int) -> str:
     """Object key, relative to the checkpoint folder, of one rank's slices."""
     return f"rank{rank:05d}.bin"
+
+
+def holding_object_name(rank: int) -> str:
+    """Object key, relative to the checkpoint folder, of everything one rank held (its node-local
+    tier keeps it; object storage never has it)."""
+    return f"hold{rank:05d}.bin"
 
 
 def job_key(job_id: str, *parts: str) -> str:
@@ -347,9 +354,10 @@ class CheckpointStore:
                       tier: ObjectStore | None = None) -> list[list[memoryview]]:
         """Read each request into its target buffers (which tile its range, in order; one new
         buffer each when not given), and check every chunk it covers against its CRC-32C.
-        Requests marked local are served from `tier` (this node's copy) when it has them, else
-        from the store. Raises ChecksumMismatch rather than return bytes that differ from what
-        was written."""
+        Requests marked local are served from `tier` (this node's copies); if any of them
+        fails, TierUnusable (local copies may be objects the store does not have: the caller
+        plans its reads again without the tier). Raises ChecksumMismatch rather than return
+        bytes that differ from what was written."""
         if targets is None:
             targets = [[memoryview(bytearray(r.end - r.start))] for r in requests]
         jobs = list(zip(requests, targets, strict=True))
@@ -378,9 +386,8 @@ class CheckpointStore:
             assert tier is not None
             try:
                 read(tier, local)
-            except StorageError as error:  # the tier is a cache: fall back to durable storage
-                logger.warning("node-local tier unusable for step %d (%s); reading object storage", step, error)
-                remote += local
+            except StorageError as error:  # the tier is a cache: the caller reads the store instead
+                raise TierUnusable(f"node-local tier unusable for step {step}: {error}") from error
         read(self.store, remote)
         return [list(t) for t in targets]
 

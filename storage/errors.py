@@ -28,6 +28,10 @@ class TransientStorageError(StorageError):
     """Throttling, 5xx or a dropped connection that persisted through every retry."""
 
 
+class TierUnusable(StorageError):
+    """A node-local tier could not serve its reads (missing, unreadable or corrupted copies)."""
+
+
 class ChecksumMismatch(StorageError):
     """Bytes read back do not match the checksum recorded when they were written."""
 

@@ -57,6 +57,9 @@ class SliceRecord(_Strict):
     nbytes: int = Field(ge=0)
     dim_order: list[int]
     chunks: list[tuple[int, int]]
+    # The same bytes in node-local tiers: [object, byte_offset] in each holding object (a rank's
+    # whole state, kept on its node only) of a rank that held this slice.
+    copies: list[tuple[str, int]] = Field(default_factory=list)
 
     @model_validator(mode="after")
     def _consistent(self) -> SliceRecord:

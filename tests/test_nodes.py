@@ -110,9 +110,16 @@ def test_two_nodes_of_two_train_as_one_node_of_four(nodes: dict[str, NodeWorker]
     summary = train_job(spec)
     assert [(s.nodes, s.outcome) for s in summary.segments] == [(["a", "b"], "finished")]
     assert_same_losses(segment_losses(summary), static_losses(spec))
-    # each node's tier holds what its ranks wrote (ranks 0-1 on a, 2-3 on b)
-    for node in ("a", "b"):
-        assert list((tmp_path / f"tier-{node}").rglob("rank*.bin")), node
+    # each node's tier holds what its ranks held (ranks 0-1 on a, 2-3 on b), the store none of it
+    for node, ranks in (("a", {"hold00000.bin", "hold00001.bin"}), ("b", {"hold00002.bin", "hold00003.bin"})):
+        assert {p.name for p in (tmp_path / f"tier-{node}").rglob("hold*.bin")} == ranks, node
+    assert not list((tmp_path / "store").rglob("hold*.bin"))
+    # the job goes on later on the same nodes: every byte of its restore comes from the nodes
+    longer = node_spec("two-nodes", tmp_path, steps=16, checkpoint_every=4)
+    resumed = train_job(longer).segments[-1]
+    assert resumed.start_step == 12 and resumed.final_step == 16
+    assert resumed.restore_bytes is not None and resumed.restore_bytes["store"] == 0
+    assert resumed.restore_bytes["local"] == resumed.restore_bytes["read"] >= resumed.restore_bytes["needed"] > 0
 
 
 def latest_step(root: Path) -> int:
@@ -157,6 +164,8 @@ def test_a_node_leaves_the_job_goes_on_and_a_node_joins_at_a_step_boundary(nodes
     assert left.left_nodes == ["b"] and "node b left" in (left.reason or "")
     assert alone.devices == 2 and alone.start_step == left.final_step
     assert joined.devices == 4 and joined.start_step == alone.final_step >= seen["joined_after"]
-    # node a's ranks read their own node's objects back from its tier; node b's came from the store
-    assert alone.restore_bytes and alone.restore_bytes["local"] > 0 and alone.restore_bytes["store"] > 0
+    # node a alone: its ranks held every box (data parallel), so its tier serves the whole restore;
+    # node b rejoins with a tier of an older step: its ranks read from the store
+    assert alone.restore_bytes and alone.restore_bytes["store"] == 0 and alone.restore_bytes["local"] > 0
+    assert joined.restore_bytes and joined.restore_bytes["store"] > 0 and joined.restore_bytes["local"] > 0
     assert_same_losses(segment_losses(summary), static_losses(spec))

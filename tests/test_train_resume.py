@@ -156,20 +156,22 @@ def test_same_job_on_s3_resumes_bitwise_equal(reference, s3_endpoint: str, s3_bu
 
 
 def test_node_local_tier_serves_restores_and_a_bad_copy_falls_back(reference, tmp_path: Path) -> None:
-    """With a local tier the node keeps its ranks' newest objects and a restore on the node reads
-    them from there; a corrupted tier copy is caught by its checksums and the store is read
-    instead. Either way the run ends bitwise where the uninterrupted one did."""
+    """With a local tier the node keeps everything its ranks held at the newest step, and a
+    restore on the node reads it from there; a corrupted tier copy is caught by its checksums
+    and the store is read instead. Either way the run ends bitwise where the uninterrupted one
+    did."""
     _, _, expected = reference
     tier = tmp_path / "tier"
     url = f"file://{tmp_path}/store"
     spec = tiny_spec("tiered", url, storage={"url": url, "local_tier": str(tier)})
     run(spec, until_step=6)
-    assert {p.parent.name for p in tier.rglob("rank*.bin")} == {"00000006"}  # the newest step only
+    assert {p.parent.name for p in tier.rglob("hold*.bin")} == {"00000004", "00000006"}  # the two newest steps
+    assert not list(tier.rglob("rank*.bin")) and not list((tmp_path / "store").rglob("hold*.bin"))
     second = run(spec, until_step=10)
     restoring = next(e for e in second.events if e["event"] == "restoring")
     assert restoring["step"] == 6 and restoring["bytes_local"] == restoring["bytes_read"] > 0
 
-    victim = next(tier.rglob("rank00001.bin"))
+    victim = next(tier.rglob("hold00000.bin"))  # both ranks read the first copy of each box
     data = bytearray(victim.read_bytes())
     data[len(data) // 2] ^= 0xFF
     victim.write_bytes(bytes(data))

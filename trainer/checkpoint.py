@@ -54,8 +54,9 @@ from storage import (
     SliceRecord,
     StorageError,
     TensorRecord,
+    TierUnusable,
     TransientStorageError,
-    rank_object_name,
+    holding_object_name,
 )
 from trainer.optim import LocalShardAdamW
 
@@ -164,6 +165,9 @@ class Checkpointer:
         self.tier_budget_bytes = tier_budget_bytes
         self.world_size = layout.world_size
         self._boxes = [_BoxToWrite.of(layout, name, box) for name, box in layout.slices_to_write(rank)]
+        # With a node-local tier: everything this rank holds (its holding object), so that a
+        # restore on this node finds every box its ranks had, whichever rank stored it.
+        self._held = [_BoxToWrite.of(layout, name, box) for name, box in sorted(layout.boxes_of(rank).items())]
         self._buffers: dict[tuple[str, Slice], torch.Tensor] = {}
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="parashift-save")
         # Pruning reads the manifests it keeps (~0.1 s): on its own thread, so the next save's
@@ -244,7 +248,7 @@ class Checkpointer:
         stored with another dim order are permuted chunk by chunk while they are written."""
         payloads = []
         device_copies = live = False
-        for box in self._boxes:
+        for box in self._held if self.tier is not None else self._boxes:
             local = local_data(state[box.name]).detach()
             if tuple(local.shape) != box.box.lengths:
                 raise ValueError(f"{box.name}: this rank holds {list(local.shape)}, its layout box is {list(box.box.lengths)}")
@@ -272,20 +276,25 @@ class Checkpointer:
                           plan: dict[str, Any], metadata: dict[str, Any], consumed: threading.Event) -> SaveReport:
         started = time.perf_counter()
         step = report.step
-        error, obj, records = None, None, []
+        error, obj, records, kept = None, None, [], False
         try:
+            held = payloads
+            if self.tier is not None:  # payloads are the held boxes: the store gets the ones to write
+                by_key = {b.key: p for b, p in zip(self._held, payloads, strict=True)}
+                payloads = [by_key[b.key] for b in self._boxes]
             obj, records = self.store.write_rank_object(step, self.rank, payloads)
-            if self.tier is not None and obj is not None:
-                if self.tier_budget_bytes is None or obj.nbytes <= self.tier_budget_bytes:
-                    self._keep_on_node(step, payloads)
+            if self.tier is not None:
+                nbytes = sum(sum(p.chunk_bytes) for p in held)
+                if self.tier_budget_bytes is None or 2 * nbytes <= self.tier_budget_bytes:  # two steps kept
+                    kept = self._keep_on_node(step, held)
                 else:
                     log.warning("rank %d: %d bytes exceed this rank's share of the local tier; not kept there",
-                                self.rank, obj.nbytes)
+                                self.rank, nbytes)
         except Exception as exc:  # reported to rank 0 (no commit) and raised here below
             error = exc
         finally:
             consumed.set()  # written (or failed): the loop may change its tensors again
-        mine = (repr(error) if error else None, obj.model_dump() if obj else None, [r.model_dump() for r in records])
+        mine = (repr(error) if error else None, obj.model_dump() if obj else None, [r.model_dump() for r in records], kept)
         gathered = [mine]
         if self.group is not None:
             gathered = [None] * self.world_size if self.rank == 0 else None
@@ -294,11 +303,13 @@ class Checkpointer:
             raise StorageError(f"rank {self.rank}: checkpoint at step {step} failed; nothing was committed") from error
         report.bytes_written = obj.nbytes if obj else 0
         if self.rank == 0:
-            failed = [(r, e) for r, (e, _, _) in enumerate(gathered) if e]
+            failed = [(r, e) for r, (e, _, _, _) in enumerate(gathered) if e]
             if failed:
                 raise StorageError(f"checkpoint at step {step} not committed: " + "; ".join(f"rank {r}: {e}" for r, e in failed))
-            objects = [ObjectRecord(**o) for _, o, _ in gathered if o is not None]
-            records = [SliceRecord(**r) for _, _, rs in gathered for r in rs]
+            objects = [ObjectRecord(**o) for _, o, _, _ in gathered if o is not None]
+            copies = holding_copies(self.layout, [r for r, (_, _, _, k) in enumerate(gathered) if k])
+            records = [SliceRecord(**{**r, "copies": copies.get((r["tensor"], Slice(tuple(r["offsets"]), tuple(r["lengths"]))), [])})
+                       for _, _, rs, _ in gathered for r in rs]
             last, before = self._lineage
             previous = before if last == step else last  # a step saved again keeps its link
             manifest = build_manifest(self.store.job_id, step, self.layout, objects, records, data_position, plan, metadata,
@@ -322,20 +333,40 @@ class Checkpointer:
         if pruned:
             log.info("pruned checkpoints %s", pruned)
 
-    def _keep_on_node(self, step: int, payloads: list[SlicePayload]) -> None:
-        """Keep this rank's object in the node-local tier too: the newest step only. A tier
-        that fails costs a warning, never the save (the store has everything)."""
+    def _keep_on_node(self, step: int, held: list[SlicePayload]) -> bool:
+        """Keep everything this rank holds in the node-local tier (its holding object) for the
+        two newest steps it saved: the newest may never be committed (a peer fails first), and
+        the one before is then what a restore on this node reads. A tier that fails costs a
+        warning, never the save (the store has everything). Returns whether it was kept."""
         assert self.tier is not None
         paths = self.store.paths
+        name = holding_object_name(self.rank)
         try:
-            self.tier.put_stream(paths.rank_object(step, self.rank),
-                                 lambda: (p.chunk(i) for p in payloads for i in range(len(p.chunk_bytes))))
+            self.tier.put_stream(paths.ckpt_object(step, name),
+                                 lambda: (p.chunk(i) for p in held for i in range(len(p.chunk_bytes))))
+            kept = []
             for key in self.tier.list(paths.ckpt_root):
                 folder = key.split("/")[3]
-                if folder.isdigit() and int(folder) < step and key.endswith(f"rank{self.rank:05d}.bin"):
-                    self.tier.delete(key)
+                if folder.isdigit() and key.endswith(name):
+                    kept.append((int(folder), key))
+            for _, key in sorted(kept)[:-2]:
+                self.tier.delete(key)
         except (StorageError, OSError) as error:
             log.warning("rank %d: the node-local tier could not keep step %d: %s", self.rank, step, error)
+            return False
+        return True
+
+
+def holding_copies(layout: Layout, ranks: list[int]) -> dict[tuple[str, Slice], list[tuple[str, int]]]:
+    """Where each box lies in the holding objects of `ranks` (each: the rank's boxes in name
+    order, whole, as a stored box's bytes)."""
+    out: dict[tuple[str, Slice], list[tuple[str, int]]] = {}
+    for rank in ranks:
+        offset = 0
+        for name, box in sorted(layout.boxes_of(rank).items()):
+            out.setdefault((name, box), []).append((holding_object_name(rank), offset))
+            offset += box.numel * layout.tensors[name].itemsize
+    return out
 
 
 def build_manifest(job_id: str, step: int, layout: Layout, objects: list[ObjectRecord], records: list[SliceRecord],
@@ -383,7 +414,8 @@ def stored_boxes(manifest: Manifest) -> tuple[dict[str, list[StoredBox]], dict[s
             if any(n % per_row for n, _ in s.chunks):
                 raise ValueError(f"checkpoint at step {manifest.step}: chunks of {name} are not whole rows")
             boxes[name].append(StoredBox(name, box, tuple(s.dim_order), s.object, s.byte_offset,
-                                         tuple((int(n), int(c)) for n, c in s.chunks)))
+                                         tuple((int(n), int(c)) for n, c in s.chunks),
+                                         tuple((str(o), int(at)) for o, at in s.copies)))
     return boxes, {name: t.dtype for name, t in manifest.tensors.items()}
 
 
@@ -455,7 +487,7 @@ def reshard_plan(store: CheckpointStore, layout: Layout, manifest: Manifest | No
     on_node: dict[str, set[str]] = {}
     if tier is not None and isinstance(written, list):
         for old_rank, node in enumerate(written):
-            on_node.setdefault(str(node), set()).add(rank_object_name(old_rank))
+            on_node.setdefault(str(node), set()).add(holding_object_name(old_rank))
     per_node = max(1, world // len(nodes))
     local_objects = {r: frozenset(on_node.get(nodes[min(r // per_node, len(nodes) - 1)], ())) for r in range(world)}
     return reconfig_plan(manifest.step, boxes, dtypes, layout, local_objects)
@@ -567,7 +599,14 @@ def restore_latest(store: CheckpointStore, layout: Layout, rank: int, group: Gro
                 reads = reads_for(manifest, wanted, rank, node_objects(tier, store, step))
                 if on_reads is not None:
                     on_reads(step, reads)
-                tensors = execute_reads(store, step, reads, tier, destinations)
+                try:
+                    tensors = execute_reads(store, step, reads, tier, destinations)
+                except TierUnusable as error:  # a cache: read everything from the store instead
+                    log.warning("rank %d: %s; reading object storage", rank, error)
+                    reads = reads_for(manifest, wanted, rank)
+                    if on_reads is not None:
+                        on_reads(step, reads)
+                    tensors = execute_reads(store, step, reads, None, destinations)
                 restored = Restored(step, dict(manifest.data_position), tensors, manifest)
                 verdict = _RESTORED
             except TransientStorageError as error:
