@@ -14,6 +14,14 @@ The time from that event to the first step of the new segment is split into:
   process groups, model build, and that first step).
 
     OMP_NUM_THREADS=1 python -m bench.rescale_latency [--from 4] [--to 3] [--rounds 3]
+    OMP_NUM_THREADS=1 python -m bench.rescale_latency --node-leave [--rounds 3]
+
+`--node-leave`: the same job across two nodes of two workers (two Prefect node workers on this
+machine, rendezvous on 127.0.0.1, node-local tiers); once its checkpoint at step 2 is committed,
+node b's worker is killed (SIGKILL). The breakdown is the same, from the kill: stop_s until the
+failed launch has ended (node b's launcher stops its workers, node a's fail on the lost peer,
+both report), plan_s, reshard_data_s and relaunch_s of the launch on node a alone (its first step
+as node a's launcher heard it).
 
 The last line of output is one JSON object: `stop_s`, `plan_s`, `reshard_data_s`,
 `relaunch_s`, `total_s` (medians over the rounds) and every round's figures.
@@ -33,7 +41,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from parashift.commands.serve import start_prefect_server, stop_group
+from parashift.commands.serve import deploy_all, start_node_worker, start_prefect_server, stop_group
 
 MODEL = {"n_layers": 3, "d_model": 768, "n_heads": 12, "vocab_size": 2048, "seq_len": 24, "dropout": 0.0}
 EVENT_AT_STEP = 3  # steps into the first segment
@@ -97,13 +105,67 @@ def one_round(store: Path, devices_from: int, devices_to: int, steps: int, round
     return out
 
 
+def node_leave_round(store: Path, steps: int, round_no: int, workers: dict[str, Any]) -> dict[str, Any]:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    from flows.train import train_job
+    from specs import JobSpec
+
+    spec = JobSpec.model_validate({
+        "name": f"node-leave-{round_no}",
+        "model": MODEL,
+        "data": {"url": "builtin://python-stdlib", "max_bytes": 200_000},
+        "training": {"global_batch": 12, "micro_batch": 2, "steps": steps, "checkpoint_every": 2},
+        "resources": {"devices": 4, "kind": "cpu", "nodes": ["a", "b"]},
+        "storage": {"url": f"file://{store}", "local_tier": f"{store}-tier-{{node}}"},
+    })
+    manifest = store / "jobs" / spec.job_id / "ckpt" / f"{2:08d}" / "manifest.json"
+    killed: list[float] = []
+
+    def kill_node_b() -> None:
+        while not manifest.exists():
+            time.sleep(0.05)
+        killed.append(time.time())
+        workers["b"].kill()
+        workers["b"].wait()
+
+    threading.Thread(target=kill_node_b, daemon=True).start()
+    state = train_job(spec, return_state=True)
+    summary = state.result()
+    if [s.nodes for s in summary.segments] != [["a", "b"], ["a"]]:
+        raise RuntimeError(f"expected node b to leave once, got {summary.segments}")
+    with get_client(sync_client=True) as client:
+        runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[state.state_details.flow_run_id])))
+    launches = sorted((r for r in runs if r.name.startswith("launch-training")), key=lambda r: r.start_time)
+    old_end, new_start = launches[0].end_time.timestamp(), launches[1].start_time.timestamp()
+    reports = sorted((store / "jobs" / spec.job_id / "launches").glob("*/node-a.json"))
+    events = json.loads(reports[-1].read_text())["events"]
+    start = next(e for e in events if e["event"] == "start")
+    first_step = next(e["received_at"] for e in events if e["event"] == "step")
+    out = {
+        "stop_s": old_end - killed[0],
+        "plan_s": new_start - old_end,
+        "reshard_data_s": start["restore_s"],
+        "relaunch_s": first_step - new_start - start["restore_s"],
+        "total_s": first_step - killed[0],
+        "resumed_at_step": summary.segments[1].start_step,
+        "restore_bytes": summary.segments[1].restore_bytes,
+        "worker_phases": start.get("phases"),
+    }
+    print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in out.items()}), file=sys.stderr, flush=True)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--from", dest="devices_from", type=int, default=4)
     parser.add_argument("--to", dest="devices_to", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--node-leave", action="store_true", help="2 nodes x 2 workers; node b's worker is killed")
     args = parser.parse_args()
+    workers: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="parashift-rescale-") as tmp:
         env = {**os.environ, "PREFECT_HOME": str(Path(tmp, "server-home")), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
         server, url = start_prefect_server(env)
@@ -111,15 +173,28 @@ def main() -> None:
             os.environ.update({"PREFECT_API_URL": url, "PREFECT_HOME": str(Path(tmp, "client-home")),
                                "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
                                "PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL": "WARNING"})
-            rounds = [one_round(Path(tmp, f"store{i}"), args.devices_from, args.devices_to, args.steps, i)
-                      for i in range(args.rounds)]
+            if args.node_leave:
+                node_env = {**os.environ, "PARASHIFT_NODE_ADDR": "127.0.0.1", "PREFECT_WORKER_QUERY_SECONDS": "1"}
+                deploy_all(node_env)
+                rounds = []
+                for i in range(args.rounds):
+                    for node in ("a", "b"):  # node b comes back for every round
+                        if node not in workers or workers[node].poll() is not None:
+                            workers[node] = start_node_worker(node, {**node_env, "PREFECT_HOME": str(Path(tmp, node))})
+                    rounds.append(node_leave_round(Path(tmp, f"store{i}"), args.steps, i, workers))
+            else:
+                rounds = [one_round(Path(tmp, f"store{i}"), args.devices_from, args.devices_to, args.steps, i)
+                          for i in range(args.rounds)]
         finally:
+            for process in workers.values():
+                stop_group(process)
             stop_group(server)
     keys = ("stop_s", "plan_s", "reshard_data_s", "relaunch_s", "total_s")
     result = {
         "bench": "rescale_latency",
         "machine": f"{platform.machine()} {os.cpu_count()} cores",
-        "change": f"{args.devices_from}->{args.devices_to} cpu workers",
+        "change": "node b of 2 x 2 cpu workers left (worker killed)" if args.node_leave else
+                  f"{args.devices_from}->{args.devices_to} cpu workers",
         "stop_poll_s": float(os.environ.get("PARASHIFT_STOP_POLL_SECONDS", "2")),
         **{k: round(statistics.median(r[k] for r in rounds), 3) for k in keys},
         "all_but_data_s": round(statistics.median(r["total_s"] - r["reshard_data_s"] for r in rounds), 3),

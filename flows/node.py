@@ -12,6 +12,8 @@ are stopped at once and the report says so.
 from __future__ import annotations
 
 import threading
+import time
+from typing import Any
 
 from prefect import flow
 from prefect.logging import get_run_logger
@@ -44,10 +46,13 @@ def node_launcher(spec: JobSpec, plan: Plan, launch_id: str, nodes: list[str], n
         level, message = present(line, spec.training.steps)
         logger.log(level, "[%s] %s", node, message)
 
+    def stamp(event: dict[str, Any]) -> None:
+        event["received_at"] = time.time()  # when this node heard it (the job hears it later)
+
     workers, left = RunningWorkers(), threading.Event()
     with environment(credentials), stop_workers_when(store, spec.job_id, launch_id, workers, left):
         result = launch_workers(spec, plan, on_line=on_line, until_step=until_step, extra_env=credentials,
-                                workers=workers, node=rendezvous)
+                                workers=workers, node=rendezvous, on_event=stamp)
     if left.is_set():
         logger.warning("node %s: its worker went away; this node's workers were stopped (the node left)", node)
     report = NodeReport(node=node, returncode=result.returncode, events=result.events, hung_s=result.hung_s,

@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -16,14 +15,14 @@ from typing import Any
 
 import pytest
 from jobs import descendants, kill_tree, tiny_spec
-from test_deployments import REPO, prefect_cli
+from test_deployments import prefect_cli
 
+from parashift.commands.serve import NODE_POOL, start_node_worker
 from specs import JobSpec
 from specs.plan import Plan
 from trainer.launch import launch_workers
 
 pytestmark = pytest.mark.slow
-POOL = "parashift-nodes"
 
 
 class NodeWorker:
@@ -35,12 +34,8 @@ class NodeWorker:
         self.orphans: list[int] = []  # its flow runs outlive a killed worker; they end by themselves
 
     def start(self) -> None:
-        prefect = Path(sys.executable).with_name("prefect")
         env = {**self.env, "PREFECT_HOME": str(self.home / self.name)}
-        log = open(self.home / f"worker-{self.name}.log", "ab")  # noqa: SIM115 - the process owns it
-        self.process = subprocess.Popen([str(prefect), "worker", "start", "--pool", POOL, "--work-queue", self.name,
-                                         "--name", f"node-{self.name}"], cwd=REPO, env=env, stdout=log,
-                                        stderr=subprocess.STDOUT, start_new_session=True)
+        self.process = start_node_worker(self.name, env, self.home / f"worker-{self.name}.log")
 
     def kill(self) -> None:
         """The node goes away: its worker dies at once (SIGKILL), as on a lost machine."""
@@ -65,7 +60,7 @@ def nodes(prefect_server: None, tmp_path_factory: pytest.TempPathFactory) -> Ite
     home = tmp_path_factory.mktemp("nodes")
     env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value(), "PREFECT_HOME": str(home / "cli"),
            "PARASHIFT_NODE_ADDR": "127.0.0.1", "PREFECT_WORKER_QUERY_SECONDS": "1", "PARASHIFT_STOP_POLL_SECONDS": "0"}
-    prefect_cli("work-pool", "create", POOL, "--type", "process", "--overwrite", env=env)
+    prefect_cli("work-pool", "create", NODE_POOL, "--type", "process", "--overwrite", env=env)
     prefect_cli("--no-prompt", "deploy", "--name", "parashift-node", env=env)
     workers = {name: NodeWorker(name, env, home) for name in ("a", "b")}
     try:

@@ -120,6 +120,6 @@ def test_serve_deploys_everything_runs_from_the_ui_and_stops_cleanly(tmp_path: P
         serve.send_signal(signal.SIGINT)
         output, _ = serve.communicate(timeout=120)
     assert serve.returncode == 0, output[-2000:]
-    assert "stopped the worker and the server" in output
+    assert "stopped the workers and the server" in output
     time.sleep(1)
     assert not [pid for pid in started if Path(f"/proc/{pid}").exists()], "serve left processes behind"

@@ -1,5 +1,6 @@
-"""`parashift serve`: a local Prefect server, the `parashift` process work pool, every
-deployment in prefect.yaml and a worker, in one command; Ctrl-C stops all of them."""
+"""`parashift serve`: a local Prefect server, the `parashift` process work pools, every
+deployment in prefect.yaml and a worker (and, with `--nodes`, a node worker per named node on
+this machine), in one command; Ctrl-C stops all of them."""
 
 from __future__ import annotations
 
@@ -66,15 +67,39 @@ def _prefect(*args: str, env: dict[str, str]) -> None:
         raise RuntimeError(f"prefect {' '.join(args)} failed:\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}")
 
 
+# The pool of prefect.yaml's per-node launcher; each node's worker serves the queue of its name.
+NODE_POOL = "parashift-nodes"
+
+
+def deploy_all(env: dict[str, str], pool: str = "parashift") -> None:
+    """The process work pools prefect.yaml names, and every deployment in it."""
+    for name in (pool, NODE_POOL):
+        _prefect("work-pool", "create", name, "--type", "process", "--overwrite", env=env)
+    _prefect("--no-prompt", "deploy", "--all", env=env)
+
+
+def start_node_worker(node: str, env: dict[str, str], log: Path | None = None) -> subprocess.Popen[bytes]:
+    """What a node runs to take part in jobs across nodes: a Prefect worker of the node pool on
+    the work queue named after the node (its own session; stop it with `stop_group`)."""
+    out = open(log, "ab") if log is not None else subprocess.DEVNULL  # noqa: SIM115 - the process owns it
+    return subprocess.Popen([sys.executable, "-m", "prefect", "worker", "start", "--pool", NODE_POOL, "--work-queue", node,
+                             "--name", f"node-{node}"], cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+
+
 def serve(
     port: int = typer.Option(4200, help="the server's port on 127.0.0.1 (0: any free one)"),
     pool: str = typer.Option("parashift", help="the process work pool prefect.yaml deploys to"),
+    nodes: str = typer.Option("", help="comma-separated node names: run a node worker for each on this machine "
+                                       "(jobs with resources.nodes; real nodes run `prefect worker start --pool "
+                                       f"{NODE_POOL} --work-queue NODE` themselves)"),
 ) -> None:
-    """Start a local Prefect server, create the work pool, deploy prefect.yaml, print the UI URL,
-    and run a worker in the foreground until Ctrl-C (which stops the worker and the server)."""
+    """Start a local Prefect server, create the work pools, deploy prefect.yaml, print the UI URL,
+    and run a worker in the foreground until Ctrl-C (which stops the workers and the server)."""
     env = {**os.environ, "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
     server, api = start_prefect_server(env, port or None)
     worker = None
+    node_workers: list[subprocess.Popen[bytes]] = []
     stopping = False
 
     def on_signal(signum: int, frame: object) -> None:
@@ -85,17 +110,20 @@ def serve(
     signal.signal(signal.SIGINT, on_signal)
     try:
         env["PREFECT_API_URL"] = api
-        _prefect("work-pool", "create", pool, "--type", "process", "--overwrite", env=env)
-        _prefect("--no-prompt", "deploy", "--all", env=env)
+        deploy_all(env, pool)
         ui = api.removesuffix("/api")
         typer.echo(f"Prefect UI: {ui}\nPREFECT_API_URL={api}\n"
                    f"deployments from {REPO / 'prefect.yaml'} on work pool '{pool}'; a worker runs them until Ctrl-C")
         worker = subprocess.Popen([sys.executable, "-m", "prefect", "worker", "start", "--pool", pool], cwd=REPO, env=env,
                                   start_new_session=True)
+        node_env = {"PARASHIFT_NODE_ADDR": "127.0.0.1", **env}  # nodes on this machine meet on loopback
+        for node in [n.strip() for n in nodes.split(",") if n.strip()]:
+            node_workers.append(start_node_worker(node, node_env))
+            typer.echo(f"node {node}: a worker on work queue '{node}' of pool '{NODE_POOL}'")
         while not stopping and worker.poll() is None:
             time.sleep(0.2)
     finally:
-        if worker is not None:
-            stop_group(worker)
+        for process in [*node_workers, *([worker] if worker is not None else [])]:
+            stop_group(process)
         stop_group(server)
-        typer.echo("stopped the worker and the server")
+        typer.echo("stopped the workers and the server")
