@@ -250,7 +250,6 @@ class ResourcesSpec(_Section):
     )
     nodes: list[str] | None = Field(
         None,
-        min_length=1,
         max_length=4096,
         description=(
             "Names of the nodes the job runs on (null: this machine alone). Each node runs a Prefect worker on the "
@@ -260,14 +259,22 @@ class ResourcesSpec(_Section):
     )
     node_deployment: str = Field(
         "node-launcher/parashift-node",
-        pattern=r"^[^/\s]+/[^/\s]+$",
+        max_length=300,
         description="The deployment (flow/deployment) of the per-node launcher (prefect.yaml's parashift-node).",
     )
+
+    @field_validator("node_deployment")
+    @classmethod
+    def _flow_slash_deployment(cls, name: str) -> str:
+        flow, _, deployment = name.partition("/")
+        if not flow or not deployment or "/" in deployment or any(c.isspace() for c in name):
+            raise ValueError(f"must be FLOW/DEPLOYMENT, e.g. node-launcher/parashift-node (got {name!r})")
+        return name
 
     @field_validator("nodes")
     @classmethod
     def _node_names(cls, nodes: list[str] | None) -> list[str] | None:
-        if nodes is None:
+        if not nodes:  # an empty list (as a form may send) is no nodes: this machine
             return None
         issues: list[tuple[Loc, str]] = []
         for i, name in enumerate(nodes):
