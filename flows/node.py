@@ -24,13 +24,15 @@ from storage import JobPaths, ObjectStore
 from tasks.credentials import environment, storage_environment
 from tasks.nodes import NodeReport, meet, stop_workers_when
 from tasks.worker_log import present
-from trainer.launch import RunningWorkers, launch_workers
+from trainer.launch import LaunchResult, RunningWorkers, launch_workers, run_measure_comm
 
 
 @flow(name="node-launcher", flow_run_name="{spec.name}-{node}")
 def node_launcher(spec: JobSpec, plan: Plan, launch_id: str, nodes: list[str], node: str,
-                  until_step: int | None = None) -> NodeReport:
-    """Run this node's workers of the segment `launch_id` until they exit; report to the job."""
+                  until_step: int | None = None, measure_comm: bool = False) -> NodeReport:
+    """Run this node's workers of the segment `launch_id` until they exit; report to the job.
+    `measure_comm`: time collectives within and across the nodes instead of training (what the
+    planner's communication model is fitted to)."""
     logger = get_run_logger()
     credentials = storage_environment(spec)
     with environment(credentials):
@@ -50,9 +52,15 @@ def node_launcher(spec: JobSpec, plan: Plan, launch_id: str, nodes: list[str], n
         event["received_at"] = time.time()  # when this node heard it (the job hears it later)
 
     workers, left = RunningWorkers(), threading.Event()
-    with environment(credentials), stop_workers_when(store, spec.job_id, launch_id, workers, left):
-        result = launch_workers(spec, plan, on_line=on_line, until_step=until_step, extra_env=credentials,
-                                workers=workers, node=rendezvous, on_event=stamp)
+    if measure_comm:
+        returncode, events, stderr = run_measure_comm(plan.devices, spec.resources.kind, rendezvous)
+        for line in stderr.splitlines()[-20:] if returncode else []:
+            on_line(line)
+        result = LaunchResult(returncode=returncode, events=events)
+    else:
+        with environment(credentials), stop_workers_when(store, spec.job_id, launch_id, workers, left):
+            result = launch_workers(spec, plan, on_line=on_line, until_step=until_step, extra_env=credentials,
+                                    workers=workers, node=rendezvous, on_event=stamp)
     if left.is_set():
         logger.warning("node %s: its worker went away; this node's workers were stopped (the node left)", node)
     report = NodeReport(node=node, returncode=result.returncode, events=result.events, hung_s=result.hung_s,

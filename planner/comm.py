@@ -110,13 +110,26 @@ def comm_model_from_timings(timings: dict[str, Any], devices_per_node: int | Non
     {"group_size": g, "all_reduce" | "all_gather" | "p2p": [[bytes, seconds], ...]}).
 
     Per-device volumes follow the ring formulas: all-reduce 2(g-1)/g x size, all-gather
-    (g-1) x size; point-to-point sends (pipeline stage boundaries) get a link of their own. The
-    fitted link is used for both levels unless the group spans nodes.
+    (g-1) x size; point-to-point sends (pipeline stage boundaries) get a link of their own. On
+    one node the fitted link serves both levels; timed across nodes (`trainer.measure_comm`
+    with "intra" and "inter" groups) each level gets its own, and sends the inter-node one
+    (pipeline stages sit on different nodes first: pp is the outermost axis).
     """
+    if "inter" in timings:  # timed on a job across nodes: each level fitted on its own
+        inter, p2p = _fit_level(timings["inter"])
+        intra = _fit_level(timings["intra"])[0] if timings.get("intra") else inter
+        return CommModel(intra=intra, inter=inter, devices_per_node=int(timings["devices_per_node"]), p2p=p2p,
+                         measured=True)
+    link, p2p = _fit_level(timings)
+    return CommModel(intra=link, inter=link, devices_per_node=devices_per_node or int(timings["group_size"]),
+                     p2p=p2p, measured=True)
+
+
+def _fit_level(timings: dict[str, Any]) -> tuple[Link, Link | None]:
+    """The collective link and the point-to-point link of one group's timings."""
     g = int(timings["group_size"])
     ring = max(g - 1, 1)
     reduce_pts = [(2.0 * ring / max(g, 1) * size, t) for size, t in timings["all_reduce"]]
     gather_pts = [(float(ring * size), t) for size, t in timings["all_gather"]]
-    link = _fit(reduce_pts + gather_pts)
     p2p = _fit([(float(size), t) for size, t in timings["p2p"]]) if g > 1 else None
-    return CommModel(intra=link, inter=link, devices_per_node=devices_per_node or g, p2p=p2p, measured=True)
+    return _fit(reduce_pts + gather_pts), p2p

@@ -226,9 +226,10 @@ class NodeLaunch:
 
 
 def node_launch(spec: JobSpec, plan: Plan, until_step: int | None, store: ObjectStore,
-                log: Callable[[str], None] = lambda message: None) -> NodeLaunch:
+                log: Callable[[str], None] = lambda message: None, measure_comm: bool = False) -> NodeLaunch:
     """A NodeLaunch whose launchers are runs of the spec's node deployment, each on the work
-    queue of its node (linked to the calling flow or task run)."""
+    queue of its node (linked to the calling flow or task run). `measure_comm`: they time
+    collectives instead of training."""
     from prefect.client.orchestration import get_client
     from prefect.deployments import run_deployment
     from prefect.states import Cancelled
@@ -239,7 +240,8 @@ def node_launch(spec: JobSpec, plan: Plan, until_step: int | None, store: Object
         run = run_deployment(
             spec.resources.node_deployment, timeout=0, work_queue_name=node, flow_run_name=f"{spec.job_id}-{node}",
             parameters={"spec": spec.model_dump(mode="json"), "plan": plan.model_dump(mode="json"),
-                        "launch_id": launch_id, "nodes": nodes, "node": node, "until_step": until_step})
+                        "launch_id": launch_id, "nodes": nodes, "node": node, "until_step": until_step,
+                        "measure_comm": measure_comm})
         log(f"node {node}: launcher run {run.id} queued on work queue {node!r}")
         return run.id
 

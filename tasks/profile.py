@@ -41,6 +41,7 @@ def profile_key(spec: JobSpec) -> str:
         "kind": spec.resources.kind,
         "devices": spec.resources.devices,
         "devices_per_node": spec.resources.devices_per_node,
+        "nodes": len(spec.resources.nodes) if spec.resources.nodes else None,
         "memory_gb": spec.resources.memory_gb,
         "measured": needs_measurement(spec),
     }
@@ -69,13 +70,31 @@ def build_profile(spec: JobSpec) -> ModelProfile:
     res, m = spec.resources, spec.model
     comm = None
     if measure and res.devices > 1:
-        comm = comm_model_from_timings(measure_comm_timings(res.devices, res.kind), res.devices_per_node)
+        timings = measure_on_nodes(spec) if res.nodes else measure_comm_timings(res.devices, res.kind)
+        comm = comm_model_from_timings(timings, res.devices_per_node)
     profile = profile_gpt(
         m.n_layers, m.d_model, m.n_heads, m.vocab_size, m.seq_len, spec.training.global_batch,
         res.kind, measure, memory_gb=res.memory_gb, devices_per_node=res.devices_per_node, comm=comm,
     )
-    # CPU workers on this host share its cores.
-    return profile.model_copy(update={"device": share_cores(profile.device, res.devices)})
+    # CPU workers on a host share its cores (across nodes: a node's workers share that node's).
+    return profile.model_copy(update={"device": share_cores(profile.device, res.devices_per_node if res.nodes else res.devices)})
+
+
+def measure_on_nodes(spec: JobSpec) -> dict:
+    """Collectives timed on the job's own nodes, within a node and across nodes: one launcher
+    per node running `trainer.measure_comm` (tasks/nodes.py)."""
+    from specs.plan import Plan
+    from tasks.nodes import node_launch
+
+    with environment(storage_environment(spec)):
+        store = ObjectStore(spec.storage.url, dict(spec.storage.storage_options))
+        result, left = node_launch(spec, Plan.data_parallel(spec.resources.devices), None, store,
+                                   measure_comm=True).run()
+    timings = [e["timings"] for e in result.events if e["event"] == "comm_timings"]
+    if left or result.returncode != 0 or not timings:
+        raise RuntimeError(f"timing collectives on nodes {spec.resources.nodes} failed (exit {result.returncode}, "
+                           f"left: {left or 'none'})")
+    return timings[-1]
 
 
 def load_profile(spec: JobSpec, key: str) -> ModelProfile:

@@ -164,3 +164,17 @@ def test_a_node_leaves_the_job_goes_on_and_a_node_joins_at_a_step_boundary(nodes
     assert alone.restore_bytes and alone.restore_bytes["store"] == 0 and alone.restore_bytes["local"] > 0
     assert joined.restore_bytes and joined.restore_bytes["store"] > 0 and joined.restore_bytes["local"] > 0
     assert_same_losses(segment_losses(summary), static_losses(spec))
+
+
+def test_the_planner_times_collectives_within_and_across_the_job_s_nodes(nodes: dict[str, NodeWorker],
+                                                                         tmp_path: Path) -> None:
+    """A job whose planner chooses (strategy auto) fits its communication model to collectives
+    timed on its own nodes: within a node and between nodes, each level on its own."""
+    from tasks.profile import build_profile
+
+    spec = node_spec("timed-nodes", tmp_path)
+    spec = spec.model_copy(update={"parallelism": spec.parallelism.model_copy(update={"strategy": "auto"})})
+    comm = build_profile(spec).comm
+    assert comm.measured and comm.devices_per_node == 2
+    assert comm.intra != comm.inter  # two groups, two fits (on one machine both are loopback)
+    assert comm.p2p is not None

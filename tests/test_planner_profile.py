@@ -54,3 +54,28 @@ def test_measure_collectives_on_gloo_workers(tmp_path) -> None:
     p2p = models[0].p2p  # point-to-point sends, fitted on their own (pipeline stage boundaries)
     assert p2p is not None and p2p.bandwidth_Bps > 1e6 and p2p.latency_s < 0.1
     assert models[0].transfer(1e6) == p2p.latency_s + 1e6 / p2p.bandwidth_Bps
+
+
+def test_timings_across_nodes_give_each_level_its_own_link() -> None:
+    """trainer.measure_comm across nodes reports a group within a node and one across nodes;
+    the fit keeps them apart (exact on noiseless timings: t = latency + bytes / bandwidth)."""
+    from planner.comm import comm_model_from_timings
+
+    def level(g: int, latency: float, bandwidth: float) -> dict:
+        sizes = (1 << 12, 1 << 16, 1 << 20)
+        ring = g - 1
+        return {"group_size": g,
+                "all_reduce": [[s, latency + 2 * ring / g * s / bandwidth] for s in sizes],
+                "all_gather": [[s, latency + ring * s / bandwidth] for s in sizes],
+                "p2p": [[s, latency / 2 + s / bandwidth] for s in sizes]}
+
+    timings = {"group_size": 8, "nodes": 2, "devices_per_node": 4,
+               "intra": level(4, 1e-5, 100e9), "inter": level(2, 5e-5, 10e9)}
+    comm = comm_model_from_timings(timings)
+    assert comm.devices_per_node == 4 and comm.measured
+    assert comm.intra.latency_s == pytest.approx(1e-5, rel=1e-3) and comm.intra.bandwidth_Bps == pytest.approx(100e9, rel=1e-3)
+    assert comm.inter.latency_s == pytest.approx(5e-5, rel=1e-3) and comm.inter.bandwidth_Bps == pytest.approx(10e9, rel=1e-3)
+    assert comm.p2p is not None and comm.p2p.bandwidth_Bps == pytest.approx(10e9, rel=1e-3)  # sends cross nodes
+    # one node per worker group: no "intra" group, both levels are the inter-node link
+    single = comm_model_from_timings({**timings, "devices_per_node": 1, "intra": None})
+    assert single.intra == single.inter

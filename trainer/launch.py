@@ -173,15 +173,25 @@ def worker_command(devices: int, spec_file: Path, plan_file: Path, until_step: i
     return command
 
 
+def run_measure_comm(devices: int, kind: str, node: NodeRendezvous | None = None) -> tuple[int, list[dict[str, Any]], str]:
+    """Run `trainer.measure_comm` on `devices` workers (with `node`: this node's share of
+    them); its exit code, its events (rank 0's `comm_timings`) and the end of its stderr."""
+    here = devices if node is None else devices // len(node.nodes)
+    command = torchrun_command(here, "trainer.measure_comm", "--kind", kind, node=node)
+    env = {**worker_env(kind), **(node.env() if node else {})}
+    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
+    events = [e for line in done.stdout.splitlines() if (e := metrics.parse(line)) is not None]
+    return done.returncode, events, done.stderr[-2000:]
+
+
 def measure_comm_timings(devices: int, kind: str) -> dict[str, Any]:
-    """Run `trainer.measure_comm` on `devices` workers; the collectives' timings (the planner
-    fits its model to them: `planner.comm.comm_model_from_timings`)."""
-    command = torchrun_command(devices, "trainer.measure_comm", "--kind", kind)
-    done = subprocess.run(command, capture_output=True, text=True, env=worker_env(kind), timeout=600)
-    events = [e for line in done.stdout.splitlines() if (e := metrics.parse(line)) and e["event"] == "comm_timings"]
-    if done.returncode != 0 or not events:
-        raise RuntimeError(f"measuring collectives failed ({done.returncode}):\n{done.stderr[-2000:]}")
-    return events[-1]["timings"]
+    """The collectives' timings on `devices` workers of this machine (the planner fits its
+    model to them: `planner.comm.comm_model_from_timings`)."""
+    returncode, events, stderr = run_measure_comm(devices, kind)
+    timings = [e["timings"] for e in events if e["event"] == "comm_timings"]
+    if returncode != 0 or not timings:
+        raise RuntimeError(f"measuring collectives failed ({returncode}):\n{stderr}")
+    return timings[-1]
 
 
 def worker_env(kind: str) -> dict[str, str]:

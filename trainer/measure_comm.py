@@ -3,11 +3,15 @@ and reports the timings as one worker event; the planner fits its communication 
 (`planner.comm.comm_model_from_timings`).
 
     torchrun --standalone --nproc-per-node N -m trainer.measure_comm --kind cpu
+
+Across nodes (launched by each node's launcher, `PARASHIFT_NODES` set) it times both levels:
+within a node and between nodes.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import time
 from typing import Any
 
@@ -73,6 +77,18 @@ def time_collectives(group: Any = None, sizes: tuple[int, ...] = (1 << 14, 1 << 
     return timings
 
 
+def time_levels(nodes: int, per_node: int, rank: int) -> dict[str, Any]:
+    """A job across nodes (node-major ranks): collectives within a node (every node's ranks at
+    once, as tensor-parallel groups run) and across nodes (one rank per node), the two levels
+    of the planner's communication model. Call it on every rank."""
+    # Every rank creates every group, in the same order (torch.distributed's rule).
+    within = [dist.new_group(list(range(n * per_node, (n + 1) * per_node))) for n in range(nodes)]
+    across = dist.new_group([n * per_node for n in range(nodes)])
+    intra = time_collectives(within[rank // per_node]) if per_node > 1 else None
+    inter = time_collectives(across) if rank % per_node == 0 else None
+    return {"group_size": nodes * per_node, "nodes": nodes, "devices_per_node": per_node, "intra": intra, "inter": inter}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--kind", choices=("cpu", "cuda"), default="cpu")
@@ -80,7 +96,11 @@ def main(argv: list[str] | None = None) -> int:
     rank, world_size, _ = init_distributed(args.kind)
     if world_size < 2:
         raise SystemExit("measuring collectives needs at least 2 workers")
-    timings = time_collectives()
+    nodes = [n for n in os.environ.get("PARASHIFT_NODES", "").split(",") if n]  # set by a launch across nodes
+    if len(nodes) > 1:
+        timings = time_levels(len(nodes), world_size // len(nodes), rank)
+    else:
+        timings = time_collectives()
     if rank == 0:
         metrics.emit("comm_timings", timings=timings)
     dist.destroy_process_group()
