@@ -239,6 +239,8 @@ def node_launch(spec: JobSpec, plan: Plan, until_step: int | None, store: Object
     def start(node: str, launch_id: str) -> Any:
         run = run_deployment(
             spec.resources.node_deployment, timeout=0, work_queue_name=node, flow_run_name=f"{spec.job_id}-{node}",
+            # for work pools whose job template places runs by node (docs/nodes.md: Kubernetes)
+            job_variables={"parashift_node": node},
             parameters={"spec": spec.model_dump(mode="json"), "plan": plan.model_dump(mode="json"),
                         "launch_id": launch_id, "nodes": nodes, "node": node, "until_step": until_step,
                         "measure_comm": measure_comm})
