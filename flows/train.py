@@ -2,10 +2,11 @@
 
     validate -> preflight -> profile -> until the job is done: plan -> reshard plan -> launch -> (react) -> report
 
-The job follows its resource events while it runs: a change of the device count stops the
-workers at a step boundary, and the next launch re-plans and reshards onto the new count. A
-worker that dies is the same change with reason `failure`: the job resumes from its last
-committed checkpoint on the devices left.
+The job follows its resource events while it runs: a change of the device count (or, across
+nodes, of the node set) stops the workers at a step boundary, and the next launch re-plans and
+reshards onto it. A worker that dies is the same change with reason `failure`, a node that
+leaves with `node-left`: the job resumes from its last committed checkpoint on what is left. A
+node of the spec whose worker comes back is taken in again (`node-joined`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from tasks.credentials import environment, storage_environment
 from tasks.events import ResourceEvent, apply_change, follow_resources
 from tasks.exclusive import one_run_per_job
 from tasks.launch import launch_training, signals_stop_training
+from tasks.node_watch import follow_nodes
 from tasks.plan import plan_parallelism
 from tasks.preflight import preflight_job
 from tasks.profile import profile_model
@@ -56,7 +58,8 @@ def _train(spec: JobSpec) -> TrainSummary:
     devices, nodes, step = spec.resources.devices, spec.resources.nodes, 0
     # The storage credentials stay in the environment while the job's events are recorded.
     progress = TrainingProgress(spec.job_id, spec.training.steps)
-    with environment(storage_environment(spec)), follow_resources(spec) as resources:
+    with environment(storage_environment(spec)), follow_resources(spec) as resources, \
+            follow_nodes(spec, resources) as node_watch:
         while True:
             change = resources.wanted(devices, nodes)
             if change is not None:
@@ -65,6 +68,7 @@ def _train(spec: JobSpec) -> TrainSummary:
                 except ValueError as error:
                     get_run_logger().warning("resource change ignored: %s", error)
             here = spec if nodes is None else spec.on_nodes(nodes)  # the nodes of this segment
+            node_watch.now_on(nodes)  # a node of the spec that left is taken back once its worker is
             scripted = spec.scripted_change_after(step)
             if devices not in profiles:  # collectives and the core share measured on this count (cached in storage)
                 profiles[devices] = profile_model(spec.on_devices(devices))

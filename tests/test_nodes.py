@@ -125,10 +125,9 @@ def latest_step(root: Path) -> int:
 def test_a_node_leaves_the_job_goes_on_and_a_node_joins_at_a_step_boundary(nodes: dict[str, NodeWorker],
                                                                           tmp_path: Path) -> None:
     """Node b's worker dies at step >= 10: the job resumes from its last checkpoint on node a
-    alone; node b's worker comes back and an event names both nodes: the job takes b in at the
-    next step boundary. Every step's loss equals the static run's."""
+    alone; node b's worker comes back: the job hears it and takes b in at the next step
+    boundary. Every step's loss equals the static run's."""
     from flows.train import train_job
-    from tasks.events import ResourceEvent, emit_resource_change, now_epoch
 
     spec = node_spec("node-leaves", tmp_path, steps=240, checkpoint_every=5)
     root = tmp_path / "store/jobs/node-leaves"
@@ -145,9 +144,8 @@ def test_a_node_leaves_the_job_goes_on_and_a_node_joins_at_a_step_boundary(nodes
                 len(list((root / "launches").glob("*/node-a.json"))) >= 1
                 and len(list((root / "launches").iterdir())) >= 2 and latest_step(root) >= seen["killed_after"] + 20):
             time.sleep(0.2)
-        nodes["b"].start()
         seen["joined_after"] = latest_step(root)
-        emit_resource_change(spec.job_id, ResourceEvent(nodes=["a", "b"], epoch=now_epoch(), reason="node-joined"))
+        nodes["b"].start()
 
     driver = threading.Thread(target=drive, daemon=True)
     driver.start()
@@ -157,6 +155,7 @@ def test_a_node_leaves_the_job_goes_on_and_a_node_joins_at_a_step_boundary(nodes
         (["a", "b"], "failed"), (["a"], "rescaled"), (["a", "b"], "finished")], summary.segments
     left, alone, joined = summary.segments
     assert left.left_nodes == ["b"] and "node b left" in (left.reason or "")
+    assert "node-joined" in (alone.reason or "")  # its worker was heard from again: no event needed
     assert alone.devices == 2 and alone.start_step == left.final_step
     assert joined.devices == 4 and joined.start_step == alone.final_step >= seen["joined_after"]
     # node a alone: its ranks held every box (data parallel), so its tier serves the whole restore;
@@ -178,3 +177,23 @@ def test_the_planner_times_collectives_within_and_across_the_job_s_nodes(nodes: 
     assert comm.measured and comm.devices_per_node == 2
     assert comm.intra != comm.inter  # two groups, two fits (on one machine both are loopback)
     assert comm.p2p is not None
+
+
+def test_node_changes_apply_to_the_node_set() -> None:
+    """What an event does to a job across nodes (no processes): a node list replaces the set, a
+    device count keeps the first nodes that hold it, anything else is refused."""
+    from tasks.events import ResourceEvent, apply_change
+
+    spec = tiny_spec("sets", "file:///tmp/unused", resources={"devices": 6, "nodes": ["a", "b", "c"]})
+    now = (6, ["a", "b", "c"])
+    assert apply_change(ResourceEvent(nodes=["a", "c"], epoch=1), spec, *now) == (4, ["a", "c"])
+    assert apply_change(ResourceEvent(devices=2, epoch=1), spec, *now) == (2, ["a"])
+    for bad in (ResourceEvent(devices=3, epoch=1), ResourceEvent(devices=8, epoch=1)):
+        with pytest.raises(ValueError):
+            apply_change(bad, spec, *now)
+    with pytest.raises(ValueError):  # a job on one machine has no nodes to name
+        apply_change(ResourceEvent(nodes=["a"], epoch=1), spec, 2, None)
+    assert ResourceEvent(nodes=["a", "b"], epoch=1).differs(4, ["a"])
+    assert not ResourceEvent(nodes=["a"], epoch=1).differs(2, ["a"])
+    with pytest.raises(ValueError):
+        ResourceEvent(epoch=1)  # names neither devices nor nodes
