@@ -180,3 +180,27 @@ def test_node_local_tier_serves_restores_and_a_bad_copy_falls_back(reference, tm
     assert next(e for e in third.events if e["event"] == "start")["step"] == 10 and third.final_step == 12
     assert_bitwise_equal(final_state(spec), expected)
 
+
+
+def test_every_checkpoint_refused_starts_over_exactly_like_a_fresh_run(tmp_path: Path) -> None:
+    """Restores read plain parameters in place (one process: no DTensors); when every checkpoint
+    is refused after all of it was read (its object's last bytes corrupted: one request, checked
+    after it landed), `start-over` initialises them again: the run ends bitwise where an
+    uninterrupted one did."""
+    one = Plan.data_parallel(1)
+    fresh = tiny_spec("fresh", f"file://{tmp_path}/fresh")
+    assert launch_workers(fresh, one).returncode == 0
+    url = f"file://{tmp_path}/store"
+    spec = tiny_spec("refused", url)
+    assert launch_workers(spec, one, until_step=8).returncode == 0  # checkpoints at 4 and 8
+    for obj in (tmp_path / "store").rglob("rank*.bin"):
+        data = bytearray(obj.read_bytes())
+        data[-10] ^= 0xFF
+        obj.write_bytes(bytes(data))
+    again = tiny_spec("refused", url, training={"if_checkpoints_unusable": "start-over"})
+    lines: list[str] = []
+    result = launch_workers(again, one, on_line=lines.append)
+    assert result.returncode == 0, "\n".join(lines[-30:])
+    assert next(e for e in result.events if e["event"] == "start")["step"] == 0 and result.final_step == 12
+    assert "refused the checkpoint at step 8" in "\n".join(lines)
+    assert_bitwise_equal(final_state(again), final_state(fresh))

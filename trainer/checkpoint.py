@@ -631,12 +631,16 @@ def restore_latest(store: CheckpointStore, layout: Layout, rank: int, group: Gro
     return None
 
 
-def restore_destinations(model: nn.Module, optimizer: LocalShardAdamW) -> dict[str, torch.Tensor]:
-    """New tensors for a restore to read into, adopted afterwards by `apply_state(adopt=True)`:
-    the optimizer's state, and plain host parameters. A checkpoint refused half-way thus leaves
-    the live state untouched."""
+def restore_destinations(model: nn.Module, optimizer: LocalShardAdamW, *,
+                         live_params: bool = False) -> dict[str, torch.Tensor]:
+    """Tensors for a restore to read into, adopted afterwards by `apply_state(adopt=True)`: new
+    ones for the optimizer's state, and for plain host parameters either new ones (a checkpoint
+    refused half-way leaves the live state untouched) or, `live_params`, the parameters' own
+    memory (no second copy of the weights, and pages already touched: what a process that has
+    just initialised its model does, re-initialising it if every checkpoint is refused).
+    DTensor parameters are always read in place."""
     fresh = {f"optim/{name}": t for name, t in optimizer.empty_state_tensors().items()}
-    fresh |= {f"model/{n}": torch.empty_like(p) for n, p in model.named_parameters()
+    fresh |= {f"model/{n}": p.data if live_params else torch.empty_like(p) for n, p in model.named_parameters()
               if not isinstance(p, DTensor) and p.device.type == "cpu"}
     return fresh
 
@@ -650,6 +654,8 @@ def apply_state(restored: Restored, model: nn.Module, optimizer: LocalShardAdamW
     with torch.no_grad():
         for name, param in model.named_parameters():
             value = tensors[f"model/{name}"]
+            if value.data_ptr() == local_data(param).data_ptr() and value.shape == local_data(param).shape:
+                continue  # read in place
             if (adopt and not isinstance(param, DTensor) and value.device == param.device and value.dtype == param.dtype
                     and value.shape == param.shape and value.is_contiguous()):
                 param.data = value

@@ -221,6 +221,13 @@ def materialize(model: nn.Module, device: torch.device, initial_value: Callable[
     `to_empty` and initialise). FSDP2 re-pads its shards inside `to_empty`, so the local
     tensors written here are the ones it keeps."""
     model.to_empty(device=device)
+    initialize(model, initial_value)
+
+
+@torch.no_grad()
+def initialize(model: nn.Module, initial_value: Callable[[str, tuple[int, ...]], torch.Tensor]) -> None:
+    """Fill each rank's part of every parameter from `initial_value(name, global shape)`, in
+    place (the parameters keep their memory: an optimizer built on them stays valid)."""
     for name, param in model.named_parameters():
         shape, box = local_box(param)
         part = initial_value(name, shape)[tuple(slice(o, o + n) for o, n in zip(box.offsets, box.lengths, strict=True))]

@@ -52,6 +52,7 @@ from trainer.optim import LocalShardAdamW
 from trainer.parallel import (
     clip_grad_norm_,
     gradient_sync,
+    initialize,
     loss_context,
     materialize,
     parallelize,
@@ -198,12 +199,12 @@ def main(argv: list[str] | None = None) -> int:
             metrics.emit("restoring", step=at_step, bytes_needed=reads.bytes_needed, bytes_read=reads.bytes_read,
                          requests=len(reads.requests), bytes_local=reads.bytes_from(LOCAL))
 
-    # Read into new tensors where a parameter is a plain host tensor (adopted after the restore);
-    # DTensor parameters (tp, replicate, fully_shard) are written in place.
+    # Parameters are read in place (just initialised: nothing is lost if a checkpoint is
+    # refused half-way, they are initialised again below); optimizer state into new tensors.
     phase("layout_s")
     try:
         restored = restore_latest(checkpoints, layout, rank, ckpt_group, tier, on_reads=restoring,
-                                  destinations=restore_destinations(module, optimizer),
+                                  destinations=restore_destinations(module, optimizer, live_params=True),
                                   start_over=train.if_checkpoints_unusable == "start-over")
     except CheckpointsUnusable as error:  # no retry can fix it: said once, and the run ends
         if rank == 0:
@@ -212,6 +213,8 @@ def main(argv: list[str] | None = None) -> int:
         end_distributed(world_size)
         return metrics.EXIT_FATAL
     step, position, loss = 0, DataPosition(), None
+    if restored is None and checkpoints.manifest_steps():  # every checkpoint refused: start over from step 0
+        initialize(module, lambda name, shape: initial_value(config, name, shape, train.seed))
     if restored is not None:
         loss = restored.manifest.metadata.get("loss") if restored.manifest else None
         apply_state(restored, module, optimizer, rank, device, adopt=not spec.parallelism.compile)
