@@ -126,10 +126,11 @@ def test_a_node_leaves_the_job_goes_on_and_a_node_joins_at_a_step_boundary(nodes
                                                                           tmp_path: Path) -> None:
     """Node b's worker dies at step >= 10: the job resumes from its last checkpoint on node a
     alone; node b's worker comes back: the job hears it and takes b in at the next step
-    boundary. Every step's loss equals the static run's."""
+    boundary. Every step's loss equals the static run's (600 steps: node b's worker takes a few
+    seconds to start and be heard from, and the job must still be training then)."""
     from flows.train import train_job
 
-    spec = node_spec("node-leaves", tmp_path, steps=240, checkpoint_every=5)
+    spec = node_spec("node-leaves", tmp_path, steps=600, checkpoint_every=5)
     root = tmp_path / "store/jobs/node-leaves"
     seen: dict[str, Any] = {}
 
@@ -139,10 +140,9 @@ def test_a_node_leaves_the_job_goes_on_and_a_node_joins_at_a_step_boundary(nodes
             time.sleep(0.2)
         seen["killed_after"] = latest_step(root)
         nodes["b"].kill()
-        # the job goes on alone on node a: a second launch, and checkpoints past the kill
+        # the job goes on alone on node a: a second launch, and a checkpoint past the kill
         while time.monotonic() < deadline and not (
-                len(list((root / "launches").glob("*/node-a.json"))) >= 1
-                and len(list((root / "launches").iterdir())) >= 2 and latest_step(root) >= seen["killed_after"] + 20):
+                len(list((root / "launches").iterdir())) >= 2 and latest_step(root) >= seen["killed_after"] + 5):
             time.sleep(0.2)
         seen["joined_after"] = latest_step(root)
         nodes["b"].start()
