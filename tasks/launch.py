@@ -196,12 +196,9 @@ def launch_training(spec: JobSpec, plan: Plan, until_step: int | None = None,
         outcome, reason = "fatal", fatal[-1]["message"]
         final_step = start.get("step", 0)
         logger.error("%s", reason)
-    elif left:
-        outcome, reason = "failed", f"node{'s' if len(left) > 1 else ''} {', '.join(left)} left"
-        final_step = committed[-1]["step"] if committed else start.get("step", 0)
-        logger.error("%s; the last committed step is %d", reason, final_step)
-    elif result.final_step is None or (result.returncode != 0 and not result.stopped):
-        outcome, reason = "failed", failure_reason(result, lines)
+    elif left or result.final_step is None or (result.returncode != 0 and not result.stopped):
+        outcome = "failed"
+        reason = f"node{'s' if len(left) > 1 else ''} {', '.join(left)} left" if left else failure_reason(result, lines)
         final_step = committed[-1]["step"] if committed else start.get("step", 0)
         logger.error("workers failed: %s; the last committed step is %d", reason, final_step)
     else:
