@@ -171,7 +171,7 @@ def main() -> None:
         def ours() -> None:
             restored = restore_latest(checkpoints, layout, rank, group,
                                       on_reads=lambda step, reads: needed.__setitem__(0, reads.bytes_needed),
-                                      destinations=restore_destinations(module, optimizer, live_params=True))
+                                      destinations=restore_destinations(optimizer, in_place=True))
             assert restored is not None, "nothing to restore"
             apply_state(restored, module, optimizer, rank, torch.device("cpu"), adopt=True)
 

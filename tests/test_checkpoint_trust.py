@@ -57,7 +57,7 @@ class Job:
 
     def restore(self, start_over: bool = False):
         model, optimizer = self.fresh(seed=99)
-        restored = restore_latest(self.store, self.layout, 0, destinations=restore_destinations(model, optimizer),
+        restored = restore_latest(self.store, self.layout, 0, destinations=restore_destinations(optimizer),
                                   start_over=start_over)
         if restored is not None:
             apply_state(restored, model, optimizer, 0, CPU, adopt=True)
@@ -132,3 +132,25 @@ def test_another_models_checkpoint_fails_the_restore(tmp_path: Path) -> None:
     wider.layout = state_layout(Plan.data_parallel(1), wider.config, rng_state_bytes(CPU))
     with pytest.raises(CheckpointsUnusable, match=r"is float32\[32\], this job's is float32\[64\]"):
         wider.restore()
+
+
+def test_an_in_place_restore_fills_the_live_tensors_and_nothing_else(tmp_path: Path) -> None:
+    """`in_place`: the parameters and the optimizer state that exist are read into (same
+    memory before and after, values bit for bit the saved ones); state refused half-way is
+    cleared, not kept."""
+    job = Job(tmp_path)
+    saved = job.save([4])
+    model, optimizer = job.fresh(seed=7)
+    before = {k: v.data_ptr() for k, v in collect_state(model, optimizer, 0, CPU).items() if not k.startswith("rng/")}
+    destinations = restore_destinations(optimizer, in_place=True)
+    assert {k: destinations[k].data_ptr() for k in before} == before
+    restored = restore_latest(job.store, job.layout, 0, destinations=destinations)
+    assert restored is not None
+    apply_state(restored, model, optimizer, 0, CPU, adopt=True)
+    after = collect_state(model, optimizer, 0, CPU)
+    assert {k: after[k].data_ptr() for k in before} == before
+    assert_same(after, saved)
+    fresh = restore_destinations(optimizer)
+    assert not any(fresh[k].data_ptr() == ptr for k, ptr in before.items())
+    optimizer.clear_state()
+    assert optimizer.state_tensors() == {}

@@ -183,11 +183,11 @@ def test_node_local_tier_serves_restores_and_a_bad_copy_falls_back(reference, tm
 
 
 def test_every_checkpoint_refused_starts_over_exactly_like_a_fresh_run(tmp_path: Path) -> None:
-    """Restores read plain parameters in place (one process: no DTensors); when every checkpoint
-    is refused after all of it was read (its object's last bytes corrupted: one request, checked
-    after it landed), `start-over` initialises them again: the run ends bitwise where an
-    uninterrupted one did."""
-    one = Plan.data_parallel(1)
+    """Restores read parameters (here DTensors: two ranks on a mesh) in place; when every
+    checkpoint is refused after all of it was read (its objects' last bytes corrupted: one
+    request each, checked after it landed), `start-over` initialises them again: the run ends
+    bitwise where an uninterrupted one did."""
+    one = Plan.data_parallel(2)
     fresh = tiny_spec("fresh", f"file://{tmp_path}/fresh")
     assert launch_workers(fresh, one).returncode == 0
     url = f"file://{tmp_path}/store"

@@ -96,6 +96,11 @@ class LocalShardAdamW:
         state_dict["state"] = state
         self.inner.load_state_dict(state_dict)
 
+    def clear_state(self) -> None:
+        """Forget all state (as before the first step): after an in-place restore that was
+        refused, what the state tensors hold is partly another checkpoint's."""
+        self.inner.state.clear()
+
     def _names(self, group: dict[str, Any]) -> list[str]:
         by_id = {id(view): name for name, view in self.views.items()}
         return [by_id[id(view)] for view in group["params"]]

@@ -204,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     phase("layout_s")
     try:
         restored = restore_latest(checkpoints, layout, rank, ckpt_group, tier, on_reads=restoring,
-                                  destinations=restore_destinations(module, optimizer, live_params=True),
+                                  destinations=restore_destinations(optimizer, in_place=True),
                                   start_over=train.if_checkpoints_unusable == "start-over")
     except CheckpointsUnusable as error:  # no retry can fix it: said once, and the run ends
         if rank == 0:
@@ -215,6 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     step, position, loss = 0, DataPosition(), None
     if restored is None and checkpoints.manifest_steps():  # every checkpoint refused: start over from step 0
         initialize(module, lambda name, shape: initial_value(config, name, shape, train.seed))
+        optimizer.clear_state()
     if restored is not None:
         loss = restored.manifest.metadata.get("loss") if restored.manifest else None
         apply_state(restored, module, optimizer, rank, device, adopt=not spec.parallelism.compile)
