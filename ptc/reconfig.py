@@ -167,17 +167,21 @@ def rank_reads(stored: dict[str, list[StoredBox]], dtypes: dict[str, str], wante
             raise ValueError(f"{name}: the checkpoint's boxes cover {covered} of the {box.numel} elements rank {rank} needs")
     # Coalesce: ranges that touch (or overlap) in one object become one request.
     requests: list[Request] = []
+    known: set[int] = set()  # chunk offsets the last request already checks
     for obj, start, end, piece, checks in sorted(ranges, key=lambda r: (r[0], r[1])):
         last = requests[-1] if requests else None
         if last is None or last.object != obj or start > last.end:
             last = Request(obj, start, end, LOCAL if obj in local_objects else REMOTE)
             requests.append(last)
+            known = set()
         base = start - last.start
         last.end = max(last.end, end)
         if piece is not None:
             last.pieces.append(Piece(piece.tensor, piece.dtype, piece.source, piece.row_start, piece.row_end, base, piece.cut))
-        known = {off for off, _, _ in last.checks}
-        last.checks.extend((base + off, n, c) for off, n, c in checks if base + off not in known)
+        for off, n, c in checks:
+            if base + off not in known:
+                known.add(base + off)
+                last.checks.append((base + off, n, c))
     return RankReads(rank, dict(wanted), {n: dtypes[n] for n in wanted}, requests)
 
 
