@@ -254,3 +254,22 @@ def brute_force(problem: Problem, max_states: int = 50_000_000) -> tuple[list[in
     full = _combine(problem.factors, tuple(range(len(card))), card) if card else np.zeros(())
     flat = int(np.argmin(full))
     return [int(i) for i in np.unravel_index(flat, full.shape)], float(full.reshape(-1)[flat])
+
+
+def brute_force_constrained(problem: Problem, memory: Problem, limit: float,
+                            max_states: int = 50_000_000) -> tuple[list[int], float] | None:
+    """The minimum of `problem` over every assignment whose `memory` (the sum of its tables)
+    is at most `limit`, by enumerating them all; None when none fits. For small problems only:
+    what the constrained search is tested against."""
+    card = problem.card
+    states = int(np.prod(card, dtype=np.float64))
+    if states > max_states:
+        raise ValueError(f"brute force over {states:,} assignments exceeds {max_states:,}")
+    scope = tuple(range(len(card)))
+    objective = _combine(problem.factors, scope, card) if card else np.zeros(())
+    used = _combine(memory.factors, scope, card) if card else np.zeros(())
+    objective = np.where(used <= limit, objective, np.inf)
+    flat = int(np.argmin(objective))
+    if not np.isfinite(objective.reshape(-1)[flat]):
+        return None
+    return [int(i) for i in np.unravel_index(flat, objective.shape)], float(objective.reshape(-1)[flat])

@@ -1,7 +1,7 @@
 """The outer search: one enumeration of meshes, micro-batch counts and stage splits, two visits.
 
 `enumerate_specs` lists every candidate of the space (mesh pp x dp x tp, micro-batch count,
-stage split, tie state), unevaluated. `evaluate_all` solves every one (the memory bisection of
+stage split, tie state), unevaluated. `evaluate_all` solves every one (the constrained search of
 `stage.StageSolver` on each distinct stage); `branch_and_bound` visits the same candidates, best
 lower bound first, and drops those that provably cannot beat the fastest fitting candidate met
 so far (the incumbent; the fitting baselines seed it). It is exact: the best candidate, and the
@@ -15,9 +15,10 @@ stage-boundary transfer, all valid because every cost term is non-negative:
 1. per stage, the sum over its ops of each op's cheapest time (compute, collectives, gradient
    sync) with the layout conversions left out: no DP, a few array minima per distinct op;
 2. per stage, the lambda = 0 DP optimum (the fastest assignment with no memory limit), which
-   the bisection's answer can never beat; the least-memory assignment on the way is an exact
+   the constrained search's answer can never beat; the least-memory assignment on the way is an exact
    fit test (a stage that cannot fit makes the whole candidate useless under a limit);
-3. while finishing a candidate's bisections, each finished stage's time plus the boundary.
+3. while finishing a candidate's stages, each finished stage's lower bound (its time where it
+   is proven optimal) plus the boundary.
 
 Memoisation: a context (mesh, micro-batch count) builds its micro-batch graph and cost tables
 once, and solves each distinct stage (same ops, edges and tie structure up to names) once,
@@ -276,7 +277,8 @@ def enumerate_specs(profile: ModelProfile, devices: int, limit: float | None, ma
 def _single(spec: CandidateSpec) -> Candidate:
     res, _ = spec.stages[0].solver.finish()
     name = "pase-dp" if spec.ctx.method == "dp" else "exhaustive"
-    return Candidate(name, 1, spec.dp, spec.tp, 1, [res], res.time_s, res.memory_bytes)
+    return Candidate(name, 1, spec.dp, spec.tp, 1, [res], res.time_s, res.memory_bytes, proven=res.proven,
+                     bound_s=res.bound)
 
 
 def _pipelined(spec: CandidateSpec, bound: float | None) -> Candidate | None:
@@ -288,17 +290,19 @@ def _pipelined(spec: CandidateSpec, bound: float | None) -> Candidate | None:
             res, _ = st.solver.finish()
             if limit is not None and res.memory_bytes > limit:
                 return None
-            if ctx.share * res.time_s + spec.boundary > bound:
+            if ctx.share * res.bound + spec.boundary > bound:
                 return None
     results = []
     for st, names in zip(spec.stages, spec.layout.names, strict=True):
         r = st.solver.finish()[0]
         sub = st.solver.graph if names is st.names else ctx.graph.subgraph(names)
-        results.append(StageResult(sub, ctx.costs, r.assign, ctx.w, r.rows, r.lam))
+        results.append(StageResult(sub, ctx.costs, r.assign, ctx.w, r.rows, r.lam, r.bound, r.proven))
     time_s = step_time(results, spec.m, spec.boundary, ctx.share)
     memory = max(r.memory_bytes for r in results)
     name = "pase-dp+pipeline" if ctx.method == "dp" else "exhaustive+pipeline"
-    return Candidate(name, spec.pp, spec.dp, spec.tp, spec.m, results, time_s, memory, spec.notes())
+    return Candidate(name, spec.pp, spec.dp, spec.tp, spec.m, results, time_s, memory, spec.notes(),
+                     proven=all(r.proven for r in results),
+                     bound_s=ctx.share * max(r.bound for r in results) + spec.boundary)
 
 
 def evaluate(spec: CandidateSpec) -> Candidate:

@@ -3,9 +3,9 @@
 Outer loop: one enumeration (outer.py) of every mesh pp x dp x tp = p (within max_tp / max_pp),
 pipeline micro-batch counts and stage splits (pipeline.py), visited by an exact branch and bound
 that skips candidates whose lower bound exceeds the fastest fitting one. Inner: the exact per-op DP (dp.py) on each stage's graph. Memory is a hard
-limit: the DP minimises time + lambda x memory, lambda found by doubling then bisection; among
-every solution met (and the baselines) the fastest one that fits wins. The DP is exact for each
-lambda; the constrained choice is exact among those candidates (a Lagrangian relaxation).
+limit: a branch and bound on the Lagrangian (planner/constrained.py) finds each stage's fastest
+fitting assignment, proven optimal under the cost model or, when its node budget runs out, with
+a lower bound; the Plan says which (`proven_optimal`, `lower_bound_s`).
 
 Restricted graphs (ops declaring `tp_dims`, tie groups, planner/graph.py; gpt_graph declares
 what the trainer executes): the space searched is exactly the assignments in which every op
@@ -95,7 +95,7 @@ def candidates(profile: ModelProfile, devices: int, limit: float | None, max_tp:
 
 
 def to_plan(best: Candidate, devices: int, base: dict[str, Candidate | None], limit: float | None,
-            graph: Graph) -> Plan:
+            graph: Graph, searched: list[Candidate] | None = None) -> Plan:
     """The Plan the trainer executes (planner.execution: its per-op choice in the trainer's
     terms), annotated with per-op costs and DTensor placements."""
     placements, stages = [], []
@@ -117,6 +117,10 @@ def to_plan(best: Candidate, devices: int, base: dict[str, Candidate | None], li
     feasible = best.fits(limit)
     if not feasible:
         notes.append(f"no strategy fits {limit / 2**30:.1f} GiB per device")
+    proven, lower = optimality(best, searched, limit) if feasible and searched is not None else (None, None)
+    if proven is False and lower is not None:
+        notes.append(f"not proven optimal: the constrained search's node budget ran out; every fitting plan takes "
+                     f">= {lower:.6g} s per step ({(best.time_s / lower - 1) * 100:.2f}% below this one at most)")
     mesh = {axis: n for axis, n in (("pp", best.pp), ("dp", best.dp), ("tp", best.tp)) if n > 1} or {"dp": 1}
     sharded = bool(best.stages) and best.stages[0].mesh.shard_dp
     return executable(Plan(
@@ -127,7 +131,16 @@ def to_plan(best: Candidate, devices: int, base: dict[str, Candidate | None], li
         baselines={k: c.time_s for k, c in base.items() if c is not None},
         baseline_memory_bytes={k: int(c.memory_bytes) for k, c in base.items() if c is not None},
         stages=stages if len(stages) > 1 else [], feasible=feasible, notes=notes,
+        proven_optimal=proven, lower_bound_s=lower,
     ), graph)
+
+
+def optimality(best: Candidate, searched: list[Candidate], limit: float | None) -> tuple[bool, float]:
+    """Whether `best` is proven the fastest fitting plan, and a lower bound on every fitting
+    plan's step time. Candidates the outer search left out were pruned on valid lower bounds;
+    each one it returned is either proven optimal for its mesh and split or carries a bound."""
+    lower = min([best.time_s] + [c.lower_bound_s() for c in searched if c.fits(limit)])
+    return lower >= best.time_s * (1 - 1e-9), lower
 
 
 def plan_model(source: ModelProfile | Graph, devices: int, memory_limit_bytes: int | None = None,
@@ -154,7 +167,7 @@ def plan_model(source: ModelProfile | Graph, devices: int, memory_limit_bytes: i
     pool += [c for c in base.values() if c is not None]
     fitting = [c for c in pool if c.fits(limit)]
     if fitting:
-        return to_plan(min(fitting, key=lambda c: c.time_s), devices, base, limit, profile.graph)
+        return to_plan(min(fitting, key=lambda c: c.time_s), devices, base, limit, profile.graph, pool)
     # Nothing fits: say so, and return the layout closest to fitting (least memory, then time),
     # with the memory it needs (feasible=False). Searched with the limit, every stage that cannot
     # fit is its least-memory assignment; the bound on weights skips no mesh here.

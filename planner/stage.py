@@ -1,8 +1,9 @@
 """One stage's search, and what every outer search shares: candidates, mesh degrees,
 micro-batch counts and the tie-state variants of a graph.
 
-`StageSolver` runs the exact per-op DP (dp.py) on one stage's graph under a memory limit
-(lambda bisection over time + lambda x memory); `Candidate` is a whole strategy. The outer
+`StageSolver` finds one stage's fastest assignment under a memory limit (the exact per-op DP,
+dp.py, inside a branch and bound on the Lagrangian, planner/constrained.py); `Candidate` is a
+whole strategy. The outer
 search (planner/outer.py) and the entry points (planner/search.py) build on these.
 """
 
@@ -15,6 +16,7 @@ from typing import Literal
 
 from planner import dp
 from planner.configs import Mesh, mesh_configs, named_mesh
+from planner.constrained import Domains, LagrangianSearch, restrict, unrestrict
 from planner.costs import CostModel
 from planner.graph import Graph, Op
 from planner.problem import UNPIPELINED, OpBreakdown, Weights, breakdown, build_problem, tie_factors
@@ -33,6 +35,10 @@ class StageResult:
     weights: Weights
     rows: list[OpBreakdown]
     lam: float = 0.0
+    # A lower bound on the time of every assignment of this stage that fits the memory limit,
+    # and whether this one is proven to reach it (planner/constrained.py).
+    bound: float = 0.0
+    proven: bool = True
 
     @property
     def mesh(self) -> Mesh:
@@ -60,13 +66,24 @@ class Candidate:
     time_s: float
     memory_bytes: float
     notes: list[str] = field(default_factory=list)
+    # Whether every stage is proven optimal under the limit; if not, a lower bound on the step
+    # time of this candidate's mesh, micro-batches and split with any fitting assignment.
+    proven: bool = True
+    bound_s: float | None = None
+
+    def lower_bound_s(self) -> float:
+        return self.time_s if self.proven or self.bound_s is None else min(self.bound_s, self.time_s)
 
     def fits(self, limit: float | None) -> bool:
         return limit is None or self.memory_bytes <= limit
 
 
 def _solve(problem: dp.Problem, method: Method) -> list[int]:
-    return (dp.solve(problem) if method == "dp" else dp.brute_force(problem))[0]
+    return _solve_total(problem, method)[0]
+
+
+def _solve_total(problem: dp.Problem, method: Method) -> tuple[list[int], float]:
+    return dp.solve(problem) if method == "dp" else dp.brute_force(problem)
 
 
 def stage_result(graph: Graph, costs: CostModel, assign: list[int], w: Weights, lam: float) -> StageResult:
@@ -79,7 +96,8 @@ class StageSolver:
     `floor()`: the least-memory solution that keeps the graph's ties (an exact test: memory is a
     sum of per-op terms; the DP over memory alone when per-op minima break a tie);
     `first()`: the lambda = 0 solution, the fastest with no memory limit (a lower bound on the
-    stage time of every solution); `finish()`: the bisection, as `solve_stage` returns it.
+    stage time of every solution); `finish()`: the constrained search, as `solve_stage`
+    returns it.
     Each step runs once and is kept.
     """
 
@@ -118,36 +136,49 @@ class StageSolver:
         return self._done
 
     def _finish(self) -> tuple[StageResult, list[StageResult]]:
-        graph, costs, w, memory_limit, method = self.graph, self.costs, self.w, self.limit, self.method
-        if memory_limit is not None and self.infeasible():
+        """The fastest assignment that fits: exact by enumeration (`exhaustive`) or by branch and
+        bound on the Lagrangian (planner/constrained.py), which proves it optimal or stops at
+        its node budget with a lower bound (`StageResult.bound`, `proven`)."""
+        limit = self.limit
+        if limit is not None and self.infeasible():
             return self.floor(), [self.floor()]
         first = self.first()
-        seen = [first]
-        if memory_limit is None or first.memory_bytes <= memory_limit:
-            return first, seen
+        if limit is None or first.memory_bytes <= limit:
+            first.bound = first.time_s
+            return first, [first]
+        if self.method == "exhaustive":
+            return self._enumerated(limit)
+        search = LagrangianSearch(self._at, self._least, [self.w.memory(self.costs.op_cost(op)) for op in self.graph.ops],
+                                  limit)
+        out = search.run()
+        best = out.best if out.best is not None else self.floor()
+        best.bound, best.proven = out.bound, out.proven
+        return best, out.met
 
-        def at(lam: float) -> StageResult:
-            res = stage_result(graph, costs, _solve(build_problem(graph, costs, lam, w), method), w, lam)
-            seen.append(res)
-            return res
+    def _at(self, lam: float, domains: Domains) -> StageResult | None:
+        """The exact minimum of time + lam x memory within `domains` (None: no assignment keeps
+        every tie there)."""
+        if not domains and lam == 0.0:
+            return self.first()
+        g, costs, w = self.graph, self.costs, self.w
+        assign, total = _solve_total(restrict(build_problem(g, costs, lam, w), domains), self.method)
+        return stage_result(g, costs, unrestrict(assign, domains), w, lam) if math.isfinite(total) else None
 
-        scale = first.time_s / max(first.memory_bytes, 1.0)
-        lo, hi = 0.0, scale * 1e-3
-        while True:  # doubling until the memory fits or lambda makes time irrelevant
-            res = at(hi)
-            if res.memory_bytes <= memory_limit or hi > scale * 1e9:
-                break
-            lo, hi = hi, hi * 4.0
-        if res.memory_bytes <= memory_limit:
-            for _ in range(5):  # bisection in log space for the smallest fitting lambda
-                mid = math.sqrt(hi * lo) if lo > 0 else hi / 4.0
-                if at(mid).memory_bytes <= memory_limit:
-                    hi = mid
-                else:
-                    lo = mid
-        fitting = [r for r in seen if r.memory_bytes <= memory_limit]
-        best = min(fitting, key=lambda r: r.time_s) if fitting else min(seen, key=lambda r: r.memory_bytes)
-        return best, seen
+    def _least(self, domains: Domains) -> StageResult | None:
+        if not domains:
+            return self.floor()
+        g, costs, w = self.graph, self.costs, self.w
+        assign, total = _solve_total(restrict(build_problem(g, costs, w=w, memory_only=True), domains), self.method)
+        return stage_result(g, costs, unrestrict(assign, domains), w, math.inf) if math.isfinite(total) else None
+
+    def _enumerated(self, limit: float) -> tuple[StageResult, list[StageResult]]:
+        """Every assignment, the fastest that fits (small graphs: the reference of the tests)."""
+        g, costs, w = self.graph, self.costs, self.w
+        found = dp.brute_force_constrained(build_problem(g, costs, 0.0, w), build_problem(g, costs, w=w, memory_only=True),
+                                           limit)
+        best = self.floor() if found is None else stage_result(g, costs, found[0], w, 0.0)
+        best.bound = best.time_s
+        return best, [best]
 
 
 def solve_stage(graph: Graph, costs: CostModel, memory_limit: float | None, w: Weights = UNPIPELINED,
@@ -189,7 +220,9 @@ def weights_floor(profile: ModelProfile, pp: int, dp: int, tp: int) -> float:
     """Bytes of parameter state per device at best on this mesh: split tp x pp ways, and dp
     ways more where dp shards it (a mesh below this can never fit a limit)."""
     g = profile.graph
-    return g.n_params * g.param_state_bytes / (tp * pp * (dp if profile.shard_dp else 1))
+    # Parameters indexed by the batch dim (possible in a user's graph) are split by dp as well.
+    batch_params = any(g.batch_dim in dims for op in g.ops for dims in op.params)
+    return g.n_params * g.param_state_bytes / (tp * pp * (dp if profile.shard_dp or batch_params else 1))
 
 
 class TieVariants:

@@ -111,6 +111,12 @@ class Plan(BaseModel):
     baseline_memory_bytes: dict[str, int] = Field(default_factory=dict, description="baseline -> memory per device")
     stages: list[list[str]] = Field(default_factory=list, description="op names per pipeline stage, in order")
     feasible: bool = Field(default=True, description="False when no candidate fits the memory limit")
+    proven_optimal: bool | None = Field(
+        default=None, description="the planner proved no fitting plan is faster under its cost model (None: not "
+                                  "searched, or nothing fits)")
+    lower_bound_s: float | None = Field(
+        default=None, description="a proven lower bound on the step time of every fitting plan (the estimate "
+                                  "itself when proven optimal)")
     trainer_refusals: list[str] = Field(
         default_factory=list, description="why the trainer cannot execute the per-op placements (empty: it can)")
     notes: list[str] = Field(default_factory=list, description="pruning and search remarks")

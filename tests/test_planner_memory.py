@@ -1,0 +1,134 @@
+"""The planner is exact under memory limits: on random DAGs with tie groups and limits between
+the least memory and the fastest assignment's, the constrained search finds what enumerating
+every assignment finds (time, feasibility, ties), proves it, and whole plans match the
+exhaustive search."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from test_planner_dp import _meshes, graphs
+from test_planner_ties import _random_ties, _ties_hold
+
+from planner import dp
+from planner.comm import default_comm
+from planner.constrained import LagrangianSearch, restrict, unrestrict
+from planner.costs import CostModel
+from planner.graph import Graph, Op
+from planner.problem import Weights, build_problem
+from planner.profile import DEFAULT_DEVICES, profile_graph
+from planner.search import exhaustive_search, plan_model
+from planner.stage import StageSolver
+
+DEVICE, COMM = DEFAULT_DEVICES["cuda"], default_comm("cuda", devices_per_node=4)
+W = Weights(weight=2.0, inflight=2.0)
+
+
+def _stage_cases(g: Graph, p: int):
+    """(costs, problem) for every mesh of p small enough to enumerate."""
+    for mesh in _meshes(p):
+        costs = CostModel(g, DEVICE, COMM, mesh)
+        problem = build_problem(g, costs, 0.0, W)
+        if np.prod(problem.card, dtype=np.float64) <= 2e5:
+            yield costs, problem
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(graph=graphs(max_ops=6), p=st.sampled_from([2, 4, 6, 8]), data=st.data())
+def test_constrained_search_equals_enumeration_on_random_dags(graph: Graph, p: int, data: st.DataObject) -> None:
+    g = _random_ties(graph, data) if data.draw(st.booleans()) else graph
+    position = data.draw(st.floats(0.0, 1.0))
+    for costs, problem in _stage_cases(g, p):
+        memory = build_problem(g, costs, w=W, memory_only=True)
+        least = dp.solve(memory)[1]
+        fastest = StageSolver(g, costs, None, W).first().memory_bytes
+        limit = least + position * max(fastest - least, 0.0)
+        res, _ = StageSolver(g, costs, limit, W).finish()
+        found = dp.brute_force_constrained(problem, memory, limit)
+        if found is None:
+            assert res.memory_bytes > limit  # nothing fits: the least-memory assignment, said so
+            continue
+        assert res.memory_bytes <= limit * (1 + 1e-12)
+        assert res.time_s == pytest.approx(found[1], rel=1e-9, abs=1e-15), (costs.mesh, limit)
+        assert res.proven and res.bound == pytest.approx(res.time_s, rel=1e-9)
+        if "tp" in costs.mesh.names:
+            assert _ties_hold(g, costs, res.assign)
+
+
+def test_a_duality_gap_is_closed_by_branching() -> None:
+    """Three independent ops, each either fast and large or slow and small. Under 12 bytes the
+    fastest is ops 1 and 2 fast (12 s at 12 bytes), which lies above the convex hull of (memory,
+    time): a Lagrangian search alone stops at op 0 fast (13 s at 10 bytes)."""
+    times = [np.array([1.0, 10.0]), np.array([1.0, 6.0]), np.array([1.0, 6.0])]
+    mems = [np.array([10.0, 0.0]), np.array([6.0, 0.0]), np.array([6.0, 0.0])]
+    limit = 12.0
+    problem = dp.Problem([2, 2, 2], [dp.Factor((v,), t) for v, t in enumerate(times)])
+    memory = dp.Problem([2, 2, 2], [dp.Factor((v,), m) for v, m in enumerate(mems)])
+
+    class Point:
+        def __init__(self, assign: list[int]) -> None:
+            self.assign = assign
+            self.time_s = float(sum(t[i] for t, i in zip(times, assign, strict=True)))
+            self.memory_bytes = float(sum(m[i] for m, i in zip(mems, assign, strict=True)))
+
+    def solve(lam: float, domains):
+        tables = dp.Problem([2, 2, 2], [dp.Factor((v,), t + lam * m) for v, (t, m) in enumerate(zip(times, mems, strict=True))])
+        assign, total = dp.solve(restrict(tables, domains))
+        return Point(unrestrict(assign, domains)) if math.isfinite(total) else None
+
+    def least(domains):
+        assign, _ = dp.solve(restrict(memory, domains))
+        return Point(unrestrict(assign, domains))
+
+    brute = dp.brute_force_constrained(problem, memory, limit)
+    assert brute is not None and brute[1] == 12.0
+    out = LagrangianSearch(solve, least, mems, limit).run()
+    assert out.best is not None and out.best.time_s == 12.0 and out.best.assign == [1, 0, 0]
+    assert out.proven and out.bound == pytest.approx(12.0) and out.nodes > 1
+    budgeted = LagrangianSearch(solve, least, mems, limit, max_nodes=1).run()
+    assert not budgeted.proven and budgeted.bound <= 12.0 <= budgeted.best.time_s
+
+
+@pytest.mark.parametrize("fraction", [0.9, 0.6, 0.45])
+def test_plans_under_limits_equal_the_exhaustive_search_on_random_dags(fraction: float) -> None:
+    """Whole plans (meshes, spaces, baselines) on random DAGs: the DP plan and the plan of
+    the search that enumerates every assignment per stage agree in time and feasibility."""
+    rng = np.random.default_rng(int(fraction * 100))
+    for seed in range(6):
+        g = _seeded_graph(rng, seed)
+        prof = profile_graph(g, "cuda")
+        free = plan_model(prof, 4, None, max_pp=1)
+        limit = int((free.memory_per_device_bytes or 1) * fraction)
+        a = plan_model(prof, 4, limit, max_pp=1)
+        b = exhaustive_search(prof, 4, limit, max_pp=1)
+        assert a.feasible == b.feasible
+        if a.feasible:
+            assert a.estimated_step_s == pytest.approx(b.estimated_step_s, rel=1e-9)
+            assert a.proven_optimal and a.lower_bound_s == pytest.approx(a.estimated_step_s, rel=1e-9)
+            assert (a.memory_per_device_bytes or 0) <= limit
+
+
+def _seeded_graph(rng: np.random.Generator, seed: int) -> Graph:
+    """A small random DAG of matmuls and elementwise ops with parameters (deterministic)."""
+    sizes = {"b": 8, "m": 4, "n": 8, "k": 12}
+    ops: list[Op] = []
+    edges = []
+    from planner.graph import Edge
+
+    n = 3 + seed % 3
+    for i in range(n):
+        if i == 0:
+            ins = [("b", "m")]
+        else:
+            ins = [ops[i - 1].output] + ([ops[i - 2].output] if i >= 2 and rng.random() < 0.4 else [])
+        dims = sorted({d for t in ins for d in t} | {str(rng.choice(["n", "k"]))})
+        out = tuple(d for d in dims if d != "m") or ("b",)
+        ops.append(Op(name=f"op{i}", kind="matmul", dims={d: sizes[d] for d in dims},
+                      reduce=tuple(d for d in dims if d not in out), inputs=tuple(ins), output=out,
+                      params=(tuple(d for d in dims if d != "b"),), flops=float(rng.integers(10**6, 10**10))))
+        edges += [Edge(src=f"op{i - 1 - j}", dst=f"op{i}", slot=j) for j in range(len(ins)) if i > 0]
+    return Graph(name=f"seeded-{seed}", ops=ops, edges=edges)
