@@ -132,3 +132,22 @@ def _seeded_graph(rng: np.random.Generator, seed: int) -> Graph:
                       params=(tuple(d for d in dims if d != "b"),), flops=float(rng.integers(10**6, 10**10))))
         edges += [Edge(src=f"op{i - 1 - j}", dst=f"op{i}", slot=j) for j in range(len(ins)) if i > 0]
     return Graph(name=f"seeded-{seed}", ops=ops, edges=edges)
+
+
+def test_parameters_indexed_by_the_batch_dim_are_split_by_dp() -> None:
+    """A user's graph whose parameters carry the batch dim: dp splits them, so meshes whose
+    parameter state over tp alone exceeds the limit may still fit (the mesh filter once left
+    them out: only tp 6 was searched here, and it does not fit)."""
+    from planner.graph import Edge
+
+    ops = [Op(name=f"op{i}", kind="matmul", dims={"b": 6, "f": 4}, inputs=(("b", "f"),), output=("b", "f"),
+              params=(("b", "f"),), flops=1e6) for i in range(4)]
+    g = Graph(name="batch-params", ops=ops, edges=[Edge(src=f"op{i}", dst=f"op{i + 1}") for i in range(3)])
+    prof = profile_graph(g, "cuda")
+    limit = 300  # bytes; the state is 1536, so only tp 6 passed the old filter
+    free = plan_model(prof, 6, None, shard_dp=False)
+    assert free.mesh == {"dp": 6} and (free.memory_per_device_bytes or 0) <= limit
+    a, b = plan_model(prof, 6, limit, shard_dp=False), exhaustive_search(prof, 6, limit, shard_dp=False)
+    assert a.feasible and b.feasible and a.proven_optimal
+    assert a.mesh == b.mesh == {"dp": 6}  # the fastest plan fits: it is the answer
+    assert a.estimated_step_s == pytest.approx(free.estimated_step_s, rel=1e-12)
