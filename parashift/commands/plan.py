@@ -16,7 +16,7 @@ def plan(
     devices: int | None = typer.Option(None, "--devices", "-n", min=1, max=65536,
                                        help="devices to plan for (default: the spec's)"),
     json_out: bool = typer.Option(False, "--json", help="print the Plan as JSON only"),
-    exhaustive: bool = typer.Option(False, "--exhaustive", help="brute force instead of the DP (small graphs)"),
+    exhaustive: bool = typer.Option(False, "--exhaustive", help="enumerate every assignment of each stage instead of the DP (small graphs)"),
     graph: Path | None = typer.Option(None, "--graph", help="plan this JSON op graph instead of the spec's model"),
     measure: bool = typer.Option(False, "--measure", help="time GEMMs on this machine for compute rates"),
 ) -> None:
@@ -69,6 +69,10 @@ def plan(
     console.print(f"estimated step: {step:.4g} s ({result.strategy}), "
                   f"memory {result.memory_per_device_bytes / 2**30:.2f} GiB per device"
                   + ("" if result.feasible else " [red](over the limit)[/red]"))
+    if result.proven_optimal:
+        console.print("  proven optimal under the cost model (no fitting plan is faster)")
+    elif result.lower_bound_s is not None:
+        console.print(f"  not proven optimal: every fitting plan takes at least {result.lower_bound_s:.4g} s")
     for name, t in result.baselines.items():
         mem = result.baseline_memory_bytes.get(name, 0) / 2**30
         console.print(f"  {name:>14}: {t:.4g} s ({t / step if step else float('nan'):.2f}x), {mem:.2f} GiB per device")
