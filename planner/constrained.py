@@ -31,9 +31,10 @@ from planner import dp
 
 # Relative slack for comparing sums taken in different orders.
 EPS = 1e-9
-# Restricted sub-problems a search may open before it settles for a bound (deterministic,
-# unlike a time budget: the same input always gives the same plan).
+# Restricted sub-problems a search may open, and DP solves it may run, before it settles for a
+# bound (counts, not seconds: the same input always gives the same plan).
 MAX_NODES = 256
+MAX_SOLVES = 1024
 # Cutting-plane steps per node; each finds a new hull vertex, so this is never reached on
 # problems of sane size and only guards against floating-point cycling.
 MAX_CUTS = 64
@@ -102,20 +103,32 @@ class LagrangianSearch(Generic[S]):
     `least(domains)` (the least-memory one) and each variable's memory per configuration."""
 
     def __init__(self, solve: Callable[[float, Domains], S | None], least: Callable[[Domains], S | None],
-                 memory: list[np.ndarray], limit: float, max_nodes: int = MAX_NODES) -> None:
-        self.solve, self.least, self.memory, self.limit, self.max_nodes = solve, least, memory, limit, max_nodes
+                 memory: list[np.ndarray], limit: float, max_nodes: int = MAX_NODES, max_solves: int = MAX_SOLVES,
+                 cutoff: float = math.inf) -> None:
+        """`cutoff`: a time past which nothing matters to the caller (a faster strategy is
+        known): the search stops once every open node's bound reaches it."""
+        self.solve, self.least, self.memory, self.limit = solve, least, memory, limit
+        self.max_nodes, self.max_solves, self.cutoff = max_nodes, max_solves, cutoff
         self.best: S | None = None
         self.met: list[S] = []
+        self.solves = 0
+
+    def _out_of_budget(self) -> bool:
+        return self.solves >= self.max_solves
 
     def _met(self, s: S | None) -> S | None:
+        self.solves += 1
         if s is not None:
             self.met.append(s)
             if s.memory_bytes <= self.limit and (self.best is None or s.time_s < self.best.time_s):
                 self.best = s
         return s
 
-    def _node(self, domains: Domains) -> _Node[S] | None:
-        """The node's Lagrangian bound (None: nothing within it fits)."""
+    def _node(self, domains: Domains, inherited: float = -math.inf) -> _Node[S] | None:
+        """The node's Lagrangian bound (None: nothing within it fits). The root's best
+        multiplier is always found (a few solves: the bound every answer is judged by); the
+        budget stops only the nodes below it. `inherited`: the parent's bound, valid for every
+        assignment within the child too (a child stopped early keeps it)."""
         limit = self.limit
         fast = self._met(self.solve(0.0, domains))
         if fast is None:
@@ -125,8 +138,10 @@ class LagrangianSearch(Generic[S]):
         fitting = self._met(self.least(domains))
         if fitting is None or fitting.memory_bytes > limit:
             return None
-        bound = fast.time_s  # g(0)
+        bound = max(inherited, fast.time_s)  # g(0)
         for _ in range(MAX_CUTS):
+            if bound >= self.cutoff or (domains and self._out_of_budget()):
+                break  # the bound so far is valid; the caller does not need a better one
             lam = max(0.0, (fitting.time_s - fast.time_s) / (fast.memory_bytes - fitting.memory_bytes))
             line = fast.time_s + lam * (fast.memory_bytes - limit)
             s = self._met(self.solve(lam, domains))
@@ -162,12 +177,12 @@ class LagrangianSearch(Generic[S]):
             bound, _, node = heap[0]
             if self.best is not None and bound >= self.best.time_s * (1 - EPS):
                 break  # nothing left can beat the fastest fitting solution met
-            if node.fast is None or opened >= self.max_nodes:
-                break  # solved exactly (and best first: nothing better remains), or out of budget
+            if bound >= self.cutoff or node.fast is None or opened >= self.max_nodes or self._out_of_budget():
+                break  # past the cutoff, solved exactly (best first: nothing better remains), or out of budget
             heapq.heappop(heap)
             for domains in self._branch(node):
                 opened += 1
-                child = self._node(domains)
+                child = self._node(domains, node.bound)
                 if child is not None and (self.best is None or child.bound < self.best.time_s * (1 - EPS)):
                     heapq.heappush(heap, (child.bound, counter, child))
                     counter += 1

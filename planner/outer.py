@@ -238,8 +238,9 @@ def enumerate_specs(profile: ModelProfile, devices: int, limit: float | None, ma
     sigs: dict[int, dict[str, str]] = {id(g): sig}  # per variant graph
     layouts: dict[tuple[int, int], list[_Layout]] = {}
     specs: list[CandidateSpec] = []
+    floor = weights_floor(profile)
     for pp, dp_, tp in searched_meshes(profile, devices, max_tp, max_pp):
-        if skip_unfit and limit is not None and weights_floor(profile, pp, dp_, tp) > limit:
+        if skip_unfit and limit is not None and floor(pp, dp_, tp) > limit:
             continue
         single = None
         if pp == 1:
@@ -274,8 +275,8 @@ def enumerate_specs(profile: ModelProfile, devices: int, limit: float | None, ma
     return specs
 
 
-def _single(spec: CandidateSpec) -> Candidate:
-    res, _ = spec.stages[0].solver.finish()
+def _single(spec: CandidateSpec, cutoff: float = float("inf")) -> Candidate:
+    res, _ = spec.stages[0].solver.finish(cutoff)
     name = "pase-dp" if spec.ctx.method == "dp" else "exhaustive"
     return Candidate(name, 1, spec.dp, spec.tp, 1, [res], res.time_s, res.memory_bytes, proven=res.proven,
                      bound_s=res.bound)
@@ -287,7 +288,7 @@ def _pipelined(spec: CandidateSpec, bound: float | None) -> Candidate | None:
     ctx, limit = spec.ctx, spec.ctx.limit
     if bound is not None:
         for st in sorted(spec.distinct, key=lambda s: -s.solver.first().time_s):
-            res, _ = st.solver.finish()
+            res, _ = st.solver.finish((bound - spec.boundary) / ctx.share)
             if limit is not None and res.memory_bytes > limit:
                 return None
             if ctx.share * res.bound + spec.boundary > bound:
@@ -348,7 +349,7 @@ def branch_and_bound(specs: list[CandidateSpec], limit: float | None, incumbent:
                 spec.fits = False
                 settle(spec, None)
             else:
-                cand = _single(spec)
+                cand = _single(spec, bound())
                 spec.fits = cand.fits(limit)
                 settle(spec, cand)
         return spec.fits

@@ -119,8 +119,8 @@ def to_plan(best: Candidate, devices: int, base: dict[str, Candidate | None], li
         notes.append(f"no strategy fits {limit / 2**30:.1f} GiB per device")
     proven, lower = optimality(best, searched, limit) if feasible and searched is not None else (None, None)
     if proven is False and lower is not None:
-        notes.append(f"not proven optimal: the constrained search's node budget ran out; every fitting plan takes "
-                     f">= {lower:.6g} s per step ({(best.time_s / lower - 1) * 100:.2f}% below this one at most)")
+        notes.append(f"not proven optimal: the constrained search's budget ran out; every fitting plan takes "
+                     f">= {lower:.6g} s per step (at most {(1 - lower / best.time_s) * 100:.2f}% faster than this one)")
     mesh = {axis: n for axis, n in (("pp", best.pp), ("dp", best.dp), ("tp", best.tp)) if n > 1} or {"dp": 1}
     sharded = bool(best.stages) and best.stages[0].mesh.shard_dp
     return executable(Plan(

@@ -10,19 +10,24 @@ search (planner/outer.py) and the entry points (planner/search.py) build on thes
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import product
 from typing import Literal
 
 from planner import dp
 from planner.configs import Mesh, mesh_configs, named_mesh
-from planner.constrained import Domains, LagrangianSearch, restrict, unrestrict
+from planner.constrained import MAX_SOLVES, Domains, LagrangianSearch, restrict, unrestrict
 from planner.costs import CostModel
 from planner.graph import Graph, Op
 from planner.problem import UNPIPELINED, OpBreakdown, Weights, breakdown, build_problem, tie_factors
 from planner.profile import ModelProfile
 
 Method = Literal["dp", "exhaustive"]
+
+# Seconds of DP solves (estimated, deterministically) one stage's constrained search may spend
+# before it settles for its best assignment and a lower bound.
+STAGE_BUDGET_S = 4.0
 
 
 @dataclass
@@ -130,15 +135,17 @@ class StageSolver:
             self._first = stage_result(g, costs, _solve(build_problem(g, costs, 0.0, w), self.method), w, 0.0)
         return self._first
 
-    def finish(self) -> tuple[StageResult, list[StageResult]]:
+    def finish(self, cutoff: float = math.inf) -> tuple[StageResult, list[StageResult]]:
+        """`cutoff`: a stage time past which the caller has a faster strategy already; the first
+        call's is used (the result is kept), and its `bound` is valid whatever the cutoff."""
         if self._done is None:
-            self._done = self._finish()
+            self._done = self._finish(cutoff)
         return self._done
 
-    def _finish(self) -> tuple[StageResult, list[StageResult]]:
+    def _finish(self, cutoff: float) -> tuple[StageResult, list[StageResult]]:
         """The fastest assignment that fits: exact by enumeration (`exhaustive`) or by branch and
-        bound on the Lagrangian (planner/constrained.py), which proves it optimal or stops at
-        its node budget with a lower bound (`StageResult.bound`, `proven`)."""
+        bound on the Lagrangian (planner/constrained.py), which proves it optimal or stops (at
+        the cutoff, or its budget) with a lower bound (`StageResult.bound`, `proven`)."""
         limit = self.limit
         if limit is not None and self.infeasible():
             return self.floor(), [self.floor()]
@@ -149,11 +156,18 @@ class StageSolver:
         if self.method == "exhaustive":
             return self._enumerated(limit)
         search = LagrangianSearch(self._at, self._least, [self.w.memory(self.costs.op_cost(op)) for op in self.graph.ops],
-                                  limit)
+                                  limit, max_solves=self._solve_budget(), cutoff=cutoff)
         out = search.run()
         best = out.best if out.best is not None else self.floor()
         best.bound, best.proven = out.bound, out.proven
         return best, out.met
+
+    def _solve_budget(self) -> int:
+        """DP solves the constrained search may run: about STAGE_BUDGET_S seconds' worth, by a
+        deterministic estimate of one solve (per table, and per table entry)."""
+        problem = build_problem(self.graph, self.costs, 0.0, self.w)
+        estimate = 3e-5 * len(problem.factors) + 3e-9 * sum(f.table.size for f in problem.factors)
+        return max(8, min(MAX_SOLVES, int(STAGE_BUDGET_S / estimate)))
 
     def _at(self, lam: float, domains: Domains) -> StageResult | None:
         """The exact minimum of time + lam x memory within `domains` (None: no assignment keeps
@@ -216,13 +230,14 @@ def searched_meshes(profile: ModelProfile, devices: int, max_tp: int | None,
     return [(pp, dp, tp) for pp, dp, tp in mesh_degrees(devices, max_tp, max_pp) if dp > 1 or not profile.shard_dp]
 
 
-def weights_floor(profile: ModelProfile, pp: int, dp: int, tp: int) -> float:
-    """Bytes of parameter state per device at best on this mesh: split tp x pp ways, and dp
-    ways more where dp shards it (a mesh below this can never fit a limit)."""
+def weights_floor(profile: ModelProfile) -> Callable[[int, int, int], float]:
+    """(pp, dp, tp) -> bytes of parameter state per device at best on that mesh: split tp x pp
+    ways, and dp ways more where dp shards it (a mesh below this can never fit a limit).
+    Parameters indexed by the batch dim (possible in a user's graph) are split by dp as well."""
     g = profile.graph
-    # Parameters indexed by the batch dim (possible in a user's graph) are split by dp as well.
-    batch_params = any(g.batch_dim in dims for op in g.ops for dims in op.params)
-    return g.n_params * g.param_state_bytes / (tp * pp * (dp if profile.shard_dp or batch_params else 1))
+    state = profile.n_params * g.param_state_bytes
+    by_dp = profile.shard_dp or any(g.batch_dim in dims for op in g.ops for dims in op.params)
+    return lambda pp, dp, tp: state / (tp * pp * (dp if by_dp else 1))
 
 
 class TieVariants:
