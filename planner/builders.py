@@ -249,3 +249,30 @@ def inception_graph(batch: int = 64) -> Graph:
     g.add("loss", {"b": b, "n": 1000}, ("b",), srcs=(fc,), inputs=(("b", "n"),), kind="loss", reduce=("n",),
           flops=5.0 * b * 1000, tp_dim="n")
     return g.build(act_bytes=2)
+
+
+def skip_graph(n_ops: int = 50, reach: int = 4, batch: int = 64, seq_len: int = 256, d_model: int = 1024) -> Graph:
+    """A skip-heavy stack (a stress test, no blocks): op i is a d x d matmul of the sum of the
+    outputs of ops i-1 .. i-`reach` (DenseNet-like connectivity), so every dependent set spans
+    `reach` ops and PaSE's per-op DP tables grow as configurations ** reach."""
+    b, s, d = batch, seq_len, d_model
+    g = GraphBuilder(f"skip{reach}-{n_ops}")
+    bsd = ("b", "s", "d")
+    names: list[str] = []
+    for i in range(n_ops):
+        srcs = tuple(names[max(0, i - reach):][::-1]) or (None,)
+        names.append(g.add(f"op{i}", {"b": b, "s": s, "d": d, "e": d}, ("b", "s", "e"), srcs=srcs,
+                           inputs=tuple(bsd for _ in srcs), kind="matmul", reduce=("d",), params=(("d", "e"),),
+                           flops=2.0 * b * s * d * d + (len(srcs) - 1) * b * s * d, tp_dim="e"))
+    return g.build()
+
+
+def chain_graph(n_ops: int = 20_000, batch: int = 64, d_model: int = 256) -> Graph:
+    """A long chain of d x d matmuls (a stress test of the elimination order: no blocks)."""
+    g = GraphBuilder(f"chain-{n_ops}")
+    prev: str | None = None
+    for i in range(n_ops):
+        a, c = ("m", "n") if i % 2 == 0 else ("n", "m")
+        prev = g.add(f"op{i}", {"b": batch, a: d_model, c: d_model}, ("b", c), srcs=(prev,), inputs=(("b", a),),
+                     kind="matmul", reduce=(a,), params=((a, c),), flops=2.0 * batch * d_model * d_model, tp_dim=c)
+    return g.build()

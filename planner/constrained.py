@@ -27,7 +27,7 @@ from typing import Generic, Protocol, TypeVar
 
 import numpy as np
 
-from planner import dp
+from planner.dp import Domains, restrict, unrestrict
 
 # Relative slack for comparing sums taken in different orders.
 EPS = 1e-9
@@ -38,9 +38,6 @@ MAX_SOLVES = 1024
 # Cutting-plane steps per node; each finds a new hull vertex, so this is never reached on
 # problems of sane size and only guards against floating-point cycling.
 MAX_CUTS = 64
-
-# Variable -> the configuration indices it may still take (absent: all of them).
-Domains = dict[int, tuple[int, ...]]
 
 
 class Solution(Protocol):
@@ -68,25 +65,9 @@ class Outcome(Generic[S]):
     met: list[S]
 
 
-def restrict(problem: dp.Problem, domains: Domains) -> dp.Problem:
-    """The problem over the configurations `domains` allows (index i of variable v stands for
-    `domains[v][i]`). Tables touching no restricted variable are kept as they are, so identical
-    blocks elsewhere are still recognised."""
-    if not domains:
-        return problem
-    card = [len(domains[v]) if v in domains else c for v, c in enumerate(problem.card)]
-    factors = []
-    for f in problem.factors:
-        if not any(v in domains for v in f.scope):
-            factors.append(f)
-            continue
-        index = np.ix_(*[np.asarray(domains[v]) if v in domains else np.arange(problem.card[v]) for v in f.scope])
-        factors.append(dp.Factor(f.scope, f.table[index], f.owner))
-    return dp.Problem(card, factors, problem.block_of)
-
-
-def unrestrict(assign: list[int], domains: Domains) -> list[int]:
-    return [domains[v][i] if v in domains else i for v, i in enumerate(assign)]
+def _slack(s: Solution) -> float:
+    """How far below `s`'s objective the solver's minimum may lie (a relaxed DP; 0: exact)."""
+    return float(getattr(s, "relaxation_s", 0.0))
 
 
 @dataclass
@@ -133,12 +114,12 @@ class LagrangianSearch(Generic[S]):
         fast = self._met(self.solve(0.0, domains))
         if fast is None:
             return None
-        if fast.memory_bytes <= limit:
-            return _Node(fast.time_s, domains)  # its fastest fits: solved exactly
+        if fast.memory_bytes <= limit:  # its fastest fits: solved (exactly, unless relaxed)
+            return _Node(max(inherited, fast.time_s - _slack(fast)), domains)
         fitting = self._met(self.least(domains))
         if fitting is None or fitting.memory_bytes > limit:
             return None
-        bound = max(inherited, fast.time_s)  # g(0)
+        bound = max(inherited, fast.time_s - _slack(fast))  # g(0)
         for _ in range(MAX_CUTS):
             if bound >= self.cutoff or (domains and self._out_of_budget()):
                 break  # the bound so far is valid; the caller does not need a better one
@@ -146,9 +127,9 @@ class LagrangianSearch(Generic[S]):
             line = fast.time_s + lam * (fast.memory_bytes - limit)
             s = self._met(self.solve(lam, domains))
             assert s is not None  # `fast` is within the domains
-            value = s.time_s + lam * (s.memory_bytes - limit)  # g(lam): a lower bound for any lam
-            bound = max(bound, value)
-            if value >= line - EPS * max(abs(line), 1e-300):
+            reached = s.time_s + lam * (s.memory_bytes - limit)
+            bound = max(bound, reached - _slack(s))  # g(lam), a lower bound for any lam
+            if reached >= line - EPS * max(abs(line), 1e-300):
                 break  # nothing below the two lines' crossing: lam maximises g
             if s.memory_bytes <= limit:
                 fitting = s

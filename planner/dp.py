@@ -26,6 +26,11 @@ import numpy as np
 
 # Largest dependent-set table (float64 entries, 8 bytes each) an elimination may keep: 1 GiB.
 MAX_TABLE = 1 << 27
+# Table entries a solve may compute, as simulated over the whole graph (an overestimate where
+# identical layers are solved once): PaSE's Transformer is 2.2e9 at p = 64 (~1.7 s here) and
+# 8.8e9 at p = 128; past it the problem is narrowed and relaxed (solve_bounded): two solves of
+# at most this much work each (PaSE's Transformer at p = 512, a 5,000-op skip stack: < 25 s).
+MAX_WORK = 4e9
 # Graphs up to this many variables also try randomised near-greedy elimination orders.
 RANDOM_ORDERS_UP_TO = 2000
 # Eliminations whose full table (dependents x own configurations) is larger run in slices of
@@ -51,7 +56,9 @@ class Problem:
     block_of: dict[int, str] = field(default_factory=dict)  # variable -> block instance
 
 
-Step = tuple[int, tuple[int, ...], np.ndarray]  # (variable, its dependent set, argmin table)
+Step = tuple[int, tuple[int, ...], np.ndarray]
+# Variable -> the configuration indices it may still take (absent: all of them).
+Domains = dict[int, tuple[int, ...]]  # (variable, its dependent set, argmin table)
 
 
 def _combine(factors: list[Factor], scope: tuple[int, ...], card: list[int]) -> np.ndarray:
@@ -123,7 +130,8 @@ def _greedy(nbrs: dict[int, set[int]], variables: set[int], card: list[int], rng
     return order, work
 
 
-def plan_order(scopes: list[tuple[int, ...]], variables: set[int], card: list[int], tries: int = 8) -> list[int]:
+def plan_order(scopes: list[tuple[int, ...]], variables: set[int], card: list[int],
+               tries: int = 8) -> tuple[list[int], float]:
     """A cheap elimination order: simulate greedy orders on scopes alone, keep the least work.
 
     Work is the sum of the tables' sizes, which is what elimination then spends. Pure greedy
@@ -145,7 +153,7 @@ def plan_order(scopes: list[tuple[int, ...]], variables: set[int], card: list[in
             order, w = _greedy(nbrs, variables, card, rng, work)
             if w < work:
                 best, work = order, w
-    return best
+    return best, work
 
 
 def eliminate(factors: list[Factor], variables: set[int], card: list[int]) -> tuple[list[Factor], list[Step]]:
@@ -157,7 +165,8 @@ def eliminate(factors: list[Factor], variables: set[int], card: list[int]) -> tu
             touching.setdefault(v, set()).add(i)
     steps: list[Step] = []
     next_id = len(factors)
-    for v in plan_order([f.scope for f in factors], variables, card):
+    order, _ = plan_order([f.scope for f in factors], variables, card)
+    for v in order:
         ids = touching.pop(v, set())
         group = [live.pop(i) for i in sorted(ids)]
         dep = tuple(sorted({u for f in group for u in f.scope} - {v}))
@@ -255,6 +264,33 @@ def solve(problem: Problem, memoise: bool = True) -> tuple[list[int], float]:
     return [assign[v] for v in range(n)], total
 
 
+def restrict(problem: Problem, domains: Domains) -> Problem:
+    """The problem over the configurations `domains` allows (index i of variable v stands for
+    `domains[v][i]`). Tables touching no restricted variable are kept as they are, and a table
+    shared by several factors is sliced once per distinct restriction, so identical blocks are
+    still recognised (`solve` memoises them by table identity)."""
+    if not domains:
+        return problem
+    card = [len(domains[v]) if v in domains else c for v, c in enumerate(problem.card)]
+    factors = []
+    sliced: dict[tuple, np.ndarray] = {}
+    for f in problem.factors:
+        if not any(v in domains for v in f.scope):
+            factors.append(f)
+            continue
+        axes = tuple(domains.get(v) for v in f.scope)
+        key = (id(f.table), axes)
+        if key not in sliced:
+            index = np.ix_(*[np.asarray(a) if a is not None else np.arange(n) for a, n in zip(axes, f.table.shape, strict=True)])
+            sliced[key] = f.table[index]
+        factors.append(Factor(f.scope, sliced[key], f.owner))
+    return Problem(card, factors, problem.block_of)
+
+
+def unrestrict(assign: list[int], domains: Domains) -> list[int]:
+    return [domains[v][i] if v in domains else i for v, i in enumerate(assign)]
+
+
 def evaluate(problem: Problem, assign: list[int]) -> float:
     """The sum of the tables at one assignment (the objective the search minimises)."""
     return float(sum(f.table[tuple(assign[v] for v in f.scope)] for f in problem.factors))
@@ -288,3 +324,98 @@ def brute_force_constrained(problem: Problem, memory: Problem, limit: float,
     if not np.isfinite(objective.reshape(-1)[flat]):
         return None
     return [int(i) for i in np.unravel_index(flat, objective.shape)], float(objective.reshape(-1)[flat])
+
+
+@dataclass
+class Solved:
+    """An assignment, its value on the whole problem, and a lower bound on the problem's
+    minimum: equal when the DP ran on the whole problem; lower when it had to leave out
+    pairwise tables (`dropped`) to keep its tables within MAX_TABLE."""
+
+    assign: list[int]
+    value: float
+    lower: float
+    dropped: int = 0
+
+
+def solve_bounded(problem: Problem) -> Solved:
+    """`solve`, bounded on any graph. Where the elimination would compute more than MAX_WORK
+    table entries or keep a table over MAX_TABLE, the DP runs on a relaxation: pairwise tables
+    of finite costs (layout conversions, never the tie constraints) are left out, the
+    longest-reaching first (the skips that make dependent sets wide), until it fits. Every cost
+    is non-negative, so the relaxation's minimum is a lower bound on the problem's, and its
+    assignment, valued on the whole problem, an upper one."""
+    if predicted_work(problem) <= MAX_WORK:
+        try:
+            assign, total = solve(problem)
+            return Solved(assign, total, total)
+        except MemoryError:
+            pass
+    lower, dropped, relaxed_assign = _relaxed(problem)
+    best = Solved(relaxed_assign, evaluate(problem, relaxed_assign), lower, dropped)
+    narrowed = _narrowed(problem)
+    if narrowed is not None and narrowed[1] < best.value:
+        best.assign, best.value = narrowed
+    return best
+
+
+def _relaxed(problem: Problem) -> tuple[float, int, list[int]]:
+    """The minimum and an assignment of the problem without its longest-reaching finite
+    pairwise tables (as few left out as keep the work within MAX_WORK), and how many."""
+    span = {id(f): abs(f.scope[0] - f.scope[1]) for f in problem.factors
+            if len(f.scope) == 2 and bool(np.isfinite(f.table).all())}
+    for reach in sorted(set(span.values()), reverse=True):
+        relaxed = Problem(problem.card, [f for f in problem.factors if span.get(id(f), 0) < reach], problem.block_of)
+        if predicted_work(relaxed) > MAX_WORK:
+            continue
+        try:
+            assign, lower = solve(relaxed)
+        except MemoryError:
+            continue
+        return lower, len(problem.factors) - len(relaxed.factors), assign
+    raise MemoryError("no relaxation of the problem fits: a single op's tables exceed the limit")
+
+
+def _narrowed(problem: Problem) -> tuple[list[int], float] | None:
+    """The exact minimum over each op's k cheapest configurations (by its own table), k as large
+    as the work allows: a consistent assignment, often the optimum (None: none keeps the ties)."""
+    own: list[np.ndarray] = [np.zeros(c) for c in problem.card]
+    for f in problem.factors:
+        if len(f.scope) == 1:
+            own[f.scope[0]] = own[f.scope[0]] + f.table
+    ranked = [tuple(int(i) for i in np.argsort(t, kind="stable")) for t in own]
+
+    def domains(k: int) -> Domains:
+        return {v: r[:k] for v, r in enumerate(ranked) if len(r) > k}
+
+    lo, hi = 1, max(problem.card)  # the largest k whose work fits
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        shape = Problem([min(c, mid) for c in problem.card], problem.factors)  # work reads cards and scopes only
+        if predicted_work(shape) <= MAX_WORK:
+            lo = mid
+        else:
+            hi = mid - 1
+    chosen = domains(lo)
+    try:
+        assign, total = solve(restrict(problem, chosen))
+    except MemoryError:
+        return None
+    if not np.isfinite(total):
+        return None
+    full = unrestrict(assign, chosen)
+    return full, evaluate(problem, full)
+
+
+_WORK: dict[tuple, float] = {}
+
+
+def predicted_work(problem: Problem) -> float:
+    """Table entries the elimination of the whole problem would compute (its order simulated on
+    scopes alone; kept per structure, since a search solves the same one for many costs)."""
+    key = (tuple(problem.card), tuple(f.scope for f in problem.factors))
+    if key not in _WORK:
+        if len(_WORK) > 256:
+            _WORK.clear()
+        _WORK[key] = plan_order([f.scope for f in problem.factors], set(range(len(problem.card))), problem.card)[1]
+    return _WORK[key]

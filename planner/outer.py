@@ -287,7 +287,7 @@ def _pipelined(spec: CandidateSpec, bound: float | None) -> Candidate | None:
     `bound` or too large for the limit."""
     ctx, limit = spec.ctx, spec.ctx.limit
     if bound is not None:
-        for st in sorted(spec.distinct, key=lambda s: -s.solver.first().time_s):
+        for st in sorted(spec.distinct, key=lambda s: -s.solver.time_floor()):
             res, _ = st.solver.finish((bound - spec.boundary) / ctx.share)
             if limit is not None and res.memory_bytes > limit:
                 return None
@@ -369,7 +369,7 @@ def branch_and_bound(specs: list[CandidateSpec], limit: float | None, incumbent:
                     spec.fits = False
                 settle(spec, None)
                 continue
-            first = spec.ctx.share * max(st.solver.first().time_s for st in spec.distinct) + spec.boundary
+            first = spec.ctx.share * max(st.solver.time_floor() for st in spec.distinct) + spec.boundary
             heapq.heappush(heap, (max(lb, first), 1, i))
             continue
         if spec.layout is None:

@@ -119,7 +119,8 @@ def to_plan(best: Candidate, devices: int, base: dict[str, Candidate | None], li
         notes.append(f"no strategy fits {limit / 2**30:.1f} GiB per device")
     proven, lower = optimality(best, searched, limit) if feasible and searched is not None else (None, None)
     if proven is False and lower is not None:
-        notes.append(f"not proven optimal: the constrained search's budget ran out; every fitting plan takes "
+        notes.append(f"not proven optimal (a stage's search stopped at its budget, or its DP ran relaxed on a "
+                     f"graph too wide to solve whole); every fitting plan takes "
                      f">= {lower:.6g} s per step (at most {(1 - lower / best.time_s) * 100:.2f}% faster than this one)")
     mesh = {axis: n for axis, n in (("pp", best.pp), ("dp", best.dp), ("tp", best.tp)) if n > 1} or {"dp": 1}
     sharded = bool(best.stages) and best.stages[0].mesh.shard_dp

@@ -44,6 +44,9 @@ class StageResult:
     # and whether this one is proven to reach it (planner/constrained.py).
     bound: float = 0.0
     proven: bool = True
+    # How far below this assignment's objective the DP's minimum may lie: 0 when the DP ran on
+    # the whole problem, more when it had to leave out pairwise tables (dp.solve_bounded).
+    relaxation_s: float = 0.0
 
     @property
     def mesh(self) -> Mesh:
@@ -83,16 +86,19 @@ class Candidate:
         return limit is None or self.memory_bytes <= limit
 
 
-def _solve(problem: dp.Problem, method: Method) -> list[int]:
-    return _solve_total(problem, method)[0]
+def _solve_total(problem: dp.Problem, method: Method) -> dp.Solved:
+    if method == "dp":
+        return dp.solve_bounded(problem)
+    assign, total = dp.brute_force(problem)
+    return dp.Solved(assign, total, total)
 
 
-def _solve_total(problem: dp.Problem, method: Method) -> tuple[list[int], float]:
-    return dp.solve(problem) if method == "dp" else dp.brute_force(problem)
-
-
-def stage_result(graph: Graph, costs: CostModel, assign: list[int], w: Weights, lam: float) -> StageResult:
-    return StageResult(graph, costs, assign, w, breakdown(graph, costs, assign, w), lam)
+def stage_result(graph: Graph, costs: CostModel, assign: list[int], w: Weights, lam: float,
+                 solved: dp.Solved | None = None) -> StageResult:
+    res = StageResult(graph, costs, assign, w, breakdown(graph, costs, assign, w), lam)
+    if solved is not None and solved.dropped:
+        res.relaxation_s = max(0.0, solved.value - solved.lower)
+    return res
 
 
 class StageSolver:
@@ -132,8 +138,14 @@ class StageSolver:
     def first(self) -> StageResult:
         if self._first is None:
             g, costs, w = self.graph, self.costs, self.w
-            self._first = stage_result(g, costs, _solve(build_problem(g, costs, 0.0, w), self.method), w, 0.0)
+            solved = _solve_total(build_problem(g, costs, 0.0, w), self.method)
+            self._first = stage_result(g, costs, solved.assign, w, 0.0, solved)
         return self._first
+
+    def time_floor(self) -> float:
+        """A lower bound on the stage's time under any limit: the lambda = 0 minimum."""
+        first = self.first()
+        return first.time_s - first.relaxation_s
 
     def finish(self, cutoff: float = math.inf) -> tuple[StageResult, list[StageResult]]:
         """`cutoff`: a stage time past which the caller has a faster strategy already; the first
@@ -151,7 +163,8 @@ class StageSolver:
             return self.floor(), [self.floor()]
         first = self.first()
         if limit is None or first.memory_bytes <= limit:
-            first.bound = first.time_s
+            first.bound = self.time_floor()
+            first.proven = first.relaxation_s == 0.0
             return first, [first]
         if self.method == "exhaustive":
             return self._enumerated(limit)
@@ -175,15 +188,19 @@ class StageSolver:
         if not domains and lam == 0.0:
             return self.first()
         g, costs, w = self.graph, self.costs, self.w
-        assign, total = _solve_total(restrict(build_problem(g, costs, lam, w), domains), self.method)
-        return stage_result(g, costs, unrestrict(assign, domains), w, lam) if math.isfinite(total) else None
+        solved = _solve_total(restrict(build_problem(g, costs, lam, w), domains), self.method)
+        if not math.isfinite(solved.value):
+            return None
+        return stage_result(g, costs, unrestrict(solved.assign, domains), w, lam, solved)
 
     def _least(self, domains: Domains) -> StageResult | None:
         if not domains:
             return self.floor()
         g, costs, w = self.graph, self.costs, self.w
-        assign, total = _solve_total(restrict(build_problem(g, costs, w=w, memory_only=True), domains), self.method)
-        return stage_result(g, costs, unrestrict(assign, domains), w, math.inf) if math.isfinite(total) else None
+        solved = _solve_total(restrict(build_problem(g, costs, w=w, memory_only=True), domains), self.method)
+        if not math.isfinite(solved.value):
+            return None
+        return stage_result(g, costs, unrestrict(solved.assign, domains), w, math.inf)
 
     def _enumerated(self, limit: float) -> tuple[StageResult, list[StageResult]]:
         """Every assignment, the fastest that fits (small graphs: the reference of the tests)."""
