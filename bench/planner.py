@@ -6,6 +6,12 @@ level before the search starts). The last line printed is one JSON object:
 {"cases": [{graph, ops, devices, search_s, peak_mb, cost, dp_baseline_cost, megatron_baseline_cost}, ...]}.
 
     python -m bench.planner [--quick]
+
+Families: PaSE's Transformer (p = 4 .. 512), GPT-3 175B (p = 8 .. 1024, the whole planner with
+the H200 memory limit), skip-heavy stacks of 50 and 5,000 ops (PaSE's space, p = 64) and a
+20,000-op chain (the whole planner, p = 64 and 512). `proven_optimal` / `lower_bound`: whether
+the search proved its answer or stopped at a bound (planner/dp.py solve_bounded,
+planner/constrained.py).
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ import resource
 import time
 from typing import Any
 
-PASE_P = (4, 8, 16, 32, 64)
+PASE_P = (4, 8, 16, 32, 64, 128, 256, 512)
 GPT3_P = (8, 64, 512, 1024)
 H200_GB = 141  # memory per device for the GPT-3 cases (NVIDIA H200)
 
@@ -27,14 +33,15 @@ def _rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0  # Linux: KiB
 
 
-def _pase_case(p: int) -> dict[str, Any]:
-    """PaSE's space (per-dim split counts, aligned layouts, no memory limit), as in its paper."""
-    from planner.builders import pase_transformer_graph
+def _pase_case(p: int, family: str = "pase") -> dict[str, Any]:
+    """PaSE's space (per-dim split counts, aligned layouts, no memory limit), as in its paper;
+    `family` "skip50"/"skip5000": a stack of matmuls each reading the 4 ops before it."""
+    from planner.builders import pase_transformer_graph, skip_graph
     from planner.configs import counts_mesh, op_configs
     from planner.profile import profile_graph
     from planner.search import baselines, search_counts
 
-    g = pase_transformer_graph()
+    g = pase_transformer_graph() if family == "pase" else skip_graph(int(family[4:]))
     prof = profile_graph(g, "cuda")
     base_mb = _rss_mb()
     t0 = time.perf_counter()
@@ -44,8 +51,9 @@ def _pase_case(p: int) -> dict[str, Any]:
     base = baselines(prof, p, None)
     mesh = counts_mesh(p)
     return {
-        "graph": "pase-transformer", "ops": len(g.ops), "devices": p, "search_s": round(search_s, 3),
+        "graph": g.name, "ops": len(g.ops), "devices": p, "search_s": round(search_s, 3),
         "peak_mb": round(peak, 1), "base_mb": round(base_mb, 1), "cost": res.time_s,
+        "lower_bound": res.time_s - res.relaxation_s, "proven_optimal": res.relaxation_s == 0.0,
         "dp_baseline_cost": base["data-parallel"].time_s if base["data-parallel"] else None,
         "megatron_baseline_cost": base["megatron"].time_s if base["megatron"] else None,
         "max_configs_per_op": max(len(op_configs(op, mesh)) for op in g.ops),
@@ -81,14 +89,40 @@ def _gpt3_case(p: int) -> dict[str, Any]:
         "dp_baseline_cost": plan.baselines.get("data-parallel"),
         "megatron_baseline_cost": plan.baselines.get("megatron"),
         "mesh": plan.mesh, "micro_batches": plan.micro_batches, "feasible": plan.feasible,
+        "proven_optimal": plan.proven_optimal, "lower_bound": plan.lower_bound_s,
         "memory_per_device_gb": round(plan.memory_per_device_bytes / 2**30, 1),
         "baseline_memory_gb": {k: round(v / 2**30, 1) for k, v in plan.baseline_memory_bytes.items()},
         "memory_limit_gb": H200_GB,
     }
 
 
+def _chain_case(p: int) -> dict[str, Any]:
+    """The whole planner on a 20,000-op chain of matmuls (no blocks: the elimination order's
+    scaling), H200 memory limit."""
+    from planner.builders import chain_graph
+    from planner.profile import profile_graph
+    from planner.search import plan_model
+
+    g = chain_graph(20_000)
+    prof = profile_graph(g, "cuda", memory_gb=H200_GB)
+    base_mb = _rss_mb()
+    t0 = time.perf_counter()
+    plan = plan_model(prof, p)
+    search_s = time.perf_counter() - t0
+    return {"graph": g.name, "ops": len(g.ops), "devices": p, "search_s": round(search_s, 3), "peak_mb": round(_rss_mb(), 1),
+            "base_mb": round(base_mb, 1), "cost": plan.estimated_step_s, "mesh": plan.mesh, "dp_shard": plan.dp_shard,
+            "proven_optimal": plan.proven_optimal, "lower_bound": plan.lower_bound_s,
+            "dp_baseline_cost": plan.baselines.get("data-parallel"), "megatron_baseline_cost": plan.baselines.get("megatron"),
+            "memory_limit_gb": H200_GB}
+
+
 def _child(kind: str, p: int, queue: mp.Queue) -> None:
-    queue.put((_pase_case if kind == "pase" else _gpt3_case)(p))
+    if kind == "gpt3":
+        queue.put(_gpt3_case(p))
+    elif kind == "chain":
+        queue.put(_chain_case(p))
+    else:
+        queue.put(_pase_case(p, kind))
 
 
 def run_case(kind: str, p: int) -> dict[str, Any]:
@@ -108,6 +142,8 @@ def main() -> None:
     args = parser.parse_args()
     cases = [("pase", p) for p in (PASE_P[:2] if args.quick else PASE_P)]
     cases += [("gpt3", p) for p in (GPT3_P[:1] if args.quick else GPT3_P)]
+    if not args.quick:
+        cases += [("skip50", 64), ("skip5000", 64), ("chain", 64), ("chain", 512)]
     results = []
     for kind, p in cases:
         row = run_case(kind, p)

@@ -24,8 +24,9 @@ from math import prod
 
 import numpy as np
 
-# Largest dependent-set table (float64 entries, 8 bytes each) an elimination may keep: 1 GiB.
-MAX_TABLE = 1 << 27
+# Largest dependent-set table (float64 entries, 8 bytes each) an elimination may keep: 256 MiB
+# (a search's peak stays under 1 GB).
+MAX_TABLE = 1 << 25
 # Table entries a solve may compute, as simulated over the whole graph (an overestimate where
 # identical layers are solved once): PaSE's Transformer is 2.2e9 at p = 64 (~1.7 s here) and
 # 8.8e9 at p = 128; past it the problem is narrowed and relaxed (solve_bounded): two solves of
@@ -93,7 +94,8 @@ def _greedy(nbrs: dict[int, set[int]], variables: set[int], card: list[int], rng
 
     The pure greedy order keeps the sizes in a heap (stale entries skipped when popped), so a
     step costs the eliminated vertex's neighbourhood, not a scan of every vertex: near-linear
-    on graphs of bounded degree (a 20,000-op chain)."""
+    on graphs of bounded degree (a 20,000-op chain). An order that would keep a table over
+    MAX_TABLE is complete but costs infinite work."""
     nbrs = {v: set(n) for v, n in nbrs.items()}
 
     def size(v: int) -> int:
@@ -102,7 +104,7 @@ def _greedy(nbrs: dict[int, set[int]], variables: set[int], card: list[int], rng
     sizes = {v: size(v) for v in variables}
     heap = [(sizes[v], v) for v in variables]
     heapq.heapify(heap)
-    todo, order, work = set(variables), [], 0.0
+    todo, order, work, too_big = set(variables), [], 0.0, False
     while todo:
         if rng is None:
             while True:
@@ -116,6 +118,7 @@ def _greedy(nbrs: dict[int, set[int]], variables: set[int], card: list[int], rng
         work += sizes[v]
         if work >= give_up:
             return order, float("inf")
+        too_big = too_big or sizes[v] // card[v] > MAX_TABLE  # a table `eliminate` would refuse
         order.append(v)
         todo.discard(v)
         for u in nbrs[v]:
@@ -127,7 +130,7 @@ def _greedy(nbrs: dict[int, set[int]], variables: set[int], card: list[int], rng
                 sizes[u] = size(u)
                 if rng is None:
                     heapq.heappush(heap, (sizes[u], u))
-    return order, work
+    return order, float("inf") if too_big else work
 
 
 def plan_order(scopes: list[tuple[int, ...]], variables: set[int], card: list[int],
@@ -198,7 +201,10 @@ def _min_over(group: list[Factor], dep: tuple[int, ...], v: int, card: list[int]
     if full <= CHUNK or not dep:
         acc = _combine(group, (*dep, v), card)
         arg = acc.argmin(axis=-1)
-        return np.take_along_axis(acc, arg[..., None], axis=-1)[..., 0], arg
+        # Kept until the back-substitution, one per eliminated op: the smallest integers that hold
+        # a configuration index (a 5,000-op graph keeps thousands of these tables).
+        kept = arg.astype(np.int16 if card[v] <= np.iinfo(np.int16).max else np.int32)
+        return np.take_along_axis(acc, arg[..., None], axis=-1)[..., 0], kept
     if full / card[v] > MAX_TABLE:
         raise MemoryError(f"a dependent-set table of {full / card[v]:,.0f} entries exceeds {MAX_TABLE:,}")
     u = dep[0]
