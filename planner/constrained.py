@@ -27,7 +27,7 @@ from typing import Generic, Protocol, TypeVar
 
 import numpy as np
 
-from planner.dp import Domains, restrict, unrestrict
+from planner.dp import Domains
 
 # Relative slack for comparing sums taken in different orders.
 EPS = 1e-9
@@ -173,4 +173,4 @@ class LagrangianSearch(Generic[S]):
         return Outcome(self.best, min(lowest, best_time), proven, opened, self.met)
 
 
-__all__ = ["Domains", "LagrangianSearch", "Outcome", "restrict", "unrestrict"]
+__all__ = ["LagrangianSearch", "Outcome"]

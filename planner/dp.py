@@ -57,9 +57,9 @@ class Problem:
     block_of: dict[int, str] = field(default_factory=dict)  # variable -> block instance
 
 
-Step = tuple[int, tuple[int, ...], np.ndarray]
+Step = tuple[int, tuple[int, ...], np.ndarray]  # (variable, its dependent set, argmin table)
 # Variable -> the configuration indices it may still take (absent: all of them).
-Domains = dict[int, tuple[int, ...]]  # (variable, its dependent set, argmin table)
+Domains = dict[int, tuple[int, ...]]
 
 
 def _combine(factors: list[Factor], scope: tuple[int, ...], card: list[int]) -> np.ndarray:
@@ -336,7 +336,7 @@ def brute_force_constrained(problem: Problem, memory: Problem, limit: float,
 class Solved:
     """An assignment, its value on the whole problem, and a lower bound on the problem's
     minimum: equal when the DP ran on the whole problem; lower when it had to leave out
-    pairwise tables (`dropped`) to keep its tables within MAX_TABLE."""
+    pairwise tables (`dropped`) to stay within MAX_WORK and MAX_TABLE."""
 
     assign: list[int]
     value: float
@@ -346,11 +346,11 @@ class Solved:
 
 def solve_bounded(problem: Problem) -> Solved:
     """`solve`, bounded on any graph. Where the elimination would compute more than MAX_WORK
-    table entries or keep a table over MAX_TABLE, the DP runs on a relaxation: pairwise tables
-    of finite costs (layout conversions, never the tie constraints) are left out, the
-    longest-reaching first (the skips that make dependent sets wide), until it fits. Every cost
-    is non-negative, so the relaxation's minimum is a lower bound on the problem's, and its
-    assignment, valued on the whole problem, an upper one."""
+    table entries or keep a table over MAX_TABLE, two solves within those limits replace it:
+    a relaxation (`_relaxed`: pairwise tables of finite costs, never the tie constraints, left
+    out longest-reaching first) whose minimum is a lower bound, since every cost is
+    non-negative; and the problem narrowed to each op's cheapest configurations (`_narrowed`).
+    The better of their assignments, valued on the whole problem, is the answer."""
     if predicted_work(problem) <= MAX_WORK:
         try:
             assign, total = solve(problem)

@@ -17,8 +17,9 @@ from typing import Literal
 
 from planner import dp
 from planner.configs import Mesh, mesh_configs, named_mesh
-from planner.constrained import MAX_SOLVES, Domains, LagrangianSearch, restrict, unrestrict
+from planner.constrained import MAX_SOLVES, LagrangianSearch
 from planner.costs import CostModel
+from planner.dp import Domains, restrict, unrestrict
 from planner.graph import Graph, Op
 from planner.problem import UNPIPELINED, OpBreakdown, Weights, breakdown, build_problem, tie_factors
 from planner.profile import ModelProfile
@@ -86,7 +87,7 @@ class Candidate:
         return limit is None or self.memory_bytes <= limit
 
 
-def _solve_total(problem: dp.Problem, method: Method) -> dp.Solved:
+def _solve(problem: dp.Problem, method: Method) -> dp.Solved:
     if method == "dp":
         return dp.solve_bounded(problem)
     assign, total = dp.brute_force(problem)
@@ -138,7 +139,7 @@ class StageSolver:
     def first(self) -> StageResult:
         if self._first is None:
             g, costs, w = self.graph, self.costs, self.w
-            solved = _solve_total(build_problem(g, costs, 0.0, w), self.method)
+            solved = _solve(build_problem(g, costs, 0.0, w), self.method)
             self._first = stage_result(g, costs, solved.assign, w, 0.0, solved)
         return self._first
 
@@ -183,12 +184,12 @@ class StageSolver:
         return max(8, min(MAX_SOLVES, int(STAGE_BUDGET_S / estimate)))
 
     def _at(self, lam: float, domains: Domains) -> StageResult | None:
-        """The exact minimum of time + lam x memory within `domains` (None: no assignment keeps
-        every tie there)."""
+        """The DP's minimum of time + lam x memory within `domains` (exact, or bracketed:
+        `relaxation_s`); None when no assignment keeps every tie there."""
         if not domains and lam == 0.0:
             return self.first()
         g, costs, w = self.graph, self.costs, self.w
-        solved = _solve_total(restrict(build_problem(g, costs, lam, w), domains), self.method)
+        solved = _solve(restrict(build_problem(g, costs, lam, w), domains), self.method)
         if not math.isfinite(solved.value):
             return None
         return stage_result(g, costs, unrestrict(solved.assign, domains), w, lam, solved)
@@ -197,7 +198,7 @@ class StageSolver:
         if not domains:
             return self.floor()
         g, costs, w = self.graph, self.costs, self.w
-        solved = _solve_total(restrict(build_problem(g, costs, w=w, memory_only=True), domains), self.method)
+        solved = _solve(restrict(build_problem(g, costs, w=w, memory_only=True), domains), self.method)
         if not math.isfinite(solved.value):
             return None
         return stage_result(g, costs, unrestrict(solved.assign, domains), w, math.inf)

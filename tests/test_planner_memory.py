@@ -16,9 +16,10 @@ from test_planner_ties import _random_ties, _ties_hold
 
 from planner import dp
 from planner.comm import default_comm
-from planner.constrained import LagrangianSearch, restrict, unrestrict
+from planner.constrained import LagrangianSearch
 from planner.costs import CostModel
-from planner.graph import Graph, Op
+from planner.dp import restrict, unrestrict
+from planner.graph import Edge, Graph, Op
 from planner.problem import Weights, build_problem
 from planner.profile import DEFAULT_DEVICES, profile_graph
 from planner.search import exhaustive_search, plan_model
@@ -117,8 +118,6 @@ def _seeded_graph(rng: np.random.Generator, seed: int) -> Graph:
     sizes = {"b": 8, "m": 4, "n": 8, "k": 12}
     ops: list[Op] = []
     edges = []
-    from planner.graph import Edge
-
     n = 3 + seed % 3
     for i in range(n):
         if i == 0:
@@ -138,8 +137,6 @@ def test_parameters_indexed_by_the_batch_dim_are_split_by_dp() -> None:
     """A user's graph whose parameters carry the batch dim: dp splits them, so meshes whose
     parameter state over tp alone exceeds the limit may still fit (the mesh filter once left
     them out: only tp 6 was searched here, and it does not fit)."""
-    from planner.graph import Edge
-
     ops = [Op(name=f"op{i}", kind="matmul", dims={"b": 6, "f": 4}, inputs=(("b", "f"),), output=("b", "f"),
               params=(("b", "f"),), flops=1e6) for i in range(4)]
     g = Graph(name="batch-params", ops=ops, edges=[Edge(src=f"op{i}", dst=f"op{i + 1}") for i in range(3)])
