@@ -50,6 +50,7 @@ from trainer.mesh import plan_refusals
 DEVICES = 4
 MODEL = {"n_layers": 4, "d_model": 128, "n_heads": 4, "vocab_size": 256, "seq_len": 48}
 GLOBAL_BATCH = 16
+PRECISION = "fp32"  # the spec's default: what bench_spec runs
 WARMUP_STEPS = 3  # first steps pay for the first collectives, allocator growth, shape inference
 
 
@@ -61,6 +62,7 @@ def bench_spec(steps: int, store: str) -> JobSpec:
         # one micro-batch per rank unless the plan pipelines: the planner costs exactly that
         "training": {"global_batch": GLOBAL_BATCH, "micro_batch": GLOBAL_BATCH, "steps": steps, "checkpoint_every": 10_000},
         "resources": {"devices": DEVICES, "kind": "cpu"},
+        "parallelism": {"precision": PRECISION},
         "storage": {"url": store},
     })
 
@@ -169,7 +171,8 @@ def main() -> None:
     # As `tasks/profile` builds it for a job: GEMM rate and bandwidth measured here and shared
     # among the workers on these cores, collectives measured on 4 real workers.
     comm = comm_model_from_timings(measure_comm_timings(DEVICES, "cpu"))
-    profile = profile_gpt(**MODEL, batch=GLOBAL_BATCH, device_kind="cpu", measure=True, comm=comm)
+    profile = profile_gpt(**MODEL, batch=GLOBAL_BATCH, device_kind="cpu", measure=True, comm=comm,
+                          precision=PRECISION)
     profile = profile.model_copy(update={"device": share_cores(profile.device, DEVICES)})
     p2p = profile.comm.p2p or profile.comm.intra
     print(f"profile: {profile.device.matmul_flops / 1e9:.1f} GFLOP/s per worker (core share "

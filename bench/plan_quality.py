@@ -26,6 +26,7 @@ from bench.cost_model_fidelity import (
     DEVICES,
     GLOBAL_BATCH,
     MODEL,
+    PRECISION,
     bench_spec,
     measure,
     plan_name,
@@ -45,7 +46,8 @@ def main() -> None:
     parser.add_argument("--max-plans", type=int, default=12)
     args = parser.parse_args()
     comm = comm_model_from_timings(measure_comm_timings(DEVICES, "cpu"))
-    profile = profile_gpt(**MODEL, batch=GLOBAL_BATCH, device_kind="cpu", measure=True, comm=comm)
+    profile = profile_gpt(**MODEL, batch=GLOBAL_BATCH, device_kind="cpu", measure=True, comm=comm,
+                          precision=PRECISION)
     profile = profile.model_copy(update={"device": share_cores(profile.device, DEVICES)})
     with tempfile.TemporaryDirectory(prefix="parashift-quality-") as tmp:
         spec = bench_spec(args.steps, f"file://{tmp}/store")

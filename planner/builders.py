@@ -9,7 +9,7 @@ blocks and stay linear in depth.
 
 from __future__ import annotations
 
-from planner.graph import Dims, Edge, Graph, Op
+from planner.graph import Dims, Edge, Graph, Op, Saved
 
 
 class GraphBuilder:
@@ -33,19 +33,31 @@ class GraphBuilder:
         return Graph(name=self.name, ops=self.ops, edges=self.edges, **fields)
 
 
+def _keep(*tensors: tuple[Dims, int]) -> tuple[Saved, ...]:
+    """What an op's backward keeps: (dims, bytes per element) each."""
+    return tuple(Saved(dims=dims, bytes=size) for dims, size in tensors)
+
+
+# Autocast runs norms, the residual stream and the loss's log-softmax in fp32 whatever the
+# compute precision; token ids are int64.
+FP32, INT64 = 4, 8
+
+
 def _layer_norm(g: GraphBuilder, name: str, src: str, b: int, s: int, d: int, block: str | None,
                 **tp: object) -> str:
     # Statistics run over d: splitting d needs an extra all-reduce the trainer's styles do not
-    # implement (Megatron splits s instead: sequence parallel), so d is `nosplit`.
+    # implement (Megatron splits s instead: sequence parallel), so d is `nosplit`. Backward
+    # keeps the (fp32) input and the mean and reciprocal deviation per token.
     return g.add(name, {"b": b, "s": s, "d": d}, ("b", "s", "d"), srcs=(src,), inputs=(("b", "s", "d"),),
-                 kind="norm", nosplit=("d",), params=(("d",), ("d",)), flops=8.0 * b * s * d, block=block, **tp)
+                 kind="norm", nosplit=("d",), params=(("d",), ("d",)), flops=8.0 * b * s * d, block=block,
+                 saved=_keep((("b", "s", "d"), FP32), (("b", "s"), 2 * FP32)), **tp)
 
 
 def _add(g: GraphBuilder, name: str, x: str, y: str, b: int, s: int, d: int, block: str | None,
          **tp: object) -> str:
     bsd = ("b", "s", "d")
     return g.add(name, {"b": b, "s": s, "d": d}, bsd, srcs=(x, y), inputs=(bsd, bsd), kind="elementwise",
-                 flops=1.0 * b * s * d, block=block, **tp)
+                 flops=1.0 * b * s * d, block=block, saved=(), **tp)
 
 
 # What the trainer executes over "tp" (planner/execution.py turns a plan's choice into the
@@ -56,21 +68,33 @@ SEQUENCE = {"tp_dims": ("s",), "tp_group": "sequence", "part": "sequence"}
 
 
 def gpt_graph(n_layers: int, d_model: int, n_heads: int, vocab_size: int, seq_len: int, batch: int,
-              ff_mult: int = 4) -> Graph:
+              ff_mult: int = 4, precision: str = "bf16") -> Graph:
     """A GPT-2/3 style decoder at module level: 10 ops per layer, plus embedding, head and loss.
 
     Ops declare the layouts the trainer executes over "tp" (`SEQUENCE` above; planner/graph.py
     `tp_dims`, `tp_group`, `tp_needs`), so the planner searches only those: the batch is never
     split over "tp" (that plan is the dp x tp data-parallel mesh, searched as such).
+
+    `precision` is the trainer's: "bf16" (autocast over fp32 weights) or "fp32". Each op's
+    `saved` is what autograd keeps for the trainer's modules (trainer/model.py) under it, as
+    measured by tests/test_activation_memory.py: 40 bytes per token and d_model per layer in
+    bf16 (plus per-row statistics), of which 8 are the fp32 norm inputs and 6 the q, k and v
+    projections' own bf16 copies of their input; Megatron's 34 s·b·h (Korthikanti et al. 2022)
+    counts 2-byte norm inputs, one copy, and two dropout masks the trainer does not keep.
     """
     b, s, d, v, h = batch, seq_len, d_model, vocab_size, n_heads
     if d % h:
         raise ValueError(f"n_heads {h} must divide d_model {d}")
+    if precision not in ("bf16", "fp32"):
+        raise ValueError(f"precision {precision!r}: expected 'bf16' or 'fp32'")
     e, f = d // h, ff_mult * d
+    low = 2 if precision == "bf16" else 4
+    bsd = ("b", "s", "d")
     g = GraphBuilder(f"gpt-{n_layers}x{d}")
     # Token ids select rows of the (v, d) table: vocab parallel splits v (Partial, then all-reduce).
-    x = g.add("embed", {"b": b, "s": s, "v": v, "d": d}, ("b", "s", "d"), inputs=(("b", "s"),), kind="embedding",
-              reduce=("v",), params=(("v", "d"),), flops=2.0 * b * s * d, tp_dim="v", tp_dims=("v",), part="embed")
+    x = g.add("embed", {"b": b, "s": s, "v": v, "d": d}, bsd, inputs=(("b", "s"),), kind="embedding",
+              reduce=("v",), params=(("v", "d"),), flops=2.0 * b * s * d, tp_dim="v", tp_dims=("v",), part="embed",
+              saved=_keep((("b", "s"), INT64), (("s",), INT64)))  # token and position ids
     for i in range(n_layers):
         blk = f"layer{i}"
         p = f"l{i}."
@@ -78,34 +102,42 @@ def gpt_graph(n_layers: int, d_model: int, n_heads: int, vocab_size: int, seq_le
         mlp = {"tp_dims": ("f",), "tp_group": p + "mlp", "part": "mlp", "layer": i}
         sequence = {**SEQUENCE, "layer": i}
         ln1 = _layer_norm(g, p + "ln1", x, b, s, d, blk, **sequence)
+        # q, k and v are three linears: under autocast each casts the (fp32) norm output itself.
         qkv = g.add(p + "qkv", {"b": b, "s": s, "d": d, "h": h, "q": 3 * e}, ("b", "s", "h", "q"), srcs=(ln1,),
-                    inputs=(("b", "s", "d"),), kind="matmul", reduce=("d",), params=(("d", "h", "q"),),
-                    flops=2.0 * b * s * d * 3 * d, block=blk, tp_dim="h", **attention)
+                    inputs=(bsd,), kind="matmul", reduce=("d",), params=(("d", "h", "q"),),
+                    flops=2.0 * b * s * d * 3 * d, block=blk, tp_dim="h",
+                    saved=_keep(*[(bsd, low)] * (3 if low < FP32 else 1)), **attention)
         # Fused causal attention (SDPA): heads and batch split freely; s needs context parallelism
         # (not implemented by the trainer) and q/e are the packed q,k,v and head dims.
         att = g.add(p + "attn", {"b": b, "s": s, "h": h, "q": 3 * e, "e": e}, ("b", "s", "h", "e"), srcs=(qkv,),
                     inputs=(("b", "s", "h", "q"),), kind="attention", nosplit=("s", "q", "e"),
-                    flops=4.0 * b * h * s * s * e, block=blk, tp_dim="h", **attention)
-        proj = g.add(p + "proj", {"b": b, "s": s, "h": h, "e": e, "d": d}, ("b", "s", "d"), srcs=(att,),
+                    flops=4.0 * b * h * s * s * e, block=blk, tp_dim="h",
+                    saved=_keep((("b", "s", "h", "q"), low), (("b", "s", "h", "e"), low), (("b", "s", "h"), FP32)),
+                    **attention)  # q, k, v, the output and the log-sum-exp per row
+        # Its input is attention's output, already kept (a view, not a copy).
+        proj = g.add(p + "proj", {"b": b, "s": s, "h": h, "e": e, "d": d}, bsd, srcs=(att,),
                      inputs=(("b", "s", "h", "e"),), kind="matmul", reduce=("h", "e"), params=(("h", "e", "d"),),
-                     flops=2.0 * b * s * d * d, block=blk, tp_dim="h", **attention)
+                     flops=2.0 * b * s * d * d, block=blk, tp_dim="h", saved=(), **attention)
         add1 = _add(g, p + "add1", x, proj, b, s, d, blk, **sequence)
         ln2 = _layer_norm(g, p + "ln2", add1, b, s, d, blk, **sequence)
         fc1 = g.add(p + "fc1", {"b": b, "s": s, "d": d, "f": f}, ("b", "s", "f"), srcs=(ln2,),
-                    inputs=(("b", "s", "d"),), kind="matmul", reduce=("d",), params=(("d", "f"),),
-                    flops=2.0 * b * s * d * f, block=blk, tp_dim="f", **mlp)  # GELU fused
-        fc2 = g.add(p + "fc2", {"b": b, "s": s, "f": f, "d": d}, ("b", "s", "d"), srcs=(fc1,),
+                    inputs=(bsd,), kind="matmul", reduce=("d",), params=(("d", "f"),),
+                    flops=2.0 * b * s * d * f, block=blk, tp_dim="f",
+                    saved=_keep((bsd, low), (("b", "s", "f"), low)), **mlp)  # GELU fused: its input kept
+        fc2 = g.add(p + "fc2", {"b": b, "s": s, "f": f, "d": d}, bsd, srcs=(fc1,),
                     inputs=(("b", "s", "f"),), kind="matmul", reduce=("f",), params=(("f", "d"),),
-                    flops=2.0 * b * s * d * f, block=blk, tp_dim="f", **mlp)
+                    flops=2.0 * b * s * d * f, block=blk, tp_dim="f", saved=_keep((("b", "s", "f"), low)), **mlp)
         x = _add(g, p + "add2", add1, fc2, b, s, d, blk, **sequence)
     lnf = _layer_norm(g, "ln_f", x, b, s, d, None, **SEQUENCE)
-    head = g.add("head", {"b": b, "s": s, "d": d, "v": v}, ("b", "s", "v"), srcs=(lnf,), inputs=(("b", "s", "d"),),
+    head = g.add("head", {"b": b, "s": s, "d": d, "v": v}, ("b", "s", "v"), srcs=(lnf,), inputs=(bsd,),
                  kind="matmul", reduce=("d",), params=(("d", "v"),), flops=2.0 * b * s * d * v, tp_dim="v",
-                 tp_dims=("v",), tp_group="head", part="head")
+                 tp_dims=("v",), tp_group="head", part="head", saved=_keep((bsd, low)))
     # Cross entropy over v: split v is torch's loss_parallel (an all-reduce of per-token stats).
+    # Backward keeps the fp32 log-probabilities and the int64 targets.
     g.add("loss", {"b": b, "s": s, "v": v}, ("b", "s"), srcs=(head,), inputs=(("b", "s", "v"),), kind="loss",
-          reduce=("v",), flops=5.0 * b * s * v, tp_dim="v", tp_dims=("v",), tp_needs="head", part="loss")
-    return g.build()
+          reduce=("v",), flops=5.0 * b * s * v, tp_dim="v", tp_dims=("v",), tp_needs="head", part="loss",
+          saved=_keep((("b", "s", "v"), FP32), (("b", "s"), INT64)))
+    return g.build(act_bytes=low, weight_cast_bytes=2 if low < FP32 else 0)
 
 
 def gpt3_175b_graph(batch: int = 1536, seq_len: int = 2048) -> Graph:

@@ -12,7 +12,9 @@ the collectives inside the op, plus the sum over edges of layout conversion. Her
   (forward) and the producer's layout for the gradient (backward);
 - optimizer step: once per step, reading and writing the parameter state of the device's shard
   (bandwidth-bound; counted with the gradient sync, the other once-per-step term);
-- memory per device: parameter state (weights, grads, Adam) of its shard plus saved activations.
+- memory per device: parameter state (weights, grads, Adam) of its shard, the activations each
+  op's backward keeps (`Op.saved`, per micro-batch in flight) and, under autocast, the
+  low-precision weight copies the GEMMs keep (`Graph.weight_cast_bytes`, once per step).
 - sharded data parallelism (`Mesh.shard_dp`, FSDP): parameter state and the optimizer step
   divided over "dp"; the weight gradient's all-reduce over "dp" becomes FSDP's traffic: the
   cost of one all-gather of each weight (`OpCost.gather`) and its gradient's reduce-scatter
@@ -36,7 +38,7 @@ import numpy as np
 
 from planner.comm import CommModel
 from planner.configs import Config, Mesh, op_configs
-from planner.graph import Edge, Graph, Op
+from planner.graph import Edge, Graph, Op, Saved
 from planner.profile import DeviceModel
 
 # Ops that run at the GEMM rate; the rest are bandwidth-bound.
@@ -53,6 +55,7 @@ class OpCost:
     grad_comm: np.ndarray  # s, once per step: weight-gradient all-reduce + optimizer update of the shard
     param_mem: np.ndarray  # bytes of parameter state held
     act_mem: np.ndarray  # bytes of activations saved for the backward pass, one evaluation
+    cast_mem: np.ndarray  # bytes of low-precision weight copies kept for backward, once per step
     # Sharded dp (FSDP) only, else zeros: one all-gather of the weights, s; bytes of the
     # unsharded weights and of their unsharded gradients (held as problem.Weights says).
     gather: np.ndarray
@@ -134,7 +137,7 @@ class CostModel:
         configs = op_configs(op, self.mesh)
         n = len(configs)
         compute, comm, grad_comm = np.zeros(n), np.zeros(n), np.zeros(n)
-        param_mem, act_mem = np.zeros(n), np.zeros(n)
+        param_mem, act_mem, cast_mem = np.zeros(n), np.zeros(n), np.zeros(n)
         gather, unsharded_weight, unsharded_grad = np.zeros(n), np.zeros(n), np.zeros(n)
         rate = dev.matmul_flops if op.kind in GEMM_KINDS else float("inf")
         dp_axis = self._dp_axis()
@@ -166,8 +169,12 @@ class CostModel:
             # replicas (dp, or ops replicated over tp) each pay it again.
             grad_comm[i] += 2.0 * g.param_state_bytes * params / state_share / dev.memory_Bps
             param_mem[i] = g.param_state_bytes * params / state_share
-            act_mem[i] = g.act_bytes * local(op.output)
-        return OpCost(configs, compute, comm, grad_comm, param_mem, act_mem, gather, unsharded_weight, unsharded_grad)
+            kept = op.saved if op.saved is not None else (Saved(dims=op.output, bytes=g.act_bytes),)
+            act_mem[i] = sum(t.bytes * local(t.dims) for t in kept)
+            if op.kind in GEMM_KINDS:
+                cast_mem[i] = g.weight_cast_bytes * params
+        return OpCost(configs, compute, comm, grad_comm, param_mem, act_mem, cast_mem, gather, unsharded_weight,
+                      unsharded_grad)
 
     def _build_edge(self, src: Op, dst: Op, slot: int) -> np.ndarray:
         """Seconds to convert src's output layout to dst's input layout, and the gradient back."""

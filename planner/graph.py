@@ -14,6 +14,8 @@ JSON format (what `parashift plan --graph FILE.json` reads; `graph_to_json` writ
       "act_bytes": 2,              # bytes per activation element (bf16)
       "grad_bytes": 4,             # bytes per gradient element in the gradient all-reduce
       "param_state_bytes": 16,     # bytes per parameter held: weights + grads + Adam moments
+      "weight_cast_bytes": 0,      # bytes per element of the low-precision weight copy a GEMM
+                                   # keeps for backward under autocast (0: weights used as held)
       "ops": [
         {"name": "fc1", "kind": "matmul",
          "dims": {"b": 8, "s": 128, "d": 512, "f": 2048},   # iteration space, in order
@@ -29,7 +31,8 @@ JSON format (what `parashift plan --graph FILE.json` reads; `graph_to_json` writ
          "tp_dims": ["f"],                                    # optional: dims "tp" may split
          "tp_group": "layer0.mlp",                            # optional: tie group on "tp"
          "tp_needs": null,                                    # optional: group it depends on
-         "tp_required": false}                                # optional: must split over "tp"
+         "tp_required": false,                                # optional: must split over "tp"
+         "saved": [{"dims": ["b", "s", "d"], "bytes": 2}]}    # optional: what backward keeps
       ],
       "edges": [{"src": "ln2", "dst": "fc1", "slot": 0}]    # src's output is dst's input[slot]
     }
@@ -52,6 +55,11 @@ and a graph without them is searched over every layout, as PaSE does):
 
 These apply to named meshes (planner/configs.py `named_mesh`); PaSE's counts space ignores them.
 
+`saved`: the activations the op's backward pass keeps, each a tensor of the op's dims at its own
+element size (autocast keeps some in fp32, token ids are int64). Without it an op is taken to
+keep its output at `act_bytes`, which counts every intermediate tensor once; the GPT builder
+declares what the trainer's autograd really keeps (tests/test_activation_memory.py measures it).
+
 `part` and `layer` say which part of the trainer's GPT an op is ("embed", "sequence",
 "attention", "mlp", "head", "loss"); a plan is executable by the trainer only for a graph whose
 every op says so (planner/execution.py turns per-op splits into the trainer's terms).
@@ -68,6 +76,15 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, model_validator
 
 Dims = tuple[str, ...]
+
+
+class Saved(BaseModel):
+    """One tensor an op keeps for its backward pass: its dims (the op's) and element size."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    dims: Dims
+    bytes: PositiveInt
 
 
 class Op(BaseModel):
@@ -94,11 +111,14 @@ class Op(BaseModel):
     tp_group: str | None = None
     tp_needs: str | None = None
     tp_required: bool = False
+    saved: tuple[Saved, ...] | None = Field(
+        default=None, description="activations backward keeps (None: the output at the graph's act_bytes)")
 
     @model_validator(mode="after")
     def _tensors_use_own_dims(self) -> Op:
         known = set(self.dims)
-        for tensor in (*self.inputs, self.output, *self.params, self.reduce, self.nosplit):
+        kept = tuple(s.dims for s in self.saved or ())
+        for tensor in (*self.inputs, self.output, *self.params, self.reduce, self.nosplit, *kept):
             unknown = set(tensor) - known
             if unknown:
                 raise ValueError(f"op {self.name}: dims {sorted(unknown)} not in its iteration space {list(self.dims)}")
@@ -152,6 +172,10 @@ class Graph(BaseModel):
     # Mixed-precision Adam holds 16 bytes per parameter: fp16 weight and grad, fp32 master
     # weight and two moments (ZeRO, Rajbhandari et al. 2020, section 3.1).
     param_state_bytes: PositiveInt = 16
+    # Autocast runs GEMMs on a low-precision copy of each weight and keeps that copy for the
+    # backward pass: held once per step (it is cached across the micro-batches of one autocast
+    # region), 2 bytes per weight element under bf16 autocast over fp32 weights.
+    weight_cast_bytes: int = Field(0, ge=0)
     ops: list[Op] = Field(default_factory=list)
     edges: list[Edge] = Field(default_factory=list)
 

@@ -77,8 +77,8 @@ class Weights:
 
     def memory(self, c: OpCost) -> np.ndarray:
         """Bytes per device: parameter state once, activations of the micro-batches in flight,
-        and what FSDP keeps unsharded."""
-        out = c.param_mem + self.inflight * c.act_mem
+        autocast's weight copies once, and what FSDP keeps unsharded."""
+        out = c.param_mem + self.inflight * c.act_mem + c.cast_mem
         if self.holds_weights:
             out = out + c.unsharded_weight
         if self.holds_grads:

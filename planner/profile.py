@@ -143,8 +143,10 @@ def profile_graph(graph: Graph, device_kind: str = "cuda", measure: bool = False
 
 def profile_gpt(n_layers: int, d_model: int, n_heads: int, vocab_size: int, seq_len: int, batch: int,
                 device_kind: str = "cuda", measure: bool = False, *, memory_gb: float | None = None,
-                devices_per_node: int | None = None, comm: CommModel | None = None) -> ModelProfile:
-    """Profile a GPT: its module-level graph for one global batch, rates, comm model."""
-    graph = gpt_graph(n_layers, d_model, n_heads, vocab_size, seq_len, batch)
+                devices_per_node: int | None = None, comm: CommModel | None = None,
+                precision: str = "bf16") -> ModelProfile:
+    """Profile a GPT: its module-level graph for one global batch (at the trainer's `precision`:
+    what activations weigh and what autograd keeps), rates, comm model."""
+    graph = gpt_graph(n_layers, d_model, n_heads, vocab_size, seq_len, batch, precision=precision)
     return profile_graph(graph, device_kind, measure, memory_gb=memory_gb, devices_per_node=devices_per_node,
                          comm=comm, tokens=batch * seq_len)

@@ -75,6 +75,7 @@ def build_profile(spec: JobSpec) -> ModelProfile:
     profile = profile_gpt(
         m.n_layers, m.d_model, m.n_heads, m.vocab_size, m.seq_len, spec.training.global_batch,
         res.kind, measure, memory_gb=res.memory_gb, devices_per_node=res.devices_per_node, comm=comm,
+        precision=spec.parallelism.precision,
     )
     # CPU workers on a host share its cores (across nodes: a node's workers share that node's).
     return profile.model_copy(update={"device": share_cores(profile.device, res.devices_per_node if res.nodes else res.devices)})

@@ -60,18 +60,20 @@ def test_sharded_costs_price_gathers_and_unsharded_tensors() -> None:
 
 
 # As memory tightens: replicated dp (fastest), then FSDP keeping the gathered weights (state
-# sharded, one gather fewer per evaluation), then FSDP freeing them (least memory).
-@pytest.mark.parametrize(("fraction", "dp_shard", "reshard"), [(None, 1, True), (0.5, 4, False), (0.35, 4, True)])
+# sharded, one gather fewer per evaluation), then FSDP freeing them (least memory). Pipelines
+# are left out: tighter still, they fit where FSDP cannot (autocast keeps a bf16 copy of every
+# gathered weight until backward, whether FSDP frees the fp32 one or not).
+@pytest.mark.parametrize(("fraction", "dp_shard", "reshard"), [(None, 1, True), (0.5, 4, False), (0.4, 4, True)])
 def test_memory_decides_between_replicating_keeping_and_freeing(fraction: float | None, dp_shard: int,
                                                                  reshard: bool) -> None:
     """DP and brute force over the same three spaces agree on each step of the way."""
-    g = gpt_graph(4, 64, 4, 128, 16, 16)
+    g = gpt_graph(4, 64, 4, 128, 8, 8)
     prof = profile_graph(g, "cuda", devices_per_node=4)
     limit = None
     if fraction is not None:
         limit = int(plan_model(prof, 4, None, max_tp=1, max_pp=1, shard_dp=False).memory_per_device_bytes * fraction)
-    a = plan_model(prof, 4, limit, max_tp=1)
-    b = exhaustive_search(prof, 4, limit, max_tp=1)
+    a = plan_model(prof, 4, limit, max_tp=1, max_pp=1)
+    b = exhaustive_search(prof, 4, limit, max_tp=1, max_pp=1)
     assert a.estimated_step_s == pytest.approx(b.estimated_step_s, rel=1e-12)
     assert (a.mesh, a.dp_shard, a.reshard_after_forward, a.micro_batches) == (
         b.mesh, b.dp_shard, b.reshard_after_forward, b.micro_batches)

@@ -164,7 +164,8 @@ def test_nothing_fits_returns_the_layout_closest_to_fitting() -> None:
     assert not plan.feasible
     gib = plan.memory_per_device_bytes / 2**30
     floor = 175e9 * 16 / 8 / 2**30
-    assert floor <= gib < 1.1 * floor, gib  # weights and optimizer state split 8 ways, little more
+    # weights and optimizer state split 8 ways, autocast's bf16 weight copies, little more
+    assert floor <= gib < 1.1 * 175e9 * (16 + 2) / 8 / 2**30, gib
     assert all(plan.memory_per_device_bytes <= m for m in plan.baseline_memory_bytes.values())
     assert any("closest to fitting" in note and f"{gib:.1f} GiB" in note for note in plan.notes)
 

@@ -41,7 +41,7 @@ def plan(
     else:
         profile = profile_gpt(model.n_layers, model.d_model, model.n_heads, model.vocab_size, model.seq_len,
                               job.training.global_batch, kind, measure, memory_gb=res.memory_gb,
-                              devices_per_node=res.devices_per_node)
+                              devices_per_node=res.devices_per_node, precision=par.precision)
     search = exhaustive_search if exhaustive else plan_model
     try:
         result = search(profile, n, None, par.max_tp, par.max_pp, shard_dp=par.shard_data_parallel)
