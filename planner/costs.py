@@ -4,7 +4,9 @@ PaSE's decomposition (Elango 2021, section III): a strategy costs the sum over o
 the collectives inside the op, plus the sum over edges of layout conversion. Here:
 
 - compute: forward + backward (3x forward FLOPs) over the op's share of the iteration space,
-  on a roofline of the device's GEMM rate and memory bandwidth;
+  on a roofline of the device's GEMM rate (times the wave efficiency of the op's local GEMM
+  shape) and memory bandwidth, plus the host's fixed overhead per op; on a device the host
+  feeds asynchronously (CUDA) the larger of device and host time instead of their sum;
 - collectives inside the op: a tensor that lacks a split dim is a partial sum over the devices
   splitting it — the output in the forward pass, each input's and weight's gradient in the
   backward pass — so it is all-reduced over that group (weight gradients: data-parallel sync);
@@ -43,6 +45,20 @@ from planner.profile import DeviceModel
 
 # Ops that run at the GEMM rate; the rest are bandwidth-bound.
 GEMM_KINDS = frozenset({"matmul", "conv", "attention"})
+
+
+def gemm_output_dims(op: Op) -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]] | None:
+    """The output dims of an op's GEMM as (batch, rows, columns): the left operand is the first
+    input, the right one the first weight (else the second input); output dims in both are the
+    batch, in the left only the rows, in the right only the columns. None when the op has one
+    operand only (fused attention tiles its own way)."""
+    right = op.params[0] if op.params else (op.inputs[1] if len(op.inputs) > 1 else None)
+    if not op.inputs or right is None:
+        return None
+    left = op.inputs[0]
+    out = op.output
+    return (tuple(d for d in out if d in left and d in right), tuple(d for d in out if d in left and d not in right),
+            tuple(d for d in out if d in right and d not in left))
 
 
 @dataclass
@@ -140,6 +156,7 @@ class CostModel:
         param_mem, act_mem, cast_mem = np.zeros(n), np.zeros(n), np.zeros(n)
         gather, unsharded_weight, unsharded_grad = np.zeros(n), np.zeros(n), np.zeros(n)
         rate = dev.matmul_flops if op.kind in GEMM_KINDS else float("inf")
+        gemm = gemm_output_dims(op) if op.kind in GEMM_KINDS else None
         dp_axis = self._dp_axis()
         state_share = 1 if dp_axis is None else self.mesh.sizes[dp_axis]  # FSDP: each rank holds 1/dp
         for i, cfg in enumerate(configs):
@@ -153,8 +170,13 @@ class CostModel:
             params = sum(local(t) for t in op.params)
             moved = 3.0 * g.act_bytes * (act + params)  # forward once, backward twice
             sharded = any(c > 1 for d, c in split.items() if d != g.batch_dim)
-            overhead = dev.op_overhead_s + (dev.sharded_op_overhead_s if sharded else 0.0)
-            compute[i] = max(3.0 * op.flops / share / rate, moved / dev.memory_Bps) + overhead
+            host = dev.op_overhead_s + (dev.sharded_op_overhead_s if sharded else 0.0)
+            efficiency = 1.0
+            if gemm is not None:
+                batch, rows, cols = (prod(op.dims[d] // split[d] for d in dims) for dims in gemm)
+                efficiency = dev.gemm_efficiency(batch, rows, cols)
+            device_s = max(3.0 * op.flops / share / (rate * efficiency), moved / dev.memory_Bps)
+            compute[i] = max(device_s, host) if dev.host_async else device_s + host
             comm[i] = self._allreduce(op, cfg, op.output, g.act_bytes) + sum(
                 self._allreduce(op, cfg, t, g.act_bytes) for t in op.inputs)
             grad_comm[i] = sum(self._allreduce(op, cfg, t, g.grad_bytes, bucketed=True) for t in op.params)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt
 
 from planner.builders import gpt_graph
 from planner.comm import CommModel, default_comm
@@ -32,6 +32,13 @@ class DeviceModel(BaseModel):
         default=0.0, ge=0.0,
         description="extra fixed seconds per evaluation of an op split along a non-batch dim (DTensor dispatch, sharding propagation)",
     )
+    host_async: bool = Field(
+        default=False,
+        description="the host queues kernels ahead of the device (CUDA): an op costs the larger of its device time "
+        "and its host overhead, not their sum (CPU workers compute on the thread that dispatches)")
+    gemm_tile: tuple[PositiveInt, PositiveInt] = Field(
+        default=(1, 1), description="output tile (rows, columns) one compute unit takes at a time in a GEMM")
+    gemm_units: PositiveInt = Field(default=1, description="compute units that run GEMM tiles side by side (SMs)")
     core_share: float = Field(
         default=1.0, gt=0.0, le=1.0,
         description="fraction of a core each worker gets while every worker is busy (CPU workers outnumbering "
@@ -39,16 +46,32 @@ class DeviceModel(BaseModel):
     )
     measured: bool = False
 
+    def gemm_efficiency(self, batch: int, rows: int, cols: int) -> float:
+        """Fraction of the GEMM rate a (batch x rows x cols)-output GEMM gets from whole tiles
+        and whole waves: tiles are padded to full size and run in waves of `gemm_units`, so
+        a GEMM of 64 tiles on 132 SMs keeps half of them idle (wave quantization)."""
+        tile_rows, tile_cols = self.gemm_tile
+        tiles = batch * -(-rows // tile_rows) * -(-cols // tile_cols)
+        waves = -(-tiles // self.gemm_units)
+        return batch * rows * cols / (waves * self.gemm_units * tile_rows * tile_cols)
 
-# H200: 989 TFLOP/s dense bf16 peak; eager GPT-2 reaches 31-47% (measured on an H200), so 40% sustained;
-# HBM3e 4.8 TB/s at ~70% achievable. CPU: the 2-core CI machines (fp32 MKL GEMM ~50 GFLOP/s).
+
+# H200: 989 TFLOP/s dense bf16 peak; eager GPT-2 reaches 31-47% (measured on an H200), so 40% sustained
+# by GEMMs of whole waves; HBM3e 4.8 TB/s at ~70% achievable; 132 SMs, GEMM tiles of 128 x 128 (a
+# typical cuBLAS bf16 tile; smaller GEMMs lose to wave quantization). Host overhead: eager PyTorch
+# spends some 5-10 us of host time per aten op (dispatch, autograd recording) and a module-level op
+# runs about 4-6 of them forward and backward, so 40 us per evaluation; DTensor's sharding
+# propagation adds about 100 us. Both are estimates until measured on the GPU
+# (`measure_device("cuda")` times the first; BENCHMARKS.md, GPU check). CPU: the 2-core CI
+# machines (fp32 MKL GEMM ~50 GFLOP/s).
 # op_overhead_s, cpu: 0.16 ms of one core per op evaluation, and sharded_op_overhead_s, cpu:
 # 4.5 ms per evaluation of a tensor-parallel op, both fitted to measured step times of 14 plans
 # on 4 gloo workers on 2 cores (BENCHMARKS.md, cost-model fidelity: 0.32 ms and 9 ms there, with
-# each worker getting half a core; share_cores scales them back). cuda: not measured yet, so 0
-# (asynchronous kernel launches hide eager dispatch behind large ops).
+# each worker getting half a core; share_cores scales them back).
 DEFAULT_DEVICES = {
-    "cuda": DeviceModel(kind="cuda", matmul_flops=0.4 * 989e12, memory_Bps=0.7 * 4.8e12, memory_bytes=141 * 2**30),
+    "cuda": DeviceModel(kind="cuda", matmul_flops=0.4 * 989e12, memory_Bps=0.7 * 4.8e12, memory_bytes=141 * 2**30,
+                        op_overhead_s=4e-5, sharded_op_overhead_s=1e-4, host_async=True, gemm_tile=(128, 128),
+                        gemm_units=132),
     "cpu": DeviceModel(kind="cpu", matmul_flops=50e9, memory_Bps=5e9, memory_bytes=None, op_overhead_s=1.6e-4,
                        sharded_op_overhead_s=4.5e-3),
 }
@@ -121,10 +144,37 @@ def measure_device(kind: str = "cpu", repeats: int = 3) -> DeviceModel:
     # 16 MiB the figure swung between 5 and 85 GB/s from run to run with what else held the cache.
     x = torch.randn(1 << 25, device=dev, dtype=dtype)
     bw = 3.0 * x.numel() * x.element_size() / best(lambda x=x: x + x)  # two reads, one write
-    mem = torch.cuda.get_device_properties(dev).total_memory if dev.type == "cuda" else None
     default = DEFAULT_DEVICES.get(kind, DEFAULT_DEVICES["cuda"])
-    return DeviceModel(kind=kind, matmul_flops=rate, memory_Bps=bw, memory_bytes=mem, op_overhead_s=default.op_overhead_s,
-                       sharded_op_overhead_s=default.sharded_op_overhead_s, measured=True)
+    update: dict[str, object] = {"kind": kind, "matmul_flops": rate, "memory_Bps": bw, "memory_bytes": None,
+                                 "measured": True}
+    if dev.type == "cuda":
+        props = torch.cuda.get_device_properties(dev)
+        update.update(memory_bytes=props.total_memory, gemm_units=props.multi_processor_count,
+                      op_overhead_s=host_overhead_s(dev))
+    # On CPU the per-op overheads stay the ones fitted to measured step times (a tiny op timed
+    # alone misses what 4 workers on 2 cores pay: BENCHMARKS.md, cost-model fidelity).
+    return default.model_copy(update=update)
+
+
+def host_overhead_s(device: object, repeats: int = 200) -> float:
+    """Host seconds of one module-level op's forward and backward in eager PyTorch: a tiny
+    linear, so the device keeps up and the loop runs at the speed of dispatch and autograd."""
+    import torch
+
+    layer = torch.nn.Linear(8, 8, device=device)
+    x = torch.randn(8, 8, device=device, requires_grad=True)
+
+    def loop(n: int) -> None:
+        for _ in range(n):
+            layer(x).sum().backward()
+
+    loop(10)
+    torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    loop(repeats)
+    elapsed = time.perf_counter() - start
+    torch.cuda.synchronize(device)
+    return elapsed / repeats
 
 
 def profile_graph(graph: Graph, device_kind: str = "cuda", measure: bool = False, *,

@@ -1,15 +1,13 @@
 """The planner's activation memory is what the trainer's autograd really keeps.
 
-Measured by packing every tensor autograd saves for backward (saved-tensor hooks), counted once
-per storage (views share one) and leaving out the parameters themselves, for the trainer's GPT
-run as the worker runs it (bf16 autocast over fp32 weights, or plain fp32). The planner's count
+Measured by `trainer.memory.kept_for_backward` (every tensor autograd saves for backward, once
+per storage, parameters left out) for the trainer's GPT run as the worker runs it (bf16
+autocast over fp32 weights, or plain fp32). The planner's count
 for the same batch is each op's `saved` tensors plus autocast's weight copies
 (`planner.costs.OpCost.act_mem`, `cast_mem`).
 """
 
 from __future__ import annotations
-
-import contextlib
 
 import pytest
 import torch
@@ -19,29 +17,17 @@ from planner.comm import default_comm
 from planner.configs import named_mesh
 from planner.costs import CostModel
 from planner.profile import DEFAULT_DEVICES
-from trainer.model import GPT, GPTConfig, token_loss_sum
+from trainer.memory import kept_for_backward
+from trainer.model import GPT, GPTConfig
 
 CONFIG = GPTConfig(n_layers=2, d_model=64, n_heads=4, vocab_size=256, seq_len=32)
 
 
 def kept_by_autograd(model: GPT, batch: int, precision: str) -> int:
-    """Bytes of the distinct storages autograd keeps for one forward of `batch` sequences."""
-    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    kept: dict[int, int] = {}
-
-    def pack(tensor: torch.Tensor) -> torch.Tensor:
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() not in weights:
-            kept[storage.data_ptr()] = storage.nbytes()
-        return tensor
-
+    """Bytes autograd keeps for one forward of `batch` random sequences."""
     generator = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, CONFIG.vocab_size, (batch, CONFIG.seq_len), generator=generator)
-    targets = torch.randint(0, CONFIG.vocab_size, (batch, CONFIG.seq_len), generator=generator)
-    autocast = torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16" else contextlib.nullcontext()
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor), autocast:
-        token_loss_sum(model(tokens), targets)
-    return sum(kept.values())
+    tokens, targets = torch.randint(0, CONFIG.vocab_size, (2, batch, CONFIG.seq_len), generator=generator)
+    return kept_for_backward(model, tokens, targets, precision)
 
 
 def planned(batch: int, precision: str, dp: int = 1) -> float:
