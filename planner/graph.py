@@ -72,10 +72,12 @@ import json
 from collections.abc import Iterable
 from math import prod
 from pathlib import Path
+from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, model_validator
 
 Dims = tuple[str, ...]
+MAX_DIM = 2**40  # a dim larger than this is a typo, and its products overflow the cost tables
 
 
 class Saved(BaseModel):
@@ -94,7 +96,7 @@ class Op(BaseModel):
 
     name: str = Field(min_length=1)
     kind: str = "op"
-    dims: dict[str, PositiveInt]
+    dims: dict[str, Annotated[int, Field(gt=0, le=MAX_DIM)]]
     reduce: tuple[str, ...] = ()
     nosplit: tuple[str, ...] = ()
     inputs: tuple[Dims, ...] = ()
@@ -324,7 +326,7 @@ def load_graph_json(path: str | Path) -> Graph:
     except (UnicodeDecodeError, json.JSONDecodeError) as error:
         raise GraphError(path, [f"not JSON: {error}"]) from None
     try:
-        return Graph.model_validate(raw)
+        graph = Graph.model_validate(raw)
     except ValidationError as error:
         problems = []
         for e in error.errors():
@@ -337,6 +339,13 @@ def load_graph_json(path: str | Path) -> Graph:
             message = e["msg"].removeprefix("Value error, ")
             problems.append(f"{where}: {message}" if where else message)
         raise GraphError(path, problems) from None
+    # What a model may hold but a file to plan may not: nothing to plan, or nothing for data
+    # parallelism to split (it would silently replicate every op).
+    if not graph.ops:
+        raise GraphError(path, ["ops: a graph to plan needs at least one op"])
+    if not any(graph.batch_dim in op.dims for op in graph.ops):
+        raise GraphError(path, [f"batch_dim: {graph.batch_dim!r} is not a dim of any op (data parallelism splits it)"])
+    return graph
 
 
 __all__ = ["Edge", "Graph", "GraphError", "Op", "graph_to_json", "load_graph_json"]

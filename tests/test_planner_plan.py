@@ -190,6 +190,10 @@ GOOD_GRAPH = {"ops": [{"name": "a", "dims": {"b": 4, "f": 8}, "inputs": [["b", "
         (lambda g: g["edges"].append({"src": "a", "dst": "c"}), "edge a->c: input slot 0 of c already has an edge"),
         (lambda g: g.update(act_bytes=-2), "act_bytes: Input should be greater than 0"),
         (lambda g: g.update(ops="nope"), "ops: Input should be a valid list"),
+        (lambda g: g.update(ops=[], edges=[]), "ops: a graph to plan needs at least one op"),
+        (lambda g: g.update(batch_dim="n"), "batch_dim: 'n' is not a dim of any op"),
+        (lambda g: g["ops"][0]["dims"].update(b=2**50), "ops[0].dims.b (op 'a'): Input should be less than or equal to"),
+        (lambda g: g["ops"][0].update(saved=[{"dims": ["z"], "bytes": 2}]), "ops[0] (op 'a'): op a: dims ['z'] not in"),
     ],
 )
 def test_malformed_graphs_are_refused_with_one_line(tmp_path: Path, change, line: str) -> None:
