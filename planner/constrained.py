@@ -85,10 +85,12 @@ class LagrangianSearch(Generic[S]):
 
     def __init__(self, solve: Callable[[float, Domains], S | None], least: Callable[[Domains], S | None],
                  memory: list[np.ndarray], limit: float, max_nodes: int = MAX_NODES, max_solves: int = MAX_SOLVES,
-                 cutoff: float = math.inf) -> None:
+                 cutoff: float = math.inf, repair: Callable[[S, S], S | None] | None = None) -> None:
         """`cutoff`: a time past which nothing matters to the caller (a faster strategy is
-        known): the search stops once every open node's bound reaches it."""
-        self.solve, self.least, self.memory, self.limit = solve, least, memory, limit
+        known): the search stops once every open node's bound reaches it. `repair(fast,
+        fitting)`: a fitting solution built between the root's two solutions at the best
+        multiplier (planner/repair.py), an incumbent to prune by."""
+        self.solve, self.least, self.memory, self.limit, self.repair = solve, least, memory, limit, repair
         self.max_nodes, self.max_solves, self.cutoff = max_nodes, max_solves, cutoff
         self.best: S | None = None
         self.met: list[S] = []
@@ -97,8 +99,8 @@ class LagrangianSearch(Generic[S]):
     def _out_of_budget(self) -> bool:
         return self.solves >= self.max_solves
 
-    def _met(self, s: S | None) -> S | None:
-        self.solves += 1
+    def _met(self, s: S | None, solved: bool = True) -> S | None:
+        self.solves += solved
         if s is not None:
             self.met.append(s)
             if s.memory_bytes <= self.limit and (self.best is None or s.time_s < self.best.time_s):
@@ -135,6 +137,8 @@ class LagrangianSearch(Generic[S]):
                 fitting = s
             else:
                 fast = s
+        if self.repair is not None and not domains:
+            self._met(self.repair(fast, fitting), solved=False)
         return _Node(bound, domains, fast, fitting)
 
     def _branch(self, node: _Node[S]) -> list[Domains]:

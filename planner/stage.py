@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from itertools import product
 from typing import Literal
 
+import numpy as np
+
 from planner import dp
 from planner.configs import Mesh, mesh_configs, named_mesh
 from planner.constrained import MAX_SOLVES, LagrangianSearch
@@ -23,6 +25,7 @@ from planner.dp import Domains, restrict, unrestrict
 from planner.graph import Graph, Op
 from planner.problem import UNPIPELINED, OpBreakdown, Weights, breakdown, build_problem, tie_factors
 from planner.profile import ModelProfile
+from planner.repair import repair
 
 Method = Literal["dp", "exhaustive"]
 
@@ -171,8 +174,9 @@ class StageSolver:
             return first, [first]
         if self.method == "exhaustive":
             return self._enumerated(limit)
-        search = LagrangianSearch(self._at, self._least, [self.w.memory(self.costs.op_cost(op)) for op in self.graph.ops],
-                                  limit, max_solves=self._solve_budget(), cutoff=cutoff)
+        memory = [self.w.memory(self.costs.op_cost(op)) for op in self.graph.ops]
+        search = LagrangianSearch(self._at, self._least, memory, limit, max_solves=self._solve_budget(), cutoff=cutoff,
+                                  repair=lambda fast, fitting: self._repaired(memory, fast, fitting))
         out = search.run()
         best = out.best if out.best is not None else self.floor()
         best.bound, best.proven = out.bound, out.proven
@@ -195,6 +199,13 @@ class StageSolver:
         if not math.isfinite(solved.value):
             return None
         return stage_result(g, costs, unrestrict(solved.assign, domains), w, lam, solved)
+
+    def _repaired(self, memory: list[np.ndarray], fast: StageResult, fitting: StageResult) -> StageResult | None:
+        """A fitting assignment walked from `fast` toward `fitting` (planner/repair.py)."""
+        assert self.limit is not None
+        g, costs, w = self.graph, self.costs, self.w
+        assign = repair(build_problem(g, costs, 0.0, w), memory, fast.assign, fitting.assign, self.limit)
+        return None if assign is None else stage_result(g, costs, assign, w, 0.0)
 
     def _least(self, domains: Domains) -> StageResult | None:
         if not domains:
