@@ -9,7 +9,8 @@ level before the search starts). The last line printed is one JSON object:
 
 Families: PaSE's Transformer (p = 4 .. 512), GPT-3 175B (p = 8 .. 1024, the whole planner with
 the H200 memory limit), skip-heavy stacks of 50 and 5,000 ops (PaSE's space, p = 64) and a
-20,000-op chain (the whole planner, p = 64 and 512). `proven_optimal` / `lower_bound`: whether
+20,000-op chain (the whole planner, p = 64 and 512; 1024 wide at p = 64, where the memory limit
+binds). `proven_optimal` / `lower_bound`: whether
 the search proved its answer or stopped at a bound (planner/dp.py solve_bounded,
 planner/constrained.py).
 """
@@ -96,14 +97,15 @@ def _gpt3_case(p: int) -> dict[str, Any]:
     }
 
 
-def _chain_case(p: int) -> dict[str, Any]:
+def _chain_case(p: int, d_model: int = 256) -> dict[str, Any]:
     """The whole planner on a 20,000-op chain of matmuls (no blocks: the elimination order's
-    scaling), H200 memory limit."""
+    scaling), H200 memory limit. `d_model` 1024: the weights (335 GB) must be sharded, some
+    ops more than others, so the constrained search runs on every mesh."""
     from planner.builders import chain_graph
     from planner.profile import profile_graph
     from planner.search import plan_model
 
-    g = chain_graph(20_000)
+    g = chain_graph(20_000, d_model=d_model)
     prof = profile_graph(g, "cuda", memory_gb=H200_GB)
     base_mb = _rss_mb()
     t0 = time.perf_counter()
@@ -121,6 +123,8 @@ def _child(kind: str, p: int, queue: mp.Queue) -> None:
         queue.put(_gpt3_case(p))
     elif kind == "chain":
         queue.put(_chain_case(p))
+    elif kind == "chain-wide":
+        queue.put(_chain_case(p, d_model=1024))
     else:
         queue.put(_pase_case(p, kind))
 
@@ -143,7 +147,7 @@ def main() -> None:
     cases = [("pase", p) for p in (PASE_P[:2] if args.quick else PASE_P)]
     cases += [("gpt3", p) for p in (GPT3_P[:1] if args.quick else GPT3_P)]
     if not args.quick:
-        cases += [("skip50", 64), ("skip5000", 64), ("chain", 64), ("chain", 512)]
+        cases += [("skip50", 64), ("skip5000", 64), ("chain", 64), ("chain", 512), ("chain-wide", 64)]
     results = []
     for kind, p in cases:
         row = run_case(kind, p)
