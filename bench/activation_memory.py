@@ -19,20 +19,9 @@ import json
 import torch
 
 from planner.builders import gpt_graph
-from planner.comm import default_comm
-from planner.configs import named_mesh
-from planner.costs import CostModel
-from planner.profile import DEFAULT_DEVICES
+from planner.costs import data_parallel_activation_bytes
 from trainer.memory import kept_for_backward
 from trainer.model import GPT, GPTConfig, token_loss_sum
-
-
-def planned_bytes(config: GPTConfig, batch: int, precision: str) -> float:
-    """The planner's activation bytes for `batch` sequences on one device."""
-    graph = gpt_graph(config.n_layers, config.d_model, config.n_heads, config.vocab_size, config.seq_len, batch,
-                      precision=precision)
-    costs = CostModel(graph, DEFAULT_DEVICES["cpu"], default_comm("cpu"), named_mesh(1, 1))
-    return sum(float(costs.op_cost(op).act_mem[0] + costs.op_cost(op).cast_mem[0]) for op in graph.ops)
 
 
 def main() -> None:
@@ -63,7 +52,9 @@ def main() -> None:
         result["allocated_bytes"] = torch.cuda.memory_allocated() - before  # held for backward
         result["peak_bytes"] = torch.cuda.max_memory_allocated() - before
         del loss
-    planned = planned_bytes(config, args.batch, args.precision)
+    graph = gpt_graph(config.n_layers, config.d_model, config.n_heads, config.vocab_size, config.seq_len, args.batch,
+                      precision=args.precision)
+    planned = data_parallel_activation_bytes(graph)
     result.update(planned_bytes=planned, planned_over_kept=round(planned / kept, 5))
     print(json.dumps(result))
 

@@ -38,10 +38,10 @@ from math import prod
 
 import numpy as np
 
-from planner.comm import CommModel
-from planner.configs import Config, Mesh, op_configs
+from planner.comm import CommModel, default_comm
+from planner.configs import Config, Mesh, named_mesh, op_configs
 from planner.graph import Edge, Graph, Op, Saved
-from planner.profile import DeviceModel
+from planner.profile import DEFAULT_DEVICES, DeviceModel
 
 # Ops that run at the GEMM rate; the rest are bandwidth-bound.
 GEMM_KINDS = frozenset({"matmul", "conv", "attention"})
@@ -249,3 +249,16 @@ class CostModel:
                 out += np.where(sel & (recv > 0), link.latency_s + recv / link.bandwidth_Bps, 0.0)
         return out
 
+
+def data_parallel_activation_bytes(graph: Graph, dp: int = 1) -> float:
+    """Bytes one device keeps for backward with the batch split `dp` ways and nothing else
+    split: what each op's backward keeps for one evaluation plus autocast's weight copies (what
+    trainer.memory.kept_for_backward measures on the trainer's model)."""
+    costs = CostModel(graph, DEFAULT_DEVICES["cpu"], default_comm("cpu"), named_mesh(dp, 1, batch_dim=graph.batch_dim))
+    total = 0.0
+    for op in graph.ops:
+        cost = costs.op_cost(op)
+        only_batch = next(i for i, cfg in enumerate(cost.configs)
+                          if all(c == 1 for d, c in zip(op.dims, cfg.counts, strict=True) if d != graph.batch_dim))
+        total += float(cost.act_mem[only_batch] + cost.cast_mem[only_batch])
+    return total

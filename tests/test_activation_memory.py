@@ -13,10 +13,7 @@ import pytest
 import torch
 
 from planner.builders import gpt_graph
-from planner.comm import default_comm
-from planner.configs import named_mesh
-from planner.costs import CostModel
-from planner.profile import DEFAULT_DEVICES
+from planner.costs import data_parallel_activation_bytes
 from trainer.memory import kept_for_backward
 from trainer.model import GPT, GPTConfig
 
@@ -31,18 +28,10 @@ def kept_by_autograd(model: GPT, batch: int, precision: str) -> int:
 
 
 def planned(batch: int, precision: str, dp: int = 1) -> float:
-    """The planner's bytes per device for `batch` sequences split `dp` ways: what each op keeps
-    for one evaluation plus autocast's weight copies."""
+    """The planner's bytes per device for `batch` sequences split `dp` ways."""
     graph = gpt_graph(CONFIG.n_layers, CONFIG.d_model, CONFIG.n_heads, CONFIG.vocab_size, CONFIG.seq_len, batch,
                       precision=precision)
-    costs = CostModel(graph, DEFAULT_DEVICES["cpu"], default_comm("cpu"), named_mesh(dp, 1))
-    total = 0.0
-    for op in graph.ops:
-        cost = costs.op_cost(op)
-        split = next(i for i, cfg in enumerate(cost.configs) if all(c == 1 for d, c in zip(op.dims, cfg.counts, strict=True)
-                                                                   if d != graph.batch_dim))
-        total += float(cost.act_mem[split] + cost.cast_mem[split])
-    return total
+    return data_parallel_activation_bytes(graph, dp)
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp32"])
