@@ -18,10 +18,11 @@ import json
 
 import torch
 
+from models.gpt.model import GPT, GPTConfig
+from models.layers import token_loss_sum
 from planner.builders import gpt_graph
 from planner.costs import data_parallel_activation_bytes
 from trainer.memory import kept_for_backward
-from trainer.model import GPT, GPTConfig, token_loss_sum
 
 
 def main() -> None:

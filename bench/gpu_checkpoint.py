@@ -23,13 +23,13 @@ import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
+from models.gpt.model import GPT, GPTConfig
 from specs import JobSpec, example_path, load_spec
 from specs.plan import Plan
 from storage import CheckpointStore, ObjectStore
 from trainer.checkpoint import Checkpointer, apply_state, collect_state, restore_latest
 from trainer.launch import launch_workers
 from trainer.layout import rng_state_bytes, state_layout
-from trainer.model import GPT, GPTConfig
 from trainer.optim import LocalShardAdamW
 
 
@@ -68,7 +68,7 @@ def single_device(spec: JobSpec, device: torch.device, folder: Path) -> dict:
     optimizer.step()
     optimizer.zero_grad()
     synced(device)
-    layout = state_layout(Plan.data_parallel(1), config, rng_state_bytes(device))
+    layout = state_layout(Plan.data_parallel(1), spec.model, rng_state_bytes(device))
     store = CheckpointStore(ObjectStore(f"file://{folder}/parashift"), "gpu-check")
     ck = Checkpointer(store, layout, 0, keep=2, copy_host_memory=device.type == "cpu")  # CPU smoke: buffers to write raw
 

@@ -19,10 +19,11 @@ import time
 import torch
 import torch.nn.functional as F
 
+from models.gpt.family import FAMILY
+from models.gpt.model import GPT, GPTConfig
 from specs import JobSpec, example_path, load_spec
 from specs.plan import Plan
 from trainer.launch import launch_workers
-from trainer.model import GPT, GPTConfig, flops_per_token
 
 H200_BF16_DENSE_FLOPS = 989e12  # NVIDIA H200 SXM datasheet, dense BF16 tensor core peak
 WARMUP_STEPS = 10  # compilation and autotuning happen in the first steps
@@ -85,7 +86,7 @@ def main() -> None:
     m = spec.model
     config = GPTConfig.of(m)
     params = GPT(config).num_params()
-    per_token = flops_per_token(config, params)
+    per_token = FAMILY.flops_per_token(m, params)
     trainer, plain = statistics.median(trainer_rates), statistics.median(plain_rates)
     report = {
         "benchmark": "gpu_throughput",

@@ -17,10 +17,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
+from models.gpt.model import GPT, GPTConfig
 from specs import JobSpec
 from trainer import metrics
 from trainer.data import load_tokens
-from trainer.model import GPT, GPTConfig
 
 
 def main() -> None:

@@ -21,6 +21,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 
+from models import family_of
 from ptc.dtensor import local_data
 from specs import JobSpec
 from specs.plan import Plan
@@ -28,23 +29,24 @@ from storage import CheckpointStore, ObjectStore
 from trainer.checkpoint import Checkpointer, apply_state, collect_state, restore_destinations, restore_latest
 from trainer.layout import layout_mismatches, state_layout
 from trainer.mesh import Coordinates, ParallelDims
-from trainer.model import GPT, GPTConfig, initial_value
 from trainer.optim import LocalShardAdamW
 from trainer.parallel import materialize, parallelize
 from trainer.pipeline import build_stage
 
 
-def build(plan: Plan, config: GPTConfig, spec: JobSpec) -> tuple[torch.nn.Module, LocalShardAdamW]:
+def build(plan: Plan, spec: JobSpec) -> tuple[torch.nn.Module, LocalShardAdamW]:
     """The rank's part of the model under `plan`, as the trainer builds it, with AdamW state
     after one step."""
     dims = ParallelDims.from_plan(plan)
     mesh = dims.build_mesh("cpu")
     coords = Coordinates.of(mesh, dims)
+    family = family_of(spec.model)
     with torch.device("meta"):
-        model = GPT(config)
-    module = build_stage(model, plan, coords.pp_rank) if dims.pp > 1 else model
-    parallelize(module, plan, mesh, plan.tp_regions(config.n_layers), torch.device("cpu"))
-    materialize(module, torch.device("cpu"), lambda name, shape: initial_value(config, name, shape, 0))
+        model = family.build(spec.model)
+    n_layers = spec.model.n_layers
+    module = build_stage(model, family, plan, n_layers, coords.pp_rank) if dims.pp > 1 else model
+    parallelize(module, family, plan, mesh, plan.tp_regions(n_layers), torch.device("cpu"))
+    materialize(module, torch.device("cpu"), lambda name, shape: family.initial_value(spec.model, name, shape, 0))
     optimizer = LocalShardAdamW(module, spec, torch.device("cpu"))
     for p in module.parameters():
         p.grad = torch.full_like(p, 1e-3)
@@ -126,10 +128,9 @@ def main() -> None:
     group = dist.new_group(backend="gloo")
     spec = JobSpec.model_validate_json(args.spec.read_text())
     plan = Plan.model_validate_json(args.plan.read_text())
-    config = GPTConfig.of(spec.model)
-    module, optimizer = build(plan, config, spec)
+    module, optimizer = build(plan, spec)
     gc.freeze()  # as the trainer does
-    layout = state_layout(plan, config)
+    layout = state_layout(plan, spec.model)
     problems = layout_mismatches(layout, collect_state(module, optimizer, rank, torch.device("cpu")), rank)
     assert not problems, problems
     state = collect_state(module, optimizer, rank, torch.device("cpu"), local=True)  # what the trainer saves

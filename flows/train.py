@@ -38,8 +38,7 @@ def train_job(spec: JobSpec) -> TrainSummary:
     asked to stop ends in a completed state named `Stopped` that says where (calling the flow
     still returns its summary)."""
     spec = validate_spec(spec)
-    model = spec.model
-    tag_this_run(job_tags(spec.job_id, f"{model.n_layers}x{model.d_model}", spec.resources.devices))
+    tag_this_run(job_tags(spec.job_id, spec.model.tag, spec.resources.devices))
     with environment(storage_environment(spec)):
         preflight_job(spec)  # storage, data, devices: a job that cannot run ends here, in seconds
     with one_run_per_job(spec.job_id), signals_stop_training():  # one run at a time: it prunes

@@ -76,7 +76,7 @@ def gpt_graph(n_layers: int, d_model: int, n_heads: int, vocab_size: int, seq_le
     split over "tp" (that plan is the dp x tp data-parallel mesh, searched as such).
 
     `precision` is the trainer's: "bf16" (autocast over fp32 weights) or "fp32". Each op's
-    `saved` is what autograd keeps for the trainer's modules (trainer/model.py) under it, as
+    `saved` is what autograd keeps for the trainer's modules (models/gpt/model.py) under it, as
     measured by tests/test_activation_memory.py: 40 bytes per token and d_model per layer in
     bf16 (plus per-row statistics), of which 8 are the fp32 norm inputs and 6 the q, k and v
     projections' own bf16 copies of their input; Megatron's 34 s·b·h (Korthikanti et al. 2022)

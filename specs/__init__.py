@@ -3,9 +3,9 @@ errors, the JSON Schema, and example specs (`specs/*.yaml`)."""
 
 from pathlib import Path
 
+from specs.base import CREDENTIAL_KEYS
 from specs.loader import SpecError, SpecIssue, json_schema, load_spec, parse_spec
 from specs.models import (
-    CREDENTIAL_KEYS,
     DataSpec,
     JobSpec,
     ModelSpec,

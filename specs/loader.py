@@ -24,7 +24,8 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from specs.models import FieldIssues, JobSpec, Loc
+from specs.base import FieldIssues, Loc
+from specs.models import MODEL_SECTIONS, JobSpec
 
 ROOT = "(root)"
 JSON_SCHEMA_DIALECT = "https://json-schema.org/draft/2020-12/schema"
@@ -215,6 +216,13 @@ def _issues_from(error: ValidationError, root: yaml.Node, source: str) -> list[S
     issues: list[SpecIssue] = []
     for detail in error.errors():
         loc = tuple(part for part in detail["loc"] if not (isinstance(part, str) and "[" in part))
+        if detail["type"] == "model_family":  # the discriminator itself: point at `family:`
+            family = detail["input"].get("family") if isinstance(detail["input"], dict) else None
+            loc = (*loc, "family")
+            names = ", ".join(repr(name) for name in MODEL_SECTIONS)
+            detail = {**detail, "msg": f"must be one of {names}, got {_describe(family)}"}
+        known = _known_keys(detail["loc"][:-1]) if detail["type"] == "extra_forbidden" else []
+        loc = _without_family_tag(loc)
         cause = detail.get("ctx", {}).get("error")
         if isinstance(cause, FieldIssues):
             for relative, message in cause.issues:
@@ -223,8 +231,16 @@ def _issues_from(error: ValidationError, root: yaml.Node, source: str) -> list[S
                 issues.append(_issue(source, mark, _dotted(full), message))
             continue
         at_key = detail["type"] == "extra_forbidden"
-        issues.append(_issue(source, _locate(root, loc, at_key=at_key), _dotted(loc), _message(detail, loc)))
+        issues.append(_issue(source, _locate(root, loc, at_key=at_key), _dotted(loc), _message(detail, loc, known)))
     return issues
+
+
+def _without_family_tag(loc: Loc) -> Loc:
+    """pydantic names the family a `model:` section was validated as (`model.llama.n_heads`);
+    the file has no such key."""
+    if len(loc) >= 2 and loc[0] == "model" and loc[1] in MODEL_SECTIONS:
+        return (loc[0], *loc[2:])
+    return loc
 
 
 def _dotted(loc: Loc) -> str:
@@ -245,7 +261,7 @@ _EXPECTED = {
 _NUMBER = re.compile(r"^\s*[-+]?(\d[\d_]*(\.\d*)?|\.\d+)([eE][-+]?\d+)?\s*$")
 
 
-def _message(detail: Any, loc: Loc) -> str:
+def _message(detail: Any, loc: Loc, known: list[str]) -> str:
     """A human sentence for one pydantic error."""
     kind: str = detail["type"]
     value = detail.get("input")
@@ -254,7 +270,6 @@ def _message(detail: Any, loc: Loc) -> str:
         return f"missing required key {loc[-1]!r}"
     if kind == "extra_forbidden":
         message = f"unknown key {loc[-1]!r}"
-        known = _known_keys(loc[:-1])
         close = difflib.get_close_matches(str(loc[-1]), known, n=1, cutoff=0.6)
         if close:
             return f"{message}; did you mean {close[0]!r}?"
@@ -279,10 +294,13 @@ def _message(detail: Any, loc: Loc) -> str:
 
 
 def _known_keys(loc: Loc) -> list[str]:
-    """The field names of the model that `loc` points into (empty if it is not a model)."""
+    """The field names of the model that `loc` (pydantic's, family tags included) points into
+    (empty if it is not a model)."""
     current: Any = JobSpec
     for part in loc:
-        if isinstance(current, type) and issubclass(current, BaseModel) and part in current.model_fields:
+        if part in MODEL_SECTIONS and not (isinstance(current, type) and issubclass(current, BaseModel)):
+            current = MODEL_SECTIONS[str(part)]  # the family `model:` was validated as
+        elif isinstance(current, type) and issubclass(current, BaseModel) and part in current.model_fields:
             current = current.model_fields[str(part)].annotation
         elif isinstance(part, int) and typing.get_origin(current) is list:
             current = typing.get_args(current)[0]

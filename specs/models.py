@@ -8,112 +8,39 @@ its line; constructed in Python they read as an ordinary pydantic `ValidationErr
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
-from typing import Any, Literal, Self
+from typing import Annotated, Any, Literal, Self, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Discriminator, Field, Tag, field_validator, model_validator
 
+from models import DEFAULT_FAMILY, spec_sections
+from specs.base import (
+    _BLOCK_NAME,
+    _JOB_NAME,
+    Loc,
+    _check_storage_options,
+    _raise_if,
+    _Section,
+)
 from specs.urls import DATA_SCHEMES, STORAGE_SCHEMES, check_url
 
-Loc = tuple[str | int, ...]
 
-# Keys that hold secrets in fsspec/s3fs/gcsfs/adlfs storage options; compared case-insensitively.
-CREDENTIAL_KEYS = frozenset(
-    {
-        "key",
-        "secret",
-        "password",
-        "token",
-        "session_token",
-        "aws_access_key_id",
-        "aws_secret_access_key",
-        "aws_session_token",
-        "access_key",
-        "secret_key",
-        "account_key",
-        "sas_token",
-        "client_secret",
-        "connection_string",
-    }
-)
-CREDENTIALS_RULE = (
-    "credentials must come from the environment (e.g. AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY) "
-    "or a Prefect Secret block (`storage.credentials_block`), never from the spec"
-)
-
-_JOB_NAME = re.compile(r"[a-z0-9][a-z0-9._-]{0,62}")  # fullmatch: `$` would admit a trailing newline
-# Prefect block document names: lower-case letters, digits and dashes.
-_BLOCK_NAME = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
+def _family_of(value: Any) -> str:
+    """The family a `model:` section names; none named: the GPT."""
+    found = value.get("family", DEFAULT_FAMILY) if isinstance(value, dict) else getattr(value, "family", DEFAULT_FAMILY)
+    return found if isinstance(found, str) else repr(found)
 
 
-class FieldIssues(ValueError):
-    """Problems found by a validator, each at a path relative to the object it validated."""
-
-    def __init__(self, issues: list[tuple[Loc, str]], *, at_key: bool = False) -> None:
-        self.issues = issues
-        self.at_key = at_key  # point at the key (not the value) in the source file
-        super().__init__("; ".join(f"{'.'.join(map(str, loc))}: {message}" for loc, message in issues))
-
-
-def _raise_if(issues: list[tuple[Loc, str]]) -> None:
-    if issues:
-        raise FieldIssues(issues)
-
-
-def _find_credentials(value: Any, loc: Loc = (), seen: set[int] | None = None) -> list[tuple[Loc, str]]:
-    """Every key (at any depth) of `value` that names a credential."""
-    seen = set() if seen is None else seen
-    if id(value) in seen:  # YAML aliases can share (or even nest) one object
-        return []
-    seen.add(id(value))
-    found: list[tuple[Loc, str]] = []
-    if isinstance(value, dict):
-        for key, item in value.items():
-            if isinstance(key, str) and key.lower() in CREDENTIAL_KEYS:
-                found.append(((*loc, key), f"inline credential {key!r} is not allowed: {CREDENTIALS_RULE}"))
-            else:
-                found.extend(_find_credentials(item, (*loc, key), seen))
-    elif isinstance(value, list | tuple):
-        for index, item in enumerate(value):
-            found.extend(_find_credentials(item, (*loc, index), seen))
-    return found
-
-
-def _check_storage_options(options: dict[str, Any]) -> dict[str, Any]:
-    found = _find_credentials(options)
-    if found:
-        raise FieldIssues(found, at_key=True)
-    return options
-
-
-class _Section(BaseModel):
-    # Numbers are bounded to what can run (the limit is in the message); inf and nan never are.
-    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
-
-
-class ModelSpec(_Section):
-    """The decoder-only transformer to train (GPT-style)."""
-
-    n_layers: int = Field(2, ge=1, le=1024, description="Number of transformer blocks.")
-    d_model: int = Field(64, ge=8, le=65536, description="Width of the residual stream.")
-    n_heads: int = Field(4, ge=1, le=1024, description="Attention heads per block; must divide d_model.")
-    vocab_size: int = Field(256, ge=2, le=1 << 20, description="Number of token ids (>= 256 for the bytes tokenizer).")
-    seq_len: int = Field(64, ge=2, le=1 << 20, description="Context length in tokens.")
-    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout probability in [0, 1).")
-
-    @model_validator(mode="after")
-    def _heads_divide_width(self) -> Self:
-        if self.d_model % self.n_heads:
-            _raise_if(
-                [
-                    (
-                        ("d_model",),
-                        f"must be divisible by model.n_heads ({self.d_model} % {self.n_heads} != 0)",
-                    )
-                ]
-            )
-        return self
+# The spec sections of the registered model families (models/*/spec.py), told apart by `family`.
+MODEL_SECTIONS: dict[str, type[_Section]] = spec_sections()
+ModelSpec = Annotated[
+    Union[tuple(Annotated[section, Tag(name)] for name, section in MODEL_SECTIONS.items())],  # noqa: UP007
+    Discriminator(
+        _family_of,
+        custom_error_type="model_family",
+        custom_error_message=f"model.family must be one of {', '.join(map(repr, MODEL_SECTIONS))}",
+    ),
+]
 
 
 class DataSpec(_Section):
@@ -405,7 +332,8 @@ class JobSpec(_Section):
         description="Job id: lower-case letters, digits, '.', '_', '-'; at most 63 characters; no '..'.",
         json_schema_extra={"pattern": _JOB_NAME.pattern},
     )
-    model: ModelSpec = Field(default_factory=ModelSpec, description=ModelSpec.__doc__)
+    model: ModelSpec = Field(default_factory=MODEL_SECTIONS[DEFAULT_FAMILY],
+                             description="The model to train: a family (gpt, llama, hf) and its shape.")
     data: DataSpec = Field(default_factory=DataSpec, description=DataSpec.__doc__)
     optimizer: OptimizerSpec = Field(default_factory=OptimizerSpec, description=OptimizerSpec.__doc__)
     training: TrainingSpec = Field(default_factory=TrainingSpec, description=TrainingSpec.__doc__)

@@ -12,8 +12,9 @@ import json
 from prefect import task
 from prefect.logging import get_run_logger
 
+from models import family_of
 from planner.comm import comm_model_from_timings
-from planner.profile import ModelProfile, profile_gpt, share_cores
+from planner.profile import ModelProfile, profile_graph, share_cores
 from specs import JobSpec
 from storage import JobPaths, ObjectStore
 from tasks.credentials import environment, storage_environment
@@ -28,7 +29,7 @@ def needs_measurement(spec: JobSpec) -> bool:
 
 # Bumped when what a profile holds changes meaning (new measured fields, new graph
 # declarations), so profiles cached by an older planner are rebuilt rather than misread.
-PROFILE_FORMAT = 2  # 2: p2p link, core share, graphs declaring the trainer's tp layouts
+PROFILE_FORMAT = 3  # 2: p2p link, core share, graphs declaring the trainer's tp layouts; 3: model families
 
 
 def profile_key(spec: JobSpec) -> str:
@@ -52,13 +53,11 @@ def exact_parameter_count(spec: JobSpec) -> tuple[int, int]:
     """Parameters and training FLOPs per token of the model the workers build (on the meta device)."""
     import torch
 
-    from trainer.model import GPT, GPTConfig, flops_per_token
-
-    config = GPTConfig.of(spec.model)
+    family = family_of(spec.model)
     with torch.device("meta"):
-        model = GPT(config)
-    params = model.num_params()
-    return params, flops_per_token(config, params)
+        model = family.build(spec.model)
+    params = sum(p.numel() for p in model.parameters())
+    return params, family.flops_per_token(spec.model, params)
 
 
 def build_profile(spec: JobSpec) -> ModelProfile:
@@ -72,11 +71,10 @@ def build_profile(spec: JobSpec) -> ModelProfile:
     if measure and res.devices > 1:
         timings = measure_on_nodes(spec) if res.nodes else measure_comm_timings(res.devices, res.kind)
         comm = comm_model_from_timings(timings, res.devices_per_node)
-    profile = profile_gpt(
-        m.n_layers, m.d_model, m.n_heads, m.vocab_size, m.seq_len, spec.training.global_batch,
-        res.kind, measure, memory_gb=res.memory_gb, devices_per_node=res.devices_per_node, comm=comm,
-        precision=spec.parallelism.precision,
-    )
+    batch = spec.training.global_batch
+    graph = family_of(m).graph(m, batch, spec.parallelism.precision)
+    profile = profile_graph(graph, res.kind, measure, memory_gb=res.memory_gb, devices_per_node=res.devices_per_node,
+                            comm=comm, tokens=batch * m.seq_len)
     # CPU workers on a host share its cores (across nodes: a node's workers share that node's).
     return profile.model_copy(update={"device": share_cores(profile.device, res.devices_per_node if res.nodes else res.devices)})
 

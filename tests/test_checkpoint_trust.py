@@ -11,6 +11,7 @@ import pytest
 import torch
 from jobs import tiny_spec
 
+from models.gpt.model import GPT, GPTConfig
 from specs.plan import Plan
 from storage import CheckpointStore, ObjectStore
 from trainer.checkpoint import (
@@ -22,7 +23,6 @@ from trainer.checkpoint import (
     restore_latest,
 )
 from trainer.layout import rng_state_bytes, state_layout
-from trainer.model import GPT, GPTConfig
 from trainer.optim import LocalShardAdamW
 
 CPU = torch.device("cpu")
@@ -34,7 +34,7 @@ class Job:
     def __init__(self, root: Path) -> None:
         self.spec = tiny_spec("trust", f"file://{root}", resources={"devices": 1, "kind": "cpu"})
         self.config = GPTConfig.of(self.spec.model)
-        self.layout = state_layout(Plan.data_parallel(1), self.config, rng_state_bytes(CPU))
+        self.layout = state_layout(Plan.data_parallel(1), self.spec.model, rng_state_bytes(CPU))
         self.store = CheckpointStore(ObjectStore(self.spec.storage.url), self.spec.job_id)
         self.root = root
 
@@ -129,7 +129,7 @@ def test_another_models_checkpoint_fails_the_restore(tmp_path: Path) -> None:
     wider.spec = tiny_spec("trust", f"file://{tmp_path}", resources={"devices": 1, "kind": "cpu"},
                            model={"d_model": 64})
     wider.config = GPTConfig.of(wider.spec.model)
-    wider.layout = state_layout(Plan.data_parallel(1), wider.config, rng_state_bytes(CPU))
+    wider.layout = state_layout(Plan.data_parallel(1), wider.spec.model, rng_state_bytes(CPU))
     with pytest.raises(CheckpointsUnusable, match=r"is float32\[32\], this job's is float32\[64\]"):
         wider.restore()
 

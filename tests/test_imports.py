@@ -9,8 +9,8 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("specs", "planner", "ptc", "storage", "trainer", "tasks", "flows", "parashift")
-ENGINES = ("specs", "planner", "ptc", "storage", "trainer")
+PACKAGES = ("specs", "models", "planner", "ptc", "storage", "trainer", "tasks", "flows", "parashift")
+ENGINES = ("specs", "models", "planner", "ptc", "storage", "trainer")
 
 
 def modules() -> dict[str, Path]:
@@ -83,6 +83,22 @@ def test_a_circle_is_seen() -> None:
 def test_trainer_never_imports_the_planner() -> None:
     bad = {(name, m) for name, deps in graph().items() if name.startswith("trainer") for m in deps
            if m == "planner" or m.startswith("planner.")}
+    assert bad == set()
+
+
+def test_only_a_familys_graph_module_imports_the_planner() -> None:
+    """The trainer imports model families, so a family's own modules stay clear of the planner;
+    its `graph` module (loaded by the planner's side only) is the one that may not."""
+    bad = {(name, m) for name, deps in graph().items() if name.startswith("models") and not name.endswith(".graph")
+           for m in deps if m == "planner" or m.startswith("planner.")}
+    assert bad == set()
+
+
+def test_family_spec_sections_import_only_pydantic_and_the_spec_base() -> None:
+    """`specs` imports every family's spec section to validate `model:`: without torch."""
+    allowed = ("__future__", "typing", "pydantic", "specs.base")
+    bad = {(name, m) for name, deps in graph().items() if name.startswith("models.") and name.endswith(".spec")
+           for m in deps if not m.startswith(allowed)}
     assert bad == set()
 
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from models.gpt.model import GPT, GPTConfig
 from specs import JobSpec
-from trainer.model import GPT, GPTConfig
 from trainer.optim import LocalShardAdamW
 
 SPEC = JobSpec.model_validate({"name": "optim", "model": {"n_layers": 2, "d_model": 32, "n_heads": 2, "vocab_size": 256, "seq_len": 16},

@@ -13,6 +13,7 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from states import box_of, global_state, save_all_ranks
 
+from models.gpt.spec import GPTSpec
 from ptc import Layout
 from ptc.chunks import chunk_rows, split_points, storage_order
 from ptc.layout import Slice
@@ -20,10 +21,9 @@ from specs.plan import Plan
 from storage import CheckpointStore, ObjectStore
 from trainer.checkpoint import execute_reads, reads_for, reshard_plan
 from trainer.layout import state_layout
-from trainer.model import GPTConfig
 
 # Uneven on purpose: vocab 250 and d_model 60 do not split evenly 3, 4 or 8 ways.
-CONFIG = GPTConfig(n_layers=2, d_model=60, n_heads=6, vocab_size=250, seq_len=24)
+CONFIG = GPTSpec(n_layers=2, d_model=60, n_heads=6, vocab_size=250, seq_len=24)
 
 PLANS = {
     "dp1": Plan(devices=1, mesh={}),
@@ -150,7 +150,7 @@ def test_reshard_plan_command_shows_the_moves_before_anything_starts(tmp_path) -
     empty = runner.invoke(app, ["reshard-plan", str(spec_file)])
     assert empty.exit_code == 0 and "no committed checkpoint" in empty.output
 
-    layout = state_layout(PLANS["dp2xtp2"], GPTConfig(**model))
+    layout = state_layout(PLANS["dp2xtp2"], GPTSpec(**model))
     store = CheckpointStore(ObjectStore(url), "moving")
     save_all_ranks(store, layout, global_state(layout), step=5)
     result = runner.invoke(app, ["reshard-plan", str(spec_file), "--mesh", "tp=3", "--json"])

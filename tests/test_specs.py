@@ -71,6 +71,7 @@ def test_default_example_is_the_default_job() -> None:
     spec = load_spec(specs.example_path("default"))
     assert spec.name == "tiny-gpt"
     assert spec.model.model_dump() == {
+        "family": "gpt",
         "n_layers": 2,
         "d_model": 64,
         "n_heads": 4,

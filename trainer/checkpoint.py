@@ -497,12 +497,11 @@ def job_reshard_plan(spec: JobSpec, plan: Plan) -> ReconfigPlan | None:
     """What the job's workers under `plan` would read from its newest checkpoint, from
     node-local tiers and from the store; None when nothing is committed yet."""
     from trainer.layout import rng_state_bytes, state_layout
-    from trainer.model import GPTConfig
 
     store = CheckpointStore(ObjectStore(spec.storage.url, dict(spec.storage.storage_options)), spec.job_id)
     nodes = spec.resources.nodes
     tier = node_tier(spec.storage.local_tier, "local") if nodes is None or spec.storage.local_tier else None
-    layout = state_layout(plan, GPTConfig.of(spec.model), rng_state_bytes(torch.device(spec.resources.kind)))
+    layout = state_layout(plan, spec.model, rng_state_bytes(torch.device(spec.resources.kind)))
     return reshard_plan(store, layout, tier=tier, nodes=nodes)
 
 

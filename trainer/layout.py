@@ -2,9 +2,10 @@
 
 Every tensor of the state is named: parameters `model/<name>`, AdamW state
 `optim/<name>/{exp_avg,exp_avg_sq,step}` and each rank's RNG state `rng/rank<r>/<device>`.
-Which rank holds which box follows from the plan alone: the pipeline stage that owns a
-parameter (`Plan.layers_per_stage`), the dim tensor parallelism shards it along
-(`trainer.parallel.tp_shard_dims`), and data parallelism replicating it or, sharded (FSDP),
+Which rank holds which box follows from the plan and the model's family alone: the pipeline
+stage that owns a parameter (`Plan.layers_per_stage`, the family's sharding table), the dim
+tensor parallelism shards it along (`ShardingTable.tp_shard_dims`), and data parallelism
+replicating it or, sharded (FSDP),
 cutting each tensor-parallel box along dim 0 (FSDP2 shards every parameter on dim 0). The same function
 serves the worker (what to write, what to read), the CLI and the flow (the reshard plan shown
 before anything moves).
@@ -12,14 +13,15 @@ before anything moves).
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
+from models import family_of
 from ptc import Layout, dtype_name
 from ptc.dtensor import holdings
 from ptc.layout import TensorPlacement, mesh_layout
 from specs.plan import Plan
-from trainer.model import GPT, GPTConfig
-from trainer.parallel import tp_shard_dims
 
 # AdamW's per-parameter state: two moments shaped and placed like the parameter, and a scalar
 # float32 step count (torch.optim.AdamW without `capturable`).
@@ -35,28 +37,21 @@ def rng_state_bytes(device: torch.device) -> dict[str, int]:
     return sizes
 
 
-def _stage_of(name: str, stages: list[list[int]]) -> int | None:
-    if len(stages) == 1:
-        return None
-    if name.startswith(("tok_emb.", "pos_emb.")):
-        return 0
-    if name.startswith(("norm.", "lm_head.")):
-        return len(stages) - 1
-    layer = int(name.split(".")[1])  # blocks.<i>.<...>
-    return next(s for s, layers in enumerate(stages) if layer in layers)
-
-
-def state_layout(plan: Plan, config: GPTConfig, rng_bytes: dict[str, int] | None = None) -> Layout:
-    """Every rank's box of every tensor of the training state under `plan`."""
-    n = config.n_layers
-    sharded = tp_shard_dims(plan.tp_regions(n))
-    stages = plan.layers_per_stage(n)
-    fsdp_dim = 0 if plan.dp_shard > 1 else None
+def state_layout(plan: Plan, model_spec: Any, rng_bytes: dict[str, int] | None = None) -> Layout:
+    """Every rank's box of every tensor of the training state under `plan`, for the model a
+    spec's `model:` section describes (built on the meta device: no memory, no processes)."""
+    family = family_of(model_spec)
     with torch.device("meta"):
-        model = GPT(config)
+        model = family.build(model_spec)
+    names = [name for name, _ in model.named_parameters()]
+    table = family.sharding
+    n_layers = len(list(family.layers(model)))
+    sharded = table.tp_shard_dims(names, plan.tp_regions(n_layers)) if table is not None else {}
+    stages = plan.layers_per_stage(n_layers)
+    fsdp_dim = 0 if plan.dp_shard > 1 else None
     placements: dict[str, TensorPlacement] = {}
     for name, param in model.named_parameters():
-        stage = _stage_of(name, stages)
+        stage = table.stage_of(name, stages) if table is not None else None
         where = TensorPlacement(tuple(param.shape), dtype_name(param.dtype), stage, sharded.get(name), fsdp_dim,
                                 split_dim=0)  # every plan splits dim 0 (docs/plans.md): stored as is
         placements[f"model/{name}"] = where

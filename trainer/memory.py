@@ -1,7 +1,7 @@
 """What a training step keeps in memory for its backward pass, measured.
 
 `kept_for_backward` packs every tensor autograd saves (saved-tensor hooks) during one forward
-of the trainer's GPT and counts each storage once (views share one), leaving out the parameters
+of a family's model and counts each storage once (views share one), leaving out the parameters
 themselves: the activation memory the planner's cost model must predict (planner/builders.py
 `gpt_graph`, each op's `saved`). On a GPU, `torch.cuda.max_memory_allocated` around the same
 forward checks it from the allocator's side (bench/activation_memory.py).
@@ -13,10 +13,10 @@ import contextlib
 
 import torch
 
-from trainer.model import GPT, token_loss_sum
+from models.layers import token_loss_sum
 
 
-def kept_for_backward(model: GPT, tokens: torch.Tensor, targets: torch.Tensor, precision: str) -> int:
+def kept_for_backward(model: torch.nn.Module, tokens: torch.Tensor, targets: torch.Tensor, precision: str) -> int:
     """Bytes of the distinct storages autograd keeps for one forward and loss of `tokens`
     ((B, T) ids) under the trainer's `precision` ("bf16": autocast over fp32 weights)."""
     weights = {p.untyped_storage().data_ptr() for p in model.parameters()}

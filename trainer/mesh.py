@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from models import family_of
 from specs import JobSpec
 from specs.plan import Plan
 
@@ -87,12 +88,18 @@ class Coordinates:
 
 
 def job_plan_refusals(plan: Plan, spec: JobSpec) -> list[str]:
-    """`plan_refusals` for the model and batch of a job spec."""
+    """`plan_refusals` for the model and batch of a job spec, with its family's own reasons."""
     m = spec.model
-    return plan_refusals(plan, n_layers=m.n_layers, n_heads=m.n_heads, seq_len=m.seq_len, global_batch=spec.training.global_batch)
+    family = family_of(m)
+    if family.sharding is None:  # data parallelism only: no layers, heads or sequence to split
+        own = family.refusals(m, plan)
+        return own or plan_refusals(plan, n_layers=1, n_heads=1, seq_len=m.seq_len, global_batch=spec.training.global_batch)
+    return plan_refusals(plan, n_layers=m.n_layers, n_heads=m.n_heads, seq_len=m.seq_len,
+                         global_batch=spec.training.global_batch, n_kv_heads=m.n_kv_heads) + family.refusals(m, plan)
 
 
-def plan_refusals(plan: Plan, *, n_layers: int, n_heads: int, seq_len: int, global_batch: int) -> list[str]:
+def plan_refusals(plan: Plan, *, n_layers: int, n_heads: int, seq_len: int, global_batch: int,
+                  n_kv_heads: int | None = None) -> list[str]:
     """Why this plan cannot run on this model and batch (empty: it can). No processes needed."""
     reasons = list(plan.trainer_refusals)
     tp, dp, pp = plan.degree("tp"), plan.degree("dp"), plan.degree("pp")
@@ -103,6 +110,9 @@ def plan_refusals(plan: Plan, *, n_layers: int, n_heads: int, seq_len: int, glob
             reasons.append(f"tensor-parallel layers {beyond} do not exist in a model of {n_layers} layers")
         if regions.attention and n_heads % tp:
             reasons.append(f"tensor-parallel attention needs n_heads ({n_heads}) divisible by tp ({tp})")
+        elif regions.attention and n_kv_heads is not None and n_kv_heads % tp:
+            reasons.append(f"tensor-parallel attention splits the key/value heads: n_kv_heads ({n_kv_heads}) must be "
+                           f"divisible by tp ({tp}) (grouped-query attention keeps each query head with its kv head)")
         if regions.sequence and seq_len % tp:
             reasons.append(f"sequence parallelism needs seq_len ({seq_len}) divisible by tp ({tp}) (DTensor cannot shard an uneven sequence)")
     if global_batch < dp:

@@ -1,13 +1,14 @@
-"""Apply a Plan to the single-device GPT with PyTorch's own machinery (torchtitan's order):
-tensor/sequence parallelism through `parallelize_module` -> optional compile -> the data axis.
+"""Apply a Plan to a family's single-device model with PyTorch's own machinery (torchtitan's
+order): tensor/sequence parallelism through `parallelize_module` -> optional compile -> the data axis.
 
-What "tp" splits comes from the Plan's `TensorParallel` (specs/plan.py), part by part:
+What "tp" splits comes from the Plan's `TensorParallel` (specs/plan.py), part by part; which
+modules play each part comes from the family's sharding table (models/sharding.py):
 
-    embed        tok_emb             vocab-parallel embedding (RowwiseParallel)
-    sequence     norms, residual     sequence parallel (T chunks of the residual stream)
-    attention    blocks.i.attn       Megatron attention (q/k/v colwise, out rowwise)
-    mlp          blocks.i.mlp        Megatron MLP (up colwise, down rowwise)
-    head         lm_head             vocab-parallel head (+ loss_parallel)
+    embed        table.embedding        vocab-parallel embedding (RowwiseParallel)
+    sequence     layer norms, stream    sequence parallel (T chunks of the residual stream)
+    attention    layers.i.<region>      Megatron attention (q/k/v colwise, output rowwise)
+    mlp          layers.i.<region>      Megatron MLP (up/gate colwise, down rowwise)
+    head         table.head             vocab-parallel head (+ loss_parallel)
 
 A part not split runs replicated on every tp rank (the planner does choose this, e.g.
 replicated attention with a tensor-parallel MLP).
@@ -34,79 +35,69 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from models.base import ModelFamily
 from ptc.dtensor import local_box, local_data
 from specs.plan import Plan, TensorParallel
 from trainer.tp_styles import LocalColwiseParallel, LocalRowwiseParallel, RegionEntry
 
 
-def tp_shard_dims(choices: TensorParallel) -> dict[str, int]:
-    """Parameter name -> the dim `apply_tp` shards it along, for the parts `choices` makes
-    tensor parallel: always dim 0 (column-parallel weights and biases are (out, in), row-parallel
-    weights input-major (in, out), embedding and head weights (vocab, d)). Checkpoint layouts are computed from this without processes
-    (`trainer.layout`); the worker checks them against the live DTensors."""
-    dims: dict[str, int] = {}
-    if choices.embed:
-        dims["tok_emb.weight"] = 0
-    for i in choices.attention:
-        p = f"blocks.{i}.attn."
-        dims.update({p + f"{name}.{kind}": 0 for name in ("q_proj", "k_proj", "v_proj") for kind in ("weight", "bias")})
-        dims[p + "out_proj.weight"] = 0
-    for i in choices.mlp:
-        p = f"blocks.{i}.mlp."
-        dims.update({p + "up_proj.weight": 0, p + "up_proj.bias": 0, p + "down_proj.weight": 0})
-    if choices.head:
-        dims["lm_head.weight"] = 0
-    return dims
+def _at(model: nn.Module, path: str) -> nn.Module | None:
+    """The submodule at a dotted `path`; None where a pipeline stage removed it."""
+    module: nn.Module | None = model
+    for name in path.split("."):
+        module = getattr(module, name, None)
+        if module is None:
+            return None
+    return module
 
 
-def _blocks(model: nn.Module) -> Iterator[tuple[int, nn.Module]]:
-    """(layer index, block) of a GPT or of a pipeline stage holding some of its layers."""
-    for name, block in model.blocks.named_children():
-        yield int(name), block
+def apply_tp(model: nn.Module, family: ModelFamily, tp_mesh: DeviceMesh, choices: TensorParallel) -> None:
+    """Shard a family's model (or a pipeline stage of it) over `tp_mesh` as `choices` say, in place.
 
-
-def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, choices: TensorParallel) -> None:
-    """Shard the GPT (or a stage of it) over `tp_mesh` as `choices` say, in place.
-
-    Activations between blocks are local tensors: (B, T/tp, d) chunks under sequence
+    Activations between layers are local tensors: (B, T/tp, d) chunks under sequence
     parallelism, whole (B, T, d) otherwise; every region converts to and from that layout.
+    A head tied to the embedding stays tied: both split the vocabulary (dim 0) or neither.
     """
+    table = family.sharding
+    assert table is not None, f"the {family.name} family has no sharding table"
+    embedding, head = _at(model, table.embedding), _at(model, table.head)
+    tied = embedding is not None and head is not None and head.weight is embedding.weight
+    if tied and choices.embed != choices.head:
+        raise ValueError("a head tied to the embedding must split the vocabulary with it, or neither")
     stream = Shard(1) if choices.sequence else Replicate()
     plan: dict[str, object] = {}
-    if getattr(model, "tok_emb", None) is not None:
+    if embedding is not None:
         if choices.embed:
-            plan["tok_emb"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+            plan[table.embedding] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
         if choices.sequence:  # embeddings summed whole; the stream is cut into T chunks here
-            plan["drop"] = PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),),
-                                              use_local_output=True)
-    for i, _ in _blocks(model):
-        p = f"blocks.{i}."
+            plan[table.stream_start] = PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),),
+                                                          use_local_output=True)
+    for i, _ in family.layers(model):
+        p = f"{table.layers}.{i}."
         if choices.sequence:
-            plan[p + "attn_norm"] = SequenceParallel()
-            plan[p + "mlp_norm"] = SequenceParallel()
-        for region, first, second, megatron in (
-            ("attn", ("q_proj", "k_proj", "v_proj"), "out_proj", i in choices.attention),
-            ("mlp", ("up_proj",), "down_proj", i in choices.mlp),
-        ):
-            if megatron:  # trainer.tp_styles: Megatron's f and g, matmuls on local shards
-                plan[p + region] = RegionEntry(stream)
-                plan.update({p + f"{region}.{name}": LocalColwiseParallel() for name in first})
-                plan[p + f"{region}.{second}"] = LocalRowwiseParallel(stream)
+            plan.update({p + norm: SequenceParallel() for norm in table.layer_norms})
+        for region in table.regions:
+            if i in getattr(choices, region.part):  # trainer.tp_styles: Megatron's f and g, matmuls on local shards
+                plan[p + region.module] = RegionEntry(stream)
+                plan.update({p + f"{region.module}.{name}": LocalColwiseParallel() for name in region.colwise})
+                plan[p + f"{region.module}.{region.rowwise}"] = LocalRowwiseParallel(stream)
             elif choices.sequence:
-                plan[p + region] = ReplicatedRegion()
-    if getattr(model, "lm_head", None) is not None:
+                plan[p + region.module] = ReplicatedRegion()
+    if head is not None:
         if choices.sequence:
-            plan["norm"] = SequenceParallel()
+            plan[table.final_norm] = SequenceParallel()
         if choices.head:
-            plan["lm_head"] = ColwiseParallel(
+            plan[table.head] = ColwiseParallel(
                 input_layouts=stream,
                 output_layouts=Shard(-1) if choices.loss_parallel else Replicate(),
                 use_local_output=not choices.loss_parallel,
             )
         elif choices.sequence:
-            plan["lm_head"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
-                                                 use_local_output=True)
+            plan[table.head] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
+                                                  use_local_output=True)
     parallelize_module(model, tp_mesh, plan)
+    if tied:  # each style distributed its own copy of the shared weight: share the embedding's again
+        head.weight = embedding.weight
 
 
 def _save_rng(device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -129,7 +120,8 @@ def _seed_rank_stream(device: torch.device, tp_rank: int) -> None:
         torch.cuda.default_generators[device.index if device.index is not None else torch.cuda.current_device()].manual_seed(seed)
 
 
-def apply_dropout_streams(model: nn.Module, tp_rank: int, choices: TensorParallel, device: torch.device) -> None:
+def apply_dropout_streams(model: nn.Module, family: ModelFamily, tp_rank: int, choices: TensorParallel,
+                          device: torch.device) -> None:
     """Dropout that stays correct under tensor parallelism (Megatron's two RNG streams).
 
     Every tp peer seeds its default generator alike (the worker seeds by dp and pp coordinate),
@@ -156,14 +148,19 @@ def apply_dropout_streams(model: nn.Module, tp_rank: int, choices: TensorParalle
         else:
             until.register_forward_pre_hook(leave)
 
-    for i, block in _blocks(model):
-        if i in choices.attention:  # heads split over tp: attention dropout up to the output projection
-            own_stream(block.attn, until=block.attn.out_proj)
+    table = family.sharding
+    assert table is not None
+    for i, layer in family.layers(model):
+        for region in table.regions:  # split activations inside a region (heads): up to its output linear
+            if region.split_inside and i in getattr(choices, region.part):
+                module = _at(layer, region.module)
+                own_stream(module, until=getattr(module, region.rowwise))
         if choices.sequence:  # the residual stream is cut into T chunks: its dropouts draw per rank
-            own_stream(block.attn.resid_dropout)
-            own_stream(block.mlp.dropout)
-    if choices.sequence and getattr(model, "drop", None) is not None:
-        own_stream(model.drop)
+            for path in table.stream_dropouts:
+                own_stream(_at(layer, path))
+    start = _at(model, table.stream_start)
+    if choices.sequence and start is not None:
+        own_stream(start)
 
 
 class ReplicatedRegion(ParallelStyle):
@@ -176,7 +173,7 @@ class ReplicatedRegion(ParallelStyle):
         return scatter._apply(gather._apply(module, device_mesh), device_mesh)
 
 
-def apply_dp(model: nn.Module, plan: Plan, mesh: DeviceMesh) -> nn.Module:
+def apply_dp(model: nn.Module, family: ModelFamily, plan: Plan, mesh: DeviceMesh) -> nn.Module:
     """The data axis: FSDP2's `replicate` (DDP semantics, DTensor-aware, so it composes with
     tensor parallelism and pipeline stages) when the state is replicated; `fully_shard` per
     block and at the root (torchtitan's order: each block's parameters gathered just before it
@@ -189,27 +186,27 @@ def apply_dp(model: nn.Module, plan: Plan, mesh: DeviceMesh) -> nn.Module:
     from torch.distributed.fsdp import fully_shard
 
     dp_mesh = mesh["dp_replicate", "dp_shard"] if plan.dp_replicate > 1 else mesh["dp_shard"]
-    for _, block in _blocks(model):
-        fully_shard(block, mesh=dp_mesh, reshard_after_forward=plan.reshard_after_forward)
+    for _, layer in family.layers(model):
+        fully_shard(layer, mesh=dp_mesh, reshard_after_forward=plan.reshard_after_forward)
     # The root's own parameters (embeddings, final norm, head) are gathered for the whole step.
     fully_shard(model, mesh=dp_mesh, reshard_after_forward=False)
     return model
 
 
-def parallelize(model: nn.Module, plan: Plan, mesh: DeviceMesh, regions: TensorParallel, device: torch.device,
-                compile: bool = False) -> nn.Module:
-    """The Plan applied to `model` (a GPT or a pipeline stage, on `device` or still on the meta
-    device): TP -> compile -> data parallel. Returns the module to call; parameters keep their
-    names (checkpoints rely on that)."""
+def parallelize(model: nn.Module, family: ModelFamily, plan: Plan, mesh: DeviceMesh, regions: TensorParallel,
+                device: torch.device, compile: bool = False) -> nn.Module:
+    """The Plan applied to a family's `model` (or a pipeline stage of it, on `device` or still on
+    the meta device): TP -> compile -> data parallel. Returns the module to call; parameters
+    keep their names (checkpoints rely on that)."""
     if plan.degree("tp") > 1:
-        apply_tp(model, mesh["tp"], regions)
+        apply_tp(model, family, mesh["tp"], regions)
         if any(m.p > 0 for m in model.modules() if isinstance(m, nn.Dropout)):
-            apply_dropout_streams(model, mesh["tp"].get_local_rank(), regions, device)
+            apply_dropout_streams(model, family, mesh["tp"].get_local_rank(), regions, device)
     if compile:
-        for _, block in _blocks(model):
-            block.compile()  # per block, as torchtitan does: small graphs, shared across layers
+        for _, layer in family.layers(model):
+            layer.compile()  # per layer, as torchtitan does: small graphs, shared across layers
     if plan.degree("dp") > 1:
-        model = apply_dp(model, plan, mesh)
+        model = apply_dp(model, family, plan, mesh)
     return model
 
 

@@ -1,8 +1,9 @@
-"""Pipeline parallelism with `torch.distributed.pipelining`: the GPT cut into stages of whole
-layers (the Plan's stages), micro-batches = plan.micro_batches, a GPipe or 1F1B schedule.
+"""Pipeline parallelism with `torch.distributed.pipelining`: a family's model cut into stages of
+whole layers (the Plan's stages), micro-batches = plan.micro_batches, a GPipe or 1F1B schedule.
 
-A stage is the one GPT with the other stages' parts removed (`build_stage`), so its parameters
-keep their names (`blocks.<i>...`) under every plan and its forward is the model's own.
+A stage is the one model with the other stages' parts removed (`build_stage`, from the family's
+sharding table), so its parameters keep their names under every plan and its forward is the
+model's own.
 """
 
 from __future__ import annotations
@@ -13,8 +14,8 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from models.base import ModelFamily
 from specs.plan import Plan
-from trainer.model import GPT
 
 # Names of torch.distributed.pipelining's schedules. The package is imported only by a pipeline
 # stage: it pulls in torch._dynamo (0.85 s per process here), which every worker of a plan without
@@ -23,19 +24,25 @@ SCHEDULES = ("1F1B", "GPipe")
 # The planner costs pipelines as 1F1B (planner/pipeline.py), so that is the default.
 DEFAULT_SCHEDULE = "1F1B"
 
-def build_stage(model: GPT, plan: Plan, pp_rank: int) -> GPT:
+def build_stage(model: nn.Module, family: ModelFamily, plan: Plan, n_layers: int, pp_rank: int) -> nn.Module:
     """This rank's pipeline stage: `model` itself with the other stages' layers removed, and the
-    embedding (all but the first stage) or the final norm and head (all but the last) set to
-    None; the GPT's own forward then runs the stage (after torchtitan's pipeline split).
-    Parameters keep their names, so checkpoints name them the same under every plan."""
-    stages = plan.layers_per_stage(model.config.n_layers)
+    parts the family's sharding table gives the first stage (embeddings) or the last (final
+    norm, head) set to None elsewhere; the model's own forward then runs the stage (after
+    torchtitan's pipeline split). Parameters keep their names, so checkpoints name them the
+    same under every plan."""
+    table = family.sharding
+    assert table is not None, f"the {family.name} family has no sharding table"
+    stages = plan.layers_per_stage(n_layers)
     kept = {str(i) for i in stages[pp_rank]}
-    for name in [n for n in model.blocks if n not in kept]:
-        del model.blocks[name]
+    layers = getattr(model, table.layers)
+    for name in [n for n, _ in layers.named_children() if n not in kept]:
+        del layers[name]
     if pp_rank > 0:
-        model.tok_emb = model.pos_emb = model.drop = None
+        for name in table.first_stage:
+            setattr(model, name, None)
     if pp_rank < len(stages) - 1:
-        model.norm = model.lm_head = None
+        for name in table.last_stage:
+            setattr(model, name, None)
     return model
 
 

@@ -37,7 +37,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
-from trainer.model import InputMajorLinear
+from models.layers import InputMajorLinear
 
 
 def _shard_parameters(module: nn.Module, mesh: DeviceMesh, placements: dict[str, Placement]) -> None:

@@ -27,6 +27,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from models import family_of
+from models.layers import token_loss_sum
 from ptc.reconfig import LOCAL, RankReads
 from specs import JobSpec
 from specs.plan import Plan
@@ -47,7 +49,6 @@ from trainer.control import StopRequests
 from trainer.data import DataPosition, SampleStream, load_tokens, micro_batches, rank_share
 from trainer.layout import layout_mismatches, rng_state_bytes, state_layout
 from trainer.mesh import Coordinates, ParallelDims, job_plan_refusals
-from trainer.model import GPT, GPTConfig, flops_per_token, initial_value, token_loss_sum
 from trainer.optim import LocalShardAdamW
 from trainer.parallel import (
     clip_grad_norm_,
@@ -160,14 +161,19 @@ def main(argv: list[str] | None = None) -> int:
 
     # model: built on the meta device (no memory), cut to this rank's stage, the Plan applied,
     # then only this rank's parts allocated and filled (the same initial weights under any plan)
-    config = GPTConfig.of(m)
+    family = family_of(m)
+
+    def initial_value(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        return family.initial_value(m, name, shape, train.seed)
+
     with torch.device("meta"):
-        model = GPT(config)
-    n_params = model.num_params()
-    regions = plan.tp_regions(m.n_layers)
-    module = build_stage(model, plan, coords.pp_rank) if dims.pp > 1 else model
-    runnable = parallelize(module, plan, mesh, regions, device, compile=spec.parallelism.compile)
-    materialize(module, device, lambda name, shape: initial_value(config, name, shape, train.seed))
+        model = family.build(m)
+    n_params = sum(p.numel() for p in model.parameters())
+    n_layers = len(list(family.layers(model)))
+    regions = plan.tp_regions(n_layers)
+    module = build_stage(model, family, plan, n_layers, coords.pp_rank) if dims.pp > 1 else model
+    runnable = parallelize(module, family, plan, mesh, regions, device, compile=spec.parallelism.compile)
+    materialize(module, device, initial_value)
     optimizer = LocalShardAdamW(module, spec, device)
     # Everything built so far lives for the whole run: keep it out of the garbage collector's
     # full passes, which otherwise cost ~0.3 s whenever a restore or a save allocates many small
@@ -179,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     phase("build_s")
 
     # restore: this rank's boxes under this plan, from whatever plan saved the checkpoint
-    layout = state_layout(plan, config, rng_state_bytes(device))
+    layout = state_layout(plan, m, rng_state_bytes(device))
     mismatches = layout_mismatches(layout, {f"model/{n}": p for n, p in module.named_parameters()}, rank)
     if mismatches:
         raise SystemExit(f"rank {rank}: the plan's layout disagrees with the parallelized model: " + "; ".join(mismatches[:5]))
@@ -214,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
         return metrics.EXIT_FATAL
     step, position, loss = 0, DataPosition(), None
     if restored is None and checkpoints.manifest_steps():  # every checkpoint refused: start over from step 0
-        initialize(module, lambda name, shape: initial_value(config, name, shape, train.seed))
+        initialize(module, initial_value)
         optimizer.clear_state()
     if restored is not None:
         loss = restored.manifest.metadata.get("loss") if restored.manifest else None
@@ -245,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
             checkpoint_url=store.url_for(JobPaths(spec.job_id).manifest(step)) if restored is not None else None,
             world_size=world_size,
             params=n_params,
-            flops_per_token=flops_per_token(config, n_params),
+            flops_per_token=family.flops_per_token(m, n_params),
             end_step=end_step,
         )
 
@@ -305,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
             last = i == len(micros) - 1
             with gradient_sync(runnable, last), loss_context(regions):
                 with autocast:
-                    micro_loss = token_loss_sum(runnable(inputs), targets)  # scalar, sum over tokens
+                    micro_loss = token_loss_sum(family.logits(runnable, inputs), targets)  # scalar, sum over tokens
                 (micro_loss * loss_scale).backward()
             loss_sum += plain(micro_loss.detach()).float()
         settle_gradients(list(module.parameters()))

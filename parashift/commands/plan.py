@@ -21,9 +21,10 @@ def plan(
     measure: bool = typer.Option(False, "--measure", help="time GEMMs on this machine for compute rates"),
 ) -> None:
     """Plan the parallelization of a job: per-op placements, step time, memory, baselines."""
+    from models import family_of
     from parashift.commands.spec import load_spec_or_exit
     from planner.graph import GraphError, load_graph_json
-    from planner.profile import profile_gpt, profile_graph
+    from planner.profile import profile_graph
     from planner.search import exhaustive_search, plan_model
 
     job = load_spec_or_exit(spec)
@@ -39,9 +40,10 @@ def plan(
             raise typer.Exit(1) from None
         profile = profile_graph(op_graph, kind, measure, memory_gb=res.memory_gb, devices_per_node=res.devices_per_node)
     else:
-        profile = profile_gpt(model.n_layers, model.d_model, model.n_heads, model.vocab_size, model.seq_len,
-                              job.training.global_batch, kind, measure, memory_gb=res.memory_gb,
-                              devices_per_node=res.devices_per_node, precision=par.precision)
+        batch = job.training.global_batch
+        profile = profile_graph(family_of(model).graph(model, batch, par.precision), kind, measure,
+                                memory_gb=res.memory_gb, devices_per_node=res.devices_per_node,
+                                tokens=batch * model.seq_len)
     search = exhaustive_search if exhaustive else plan_model
     try:
         result = search(profile, n, None, par.max_tp, par.max_pp, shard_dp=par.shard_data_parallel)

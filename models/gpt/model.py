@@ -1,15 +1,17 @@
 """A GPT decoder you can read in one sitting (after nanoGPT). Single-device code: nothing here
-knows about processes, meshes or plans; `trainer.parallel` applies those from outside."""
+knows about processes, meshes or plans; `trainer.parallel` applies those from outside, through
+the family's sharding table (models/gpt/__init__.py)."""
 
 from __future__ import annotations
 
 import math
-import zlib
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from models.layers import InputMajorLinear, seeded_normal
 
 
 @dataclass(frozen=True)
@@ -29,25 +31,6 @@ class GPTConfig:
     @property
     def head_dim(self) -> int:
         return self.d_model // self.n_heads
-
-
-class InputMajorLinear(nn.Module):
-    """A linear layer whose weight is held (in_features, out_features), as GPT-2's Conv1D.
-
-    Why not `nn.Linear` (out, in): row parallelism splits a linear's input features. Held
-    input-major, that split is dim 0, like every other split a plan makes (column-parallel
-    outputs, vocabulary rows, FSDP's shards), so each rank's share of every tensor is a run of
-    whole rows: contiguous in memory and in checkpoints, never transposed on a save or restore.
-    """
-
-    def __init__(self, in_features: int, out_features: int, bias: bool = True) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(in_features, out_features))
-        self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., in) -> (..., out)
-        y = x @ self.weight
-        return y if self.bias is None else y + self.bias
 
 
 class CausalSelfAttention(nn.Module):
@@ -152,16 +135,4 @@ def initial_value(config: GPTConfig, name: str, shape: tuple[int, ...], seed: in
     if "norm" in name:
         return torch.ones(shape)
     std = 0.02 / math.sqrt(2 * config.n_layers) if name.endswith(("out_proj.weight", "down_proj.weight")) else 0.02
-    generator = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
-    return torch.normal(0.0, std, shape, generator=generator)
-
-
-def flops_per_token(config: GPTConfig, n_params: int) -> int:
-    """Training FLOPs per token: 6 per parameter (fwd + bwd matmuls) plus attention scores,
-    12 * L * d * T (PaLM appendix B; the convention torchtitan's MFU uses)."""
-    return 6 * n_params + 12 * config.n_layers * config.d_model * config.seq_len
-
-
-def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Sum of per-token cross-entropy, so callers can normalise by the global token count."""
-    return F.cross_entropy(logits.flatten(0, 1), targets.flatten(0, 1), reduction="sum")
+    return seeded_normal(name, shape, std, seed)

@@ -1,0 +1,45 @@
+"""Model families, registered by name (after torchtitan's model registry).
+
+A family is one folder: the single-device module (`model.py`), its spec section (`spec.py`: a
+pydantic section with a `family:` discriminator, imported by `specs` without torch), one
+sharding table from which tensor-parallel styles, shard dims, pipeline stages and checkpoint
+layouts are derived (`models.sharding`), FLOPs per token, initialisation, the planner's graph
+(`graph.py`, loaded only by the planner's side: the trainer never imports the planner) and, where
+it has one, its Hugging Face adapter. Adding a family is one folder and one line below
+(docs/models.md).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from models.base import ModelFamily
+
+# family name -> the package holding it
+FAMILIES: dict[str, str] = {
+    "gpt": "models.gpt",
+    "llama": "models.llama",
+    "hf": "models.hf",
+}
+
+# A spec whose `model:` names no family trains the GPT (every spec before families existed).
+DEFAULT_FAMILY = "gpt"
+
+
+def spec_sections() -> dict[str, type]:
+    """Each family's spec section (`<package>.spec.SECTION`), by name: pydantic only, no torch."""
+    return {name: importlib.import_module(f"{package}.spec").SECTION for name, package in FAMILIES.items()}
+
+
+def family(name: str) -> ModelFamily:
+    """The family registered as `name` (imports its module: torch, never the planner)."""
+    if name not in FAMILIES:
+        raise KeyError(f"unknown model family {name!r}; known: {', '.join(FAMILIES)}")
+    return importlib.import_module(f"{FAMILIES[name]}.family").FAMILY
+
+
+def family_of(section: Any) -> ModelFamily:
+    """The family of a spec's `model` section."""
+    return family(section.family)

@@ -1,0 +1,72 @@
+"""What parashift asks of a model family: one object per family, registered in `models`.
+
+Everything else (worker, layouts, pipeline stages, the planner's profile, preflight) reaches a
+model only through these methods, given the spec's `model:` section.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from models.sharding import ShardingTable
+
+
+class ModelFamily:
+    """A family of single-device decoder modules and what parallelizes them.
+
+    `sharding` None: the family runs data parallelism only (replicated, FSDP, HSDP), layer by
+    layer as `layers` gives them.
+    """
+
+    name: str
+    sharding: ShardingTable | None = None
+    graph_builder: str | None = None  # "module:function" building the planner's graph (planner side only)
+
+    def build(self, spec: Any) -> nn.Module:
+        """The whole model on the current default device (the meta device builds no memory);
+        parameters uninitialised where the device is meta."""
+        raise NotImplementedError
+
+    def initial_value(self, spec: Any, name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
+        """Parameter `name`'s initial value, whole, on the CPU: the same under every plan."""
+        raise NotImplementedError
+
+    def flops_per_token(self, spec: Any, n_params: int) -> int:
+        """Training FLOPs per token: 6 per parameter plus attention scores (PaLM appendix B; the
+        convention torchtitan's MFU uses)."""
+        return 6 * n_params + 12 * spec.n_layers * spec.d_model * spec.seq_len
+
+    def layers(self, model: nn.Module) -> Iterator[tuple[int, nn.Module]]:
+        """(index, decoder layer) of `model` or of a pipeline stage holding some of its layers."""
+        assert self.sharding is not None, f"family {self.name} must say where its layers are"
+        for name, layer in getattr(model, self.sharding.layers).named_children():
+            yield int(name), layer
+
+    def logits(self, module: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+        """(B, T) token ids -> (B, T, vocab) logits through `module` (the model or its wrapper)."""
+        return module(tokens)
+
+    def refusals(self, spec: Any, plan: Any) -> list[str]:
+        """Why this family cannot run `plan` on this model beyond the generic checks
+        (trainer.mesh.plan_refusals); empty: it can."""
+        if self.sharding is None:
+            return [f"the {self.name} family runs data parallelism only (dp, FSDP, HSDP): it has no sharding "
+                    f"table for {axis}" for axis in ("tp", "pp") if plan.degree(axis) > 1]
+        return []
+
+    def resolve(self, spec: Any) -> Any:
+        """The spec section with whatever it refers to read (a checkpoint folder's config):
+        fields filled, contradictions raised as specs.base.FieldIssues. Default: as given."""
+        return spec
+
+    def graph(self, spec: Any, batch: int, precision: str) -> Any:
+        """The planner's op graph of this model for one global batch (imports the planner)."""
+        if self.graph_builder is None:
+            raise NotImplementedError(f"the {self.name} family has no planner graph")
+        module, _, function = self.graph_builder.partition(":")
+        return getattr(importlib.import_module(module), function)(spec, batch, precision)

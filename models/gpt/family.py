@@ -1,0 +1,35 @@
+"""The GPT family (GPT-2 style): models/gpt/model.py, registered as `gpt`."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from models.base import ModelFamily
+from models.gpt.model import GPT, GPTConfig, initial_value
+from models.gpt.spec import GPTSpec
+from models.sharding import Region, ShardingTable
+
+SHARDING = ShardingTable(
+    regions=(
+        Region("attention", "attn", colwise=("q_proj", "k_proj", "v_proj"), rowwise="out_proj", split_inside=True),
+        Region("mlp", "mlp", colwise=("up_proj",), rowwise="down_proj"),
+    ),
+    stream_dropouts=("attn.resid_dropout", "mlp.dropout"),
+    first_stage=("tok_emb", "pos_emb", "drop"),
+)
+
+
+class GPTFamily(ModelFamily):
+    name = "gpt"
+    sharding = SHARDING
+    graph_builder = "models.gpt.graph:build"
+
+    def build(self, spec: GPTSpec) -> nn.Module:
+        return GPT(GPTConfig.of(spec))
+
+    def initial_value(self, spec: GPTSpec, name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
+        return initial_value(GPTConfig.of(spec), name, shape, seed)
+
+
+FAMILY = GPTFamily()

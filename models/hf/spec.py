@@ -1,0 +1,57 @@
+"""The `hf` family's spec section: `model: {family: hf, config: {...}}` or `{family: hf, init_from: DIR}`."""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Self
+
+from pydantic import Field, model_validator
+
+from specs.base import Section, raise_if
+
+
+class HFSpec(Section):
+    """Any `transformers` causal LM (AutoModelForCausalLM), from a config or a checkpoint folder."""
+
+    family: Literal["hf"] = Field(description="Model family: gpt, llama or hf.")
+    config: dict[str, Any] | None = Field(
+        None, description="A transformers config as a mapping (model_type and its fields): random initialisation.")
+    init_from: str | None = Field(
+        None, description="A Hugging Face checkpoint folder or fsspec URL (config.json + *.safetensors) to start from.")
+    seq_len: int = Field(64, ge=2, le=1 << 20, description="Context length in tokens.")
+    attn_implementation: Literal["sdpa", "eager"] = Field("sdpa", description="transformers' attention kernel.")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> Self:
+        if (self.config is None) == (self.init_from is None):
+            raise_if([(("config",), "give exactly one of model.config (a transformers config) and model.init_from "
+                                    "(a checkpoint folder)")])
+        if self.config is not None and not isinstance(self.config.get("model_type"), str):
+            raise_if([(("config", "model_type"), "a transformers config needs its model_type (e.g. llama, gpt2)")])
+        return self
+
+    def _field(self, *names: str) -> Any:
+        config = self.config or {}
+        for name in names:
+            if name in config:
+                return config[name]
+        return None
+
+    @property
+    def tag(self) -> str:
+        """The model's kind in a few characters (run tags)."""
+        return f"hf-{(self.config or {}).get('model_type', 'folder')}"
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self._field("vocab_size") or 0)
+
+    @property
+    def n_layers(self) -> int:
+        return int(self._field("num_hidden_layers", "n_layer", "num_layers") or 0)
+
+    @property
+    def d_model(self) -> int:
+        return int(self._field("hidden_size", "n_embd", "d_model") or 0)
+
+
+SECTION = HFSpec
