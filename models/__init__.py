@@ -33,6 +33,15 @@ def spec_sections() -> dict[str, type]:
     return {name: importlib.import_module(f"{package}.spec").SECTION for name, package in FAMILIES.items()}
 
 
+def resolve_section(section: Any) -> Any:
+    """A spec's `model:` section with what it refers to read (a checkpoint folder's config:
+    fields filled, contradictions raised as specs.base.FieldIssues at their field). Runs the
+    family's `spec.resolve` where it has one: no torch."""
+    module = importlib.import_module(f"{FAMILIES[section.family]}.spec")
+    resolve = getattr(module, "resolve", None)
+    return section if resolve is None else resolve(section)
+
+
 def family(name: str) -> ModelFamily:
     """The family registered as `name` (imports its module: torch, never the planner)."""
     if name not in FAMILIES:

@@ -59,10 +59,10 @@ class ModelFamily:
                     f"table for {axis}" for axis in ("tp", "pp") if plan.degree(axis) > 1]
         return []
 
-    def resolve(self, spec: Any) -> Any:
-        """The spec section with whatever it refers to read (a checkpoint folder's config):
-        fields filled, contradictions raised as specs.base.FieldIssues. Default: as given."""
-        return spec
+    def hf_adapter(self) -> Any:
+        """The family's Hugging Face adapter (a module with `hf_name(name) -> (hf name,
+        transposed)` and `hf_config(spec) -> dict`), or None."""
+        return None
 
     def graph(self, spec: Any, batch: int, precision: str) -> Any:
         """The planner's op graph of this model for one global batch (imports the planner)."""

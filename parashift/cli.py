@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import typer
 
+from parashift.commands import export as export_command
 from parashift.commands import plan as plan_command
 from parashift.commands import reshard as reshard_command
 from parashift.commands import run as run_command
@@ -28,6 +29,7 @@ app.command("reshard-plan")(reshard_command.reshard_plan)
 app.command("stop")(stop_command.stop)
 app.command("scale")(scale_command.scale)
 app.command("serve")(serve_command.serve)
+app.command("export")(export_command.export)
 
 
 if __name__ == "__main__":

@@ -1,23 +1,37 @@
 """The job-spec language: pydantic models of a parashift job, YAML loading with `file:line`
-errors, the JSON Schema, and example specs (`specs/*.yaml`)."""
+errors, the JSON Schema, and example specs (`specs/*.yaml`).
 
+Names are loaded on first use (PEP 562): model families' spec sections (models/*/spec.py)
+import `specs.base`, and `specs.models` imports them, so this package must not import
+`specs.models` before a family's section has finished loading.
+"""
+
+from __future__ import annotations
+
+import importlib
 from pathlib import Path
-
-from specs.base import CREDENTIAL_KEYS
-from specs.loader import SpecError, SpecIssue, json_schema, load_spec, parse_spec
-from specs.models import (
-    DataSpec,
-    JobSpec,
-    ModelSpec,
-    OptimizerSpec,
-    ParallelismSpec,
-    ResourceChange,
-    ResourcesSpec,
-    StorageSpec,
-    TrainingSpec,
-)
+from typing import Any
 
 EXAMPLES_DIR = Path(__file__).resolve().parent
+
+_WHERE = {
+    "CREDENTIAL_KEYS": "specs.base",
+    "SpecError": "specs.loader",
+    "SpecIssue": "specs.loader",
+    "json_schema": "specs.loader",
+    "load_spec": "specs.loader",
+    "parse_spec": "specs.loader",
+    **{name: "specs.models" for name in ("DataSpec", "JobSpec", "ModelSpec", "OptimizerSpec", "ParallelismSpec",
+                                         "ResourceChange", "ResourcesSpec", "StorageSpec", "TrainingSpec")},
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _WHERE:
+        raise AttributeError(f"module 'specs' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_WHERE[name]), name)
+    globals()[name] = value
+    return value
 
 
 def example_path(name: str = "default") -> Path:
@@ -25,22 +39,4 @@ def example_path(name: str = "default") -> Path:
     return EXAMPLES_DIR / f"{name}.yaml"
 
 
-__all__ = [
-    "CREDENTIAL_KEYS",
-    "EXAMPLES_DIR",
-    "DataSpec",
-    "JobSpec",
-    "ModelSpec",
-    "OptimizerSpec",
-    "ParallelismSpec",
-    "ResourceChange",
-    "ResourcesSpec",
-    "SpecError",
-    "SpecIssue",
-    "StorageSpec",
-    "TrainingSpec",
-    "example_path",
-    "json_schema",
-    "load_spec",
-    "parse_spec",
-]
+__all__ = ["EXAMPLES_DIR", "example_path", *_WHERE]

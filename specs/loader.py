@@ -24,6 +24,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
+from models import resolve_section
 from specs.base import FieldIssues, Loc
 from specs.models import MODEL_SECTIONS, JobSpec
 
@@ -95,12 +96,30 @@ def load_spec(path: str | Path) -> JobSpec:
 
 
 def parse_spec(text: str, source: str) -> JobSpec:
-    """Validate the YAML `text` as a job spec; `source` names it in error messages."""
+    """Validate the YAML `text` as a job spec, and read what its model refers to (a checkpoint
+    folder's config: models.resolve_section); `source` names it in error messages."""
     root, data = _read_yaml(text.removeprefix("\ufeff"), source)
     try:
-        return JobSpec.model_validate(data)
+        spec = JobSpec.model_validate(data)
     except ValidationError as error:
         raise SpecError(_issues_from(error, root, source)) from None
+    try:
+        return resolve_model(spec)
+    except FieldIssues as issues:
+        raise SpecError([_issue(source, _locate(root, ("model", *loc), at_key=False), _dotted(("model", *loc)), message)
+                         for loc, message in issues.issues]) from None
+
+
+def resolve_model(spec: JobSpec) -> JobSpec:
+    """`spec` with its model section resolved (a checkpoint folder's config read): FieldIssues
+    (paths within `model`) when the folder contradicts the spec or cannot be read."""
+    try:
+        section = resolve_section(spec.model)
+    except FieldIssues:
+        raise
+    except Exception as error:  # unreadable folder, storage error: one line at init_from
+        raise FieldIssues([(("init_from",), f"cannot read {getattr(spec.model, 'init_from', '')}: {error}")]) from None
+    return spec if section is spec.model else spec.model_copy(update={"model": section})
 
 
 def json_schema() -> dict[str, Any]:

@@ -7,11 +7,13 @@ from pathlib import Path
 from prefect import task
 
 from specs import JobSpec, load_spec
+from specs.loader import resolve_model
 
 
 @task(name="validate-spec")
 def validate_spec(spec: JobSpec | str | Path) -> JobSpec:
-    """Load and validate a job spec; errors name the file, line and field."""
+    """Load and validate a job spec, reading what its model refers to (a checkpoint folder's
+    config); errors name the file, line and field (a spec given as an object: the field)."""
     if isinstance(spec, JobSpec):
-        return spec
+        return resolve_model(spec)
     return load_spec(spec)

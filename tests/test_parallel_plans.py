@@ -6,18 +6,25 @@ refused before any process starts."""
 
 from __future__ import annotations
 
-from math import prod
 from pathlib import Path
 
 import pytest
 import torch
-from jobs import assert_bitwise_equal, final_state, tiny_spec
+from jobs import (
+    assert_bitwise_equal,
+    assert_losses_match,
+    assert_state_matches,
+    final_state,
+    mesh_plan,
+    run,
+    tiny_spec,
+)
 
 from planner.profile import profile_gpt
 from planner.search import plan_model
 from specs import JobSpec
 from specs.plan import Plan, TensorParallel
-from trainer.launch import LaunchResult, launch_workers
+from trainer.launch import launch_workers
 from trainer.mesh import plan_refusals
 
 pytestmark = pytest.mark.slow
@@ -25,15 +32,10 @@ pytestmark = pytest.mark.slow
 # 2 layers, d 48, 4 heads, T 24 (divisible by tp 1-4), vocab 256, global batch 8.
 MODEL = {"n_layers": 2, "d_model": 48, "n_heads": 4, "vocab_size": 256, "seq_len": 24, "dropout": 0.0}
 TRAINING = {"global_batch": 8, "micro_batch": 4, "steps": 20, "seed": 7, "checkpoint_every": 10}
-LOSS_RTOL = 1e-5
 
 
 def spec_for(name: str, tmp: Path) -> JobSpec:
     return tiny_spec(name, f"file://{tmp}/store", model=MODEL, training=TRAINING)
-
-
-def mesh_plan(mesh: dict[str, int], **fields: object) -> Plan:
-    return Plan(devices=prod(mesh.values()), mesh=mesh, strategy="hand", **fields)
 
 
 def planner_plan(devices: int, max_tp: int | None, max_pp: int | None) -> Plan:
@@ -60,46 +62,6 @@ def megatron_replicated_stream(mesh: dict[str, int]) -> Plan:
     """Megatron attention and MLP, everything else replicated over tp (no sequence parallelism):
     the region boundaries are the in-place all-reduces of trainer/tp_styles.py's fast path."""
     return mesh_plan(mesh, tensor_parallel=TensorParallel(attention=LAYERS, mlp=LAYERS))
-
-
-def run(spec: JobSpec, plan: Plan, until_step: int | None = None, schedule: str | None = None) -> LaunchResult:
-    lines: list[str] = []
-    env = {"PARASHIFT_PP_SCHEDULE": schedule} if schedule else None
-    result = launch_workers(spec, plan, on_line=lines.append, until_step=until_step, extra_env=env)
-    assert result.returncode == 0, "\n".join(lines[-60:])
-    return result
-
-
-def assert_losses_match(result: LaunchResult, expected: list[float]) -> None:
-    """Every step the run reported (after a resume: its steps only) against the reference."""
-    losses = {e["step"]: e["loss"] for e in result.steps}
-    start = next(e for e in result.events if e["event"] == "start")["step"]
-    assert sorted(losses) == list(range(start + 1, result.final_step + 1))
-    for step, got in losses.items():
-        want = expected[step - 1]
-        assert abs(got - want) <= LOSS_RTOL * abs(want), f"step {step}: {got} vs {want}"
-
-
-# Adam moves an element at most ~lr per step, so 20 steps bound any difference by lr x 20;
-# plans must agree within 0.1% of that bound. Seen: <= 1e-6 on every weight, up to 1.7e-5 on
-# embedding rows of tokens seen once or twice (plain DDP on 3 ranks included), where Adam's
-# per-element normalisation does not average rounding out.
-STATE_ATOL = 1e-3 * 3e-3 * 20
-# The gradient of a key bias is exactly zero (softmax ignores a shift shared by all scores),
-# so Adam turns rounding noise into its updates: only Adam's bound applies there.
-NOISE_ONLY = ("attn.k_proj.bias",)
-
-
-def assert_state_matches(state: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
-    assert state.keys() == expected.keys()
-    for name, want in expected.items():
-        got = state[name]
-        assert got.shape == want.shape and got.dtype == want.dtype, name
-        if any(part in name for part in NOISE_ONLY):
-            if name.startswith("model/"):
-                assert got.abs().max() <= 3e-3 * 20 and want.abs().max() <= 3e-3 * 20, name
-            continue
-        assert torch.allclose(got, want, rtol=1e-5, atol=STATE_ATOL), f"{name}: max |d| = {(got - want).abs().max()}"
 
 
 @pytest.fixture(scope="module")

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from specs import JobSpec
+from specs.loader import resolve_model
 from specs.plan import Plan
 from trainer import metrics
 from trainer.mesh import job_plan_refusals
@@ -221,6 +222,7 @@ def launch_workers(
     share of them, the rest on the other nodes); every output line goes to `on_line`, every
     worker event also to `on_event`. A plan the trainer cannot execute is refused here, before
     any process starts. `workers` follows the processes while they run."""
+    spec = resolve_model(spec)  # workers read the model's shape from the spec (a checkpoint folder's config)
     refusals = job_plan_refusals(plan, spec)
     if node is not None and plan.devices % len(node.nodes):
         refusals.append(f"{plan.devices} devices do not split evenly over {len(node.nodes)} nodes")

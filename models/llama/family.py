@@ -1,0 +1,58 @@
+"""The Llama family: its sharding table and what the trainer asks of it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from models.base import ModelFamily
+from models.llama import hf
+from models.llama.model import Llama, initial_value
+from models.llama.spec import LlamaSpec
+from models.sharding import Region, ShardingTable
+
+SHARDING = ShardingTable(
+    regions=(
+        # Query and key/value projections split by heads: tp must divide the kv heads too.
+        Region("attention", "attn", colwise=("q_proj", "k_proj", "v_proj"), rowwise="out_proj", split_inside=True),
+        Region("mlp", "mlp", colwise=("gate_proj", "up_proj"), rowwise="down_proj"),
+    ),
+    stream_dropouts=("attn.resid_dropout", "mlp.dropout"),
+    first_stage=("tok_emb", "drop"),
+)
+
+
+class LlamaFamily(ModelFamily):
+    name = "llama"
+    sharding = SHARDING
+    graph_builder = "models.llama.graph:build"
+
+    def build(self, spec: LlamaSpec) -> nn.Module:
+        return Llama(spec)
+
+    def initial_value(self, spec: LlamaSpec, name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
+        if spec.init_from is not None:
+            return hf.initial_from_checkpoint(spec, name, shape)
+        return initial_value(spec, name, shape, seed)
+
+    def flops_per_token(self, spec: LlamaSpec, n_params: int) -> int:
+        return 6 * n_params + 12 * spec.n_layers * spec.n_heads * spec.hd * spec.seq_len
+
+    def hf_adapter(self) -> Any:
+        return hf
+
+    def refusals(self, spec: LlamaSpec, plan: Any) -> list[str]:
+        reasons = []
+        if spec.tie_embeddings and plan.degree("pp") > 1:
+            reasons.append("a head tied to the embedding cannot sit on another pipeline stage than the embedding "
+                           "(set model.tie_embeddings: false, or plan without pp)")
+        if spec.tie_embeddings and plan.degree("tp") > 1:
+            regions = plan.tp_regions(spec.n_layers)
+            if regions.embed != regions.head:
+                reasons.append("a head tied to the embedding must split the vocabulary over tp with it, or neither")
+        return reasons
+
+
+FAMILY = LlamaFamily()

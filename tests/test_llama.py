@@ -1,0 +1,233 @@
+"""The Llama family against the real `transformers` and against itself under every plan kind.
+
+- A folder `transformers` writes (LlamaConfig with grouped-query attention and Llama 3.1 rotary
+  scaling; Qwen2Config with q/k/v biases and tied embeddings) loads into parashift with the same
+  logits (fp32, 1e-5).
+- Every kind of Plan the GPT runs (dp, tp 2/4 with sequence parallelism and a vocab-parallel
+  head, pp 2, FSDP, HSDP, pp x tp, pp x FSDP held) gives the single process's loss at each of
+  20 steps; checkpoints move exactly between them; an elastic 2 -> 3 -> 1 run with tp and dp
+  changing equals the static run at every step.
+- A checkpoint trained under tp 2 x dp 2, exported with `parashift export`, loads into
+  `transformers.AutoModelForCausalLM.from_pretrained` with the logits parashift computes.
+"""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import pytest
+import torch
+from jobs import assert_losses_match, assert_state_matches, final_state, mesh_plan, run, tiny_spec
+
+from models import family
+from models.llama.spec import LlamaSpec
+from specs import JobSpec, load_spec
+from specs.loader import resolve_model
+from specs.plan import Plan
+
+# 8 query heads in 4 groups (grouped-query attention that tp 2 and 4 split), head width 6.
+MODEL = {"family": "llama", "n_layers": 2, "d_model": 48, "n_heads": 8, "n_kv_heads": 4, "ffn_dim": 80,
+         "vocab_size": 256, "seq_len": 24, "rope_theta": 500000.0}
+TRAINING = {"global_batch": 8, "micro_batch": 4, "steps": 20, "seed": 7, "checkpoint_every": 10}
+LLAMA = family("llama")
+
+
+def llama_spec(name: str, tmp: Path, **model: object) -> JobSpec:
+    return resolve_model(tiny_spec(name, f"file://{tmp}/store", model={**MODEL, **model}, training=TRAINING))
+
+
+def parashift_logits(spec: LlamaSpec, state: dict[str, torch.Tensor] | None, tokens: torch.Tensor) -> torch.Tensor:
+    """The model `spec` describes, weights from `state` (checkpoint names) or its init_from."""
+    model = LLAMA.build(spec)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            value = state[f"model/{name}"] if state is not None else LLAMA.initial_value(spec, name, tuple(param.shape), 0)
+            param.copy_(value)
+        return model(tokens)
+
+
+def transformers_folder(tmp: Path, kind: str) -> Path:
+    """A random `transformers` model of `kind`, saved by `save_pretrained` (safetensors)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+
+    shape = {"hidden_size": 48, "intermediate_size": 80, "num_hidden_layers": 2, "num_attention_heads": 8,
+             "num_key_value_heads": 4, "vocab_size": 256}
+    if kind == "llama":
+        config = LlamaConfig(**shape, rope_parameters={
+            "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 8})
+    else:
+        config = Qwen2Config(**shape, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).float()
+    with torch.no_grad():  # transformers initialises biases to 0: make them count
+        for name, param in model.named_parameters():
+            if name.endswith("bias"):
+                param.normal_(0.0, 0.1)
+    folder = tmp / kind
+    model.save_pretrained(folder)
+    return folder
+
+
+def transformers_logits(folder: Path | str, tokens: torch.Tensor) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, torch_dtype=torch.float32, attn_implementation="sdpa").eval()
+    with torch.no_grad():
+        return model(tokens).logits
+
+
+TOKENS = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(3))
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_a_transformers_folder_loads_with_the_same_logits(kind: str, tmp_path: Path) -> None:
+    folder = transformers_folder(tmp_path, kind)
+    spec_file = tmp_path / "job.yaml"
+    spec_file.write_text(f"name: from-hf\nmodel: {{family: llama, init_from: {folder}, seq_len: 24}}\n")
+    spec = load_spec(spec_file).model
+    assert (spec.n_kv_heads, spec.attention_bias, spec.tie_embeddings) == \
+        ((4, False, False) if kind == "llama" else (4, True, True))
+    ours = parashift_logits(spec, None, TOKENS)
+    theirs = transformers_logits(folder, TOKENS)
+    assert torch.allclose(ours, theirs, rtol=0, atol=1e-5), (ours - theirs).abs().max()
+
+
+def test_a_folder_that_is_not_a_llama_is_refused_in_one_line(tmp_path: Path) -> None:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=256)).save_pretrained(tmp_path / "gpt2")
+    spec_file = tmp_path / "job.yaml"
+    spec_file.write_text(f"name: wrong\nmodel:\n  family: llama\n  init_from: {tmp_path / 'gpt2'}\n")
+    with pytest.raises(Exception, match=r"job.yaml:4:14: model.init_from: .*'GPT2LMHeadModel' is not the Llama family's"):
+        load_spec(spec_file)
+    folder = transformers_folder(tmp_path, "llama")
+    spec_file.write_text(f"name: wrong\nmodel:\n  family: llama\n  init_from: {folder}\n  n_heads: 4\n")
+    with pytest.raises(Exception, match=r"job.yaml:5:12: model.n_heads: is 4 but .*config.json says 8"):
+        load_spec(spec_file)
+
+
+# ---------------------------------------------------------------------------------- plans
+
+PLANS = {
+    "dp2xtp2": lambda: mesh_plan({"dp": 2, "tp": 2}),  # Megatron + sequence parallel + vocab-parallel head and loss
+    "tp4": lambda: mesh_plan({"tp": 4}),  # one kv head per rank
+    "pp2xdp2": lambda: mesh_plan({"pp": 2, "dp": 2}, micro_batches=2),
+    "pp2xtp2": lambda: mesh_plan({"pp": 2, "tp": 2}, micro_batches=4),
+    "fsdp4": lambda: Plan.fully_sharded(4),
+    "hsdp2x2": lambda: mesh_plan({"dp": 4}, dp_shard=2),
+    "pp2xfsdp2-held": lambda: mesh_plan({"pp": 2, "dp": 2}, dp_shard=2, micro_batches=4, reshard_after_forward=False),
+}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """One process, no parallelism: the losses and final state every plan must reproduce."""
+    spec = llama_spec("reference", tmp_path_factory.mktemp("reference"))
+    result = run(spec, Plan.data_parallel(1))
+    losses = [e["loss"] for e in result.steps]
+    assert len(losses) == 20 and losses[-1] < losses[0] - 0.3
+    return losses, final_state(spec)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(PLANS))
+def test_plan_matches_single_process(name: str, reference, tmp_path: Path) -> None:
+    expected_losses, expected_state = reference
+    spec = llama_spec(name, tmp_path)
+    result = run(spec, PLANS[name]())
+    assert result.final_step == 20
+    assert_losses_match(result, expected_losses)
+    assert_state_matches(final_state(spec), expected_state, noise_only=())
+    if name == "dp2xtp2":  # exported, then loaded by transformers: parashift's logits
+        from typer.testing import CliRunner
+
+        from parashift.cli import app
+
+        spec_file = tmp_path / "job.yaml"
+        spec_file.write_text(spec.model_dump_json())
+        out = CliRunner().invoke(app, ["export", str(spec_file), "--to", str(tmp_path / "hf"), "--max-shard-gb", "0.00003"])
+        assert out.exit_code == 0, out.output
+        assert len(list((tmp_path / "hf").glob("*.safetensors"))) > 1  # size-sharded, with its index
+        ours = parashift_logits(spec.model, final_state(spec), TOKENS)
+        theirs = transformers_logits(tmp_path / "hf", TOKENS)
+        assert torch.allclose(ours, theirs, rtol=0, atol=1e-5), (ours - theirs).abs().max()
+
+
+def test_unexecutable_llama_plans_are_refused_with_reasons(tmp_path: Path) -> None:
+    from trainer.mesh import job_plan_refusals
+
+    spec = llama_spec("refusals", tmp_path)
+    assert job_plan_refusals(mesh_plan({"tp": 4}), spec) == []
+    eight = job_plan_refusals(mesh_plan({"tp": 8}), spec)
+    assert any("n_kv_heads (4) must be divisible by tp (8)" in r for r in eight), eight
+    tied = llama_spec("tied", tmp_path, tie_embeddings=True)
+    assert any("tied" in r for r in job_plan_refusals(mesh_plan({"pp": 2}, micro_batches=2), tied))
+    assert job_plan_refusals(mesh_plan({"dp": 2, "tp": 2}), tied) == []
+
+
+def test_checkpoints_move_exactly_between_llama_plans(tmp_path: Path) -> None:
+    """Under every pair of plans (no processes: the layouts the workers would have), each new
+    rank's boxes read from the old plan's checkpoint equal the slices of the saved tensors, bit
+    for bit, reading exactly the bytes needed."""
+    from states import box_of, global_state, save_all_ranks
+
+    from storage import CheckpointStore, ObjectStore
+    from trainer.checkpoint import execute_reads, reshard_plan
+    from trainer.layout import state_layout
+
+    spec = llama_spec("moves", tmp_path, tie_embeddings=False)
+    plans = {name: make() for name, make in PLANS.items()} | {"dp1": Plan.data_parallel(1), "dp3": Plan.data_parallel(3)}
+    saved = {}
+    for name, plan in plans.items():
+        layout = state_layout(plan, spec.model)
+        store = CheckpointStore(ObjectStore(f"file://{tmp_path}/{name}"), "job")
+        state = global_state(layout)
+        save_all_ranks(store, layout, state, step=3)
+        saved[name] = (store, state)
+    for old, new in itertools.permutations(plans, 2):
+        store, state = saved[old]
+        layout = state_layout(plans[new], spec.model)
+        reconfig = reshard_plan(store, layout)
+        assert reconfig is not None and reconfig.totals()["bytes_read"] == reconfig.totals()["bytes_needed"]
+        for rank, reads in enumerate(reconfig.ranks):
+            got = execute_reads(store, 3, reads)
+            for name, box in layout.boxes_of(rank).items():
+                if name.startswith("rng/"):
+                    continue
+                want = box_of(state[name], box)
+                assert torch.equal(got[name], want), f"{old} -> {new}: rank {rank} {name}"
+
+
+@pytest.mark.slow
+def test_elastic_two_three_one_equals_the_static_run(reference, tmp_path: Path) -> None:
+    """tp 2 on 2 devices -> dp 3 -> one device, resuming each time from the last checkpoint:
+    the single process's loss at every step."""
+    expected_losses, expected_state = reference
+    spec = llama_spec("elastic", tmp_path)
+    segments = [(mesh_plan({"tp": 2}), 7), (Plan.data_parallel(3), 14), (Plan.data_parallel(1), None)]
+    for i, (plan, until) in enumerate(segments):
+        result = run(spec, plan, until_step=until)
+        start = next(e for e in result.events if e["event"] == "start")
+        assert start["step"] == (0, 7, 14)[i] and start["resumed"] == (i > 0)
+        assert_losses_match(result, expected_losses)
+    assert_state_matches(final_state(spec), expected_state, noise_only=())
+
+
+@pytest.mark.slow
+def test_a_qwen2_checkpoint_trains_under_tp_and_exports_to_transformers(tmp_path: Path) -> None:
+    """Qwen2 (q/k/v biases, tied embeddings) from a transformers folder, 20 steps under
+    tp 2 x dp 2, exported: transformers computes parashift's logits from the export."""
+    from trainer.export import export_hf
+
+    folder = transformers_folder(tmp_path, "qwen2")
+    spec = tiny_spec("qwen", f"file://{tmp_path}/store", training=TRAINING)
+    spec = resolve_model(spec.model_copy(update={"model": LlamaSpec(family="llama", init_from=str(folder), seq_len=24)}))
+    assert spec.model.attention_bias and spec.model.tie_embeddings
+    result = run(spec, mesh_plan({"dp": 2, "tp": 2}))
+    assert result.final_step == 20 and result.steps[-1]["loss"] < result.steps[0]["loss"]
+    export_hf(spec, str(tmp_path / "hf"))
+    ours = parashift_logits(spec.model, final_state(spec), TOKENS)
+    theirs = transformers_logits(tmp_path / "hf", TOKENS)
+    assert torch.allclose(ours, theirs, rtol=0, atol=1e-5), (ours - theirs).abs().max()
