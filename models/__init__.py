@@ -36,10 +36,12 @@ def spec_sections() -> dict[str, type]:
 def resolve_section(section: Any) -> Any:
     """A spec's `model:` section with what it refers to read (a checkpoint folder's config:
     fields filled, contradictions raised as specs.base.FieldIssues at their field). Runs the
-    family's `spec.resolve` where it has one: no torch."""
-    module = importlib.import_module(f"{FAMILIES[section.family]}.spec")
-    resolve = getattr(module, "resolve", None)
-    return section if resolve is None else resolve(section)
+    family's `spec.RESOLVER` where it names one: no torch."""
+    resolver = getattr(importlib.import_module(f"{FAMILIES[section.family]}.spec"), "RESOLVER", None)
+    if resolver is None:
+        return section
+    module, _, function = resolver.partition(":")
+    return getattr(importlib.import_module(module), function)(section)
 
 
 def family(name: str) -> ModelFamily:

@@ -33,7 +33,7 @@ class GraphBuilder:
         return Graph(name=self.name, ops=self.ops, edges=self.edges, **fields)
 
 
-def _keep(*tensors: tuple[Dims, int]) -> tuple[Saved, ...]:
+def keep(*tensors: tuple[Dims, int]) -> tuple[Saved, ...]:
     """What an op's backward keeps: (dims, bytes per element) each."""
     return tuple(Saved(dims=dims, bytes=size) for dims, size in tensors)
 
@@ -50,14 +50,14 @@ def _layer_norm(g: GraphBuilder, name: str, src: str, b: int, s: int, d: int, bl
     # keeps the (fp32) input and the mean and reciprocal deviation per token.
     return g.add(name, {"b": b, "s": s, "d": d}, ("b", "s", "d"), srcs=(src,), inputs=(("b", "s", "d"),),
                  kind="norm", nosplit=("d",), params=(("d",), ("d",)), flops=8.0 * b * s * d, block=block,
-                 saved=_keep((("b", "s", "d"), FP32), (("b", "s"), 2 * FP32)), **tp)
+                 saved=keep((("b", "s", "d"), FP32), (("b", "s"), 2 * FP32)), **tp)
 
 
-def _add(g: GraphBuilder, name: str, x: str, y: str, b: int, s: int, d: int, block: str | None,
-         **tp: object) -> str:
+def residual_add(g: GraphBuilder, name: str, x: str, y: str, b: int, s: int, d: int, block: str | None,
+                 **fields: object) -> str:
     bsd = ("b", "s", "d")
     return g.add(name, {"b": b, "s": s, "d": d}, bsd, srcs=(x, y), inputs=(bsd, bsd), kind="elementwise",
-                 flops=1.0 * b * s * d, block=block, saved=(), **tp)
+                 flops=1.0 * b * s * d, block=block, saved=(), **fields)
 
 
 # What the trainer executes over "tp" (planner/execution.py turns a plan's choice into the
@@ -94,7 +94,7 @@ def gpt_graph(n_layers: int, d_model: int, n_heads: int, vocab_size: int, seq_le
     # Token ids select rows of the (v, d) table: vocab parallel splits v (Partial, then all-reduce).
     x = g.add("embed", {"b": b, "s": s, "v": v, "d": d}, bsd, inputs=(("b", "s"),), kind="embedding",
               reduce=("v",), params=(("v", "d"),), flops=2.0 * b * s * d, tp_dim="v", tp_dims=("v",), part="embed",
-              saved=_keep((("b", "s"), INT64), (("s",), INT64)))  # token and position ids
+              saved=keep((("b", "s"), INT64), (("s",), INT64)))  # token and position ids
     for i in range(n_layers):
         blk = f"layer{i}"
         p = f"l{i}."
@@ -106,37 +106,37 @@ def gpt_graph(n_layers: int, d_model: int, n_heads: int, vocab_size: int, seq_le
         qkv = g.add(p + "qkv", {"b": b, "s": s, "d": d, "h": h, "q": 3 * e}, ("b", "s", "h", "q"), srcs=(ln1,),
                     inputs=(bsd,), kind="matmul", reduce=("d",), params=(("d", "h", "q"),),
                     flops=2.0 * b * s * d * 3 * d, block=blk, tp_dim="h",
-                    saved=_keep(*[(bsd, low)] * (3 if low < FP32 else 1)), **attention)
+                    saved=keep(*[(bsd, low)] * (3 if low < FP32 else 1)), **attention)
         # Fused causal attention (SDPA): heads and batch split freely; s needs context parallelism
         # (not implemented by the trainer) and q/e are the packed q,k,v and head dims.
         att = g.add(p + "attn", {"b": b, "s": s, "h": h, "q": 3 * e, "e": e}, ("b", "s", "h", "e"), srcs=(qkv,),
                     inputs=(("b", "s", "h", "q"),), kind="attention", nosplit=("s", "q", "e"),
                     flops=4.0 * b * h * s * s * e, block=blk, tp_dim="h",
-                    saved=_keep((("b", "s", "h", "q"), low), (("b", "s", "h", "e"), low), (("b", "s", "h"), FP32)),
+                    saved=keep((("b", "s", "h", "q"), low), (("b", "s", "h", "e"), low), (("b", "s", "h"), FP32)),
                     **attention)  # q, k, v, the output and the log-sum-exp per row
         # Its input is attention's output, already kept (a view, not a copy).
         proj = g.add(p + "proj", {"b": b, "s": s, "h": h, "e": e, "d": d}, bsd, srcs=(att,),
                      inputs=(("b", "s", "h", "e"),), kind="matmul", reduce=("h", "e"), params=(("h", "e", "d"),),
                      flops=2.0 * b * s * d * d, block=blk, tp_dim="h", saved=(), **attention)
-        add1 = _add(g, p + "add1", x, proj, b, s, d, blk, **sequence)
+        add1 = residual_add(g, p + "add1", x, proj, b, s, d, blk, **sequence)
         ln2 = _layer_norm(g, p + "ln2", add1, b, s, d, blk, **sequence)
         fc1 = g.add(p + "fc1", {"b": b, "s": s, "d": d, "f": f}, ("b", "s", "f"), srcs=(ln2,),
                     inputs=(bsd,), kind="matmul", reduce=("d",), params=(("d", "f"),),
                     flops=2.0 * b * s * d * f, block=blk, tp_dim="f",
-                    saved=_keep((bsd, low), (("b", "s", "f"), low)), **mlp)  # GELU fused: its input kept
+                    saved=keep((bsd, low), (("b", "s", "f"), low)), **mlp)  # GELU fused: its input kept
         fc2 = g.add(p + "fc2", {"b": b, "s": s, "f": f, "d": d}, bsd, srcs=(fc1,),
                     inputs=(("b", "s", "f"),), kind="matmul", reduce=("f",), params=(("f", "d"),),
-                    flops=2.0 * b * s * d * f, block=blk, tp_dim="f", saved=_keep((("b", "s", "f"), low)), **mlp)
-        x = _add(g, p + "add2", add1, fc2, b, s, d, blk, **sequence)
+                    flops=2.0 * b * s * d * f, block=blk, tp_dim="f", saved=keep((("b", "s", "f"), low)), **mlp)
+        x = residual_add(g, p + "add2", add1, fc2, b, s, d, blk, **sequence)
     lnf = _layer_norm(g, "ln_f", x, b, s, d, None, **SEQUENCE)
     head = g.add("head", {"b": b, "s": s, "d": d, "v": v}, ("b", "s", "v"), srcs=(lnf,), inputs=(bsd,),
                  kind="matmul", reduce=("d",), params=(("d", "v"),), flops=2.0 * b * s * d * v, tp_dim="v",
-                 tp_dims=("v",), tp_group="head", part="head", saved=_keep((bsd, low)))
+                 tp_dims=("v",), tp_group="head", part="head", saved=keep((bsd, low)))
     # Cross entropy over v: split v is torch's loss_parallel (an all-reduce of per-token stats).
     # Backward keeps the fp32 log-probabilities and the int64 targets.
     g.add("loss", {"b": b, "s": s, "v": v}, ("b", "s"), srcs=(head,), inputs=(("b", "s", "v"),), kind="loss",
           reduce=("v",), flops=5.0 * b * s * v, tp_dim="v", tp_dims=("v",), tp_needs="head", part="loss",
-          saved=_keep((("b", "s", "v"), FP32), (("b", "s"), INT64)))
+          saved=keep((("b", "s", "v"), FP32), (("b", "s"), INT64)))
     return g.build(act_bytes=low, weight_cast_bytes=2 if low < FP32 else 0)
 
 
@@ -197,20 +197,20 @@ def pase_transformer_graph(batch: int = 64, seq_len: int = 256, d_model: int = 5
     for i in range(layers):
         blk, p = f"enc{i}", f"enc{i}."
         a = _pase_attention(g, p + "att.", x, x, b, s, d, h, blk)
-        x = _layer_norm(g, p + "ln1", _add(g, p + "add1", x, a, b, s, d, blk), b, s, d, blk)
+        x = _layer_norm(g, p + "ln1", residual_add(g, p + "add1", x, a, b, s, d, blk), b, s, d, blk)
         y = _pase_ffn(g, p, x, b, s, d, f, blk)
-        x = _layer_norm(g, p + "ln2", _add(g, p + "add2", x, y, b, s, d, blk), b, s, d, blk)
+        x = _layer_norm(g, p + "ln2", residual_add(g, p + "add2", x, y, b, s, d, blk), b, s, d, blk)
     memory = x
     x = g.add("dec_embed", emb, bsd, inputs=(("b", "s"),), kind="embedding", reduce=("v",),
               params=(("v", "d"),), flops=2.0 * b * s * d, tp_dim="v")
     for i in range(layers):
         blk, p = f"dec{i}", f"dec{i}."
         a = _pase_attention(g, p + "self.", x, x, b, s, d, h, blk)
-        x = _layer_norm(g, p + "ln1", _add(g, p + "add1", x, a, b, s, d, blk), b, s, d, blk)
+        x = _layer_norm(g, p + "ln1", residual_add(g, p + "add1", x, a, b, s, d, blk), b, s, d, blk)
         c = _pase_attention(g, p + "cross.", x, memory, b, s, d, h, blk)
-        x = _layer_norm(g, p + "ln2", _add(g, p + "add2", x, c, b, s, d, blk), b, s, d, blk)
+        x = _layer_norm(g, p + "ln2", residual_add(g, p + "add2", x, c, b, s, d, blk), b, s, d, blk)
         y = _pase_ffn(g, p, x, b, s, d, f, blk)
-        x = _layer_norm(g, p + "ln3", _add(g, p + "add3", x, y, b, s, d, blk), b, s, d, blk)
+        x = _layer_norm(g, p + "ln3", residual_add(g, p + "add3", x, y, b, s, d, blk), b, s, d, blk)
     logits = g.add("logits", {"b": b, "s": s, "d": d, "v": v}, ("b", "s", "v"), srcs=(x,), inputs=(bsd,),
                    kind="matmul", reduce=("d",), params=(("d", "v"),), flops=2.0 * b * s * d * v, tp_dim="v")
     g.add("loss", {"b": b, "s": s, "v": v}, ("b", "s"), srcs=(logits,), inputs=(("b", "s", "v"),), kind="loss",

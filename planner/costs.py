@@ -193,8 +193,8 @@ class CostModel:
             param_mem[i] = g.param_state_bytes * params / state_share
             kept = op.saved if op.saved is not None else (Saved(dims=op.output, bytes=g.act_bytes),)
             act_mem[i] = sum(t.bytes * local(t.dims) for t in kept)
-            if op.kind in GEMM_KINDS:
-                cast_mem[i] = g.weight_cast_bytes * params
+            if op.kind in GEMM_KINDS and op.params:  # the GEMM's weight operand (params[0]); biases stay fp32
+                cast_mem[i] = g.weight_cast_bytes * local(op.params[0])
         return OpCost(configs, compute, comm, grad_comm, param_mem, act_mem, cast_mem, gather, unsharded_weight,
                       unsharded_grad)
 

@@ -23,7 +23,8 @@ JSON format (what `parashift plan --graph FILE.json` reads; `graph_to_json` writ
          "nosplit": [],                                       # dims that must not be split
          "inputs": [["b", "s", "d"]],                         # activation inputs, axes as dims
          "output": ["b", "s", "f"],
-         "params": [["d", "f"]],                              # weight tensors, axes as dims
+         "params": [["d", "f"]],                              # weight tensors, axes as dims (a GEMM's
+                                                              # first is its weight operand; more: biases)
          "flops": 2.0e9,                                      # forward FLOPs of the whole op
          "block": "layer0",                                   # optional: repeated-block instance
          "part": "mlp", "layer": 0,                           # optional: what the trainer runs it as

@@ -397,7 +397,8 @@ class JobSpec(_Section):
     @model_validator(mode="after")
     def _cross_section(self) -> Self:
         issues: list[tuple[Loc, str]] = []
-        if self.data.tokenizer == "bytes" and self.data.format == "text" and self.model.vocab_size < 256:
+        vocab = self.model.vocab_size  # None: a transformers config that leaves it to its default
+        if self.data.tokenizer == "bytes" and self.data.format == "text" and vocab is not None and vocab < 256:
             issues.append(
                 (
                     ("model", "vocab_size"),

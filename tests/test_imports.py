@@ -118,3 +118,20 @@ def test_engines_never_import_prefect() -> None:
     bad = {(name, m) for name, deps in graph().items() if name.split(".")[0] in ENGINES for m in deps
            if m == "prefect" or m.startswith("prefect.")}
     assert bad == set()
+
+
+# Names of the GPT's (and the Llama's) modules and parameters: they belong to the family folders.
+PARAMETER_NAMES = ("tok_emb", "pos_emb", "lm_head", "q_proj", "k_proj", "v_proj", "out_proj", "up_proj", "down_proj",
+                   "gate_proj", "attn_norm", "mlp_norm")
+
+
+def test_only_family_folders_name_model_parameters() -> None:
+    """Adding a family touches its folder only: every other room reaches parameters through a
+    family's sharding table (models/sharding.py), never by name."""
+    import re
+
+    pattern = re.compile(r"\b(" + "|".join(PARAMETER_NAMES) + r")\b|\bblocks\.(\d|<|\{)")
+    found = [f"{path.relative_to(ROOT)}:{i}: {line.strip()}" for name, path in modules().items()
+             if not name.startswith("models") for i, line in enumerate(path.read_text().splitlines(), 1)
+             if pattern.search(line)]
+    assert found == []

@@ -42,8 +42,10 @@ class HFSpec(Section):
         return f"hf-{(self.config or {}).get('model_type', 'folder')}"
 
     @property
-    def vocab_size(self) -> int:
-        return int(self._field("vocab_size") or 0)
+    def vocab_size(self) -> int | None:
+        """The config's vocabulary; None where it leaves it to transformers' default."""
+        value = self._field("vocab_size")
+        return None if value is None else int(value)
 
     @property
     def n_layers(self) -> int:

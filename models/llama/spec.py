@@ -97,11 +97,6 @@ class LlamaSpec(Section):
         return -(-int(8 * self.d_model / 3) // FFN_MULTIPLE_OF) * FFN_MULTIPLE_OF
 
 
-def resolve(section: LlamaSpec) -> LlamaSpec:
-    """The section with its `init_from` folder's config read (models/llama/hf.py)."""
-    from models.llama.hf import resolve as from_folder
-
-    return from_folder(section)
-
-
 SECTION = LlamaSpec
+# What reads an `init_from` folder's config into the section ("module:function", no torch).
+RESOLVER = "models.llama.hf:resolve"
