@@ -47,6 +47,11 @@ class ModelFamily:
         for name, layer in getattr(model, self.sharding.layers).named_children():
             yield int(name), layer
 
+    def initial_buffers(self, spec: Any) -> dict[str, torch.Tensor]:
+        """Buffers (not parameters, not checkpointed) a model built on the meta device lacks
+        after `to_empty`, by name, on the CPU: a rotary table, say. Default: none."""
+        return {}
+
     def logits(self, module: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
         """(B, T) token ids -> (B, T, vocab) logits through `module` (the model or its wrapper)."""
         return module(tokens)

@@ -211,14 +211,40 @@ def parallelize(model: nn.Module, family: ModelFamily, plan: Plan, mesh: DeviceM
 
 
 @torch.no_grad()
-def materialize(model: nn.Module, device: torch.device, initial_value: Callable[[str, tuple[int, ...]], torch.Tensor]) -> None:
+def materialize(model: nn.Module, device: torch.device, initial_value: Callable[[str, tuple[int, ...]], torch.Tensor],
+                buffers: dict[str, torch.Tensor] | None = None) -> None:
     """Give a model built on the meta device and parallelized there its memory on `device`, and
     fill each rank's part of every parameter from `initial_value(name, global shape)` (whole, on
     the CPU), one parameter at a time (after torchtitan: build on meta, parallelize, then
     `to_empty` and initialise). FSDP2 re-pads its shards inside `to_empty`, so the local
-    tensors written here are the ones it keeps."""
+    tensors written here are the ones it keeps. A parameter shared by two modules (a head tied
+    to the embedding) stays shared: `to_empty` gives each module its own copy, so the ties are
+    taken before and made again after. `buffers`: the values of buffers by name (`to_empty`
+    leaves them uninitialised)."""
+    ties = _tied_parameters(model)
     model.to_empty(device=device)
+    for module, name, owner, owner_name in ties:
+        setattr(module, name, getattr(owner, owner_name))
+    for name, buffer in model.named_buffers():
+        if buffers and name in buffers:
+            buffer.copy_(buffers[name])
     initialize(model, initial_value)
+
+
+def _tied_parameters(model: nn.Module) -> list[tuple[nn.Module, str, nn.Module, str]]:
+    """(module, attribute, owner, owner's attribute) for every parameter a module shares with
+    an earlier one."""
+    first: dict[int, tuple[nn.Module, str]] = {}
+    ties = []
+    for module in model.modules():
+        for name, param in module._parameters.items():
+            if param is None:
+                continue
+            if id(param) in first:
+                ties.append((module, name, *first[id(param)]))
+            else:
+                first[id(param)] = (module, name)
+    return ties
 
 
 @torch.no_grad()

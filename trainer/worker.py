@@ -173,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     regions = plan.tp_regions(n_layers)
     module = build_stage(model, family, plan, n_layers, coords.pp_rank) if dims.pp > 1 else model
     runnable = parallelize(module, family, plan, mesh, regions, device, compile=spec.parallelism.compile)
-    materialize(module, device, initial_value)
+    materialize(module, device, initial_value, family.initial_buffers(m))
     optimizer = LocalShardAdamW(module, spec, device)
     # Everything built so far lives for the whole run: keep it out of the garbage collector's
     # full passes, which otherwise cost ~0.3 s whenever a restore or a save allocates many small

@@ -14,7 +14,8 @@ class HFSpec(Section):
 
     family: Literal["hf"] = Field(description="Model family: gpt, llama or hf.")
     config: dict[str, Any] | None = Field(
-        None, description="A transformers config as a mapping (model_type and its fields): random initialisation.")
+        None, description="A transformers config as a mapping (model_type and its fields): random initialisation. "
+                          "With init_from: read from its config.json (fields given here must agree).")
     init_from: str | None = Field(
         None, description="A Hugging Face checkpoint folder or fsspec URL (config.json + *.safetensors) to start from.")
     seq_len: int = Field(64, ge=2, le=1 << 20, description="Context length in tokens.")
@@ -22,9 +23,9 @@ class HFSpec(Section):
 
     @model_validator(mode="after")
     def _one_source(self) -> Self:
-        if (self.config is None) == (self.init_from is None):
-            raise_if([(("config",), "give exactly one of model.config (a transformers config) and model.init_from "
-                                    "(a checkpoint folder)")])
+        if self.config is None and self.init_from is None:
+            raise_if([(("config",), "give model.config (a transformers config) or model.init_from (a checkpoint "
+                                    "folder, whose config.json it then reads)")])
         if self.config is not None and not isinstance(self.config.get("model_type"), str):
             raise_if([(("config", "model_type"), "a transformers config needs its model_type (e.g. llama, gpt2)")])
         return self
@@ -57,3 +58,5 @@ class HFSpec(Section):
 
 
 SECTION = HFSpec
+# What reads an `init_from` folder's config into the section ("module:function", no torch).
+RESOLVER = "models.hf.resolve:resolve"

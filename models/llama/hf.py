@@ -15,28 +15,17 @@ compute what models/llama/model.py computes; this module maps one onto the other
     lm_head.weight                     lm_head.weight (absent when tied)              as is
 
 Both use rotate_half rotary embeddings, so q and k need no permutation (torchtitan's complex
-rotary does; its adapter permutes). Weights are read with `safetensors` (memory-mapped, a
-rank reads the rows of its box); a folder at a remote fsspec URL is copied to a local cache
-once per node first, because safetensors maps local files. Never pickle: `*.bin` checkpoints
-are refused.
+rotary does; its adapter permutes). Folders and weights: models/hub.py (safetensors only).
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
-import os
 import re
-from functools import cache
-from pathlib import Path
 from typing import Any
 
+from models.hub import CONFIG_NAME, checkpoint_weights, read_config
 from models.llama.spec import Llama3RopeScaling, LlamaSpec
 from specs.base import FieldIssues
-
-CONFIG_NAME = "config.json"
-INDEX_NAME = "model.safetensors.index.json"
-SINGLE_NAME = "model.safetensors"
 
 # Architectures whose math is the Llama family's (checked against `transformers` by tests).
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "MistralForCausalLM": "mistral"}
@@ -152,39 +141,6 @@ def hf_config(spec: LlamaSpec) -> dict[str, Any]:
     return config
 
 
-# ---------------------------------------------------------------------------------- folders
-
-def local_folder(url: str) -> Path:
-    """A local folder holding the checkpoint at `url`: the folder itself, or, for a remote
-    fsspec URL, a copy in this node's cache made once (safetensors memory-maps local files)."""
-    if "://" not in url or url.startswith("file://"):
-        return Path(url.removeprefix("file://")).expanduser()
-    import fsspec
-
-    cache_root = Path(os.environ.get("PARASHIFT_HF_CACHE", Path.home() / ".cache" / "parashift" / "hf"))
-    target = cache_root / hashlib.sha256(url.encode()).hexdigest()[:16]
-    done = target / ".complete"
-    if not done.exists():
-        fs, root = fsspec.core.url_to_fs(url)
-        names = [p.rsplit("/", 1)[-1] for p in fs.ls(root, detail=False)]
-        wanted = [n for n in names if n == CONFIG_NAME or n.endswith((".safetensors", ".safetensors.index.json"))]
-        target.mkdir(parents=True, exist_ok=True)
-        for name in wanted:
-            fs.get(f"{root.rstrip('/')}/{name}", str(target / name))
-        done.touch()
-    return target
-
-
-def read_config(url: str) -> dict[str, Any]:
-    path = local_folder(url) / CONFIG_NAME
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        raise FieldIssues([(("init_from",), f"{url} holds no {CONFIG_NAME}")]) from None
-    except ValueError as error:
-        raise FieldIssues([(("init_from",), f"{url}/{CONFIG_NAME} is not JSON: {error}")]) from None
-
-
 def resolve(spec: LlamaSpec) -> LlamaSpec:
     """The spec with the shape fields of its `init_from` folder's config; a field the spec sets
     that contradicts the config is an error at that field."""
@@ -206,45 +162,13 @@ def resolve(spec: LlamaSpec) -> LlamaSpec:
     return spec.model_copy(update=fields)
 
 
-class Weights:
-    """The tensors of a local safetensors checkpoint, by Hugging Face name."""
-
-    def __init__(self, folder: Path) -> None:
-        from safetensors import safe_open
-
-        index = folder / INDEX_NAME
-        if index.exists():
-            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        elif (folder / SINGLE_NAME).exists():
-            files = [SINGLE_NAME]
-        else:
-            pickled = sorted(p.name for p in folder.glob("*.bin"))
-            why = f" ({', '.join(pickled)}: pickle, never loaded)" if pickled else ""
-            raise FileNotFoundError(f"{folder} holds no *.safetensors checkpoint{why}")
-        self.where: dict[str, Any] = {}
-        for name in files:
-            handle = safe_open(str(folder / name), framework="pt")
-            for key in handle.keys():  # noqa: SIM118 - safe_open is not a mapping
-                self.where[key] = handle
-
-    def get(self, name: str) -> Any:
-        if name not in self.where:
-            raise KeyError(f"the checkpoint has no tensor {name}")
-        return self.where[name].get_tensor(name)
-
-
-@cache
-def _weights(url: str) -> Weights:
-    return Weights(local_folder(url))
-
-
 def initial_from_checkpoint(spec: LlamaSpec, name: str, shape: tuple[int, ...]) -> Any:
     """Our parameter `name`, whole, from the spec's `init_from` checkpoint (float32)."""
     assert spec.init_from is not None
     key, transposed = hf_name(name)
     if key == "lm_head.weight" and spec.tie_embeddings:
         key = "model.embed_tokens.weight"
-    tensor = _weights(spec.init_from).get(key)
+    tensor = checkpoint_weights(spec.init_from).get(key)
     tensor = (tensor.t() if transposed else tensor).float().contiguous()
     if tuple(tensor.shape) != tuple(shape):
         raise ValueError(f"{spec.init_from}: {key} is {list(tensor.shape)}, the model's {name} needs {list(shape)}")

@@ -1,0 +1,130 @@
+"""The `hf` family: any `transformers` causal LM (AutoModelForCausalLM), data parallel only.
+
+The model is `transformers`' own module, so its parameter names are its checkpoint's names
+(export is a copy; `init_from` reads each parameter by its name). Decoder layers for FSDP2 are
+the modules whose class the model lists in `_no_split_modules` (what accelerate's FSDP
+auto-wrap uses), in order. `transformers` is imported only here, by the processes of an `hf`
+job.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from models.base import ModelFamily
+from models.hf.spec import HFSpec
+from models.hub import checkpoint_weights
+from models.layers import seeded_normal
+
+
+def transformers_config(spec: HFSpec) -> Any:
+    """The transformers config the spec names (its `config` mapping; `resolve` fills it from an
+    `init_from` folder)."""
+    from transformers import AutoConfig
+
+    fields = dict(spec.config or {})
+    return AutoConfig.for_model(fields.pop("model_type"), **fields)
+
+
+def max_positions(config: Any) -> int | None:
+    for name in ("max_position_embeddings", "n_positions", "n_ctx", "max_seq_len"):
+        value = getattr(config, name, None)
+        if isinstance(value, int):
+            return value
+    return None
+
+
+class HFFamily(ModelFamily):
+    name = "hf"
+    sharding = None  # data parallelism (dp, FSDP, HSDP) only
+
+    def build(self, spec: HFSpec) -> nn.Module:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_config(transformers_config(spec), attn_implementation=spec.attn_implementation)
+        return model.float()
+
+    def initial_value(self, spec: HFSpec, name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
+        """From `init_from` by name; else matrices N(0, initializer_range) drawn per name,
+        vectors: weights 1 (norms), biases 0 (transformers' own initialisation in kind)."""
+        if spec.init_from is not None:
+            tensor = checkpoint_weights(spec.init_from).get(name).float()
+            if tuple(tensor.shape) != tuple(shape):
+                raise ValueError(f"{spec.init_from}: {name} is {list(tensor.shape)}, the model needs {list(shape)}")
+            return tensor
+        if len(shape) >= 2:
+            std = float((spec.config or {}).get("initializer_range", 0.02))
+            return seeded_normal(name, shape, std, seed)
+        return torch.ones(shape) if name.endswith("weight") else torch.zeros(shape)
+
+    def initial_buffers(self, spec: HFSpec) -> dict[str, torch.Tensor]:
+        """transformers' buffers (rotary inverse frequencies, causal masks) as its constructor
+        computes them, built with every parameter sent to the meta device as it is registered
+        (accelerate's init_empty_weights, which transformers 5 no longer ships)."""
+        with _parameters_on_meta():
+            model = self.build(spec)
+        return {name: buffer.clone() for name, buffer in model.named_buffers()}
+
+    def layers(self, model: nn.Module) -> Iterator[tuple[int, nn.Module]]:
+        kinds = set(getattr(model, "_no_split_modules", None) or ())
+        found = [m for m in model.modules() if type(m).__name__ in kinds]
+        if not found:
+            raise ValueError(f"{type(model).__name__} names no decoder layer class (_no_split_modules)")
+        yield from enumerate(found)
+
+    def logits(self, module: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+        return module(input_ids=tokens, use_cache=False).logits
+
+    def flops_per_token(self, spec: HFSpec, n_params: int) -> int:
+        return 6 * n_params + 12 * spec.n_layers * spec.d_model * spec.seq_len
+
+    def refusals(self, spec: HFSpec, plan: Any) -> list[str]:
+        reasons = super().refusals(spec, plan)
+        limit = max_positions(transformers_config(spec))
+        if limit is not None and spec.seq_len > limit:
+            reasons.append(f"seq_len {spec.seq_len} is longer than the model's {limit} positions")
+        return reasons
+
+    def hf_adapter(self) -> Any:
+        return _SameNames
+
+
+@contextlib.contextmanager
+def _parameters_on_meta() -> Iterator[None]:
+    register = nn.Module.register_parameter
+
+    def on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        register(module, name, param)
+        if param is not None:
+            module._parameters[name] = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+
+    nn.Module.register_parameter = on_meta  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register  # type: ignore[method-assign]
+
+
+class _SameNames:
+    """The `hf` family's parameters already carry their checkpoint names."""
+
+    @staticmethod
+    def hf_name(name: str) -> tuple[str, bool]:
+        return name, False
+
+    @staticmethod
+    def hf_config(spec: HFSpec) -> dict[str, Any]:
+        config = transformers_config(spec)
+        if not getattr(config, "architectures", None):
+            from transformers import AutoModelForCausalLM
+
+            config.architectures = [AutoModelForCausalLM._model_mapping[type(config)].__name__]
+        return config.to_dict()
+
+
+FAMILY = HFFamily()

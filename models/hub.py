@@ -1,0 +1,106 @@
+"""Hugging Face checkpoint folders, local or at any fsspec URL: `config.json` and weights in
+`*.safetensors` (one file, or shards named by `model.safetensors.index.json`).
+
+Weights are read with `safetensors` (memory-mapped: a process touches only the tensors it
+asks for). A folder at a remote URL is copied to a cache on the node once, because safetensors
+maps local files. Never pickle: a folder holding only `*.bin` (torch.save) weights is refused.
+Nothing here imports torch or transformers at module level: specs read configs through it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+from specs.base import FieldIssues
+
+CONFIG_NAME = "config.json"
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+
+
+def _is_local(url: str) -> bool:
+    return "://" not in url or url.startswith("file://")
+
+
+def local_folder(url: str) -> Path:
+    """A local folder holding the checkpoint at `url`: the folder itself, or, for a remote
+    fsspec URL, a copy in this node's cache (`$PARASHIFT_HF_CACHE`, else
+    ~/.cache/parashift/hf) made once: the ranks of a node that race to make it each download
+    into a folder of their own and rename it into place, and the first wins."""
+    if _is_local(url):
+        return Path(url.removeprefix("file://")).expanduser()
+    import fsspec
+
+    cache_root = Path(os.environ.get("PARASHIFT_HF_CACHE", Path.home() / ".cache" / "parashift" / "hf"))
+    target = cache_root / hashlib.sha256(url.encode()).hexdigest()[:16]
+    if target.exists():
+        return target
+    fs, root = fsspec.core.url_to_fs(url)
+    names = [p.rsplit("/", 1)[-1] for p in fs.ls(root, detail=False)]
+    wanted = [n for n in names if n == CONFIG_NAME or n.endswith((".safetensors", ".safetensors.index.json"))]
+    staging = cache_root / f".{target.name}.{os.getpid()}"
+    staging.mkdir(parents=True, exist_ok=True)
+    for name in wanted:
+        fs.get(f"{root.rstrip('/')}/{name}", str(staging / name))
+    try:
+        staging.rename(target)
+    except OSError:  # another rank was first: its copy is the same
+        import shutil
+
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def read_config(url: str) -> dict[str, Any]:
+    """The folder's config.json (from a remote URL: that file alone, no weights)."""
+    try:
+        if _is_local(url):
+            text = (local_folder(url) / CONFIG_NAME).read_text()
+        else:
+            import fsspec
+
+            fs, root = fsspec.core.url_to_fs(url)
+            text = fs.cat_file(f"{root.rstrip('/')}/{CONFIG_NAME}").decode()
+        return json.loads(text)
+    except FileNotFoundError:
+        raise FieldIssues([(("init_from",), f"{url} holds no {CONFIG_NAME}")]) from None
+    except ValueError as error:
+        raise FieldIssues([(("init_from",), f"{url}/{CONFIG_NAME} is not JSON: {error}")]) from None
+
+
+class Weights:
+    """The tensors of a local safetensors checkpoint, by Hugging Face name."""
+
+    def __init__(self, folder: Path) -> None:
+        from safetensors import safe_open
+
+        index = folder / INDEX_NAME
+        if index.exists():
+            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        elif (folder / SINGLE_NAME).exists():
+            files = [SINGLE_NAME]
+        else:
+            pickled = sorted(p.name for p in folder.glob("*.bin"))
+            why = f" ({', '.join(pickled)}: pickle, never loaded)" if pickled else ""
+            raise FileNotFoundError(f"{folder} holds no *.safetensors checkpoint{why}")
+        self.where: dict[str, Any] = {}
+        for name in files:
+            handle = safe_open(str(folder / name), framework="pt")
+            for key in handle.keys():  # noqa: SIM118 - safe_open is not a mapping
+                self.where[key] = handle
+
+    def get(self, name: str) -> Any:
+        if name not in self.where:
+            raise KeyError(f"the checkpoint has no tensor {name}")
+        return self.where[name].get_tensor(name)
+
+
+@cache
+def checkpoint_weights(url: str) -> Weights:
+    """The weights of the checkpoint at `url`, opened once per process."""
+    return Weights(local_folder(url))
