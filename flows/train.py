@@ -16,10 +16,11 @@ from prefect.logging import get_run_logger
 from prefect.states import Completed
 
 from specs import JobSpec
+from storage import JobLease
 from tasks.artifacts import TrainingProgress, job_tags, tag_this_run
 from tasks.credentials import environment, storage_environment
 from tasks.events import ResourceEvent, apply_change, follow_resources
-from tasks.exclusive import one_run_per_job
+from tasks.exclusive import one_run_per_job, one_writer_per_job
 from tasks.launch import launch_training, signals_stop_training
 from tasks.node_watch import follow_nodes
 from tasks.plan import plan_parallelism
@@ -41,8 +42,11 @@ def train_job(spec: JobSpec) -> TrainSummary:
     tag_this_run(job_tags(spec.job_id, spec.model.tag, spec.resources.devices))
     with environment(storage_environment(spec)):
         preflight_job(spec)  # storage, data, devices: a job that cannot run ends here, in seconds
-    with one_run_per_job(spec.job_id), signals_stop_training():  # one run at a time: it prunes
-        summary = _train(spec)
+    # One writer at a time (it prunes): the job's lease in storage first, whatever Prefect server
+    # started this run; then the Prefect slot, freed if a dead run still holds it.
+    with one_writer_per_job(spec) as lease, one_run_per_job(spec.job_id, storage_lease=True), \
+            signals_stop_training():
+        summary = _train(spec, lease)
     if summary.segments and summary.segments[-1].stopped:
         return Completed(data=summary, name="Stopped",  # type: ignore[return-value]
                          message=f"{spec.job_id} stopped at step {summary.steps} of {spec.training.steps} "
@@ -50,8 +54,10 @@ def train_job(spec: JobSpec) -> TrainSummary:
     return summary
 
 
-def _train(spec: JobSpec) -> TrainSummary:
-    """Profile, then segment after segment until the job is done, stopped or cannot go on."""
+def _train(spec: JobSpec, lease: JobLease | None = None) -> TrainSummary:
+    """Profile, then segment after segment until the job is done, stopped or cannot go on.
+    `lease`: the job's storage lease, renewed before each launch: a run whose lease was taken
+    over launches nothing more (LeaseLost)."""
     profiles = {spec.resources.devices: profile_model(spec)}
     segments: list[SegmentResult] = []
     devices, nodes, step = spec.resources.devices, spec.resources.nodes, 0
@@ -66,6 +72,8 @@ def _train(spec: JobSpec) -> TrainSummary:
                     devices, nodes = apply_change(change, spec, devices, nodes)
                 except ValueError as error:
                     get_run_logger().warning("resource change ignored: %s", error)
+            if lease is not None:
+                lease.ensure()  # LeaseLost: another run writes this job now
             here = spec if nodes is None else spec.on_nodes(nodes)  # the nodes of this segment
             node_watch.now_on(nodes)  # a node of the spec that left is taken back once its worker is
             scripted = spec.scripted_change_after(step)

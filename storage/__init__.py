@@ -1,5 +1,6 @@
 """Where parashift state lives: an fsspec object store with ranged reads, atomic writes,
-checksummed checkpoints whose manifest is committed last, and one error table.
+checksummed checkpoints whose manifest (itself under a digest) is committed last, one writer
+per job (a lease in storage that every commit is fenced by), and one error table.
 
 Engines deal in bytes here; tensor <-> bytes encoding lives in `ptc/`.
 """
@@ -19,22 +20,41 @@ from storage.errors import (
     ChecksumMismatch,
     MalformedManifest,
     ObjectNotFound,
+    StaleLineage,
     StorageError,
     StoragePermissionError,
     TierUnusable,
     TransientStorageError,
+    WriteConflict,
     is_transient,
     translate_error,
 )
-from storage.manifest import Manifest, ObjectRecord, SliceKey, SliceRecord, TensorRecord
+from storage.lease import LEASE_ENV, JobLease, JobLeaseHeld, LeaseLost, LeaseToken
+from storage.manifest import (
+    FORMAT_VERSION,
+    Manifest,
+    ObjectRecord,
+    SliceKey,
+    SliceRecord,
+    TensorRecord,
+    WriterRecord,
+    decode_manifest,
+    encode_manifest,
+)
 from storage.objects import ObjectStore, StoreStats
 
 __all__ = [
+    "FORMAT_VERSION",
+    "LEASE_ENV",
     "MANIFEST_NAME",
     "CheckpointNotFound",
     "CheckpointStore",
     "ChecksumMismatch",
+    "JobLease",
+    "JobLeaseHeld",
     "JobPaths",
+    "LeaseLost",
+    "LeaseToken",
     "MalformedManifest",
     "Manifest",
     "ObjectNotFound",
@@ -44,12 +64,17 @@ __all__ = [
     "SliceKey",
     "SlicePayload",
     "SliceRecord",
+    "StaleLineage",
     "StorageError",
     "StoragePermissionError",
     "StoreStats",
     "TensorRecord",
     "TierUnusable",
     "TransientStorageError",
+    "WriteConflict",
+    "WriterRecord",
+    "decode_manifest",
+    "encode_manifest",
     "holding_object_name",
     "is_transient",
     "job_key",

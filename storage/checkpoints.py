@@ -5,18 +5,25 @@ Layout (relative to the store root):
     jobs/{job_id}/ckpt/{step:08d}/rank{r:05d}.bin   # one rank's unique slices, concatenated
     jobs/{job_id}/ckpt/{step:08d}/manifest.json     # committed last; without it no checkpoint
 
+    jobs/{job_id}/ckpt/{step:08d}.aside-{utc}/       # what a save found at its step, set aside
+    jobs/{job_id}/lease.json                         # the job's one writer (storage.lease)
+
 A folder without a parseable manifest is an uncommitted (in progress or crashed) save: it is
 invisible to `committed_steps`/`latest` and is removed by `prune` once a newer step commits.
+A save never writes into what an earlier save left at its step (a refused checkpoint, a crashed
+save, a symbolic link): `set_aside` moves it out of the way first, kept for inspection until
+pruning passes its step. Folders set aside are not steps: listings skip them.
 """
 
 from __future__ import annotations
 
 import bisect
 import itertools
-import json
 import logging
-from collections.abc import Callable, Iterator, Sequence
+import re
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 
 from crc32c import crc32c
 from pydantic import ValidationError
@@ -26,15 +33,29 @@ from storage.errors import (
     ChecksumMismatch,
     MalformedManifest,
     ObjectNotFound,
+    StaleLineage,
     StorageError,
     TierUnusable,
 )
-from storage.manifest import FORMAT_VERSION, Manifest, ObjectRecord, SliceKey, SliceRecord
+from storage.lease import LeaseToken, check_fence, lease_key
+from storage.manifest import (
+    Manifest,
+    ManifestRefused,
+    ObjectRecord,
+    SliceKey,
+    SliceRecord,
+    WriterRecord,
+    decode_manifest,
+    encode_manifest,
+)
 from storage.objects import ObjectStore
 
 logger = logging.getLogger("parashift.storage")
 
 MANIFEST_NAME = "manifest.json"
+
+# A step folder set aside by a save: `{step:08d}.aside-{UTC time}`.
+ASIDE = re.compile(r"(\d+)\.aside-[0-9TZ]+")
 
 # `verify` reads slices in batches of at most this many bytes, so that checking a checkpoint
 # never holds more than one batch in memory.
@@ -135,6 +156,10 @@ class JobPaths:
     def ckpt_dir(self, step: int) -> str:
         return self.job_key("ckpt", f"{step:08d}")
 
+    def lease(self) -> str:
+        """The job's lease (storage.lease): who may write it."""
+        return lease_key(self.job_id)
+
     def ckpt_object(self, step: int, name: str) -> str:
         """Key of an object named in a manifest (`name` relative to the checkpoint folder)."""
         return f"{self.ckpt_dir(step)}/{name}"
@@ -227,10 +252,18 @@ class CheckpointStore:
             offset += n
         return ObjectRecord(key=name, nbytes=total), records
 
-    def commit(self, manifest: Manifest) -> str:
-        """Check every recorded object is stored with its size, then write manifest.json (last).
+    def commit(self, manifest: Manifest, *, fence: LeaseToken | None = None,
+               skipped: Collection[int] | None = None) -> str:
+        """Check every recorded object is stored with its size, then write manifest.json (last),
+        with its digest. Returns the manifest's URL. Re-committing the same step overwrites its
+        manifest.
 
-        Returns the manifest's URL. Re-committing the same step overwrites its manifest.
+        `fence`: the writer's lease token (storage.lease), recorded in the manifest as `writer`;
+        the commit is refused (LeaseLost) unless the job's lease is still that one, checked just
+        before the manifest is written. `skipped`: the steps this writer knew of and chose not to
+        continue from (the ones its restore refused or left, its own earlier commits); with it,
+        the manifest's `previous_step` must be the newest committed step but those (StaleLineage
+        otherwise: another writer committed since). Without either, unfenced as before.
         """
         if manifest.job_id != self.job_id:
             raise ValueError(f"manifest of job {manifest.job_id!r} committed to job {self.job_id!r}")
@@ -248,10 +281,60 @@ class CheckpointStore:
                     f"cannot commit step {step}: {self.store.url_for(key)} has {size} bytes, "
                     f"the manifest records {obj.nbytes}"
                 )
+        if skipped is not None:
+            self.check_lineage(step, manifest.previous_step, skipped)
+        if fence is not None:
+            manifest = manifest.model_copy(update={"writer": WriterRecord(generation=fence.generation, run_id=fence.run_id)})
+        raw = encode_manifest(manifest)
+        if fence is not None:  # last: the manifest is written right after
+            check_fence(self.store, self.job_id, fence, f"step {step} of {self.job_id} not committed")
         key = self.paths.manifest(step)
-        self.store.put(key, manifest.model_dump_json().encode())
+        self.store.put(key, raw)
         url = self.store.url_for(key)
         logger.info("committed checkpoint %s", url)
+        return url
+
+    def check_lineage(self, step: int, previous_step: int | None, skipped: Collection[int]) -> None:
+        """StaleLineage unless `previous_step` is the newest committed step apart from
+        `skipped` (and nothing but those was committed at `step` itself)."""
+        floor = -1 if previous_step is None else previous_step
+        newer = [s for s in self._manifest_steps() if s > floor and s not in skipped]
+        if newer:
+            listed = ", ".join(str(s) for s in newer[:5]) + (" ..." if len(newer) > 5 else "")
+            raise StaleLineage(
+                f"step {step} of {self.job_id} not committed: it continues step {previous_step}, but step(s) {listed} "
+                "were committed since this writer started (another writer of this job?): a manifest only ever "
+                "continues the newest committed step")
+
+    def set_aside(self, step: int, *, fence: LeaseToken | None = None,
+                  skipped: Collection[int] | None = None) -> str | None:
+        """Before a save writes `step`: move whatever is stored at its folder (a refused
+        checkpoint, a crashed save, a symbolic link anyone left there) to
+        `{step:08d}.aside-{UTC time}`, so the save never writes through it. Local files: one
+        rename (a link is renamed, never followed); elsewhere a copy, then the originals
+        deleted, manifest first. Returns the new folder's URL, None when there was nothing.
+
+        `fence` and `skipped` as for `commit`: a writer whose lease is gone, or a step
+        committed by another writer since this one started, is refused, never moved."""
+        folder = self.paths.ckpt_dir(step)
+        if not self.store.entry_exists(folder):
+            return None
+        if fence is not None:
+            check_fence(self.store, self.job_id, fence, f"step {step} of {self.job_id} not saved")
+        if skipped is not None and step not in skipped and step in self._manifest_steps():
+            raise StaleLineage(f"step {step} of {self.job_id} not saved: it was committed since this writer started "
+                               "(another writer of this job?)")
+        aside = f"{folder}.aside-{datetime.now(UTC).strftime('%Y%m%dT%H%M%S%fZ')}"
+        if self.store.is_local:
+            self.store.rename_local(folder, aside)
+        else:
+            for key in self.store.list(folder):
+                self.store.copy(key, aside + key[len(folder):])
+            self.store.delete(self.paths.manifest(step))  # first: never committed with objects missing
+            self.store.delete(folder)
+        url = self.store.url_for(aside)
+        logger.warning("step %d: what an earlier save left in its folder is set aside as %s; the new save writes a "
+                       "fresh folder", step, url)
         return url
 
     # ------------------------------------------------------------------ finding
@@ -294,24 +377,19 @@ class CheckpointStore:
         return self.parse_manifest(step, self.read_manifest_bytes(step))
 
     def parse_manifest(self, step: int, raw: bytes) -> Manifest:
-        """Validate the manifest bytes of `step`; MalformedManifest if they are not one."""
+        """Validate the manifest bytes of `step` (by their format version's reader, digest
+        checked: `storage.manifest.decode_manifest`); MalformedManifest, one line, if they are
+        not one."""
         key = self.paths.manifest(step)
         try:
-            version = json.loads(raw).get("format_version")
-        except (ValueError, AttributeError) as exc:
-            raise MalformedManifest(f"malformed manifest {self.store.url_for(key)}: {exc}") from exc
-        if version != FORMAT_VERSION:
-            raise MalformedManifest(
-                f"{self.store.url_for(key)} has format {version}; this parashift reads format {FORMAT_VERSION}"
-                " (written by another version: resume it with that version)"
-            )
-        try:
-            manifest = Manifest.model_validate_json(raw)
+            manifest = decode_manifest(raw)
+        except ManifestRefused as exc:
+            raise MalformedManifest(f"manifest {self.store.url_for(key)} refused: {exc}") from exc
         except ValidationError as exc:  # one line: where in the manifest, and what is wrong
             found = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors()[:3])
             more = f" (and {exc.error_count() - 3} more)" if exc.error_count() > 3 else ""
             raise MalformedManifest(f"malformed manifest {self.store.url_for(key)}: {found}{more}") from exc
-        except (ValueError, json.JSONDecodeError) as exc:
+        except (ValueError, TypeError) as exc:
             raise MalformedManifest(f"malformed manifest {self.store.url_for(key)}: {exc}") from exc
         if manifest.step != step or manifest.job_id != self.job_id:
             raise MalformedManifest(
@@ -465,4 +543,20 @@ class CheckpointStore:
             self.store.delete(self.paths.manifest(step))
             self.store.delete(self.paths.ckpt_dir(step))
             logger.info("pruned checkpoint step %d of job %s", step, self.job_id)
+        for name, step in self._aside_folders():  # set aside by a save: kept as long as their step would be
+            if step < kept[-1]:
+                self.store.delete(self.paths.job_key("ckpt", name))
         return sorted(doomed)
+
+    def _aside_folders(self) -> list[tuple[str, int]]:
+        """(folder name, step) of every folder a save set aside."""
+        out = set()
+        if self.store.is_local:  # a folder set aside may be a link: named, never followed
+            found = self.store.local_entries(self.paths.ckpt_root)
+        else:
+            found = [key[len(self.paths.ckpt_root) + 1 :].split("/", 1)[0] for key in self.store.list(self.paths.ckpt_root)]
+        for name in found:
+            match = ASIDE.fullmatch(name)
+            if match:
+                out.add((name, int(match.group(1))))
+        return sorted(out)

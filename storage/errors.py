@@ -51,7 +51,18 @@ class CheckpointNotFound(StorageError):
 
 
 class MalformedManifest(StorageError):
-    """A manifest.json exists but is not valid JSON or does not match the Manifest schema."""
+    """A manifest.json exists but is not valid JSON, does not match the Manifest schema, or its
+    recorded digest does not match its content (edited by hand or corrupted)."""
+
+
+class StaleLineage(StorageError):
+    """A commit whose manifest would not continue the newest committed step: another writer
+    committed since this one started."""
+
+
+class WriteConflict(StorageError):
+    """A conditional write lost: the object exists already (create), or changed since it was
+    read (replace). Nothing was written."""
 
 
 @dataclass(frozen=True)
@@ -72,6 +83,7 @@ class ErrorRule:
 _NOT_FOUND = ErrorRule(ObjectNotFound, transient=False)
 _DENIED = ErrorRule(StoragePermissionError, transient=False)
 _TRANSIENT = ErrorRule(TransientStorageError, transient=True)
+_CONFLICT = ErrorRule(WriteConflict, transient=False)
 
 ERROR_TABLE: dict[str, ErrorRule] = {
     "NoSuchKey": _NOT_FOUND,
@@ -84,6 +96,11 @@ ERROR_TABLE: dict[str, ErrorRule] = {
     "InvalidAccessKeyId": _DENIED,
     "SignatureDoesNotMatch": _DENIED,
     "ExpiredToken": _DENIED,
+    # Conditional writes (If-None-Match / If-Match): the precondition did not hold, or another
+    # conditional write of the same key was in flight (409: the caller reads again and decides).
+    "PreconditionFailed": _CONFLICT,
+    "412": _CONFLICT,
+    "ConditionalRequestConflict": _CONFLICT,
     "SlowDown": _TRANSIENT,
     "Throttling": _TRANSIENT,
     "ThrottlingException": _TRANSIENT,

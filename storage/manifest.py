@@ -4,18 +4,30 @@ A manifest is compact JSON (pydantic v2, unknown fields rejected). Tensor payloa
 bytes in per-rank objects; the manifest records, per slice, the object, the byte range, the
 order its dims were stored in, and a CRC-32C per chunk of whole outer rows (`ptc.chunks`), so a
 reader can read and verify any run of chunks without the rest of the slice.
+
+The manifest is under a checksum of its own: `digest`, the sha256 of the compact JSON of every
+other field (`encode_manifest`), checked on every read. `encode_manifest` writes one,
+`decode_manifest` reads one, by a reader per format version (`READERS`): the one place that
+knows which versions this parashift reads.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-FORMAT_VERSION = 2  # 1: one sha256 per slice and per object (whole-slice reads only)
+# 1: one sha256 per slice and per object (whole-slice reads only)
+# 2: a CRC-32C per chunk of whole outer rows
+# 3: format 2 + `digest` (the manifest's own sha256) + `writer` (the lease it was committed under)
+FORMAT_VERSION = 3
+DIGEST_PREFIX = "sha256:"
 
 # An object a manifest names is a plain file in the checkpoint's own folder: a key read from
 # storage never reaches outside it ("../", absolute paths, sub-folders and odd names refused).
@@ -103,8 +115,18 @@ class ObjectRecord(_Strict):
         return self
 
 
+class WriterRecord(_Strict):
+    """The job lease a manifest was committed under (`storage.lease`): its fencing token."""
+
+    generation: int = Field(ge=1)
+    run_id: str
+
+
 class Manifest(_Strict):
-    """A committed checkpoint. Written last, atomically: a checkpoint without one does not exist."""
+    """A committed checkpoint. Written last, atomically: a checkpoint without one does not exist.
+
+    `format_version` is what the manifest was read as; readers of older formats upgrade it in
+    memory (`decode_manifest`), and a manifest is always written in the current one."""
 
     format_version: int = FORMAT_VERSION
     job_id: str
@@ -120,11 +142,11 @@ class Manifest(_Strict):
     tensors: dict[str, TensorRecord]
     objects: dict[str, ObjectRecord]
     metadata: dict[str, Any] = Field(default_factory=dict)
+    # The job lease this checkpoint was committed under (None: an unfenced commit, or format 2).
+    writer: WriterRecord | None = None
 
     @model_validator(mode="after")
     def _consistent(self) -> Manifest:
-        if self.format_version != FORMAT_VERSION:
-            raise ValueError(f"format_version {self.format_version}: this parashift reads format {FORMAT_VERSION}")
         if self.previous_step is not None and self.previous_step >= self.step:
             raise ValueError(f"previous_step {self.previous_step} is not before step {self.step}")
         for key, obj in self.objects.items():
@@ -149,3 +171,83 @@ class Manifest(_Strict):
     def all_slices(self) -> list[SliceRecord]:
         """Every slice of every tensor, in tensor order."""
         return [s for t in self.tensors.values() for s in t.slices]
+
+
+# ---------------------------------------------------------------------------------- bytes
+
+
+class ManifestRefused(ValueError):
+    """The bytes are not a manifest this parashift reads (one line: why)."""
+
+
+# A manifest's digest is its last member, after the compact JSON of every other field.
+_DIGEST_TAIL = re.compile(rb',"digest":"(sha256:[0-9a-f]{64})"\}\s*$')
+_VERSION_HEAD = re.compile(rb'\s*\{\s*"format_version"\s*:\s*(-?\d+)\s*[,}]')
+
+
+def manifest_digest(body: bytes) -> str:
+    """sha256 of a manifest's JSON without its digest member."""
+    return DIGEST_PREFIX + hashlib.sha256(body).hexdigest()
+
+
+def encode_manifest(manifest: Manifest) -> bytes:
+    """The manifest as written, in the current format: its compact JSON (pydantic's, fields in
+    schema order: the canonical form), then `digest`, the sha256 of those bytes, as the last
+    member. Any change to the bytes before it, by hand or by corruption, fails the check."""
+    body = manifest.model_copy(update={"format_version": FORMAT_VERSION}).model_dump_json().encode()
+    return body[:-1] + b',"digest":"' + manifest_digest(body).encode() + b'"}'
+
+
+def _validate(raw: bytes) -> Manifest:
+    return Manifest.model_validate_json(raw)
+
+
+def _read_v3(raw: bytes) -> Manifest:
+    found = _DIGEST_TAIL.search(raw, max(0, len(raw) - 200))
+    if found is None:
+        raise ManifestRefused("format 3 without its digest as its last member: edited by hand or written by something else")
+    body = raw[: found.start()] + b"}"
+    recorded, actual = found.group(1).decode(), manifest_digest(body)
+    if recorded != actual:
+        raise ManifestRefused(f"digest mismatch: recorded {recorded[:23]}..., its content gives {actual[:23]}... "
+                              "(edited by hand or corrupted)")
+    return _validate(body)
+
+
+def _read_v2(raw: bytes) -> Manifest:
+    """Format 2: no digest (nothing to check it against), no writer; upgraded in memory."""
+    manifest = _validate(raw)
+    if "writer" in manifest.model_fields_set:
+        raise ManifestRefused("format 2 has no field 'writer'")
+    return manifest.model_copy(update={"format_version": FORMAT_VERSION})
+
+
+# One reader per format version this parashift reads; the only place versions are checked.
+READERS: dict[int, Callable[[bytes], Manifest]] = {2: _read_v2, 3: _read_v3}
+
+
+def format_version_of(raw: bytes) -> Any:
+    """The `format_version` of manifest bytes: read from their head where a manifest writer
+    puts it, else from the whole document. ManifestRefused when they are not a JSON object."""
+    head = _VERSION_HEAD.match(raw, 0, 200)
+    if head is not None:
+        return int(head.group(1))
+    try:
+        doc = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ManifestRefused(f"not JSON: {exc}") from None
+    if not isinstance(doc, dict):
+        raise ManifestRefused(f"not a JSON object but {type(doc).__name__}")
+    return doc.get("format_version")
+
+
+def decode_manifest(raw: bytes) -> Manifest:
+    """Read manifest bytes by their format's reader. ManifestRefused when they are not JSON, of
+    a format with no reader, or fail their digest; pydantic's ValidationError when they do
+    not match the schema."""
+    version = format_version_of(raw)
+    reader = READERS.get(version) if isinstance(version, int) and not isinstance(version, bool) else None
+    if reader is None:
+        raise ManifestRefused(f"format {version!r}; this parashift reads formats {sorted(READERS)}"
+                              " (written by another version: resume it with that version)")
+    return reader(raw)

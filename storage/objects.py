@@ -8,6 +8,9 @@ idempotent operations on transient errors.
 from __future__ import annotations
 
 import contextlib
+import errno
+import fcntl
+import hashlib
 import json
 import logging
 import os
@@ -22,7 +25,7 @@ from typing import Any, TypeVar
 
 import fsspec
 
-from storage.errors import ObjectNotFound, StorageError, is_transient, translate_error
+from storage.errors import ObjectNotFound, StorageError, WriteConflict, is_transient, translate_error
 
 logger = logging.getLogger("parashift.storage")
 
@@ -40,6 +43,10 @@ _TMP_SUFFIX = ".parashift-tmp"
 # Ranged reads of local files run on this many threads (preadv releases the GIL): enough to keep
 # a disk's queue busy while one rank checksums what arrived.
 LOCAL_READ_THREADS = 4
+
+# memory:// lives in this process (one filesystem shared by every instance): a lock around its
+# conditional writes makes them exact.
+_MEMORY_LOCK = threading.Lock()
 
 
 @dataclass
@@ -322,6 +329,128 @@ class ObjectStore:
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise StorageError(f"{self.url_for(key)} is not valid JSON: {exc}") from exc
 
+    # ------------------------------------------------------------------ conditional writes
+
+    @property
+    def conditional_writes(self) -> str:
+        """How `create` and `replace` are made atomic on this backend:
+
+        - "exact" on file:// (a hard link of a complete temporary file, which fails when the
+          name exists, as O_EXCL does; a replace under flock(2) on the object) and on s3://
+          (PutObject with If-None-Match: * / If-Match: <etag>, which S3 evaluates atomically);
+        - "process" on memory://: the filesystem lives in this process, a lock makes it exact;
+        - "best effort" elsewhere: a check, then the write; two writers that check in the same
+          instant may both write (the window is one round trip).
+        """
+        if self.protocol in ("file", "s3"):
+            return "exact"
+        return "process" if self.protocol == "memory" else "best effort"
+
+    def get_tagged(self, key: str) -> tuple[bytes, str]:
+        """The object's bytes and a version tag to `replace` it with. On S3 the tag (the ETag)
+        is read before the bytes: bytes newer than the tag make the replace conflict, never
+        overwrite something unseen. Elsewhere the tag is a digest of the bytes."""
+        path = self._path(key)
+        if self.protocol == "s3":
+            bucket, name, _ = self.fs.split_path(path)
+            head = self._call("head", key, lambda: self.fs.call_s3("head_object", Bucket=bucket, Key=name))
+            self.stats.add(gets=1)
+            return self.get(key), str(head["ETag"])
+        data = self.get(key)
+        return data, _tag_of(data)
+
+    def create(self, key: str, data: bytes) -> str:
+        """Write `data` at `key` only if nothing is there (WriteConflict otherwise), atomically
+        (see `conditional_writes`); returns the new version's tag."""
+        path = self._path(key)
+        if not key.strip("/"):
+            raise ValueError("create needs a non-empty key")
+        data = bytes(data)
+        if self.is_local:
+            self._call("create", key, lambda: _create_local(path, data), idempotent=False)
+            tag = _tag_of(data)
+        elif self.protocol == "s3":
+            bucket, name, _ = self.fs.split_path(path)
+            response = self._call("create", key, lambda: self.fs.call_s3(
+                "put_object", Bucket=bucket, Key=name, Body=data, IfNoneMatch="*"), idempotent=False)
+            tag = str(response["ETag"])
+        else:
+            with _MEMORY_LOCK if self.protocol == "memory" else contextlib.nullcontext():
+                if self.exists(key):
+                    raise WriteConflict(f"create {self.url_for(key)}: the object exists")
+                self._call("create", key, lambda: self.fs.pipe_file(path, data), idempotent=False)
+            tag = _tag_of(data)
+        self.stats.add(written=len(data), puts=1)
+        return tag
+
+    def replace(self, key: str, data: bytes, tag: str) -> str:
+        """Overwrite `key` with `data` only if it is still the version `tag` names (from
+        `get_tagged`, `create` or a previous `replace`), atomically (see `conditional_writes`);
+        WriteConflict when it changed, ObjectNotFound when it is gone. Returns the new tag."""
+        path = self._path(key)
+        data = bytes(data)
+        if self.is_local:
+            self._call("replace", key, lambda: _replace_local(path, data, tag), idempotent=False)
+            new_tag = _tag_of(data)
+        elif self.protocol == "s3":
+            bucket, name, _ = self.fs.split_path(path)
+            response = self._call("replace", key, lambda: self.fs.call_s3(
+                "put_object", Bucket=bucket, Key=name, Body=data, IfMatch=tag), idempotent=False)
+            new_tag = str(response["ETag"])
+        else:
+            with _MEMORY_LOCK if self.protocol == "memory" else contextlib.nullcontext():
+                if _tag_of(self.get(key)) != tag:
+                    raise WriteConflict(f"replace {self.url_for(key)}: the object changed since it was read")
+                self._call("replace", key, lambda: self.fs.pipe_file(path, data), idempotent=False)
+            new_tag = _tag_of(data)
+        self.stats.add(written=len(data), puts=1)
+        return new_tag
+
+    # ------------------------------------------------------------------ folders
+
+    def entry_exists(self, prefix: str) -> bool:
+        """True when anything is stored under the folder `prefix`, or, on local files, any
+        directory entry is there (a symbolic link included, wherever it
+        points: it is not followed)."""
+        if self.is_local:
+            path = self._lexical_path(prefix)
+            self._path(prefix.strip("/").rpartition("/")[0])  # its folder must lie inside the store
+            return os.path.lexists(path)
+        return bool(self.list(prefix))
+
+    def local_entries(self, prefix: str) -> list[str]:
+        """Local files only: the names in folder `prefix` (links included, none followed)."""
+        path = self._path(prefix)
+        try:
+            return sorted(os.listdir(path))
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+
+    def rename_local(self, src: str, dst: str) -> None:
+        """Local files only: rename the directory entry `src` to `dst` (which must not exist),
+        atomically. A symbolic link is renamed itself, never followed."""
+        if not self.is_local:
+            raise ValueError("rename_local needs a file:// store")
+        source, target = self._lexical_path(src), self._lexical_path(dst)
+        self._path(src.strip("/").rpartition("/")[0])  # both folders must lie inside the store
+        self._path(dst.strip("/").rpartition("/")[0])
+
+        def rename() -> None:
+            if os.path.lexists(target):
+                raise WriteConflict(f"rename to {self.url_for(dst)}: it exists")
+            os.rename(source, target)
+
+        self._call("rename", src, rename, idempotent=False)
+
+    def copy(self, src: str, dst: str) -> None:
+        """Copy the object `src` to `dst` (server-side on S3)."""
+        source, target = self._path(src), self._path(dst)
+        if self.is_local:
+            self._call("copy", src, lambda: _atomic_write_local(target, _read_local(source)))
+        else:
+            self._call("copy", src, lambda: self.fs.copy(source, target))
+        self.stats.add(puts=1)
+
     # ------------------------------------------------------------------ metadata
 
     def exists(self, key: str) -> bool:
@@ -357,6 +486,11 @@ class ObjectStore:
         """Delete the object `prefix_or_key` and/or everything under that folder; missing is fine."""
         if not prefix_or_key.strip("/"):
             raise ValueError("refusing to delete the whole store; pass a key or folder")
+        if self.is_local and os.path.islink(self._lexical_path(prefix_or_key)):
+            # A symbolic link is deleted itself, never what it points at (wherever that is).
+            self._path(prefix_or_key.strip("/").rpartition("/")[0])
+            self._call("delete", prefix_or_key, lambda: os.unlink(self._lexical_path(prefix_or_key)))
+            return
         path = self._path(prefix_or_key)
 
         def rm() -> None:
@@ -435,6 +569,71 @@ def _atomic_write_local(path: str, data: bytes | Iterable[memoryview | bytes]) -
     finally:
         os.close(dir_fd)
     return written
+
+
+def _tag_of(data: bytes) -> str:
+    """A version tag of an object's bytes (where the backend has no ETag)."""
+    return "sha256:" + hashlib.sha256(data).hexdigest()
+
+
+def _read_local(path: str) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def _create_local(path: str, data: bytes) -> None:
+    """Create `path` with `data`, complete or not at all: a temporary file, fsynced, is hard
+    linked to the name (link(2) fails with EEXIST when the name exists, atomically, as
+    open(O_CREAT | O_EXCL) does, and a reader never sees the file half written)."""
+    folder = os.path.dirname(path)
+    os.makedirs(folder, exist_ok=True)
+    tmp = os.path.join(folder, f".{os.path.basename(path)}.{uuid.uuid4().hex[:12]}{_TMP_SUFFIX}")
+    try:
+        _atomic_write_local(tmp, data)
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            raise WriteConflict(f"create {path}: the object exists") from None
+        except OSError as error:  # a filesystem without hard links: O_EXCL, then the bytes
+            if error.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV):
+                raise
+            try:
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+            except FileExistsError:
+                raise WriteConflict(f"create {path}: the object exists") from None
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+
+
+def _replace_local(path: str, data: bytes, tag: str) -> None:
+    """Replace `path` with `data` if its bytes are still those `tag` names: under an exclusive
+    flock(2) on the object's file (held by every replace of it), checked to still be the file
+    the name points at (a replace puts a new file there), then written atomically."""
+    while True:
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            raise ObjectNotFound(f"replace {path}: the object is gone") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            try:
+                if os.stat(path).st_ino != os.fstat(fd).st_ino:
+                    continue  # replaced while we waited for the lock: lock the new one
+            except FileNotFoundError:
+                raise ObjectNotFound(f"replace {path}: the object is gone") from None
+            with os.fdopen(os.dup(fd), "rb") as f:
+                current = f.read()
+            if _tag_of(current) != tag:
+                raise WriteConflict(f"replace {path}: the object changed since it was read")
+            _atomic_write_local(path, data)
+            return
+        finally:
+            os.close(fd)  # releases the lock
 
 
 def _remove_empty_dirs(top: str) -> None:

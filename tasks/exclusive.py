@@ -1,21 +1,38 @@
-"""One running flow per job: two runs training into the same checkpoint folder (a schedule, a
-form run and a retry at once) would prune each other's checkpoints.
+"""One writer per job: two runs training into the same checkpoint folder (a schedule, a form run
+and a retry at once, or two Prefect servers) would overwrite and prune each other's checkpoints.
 
-A Prefect global concurrency limit named after the job, with one slot, created on first use.
-The slot is a lease the holder renews while it runs, so a run that crashed frees it within
-`LEASE_S`. A second run waits `WAIT_S` for the slot, then fails with a message that says why.
+Two guards, in this order:
+
+1. `one_writer_per_job`: the job's lease in its storage (`storage.lease`), the one that counts.
+   It holds for every writer of the store, whatever Prefect database started it; a crashed
+   run's lease lapses by itself after its TTL; every manifest commit is fenced by its token,
+   which reaches the workers through their environment (`storage.LEASE_ENV`).
+2. `one_run_per_job`: a Prefect global concurrency limit named after the job, with one slot,
+   created on first use: the run shows as holding it in the UI. The slot is a lease the holder
+   renews while it runs; a second run waits `WAIT_S` for it, then fails with a message that
+   says why. Its record lives in one Prefect database: the embedded API's outlives its process
+   (a `parashift run` killed with -9 leaves it held, and no one renews or expires it). So a run
+   that holds the storage lease, proof that every earlier holder is gone, frees a slot still
+   held instead of waiting for it forever.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Iterator
 
 from prefect.client.orchestration import get_client
 from prefect.concurrency.sync import concurrency
 
+from specs import JobSpec
+from storage import LEASE_ENV, JobLease, ObjectStore
+from tasks.credentials import environment, storage_environment
+
 LEASE_S = 60.0
 WAIT_S = 10.0
+# With the storage lease held, a slot still held is a dead run's: waited for this long only.
+WAIT_WITH_LEASE_S = 1.0
 
 
 class JobAlreadyRunning(RuntimeError):
@@ -26,19 +43,60 @@ def slot_name(job_id: str) -> str:
     return f"parashift-job-{job_id}"
 
 
+def _logger() -> logging.Logger | logging.LoggerAdapter:
+    from prefect.exceptions import MissingContextError
+    from prefect.logging import get_run_logger
+
+    try:
+        return get_run_logger()
+    except MissingContextError:
+        return logging.getLogger("parashift.exclusive")
+
+
 @contextlib.contextmanager
-def one_run_per_job(job_id: str, wait_s: float = WAIT_S) -> Iterator[None]:
-    """Hold the job's only slot for the duration; JobAlreadyRunning when another run has it."""
+def one_writer_per_job(spec: JobSpec, ttl_s: float | None = None) -> Iterator[JobLease]:
+    """Hold the job's storage lease for the duration (renewed in the background), its token in
+    this process's environment (`LEASE_ENV`) for the workers it starts. JobLeaseHeld, at once
+    and in one line, when another run holds it; LeaseLost on leaving when it was taken over."""
+    with environment(storage_environment(spec)):
+        store = ObjectStore(spec.storage.url, dict(spec.storage.storage_options))
+        lease = JobLease(store, spec.job_id, **({"ttl_s": ttl_s} if ttl_s else {}))
+        with lease.hold() as token, environment({LEASE_ENV: str(token)}):
+            yield lease
+
+
+@contextlib.contextmanager
+def one_run_per_job(job_id: str, wait_s: float = WAIT_S, storage_lease: bool = False) -> Iterator[None]:
+    """Hold the job's only slot for the duration; JobAlreadyRunning when another run has it.
+    `storage_lease`: this run holds the job's storage lease, so whoever holds the slot is gone
+    (crashed, or an embedded API's slot that outlived its process): the slot is freed, with
+    one line, rather than waited for."""
     name = slot_name(job_id)
     with get_client(sync_client=True) as client:
         client.upsert_global_concurrency_limit_by_name(name, 1)
+
+    def take(wait: float) -> None:
+        held.enter_context(concurrency(name, occupy=1, timeout_seconds=wait, lease_duration=LEASE_S, strict=True))
+
     with contextlib.ExitStack() as held:
         try:
-            held.enter_context(concurrency(name, occupy=1, timeout_seconds=wait_s, lease_duration=LEASE_S, strict=True))
+            take(min(wait_s, WAIT_WITH_LEASE_S) if storage_lease else wait_s)
         except TimeoutError:
-            raise JobAlreadyRunning(
-                f"job {job_id} is already running in another flow run (the concurrency limit {name!r} holds its "
-                f"one slot; waited {wait_s:.0f} s): this run trains nothing. Let that run finish, or stop it "
-                "with `parashift stop`, then run again."
-            ) from None
+            if not storage_lease:
+                raise JobAlreadyRunning(
+                    f"job {job_id} is already running in another flow run (the concurrency limit {name!r} holds its "
+                    f"one slot; waited {wait_s:.0f} s): this run trains nothing. Let that run finish, or stop it "
+                    "with `parashift stop`, then run again."
+                ) from None
+            from prefect.client.schemas.actions import GlobalConcurrencyLimitUpdate
+
+            with get_client(sync_client=True) as client:
+                client.update_global_concurrency_limit(name, GlobalConcurrencyLimitUpdate(active_slots=0))
+            _logger().warning("the concurrency limit %r was held by a run that no longer holds the job's storage lease "
+                              "(it crashed, or its Prefect API went with its process): slot freed for this run", name)
+            try:
+                take(wait_s)
+            except TimeoutError:
+                raise JobAlreadyRunning(f"job {job_id}: the concurrency limit {name!r} was taken again at once after "
+                                        "it was freed; this run trains nothing") from None
         yield

@@ -19,6 +19,7 @@ from ptc.chunks import chunk_rows, split_points, storage_order
 from ptc.layout import Slice
 from specs.plan import Plan
 from storage import CheckpointStore, ObjectStore
+from storage.manifest import manifest_digest
 from trainer.checkpoint import execute_reads, reads_for, reshard_plan
 from trainer.layout import state_layout
 
@@ -229,7 +230,8 @@ def test_a_wrong_manifest_never_loads(saved, tmp_path_factory, data: st.DataObje
     for key in store.store.list(store.paths.ckpt_dir(3)):
         if not key.endswith("manifest.json"):
             twin.store.put(key, store.store.get(key))
-    twin.store.put(twin.paths.manifest(3), json.dumps(raw).encode())
+    body = json.dumps(raw, separators=(",", ":")).encode()  # under a right digest: wrong, not corrupted
+    twin.store.put(twin.paths.manifest(3), body[:-1] + f',"digest":"{manifest_digest(body)}"}}'.encode())
     logger = logging.getLogger("parashift.checkpoint")
     seen: list[str] = []
     handler = logging.Handler()

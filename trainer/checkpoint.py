@@ -28,6 +28,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from math import prod
 from typing import Any
 
 import torch
@@ -44,7 +45,9 @@ from ptc.transpose import copy_across_transpose
 from specs import JobSpec
 from specs.plan import Plan
 from storage import (
+    CheckpointNotFound,
     CheckpointStore,
+    LeaseToken,
     Manifest,
     ObjectRecord,
     ObjectStore,
@@ -185,6 +188,9 @@ class Checkpointer:
         # checkpoint its training continued from, which is what retention keeps.
         self._lineage: tuple[int | None, int | None] = (
             (resumed_from.step, resumed_from.previous_step) if resumed_from is not None else (None, None))
+        # Steps committed before this writer started (its restore's choice left the newer ones) and
+        # its own commits: a commit continues the newest committed step but these (`CheckpointStore.commit`).
+        self._known = set(store.manifest_steps()) if rank == 0 else set()
 
     def save(self, step: int, state: dict[str, torch.Tensor], data_position: dict[str, int], plan: dict[str, Any],
              metadata: dict[str, Any], *, blocking: bool = False) -> SaveReport:
@@ -278,6 +284,7 @@ class Checkpointer:
         step = report.step
         error, obj, records, kept = None, None, [], False
         try:
+            _set_aside(self.store, step, self.rank, self.group, self._known)  # never write through what is there
             held = payloads
             if self.tier is not None:  # payloads are the held boxes: the store gets the ones to write
                 by_key = {b.key: p for b, p in zip(self._held, payloads, strict=True)}
@@ -314,7 +321,8 @@ class Checkpointer:
             previous = before if last == step else last  # a step saved again keeps its link
             manifest = build_manifest(self.store.job_id, step, self.layout, objects, records, data_position, plan, metadata,
                                       previous_step=previous)
-            report.url = self.store.commit(manifest)
+            report.url = self.store.commit(manifest, fence=LeaseToken.from_env(), skipped=self._known)
+            self._known.add(step)
             self._lineage = (step, previous)
             report.write_s = time.perf_counter() - started
             if self.on_commit is not None:
@@ -355,6 +363,21 @@ class Checkpointer:
             log.warning("rank %d: the node-local tier could not keep step %d: %s", self.rank, step, error)
             return False
         return True
+
+
+def _set_aside(store: CheckpointStore, step: int, rank: int, group: Group, known: set[int]) -> None:
+    """Before any rank writes `step`: rank 0 sets aside what an earlier save left in its folder
+    (`CheckpointStore.set_aside`, fenced by the job's lease like a commit); every rank hears
+    how that went and fails the save with rank 0 if it failed."""
+    error = None
+    if rank == 0:
+        try:
+            store.set_aside(step, fence=LeaseToken.from_env(), skipped=known)
+        except Exception as exc:  # noqa: BLE001 - every rank fails this save with it
+            error = str(exc) or type(exc).__name__
+    error = _broadcast(error, group)
+    if error is not None:
+        raise StorageError(error if rank == 0 else f"rank 0: {error}")
 
 
 def holding_copies(layout: Layout, ranks: list[int]) -> dict[tuple[str, Slice], list[tuple[str, int]]]:
@@ -467,17 +490,38 @@ def load_tensors(store: CheckpointStore, manifest: Manifest, names: list[str]) -
 
 def reshard_plan(store: CheckpointStore, layout: Layout, manifest: Manifest | None = None,
                  tier: ObjectStore | None = None, nodes: list[str] | None = None) -> ReconfigPlan | None:
-    """What every rank of `layout` would read from the newest (or given) checkpoint: computed
-    from the manifest alone, before any process starts. None when nothing is committed.
+    """What every rank of `layout` would read from the newest checkpoint the workers would
+    restore (or the given one): computed from the manifests alone, before any process starts.
+    None when nothing usable is committed.
+
+    A checkpoint the workers would refuse before reading it (`check_usable`: its manifest's
+    digest or schema, another shape or dtype than the job's, slices that do not fit, objects
+    outside the store, reads that do not cover a rank's boxes) is skipped for an older one,
+    with one WARNING line, as `restore_latest` skips it: the plan and the workers agree.
 
     Where each read comes from: on one node (`nodes` None), the objects `tier` holds. Across
     `nodes` (node-major ranks, `trainer.launch.NodeRendezvous`) with tiers (`tier` not None:
     any node's, only its presence counts), the objects the manifest says were written on the
     reader's node, which that node's tier keeps (one that lost them is read around at restore
     time, from object storage)."""
-    manifest = manifest or store.latest()
-    if manifest is None:
-        return None
+    if manifest is not None:
+        return _reshard_plan(store, layout, manifest, tier, nodes)
+    for step in reversed(store.manifest_steps()):
+        try:
+            found = store.load_manifest(step)
+            check_usable(found, layout, store)
+            return _reshard_plan(store, layout, found, tier, nodes)
+        except CheckpointNotFound:
+            continue  # pruned since the listing
+        except TransientStorageError:
+            raise
+        except _REFUSALS as error:
+            _say_once(store, step, str(error) or type(error).__name__)
+    return None
+
+
+def _reshard_plan(store: CheckpointStore, layout: Layout, manifest: Manifest, tier: ObjectStore | None,
+                  nodes: list[str] | None) -> ReconfigPlan:
     boxes, dtypes = stored_boxes(manifest)
     world = layout.world_size
     if nodes is None:
@@ -491,6 +535,18 @@ def reshard_plan(store: CheckpointStore, layout: Layout, manifest: Manifest | No
     per_node = max(1, world // len(nodes))
     local_objects = {r: frozenset(on_node.get(nodes[min(r // per_node, len(nodes) - 1)], ())) for r in range(world)}
     return reconfig_plan(manifest.step, boxes, dtypes, layout, local_objects)
+
+
+# (job's store, step, reason) already said by this process's planning: one line per refusal,
+# however often a flow plans (each option of the planner, then the reshard summary).
+_said: set[tuple[str, int, str]] = set()
+
+
+def _say_once(store: CheckpointStore, step: int, reason: str) -> None:
+    if (repr(store), step, reason) not in _said:
+        _said.add((repr(store), step, reason))
+        log.warning("planning skips the checkpoint at step %d of %s (the workers would refuse it): %s",
+                    step, store.job_id, reason)
 
 
 def job_reshard_plan(spec: JobSpec, plan: Plan) -> ReconfigPlan | None:
@@ -524,12 +580,61 @@ def check_matches(manifest: Manifest, layout: Layout) -> None:
                              f"this job's is {mine.dtype}{list(mine.shape)}")
 
 
+def check_usable(manifest: Manifest, layout: Layout, store: CheckpointStore | None = None) -> None:
+    """Refuse (ValueError or StorageError, one line) a checkpoint that cannot be restored into
+    `layout`, from its manifest alone: the one rule a restore (`restore_latest`) and the
+    planning before a launch (`reshard_plan`) share, so they always choose the same checkpoint.
+
+    Refused: another job's state (`check_matches`); a tensor both hold (RNG states included)
+    with another shape or dtype; one the layout does not hold (another rank count's RNG
+    state) larger than the layout's largest tensor; slices outside their tensor or not
+    matching their bytes (`stored_boxes`); an object whose slices do not add up to its size;
+    with `store`, an object that resolves outside the store (a symbolic link). The manifest's
+    digest and schema were checked when it was parsed."""
+    check_matches(manifest, layout)
+    step = manifest.step
+    largest = max((prod(t.shape) * t.itemsize for t in layout.tensors.values()), default=0)
+    for name, stored in manifest.tensors.items():
+        mine = layout.tensors.get(name)
+        if mine is not None and (tuple(stored.shape) != mine.shape or stored.dtype != mine.dtype):
+            raise ValueError(f"checkpoint at step {step}: {name} is {stored.dtype}{stored.shape}, "
+                             f"this job's is {mine.dtype}{list(mine.shape)}")
+        nbytes = prod(stored.shape) * torch_dtype(stored.dtype).itemsize
+        if mine is None and nbytes > largest:
+            raise ValueError(f"checkpoint at step {step}: {name} is {stored.dtype}{stored.shape}, {nbytes:,} bytes: "
+                             f"larger than any tensor of this job ({largest:,} bytes)")
+    stored_boxes(manifest)
+    filled = dict.fromkeys(manifest.objects, 0)
+    for record in manifest.all_slices():
+        filled[record.object] += record.nbytes
+    for key, obj in manifest.objects.items():
+        if filled[key] != obj.nbytes:
+            raise ValueError(f"checkpoint at step {step}: object {key} is recorded as {obj.nbytes:,} bytes, "
+                             f"its slices hold {filled[key]:,}")
+    if store is not None and store.store.is_local:  # what a read would refuse (no I/O elsewhere)
+        for key in manifest.objects:
+            store.store._path(store.paths.ckpt_object(step, key))
+
+
 def _broadcast(value: Any, group: Group) -> Any:
     if group is None:
         return value
     box = [value]
     dist.broadcast_object_list(box, src=0, group=group)
     return box[0]
+
+
+def _first_reason(reason: str, rank: int, group: Group) -> str:
+    """The refusal reason of the lowest rank that had one of its own (a rank whose reads went
+    well knows only that another refused), for every rank."""
+    if group is None:
+        return reason
+    reasons: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(reasons, reason if reason != _BY_ANOTHER else None, group=group)
+    for other, said in enumerate(reasons):
+        if said is not None:
+            return said if other == 0 else f"rank {other}: {said}"
+    return reason
 
 
 def _agree(verdict: int, group: Group) -> int:
@@ -549,6 +654,7 @@ class CheckpointsUnusable(RuntimeError):
 
 # A rank's verdict on one checkpoint; the ranks act on the lowest.
 _UNREACHABLE, _REFUSED, _RESTORED = 0, 1, 2
+_BY_ANOTHER = "refused by another rank"
 
 # What a restore refuses a checkpoint for (it is then skipped for an older one). A manifest
 # comes from storage, so any of these may follow from one written wrongly or tampered with.
@@ -581,7 +687,7 @@ def restore_latest(store: CheckpointStore, layout: Layout, rank: int, group: Gro
     steps = _broadcast(steps, group)
     refused: list[str] = []
     for step in reversed(steps):
-        raw, verdict, reason = None, _REFUSED, "refused by another rank"
+        raw, verdict, reason = None, _REFUSED, _BY_ANOTHER
         if lead:
             try:
                 raw = store.read_manifest_bytes(step)
@@ -593,7 +699,7 @@ def restore_latest(store: CheckpointStore, layout: Layout, rank: int, group: Gro
         if raw is not None:
             try:
                 manifest = store.parse_manifest(step, raw)
-                check_matches(manifest, layout)
+                check_usable(manifest, layout, store if lead else None)
                 wanted = {n: b for n, b in layout.boxes_of(rank).items() if n in manifest.tensors}
                 reads = reads_for(manifest, wanted, rank, node_objects(tier, store, step))
                 if on_reads is not None:
@@ -617,8 +723,9 @@ def restore_latest(store: CheckpointStore, layout: Layout, rank: int, group: Gro
             return restored
         if verdict == _UNREACHABLE:
             raise StorageError(f"rank {rank}: storage unreachable while restoring the checkpoint at step {step}: {reason}")
-        if lead or reason != "refused by another rank":
-            log.warning("rank %d: refused the checkpoint at step %d: %s", rank, step, reason)
+        reason = _first_reason(reason, rank, group)
+        if lead:  # one line per job
+            log.warning("refused the checkpoint at step %d: %s", step, reason)
         refused.append(reason if f"step {step}" in reason else f"step {step}: {reason}")
     if refused and not start_over:
         raise CheckpointsUnusable(
@@ -692,6 +799,7 @@ __all__ = [
     "SaveReport",
     "apply_state",
     "build_manifest",
+    "check_usable",
     "collect_state",
     "execute_reads",
     "job_reshard_plan",
