@@ -6,6 +6,7 @@ from prefect import task
 from prefect.artifacts import create_table_artifact
 from prefect.logging import get_run_logger
 
+from planner.measured import MeasuredProfile, measured_options, plan_measured
 from planner.replan import Option, comparison, pick
 from planner.search import plan_model, plan_options
 from specs import JobSpec
@@ -76,14 +77,21 @@ def plan_parallelism(spec: JobSpec, model: ModelSummary, devices: int, step: int
     checkpoint (at `read_bytes_per_s`, measured by the last restore where there was one)."""
     logger = get_run_logger()
     profile = load_profile(spec, model.profile_key)
-    par = spec.parallelism
-    searched = plan_model(profile, devices, None, par.max_tp, par.max_pp, device_kind=spec.resources.kind,
-                          shard_dp=par.shard_data_parallel)
+    par, train = spec.parallelism, spec.training
+    if isinstance(profile, MeasuredProfile):  # no op graph: the data axis's options, measured
+        searched = plan_measured(profile, devices, train.global_batch, train.micro_batch, shard_dp=par.shard_data_parallel)
+    else:
+        searched = plan_model(profile, devices, None, par.max_tp, par.max_pp, device_kind=spec.resources.kind,
+                              shard_dp=par.shard_data_parallel)
     plan = choose_plan(spec, searched, devices)
     if spec.parallelism.strategy == "auto" and step > 0:
-        options = [p for p in plan_options(profile, devices, None, par.max_tp, par.max_pp, device_kind=spec.resources.kind,
-                                              shard_dp=par.shard_data_parallel)
-                   if not executable_reasons(spec, p)]
+        if isinstance(profile, MeasuredProfile):
+            candidates = measured_options(profile, devices, train.global_batch, train.micro_batch,
+                                          shard_dp=par.shard_data_parallel)
+        else:
+            candidates = plan_options(profile, devices, None, par.max_tp, par.max_pp, device_kind=spec.resources.kind,
+                                      shard_dp=par.shard_data_parallel)
+        options = [p for p in candidates if not executable_reasons(spec, p)]
         with environment(storage_environment(spec)):
             chosen = cheapest_to_continue(spec, options, step, read_bytes_per_s) if len(options) > 1 else None
         if chosen is not None:

@@ -13,7 +13,8 @@ from prefect import task
 from prefect.logging import get_run_logger
 
 from models import family_of
-from planner.comm import comm_model_from_timings
+from planner.comm import CommModel, comm_model_from_timings
+from planner.measured import MeasuredProfile, profile_from_measurements
 from planner.profile import ModelProfile, profile_graph, share_cores
 from specs import JobSpec
 from storage import JobPaths, ObjectStore
@@ -60,7 +61,7 @@ def exact_parameter_count(spec: JobSpec) -> tuple[int, int]:
     return params, family.flops_per_token(spec.model, params)
 
 
-def build_profile(spec: JobSpec) -> ModelProfile:
+def build_profile(spec: JobSpec) -> ModelProfile | MeasuredProfile:
     """The planner's profile: GEMM rates timed here and collectives timed on the job's own
     workers when the planner will choose; the defaults for the device kind otherwise."""
     from trainer.launch import measure_comm_timings
@@ -72,11 +73,26 @@ def build_profile(spec: JobSpec) -> ModelProfile:
         timings = measure_on_nodes(spec) if res.nodes else measure_comm_timings(res.devices, res.kind)
         comm = comm_model_from_timings(timings, res.devices_per_node)
     batch = spec.training.global_batch
-    graph = family_of(m).graph(m, batch, spec.parallelism.precision)
+    family = family_of(m)
+    workers = res.devices_per_node if res.nodes else res.devices
+    if family.graph_builder is None:  # no op graph: the data axis's options, costed from the model measured
+        return measured_profile(spec, comm)
+    graph = family.graph(m, batch, spec.parallelism.precision)
     profile = profile_graph(graph, res.kind, measure, memory_gb=res.memory_gb, devices_per_node=res.devices_per_node,
                             comm=comm, tokens=batch * m.seq_len)
     # CPU workers on a host share its cores (across nodes: a node's workers share that node's).
-    return profile.model_copy(update={"device": share_cores(profile.device, res.devices_per_node if res.nodes else res.devices)})
+    return profile.model_copy(update={"device": share_cores(profile.device, workers)})
+
+
+def measured_profile(spec: JobSpec, comm: CommModel | None) -> MeasuredProfile:
+    """A model without an op graph (the hf family) measured here: one sequence's forward and
+    backward, what autograd keeps, its parameters (planner/measured.py)."""
+    from trainer.measure_model import measure_model
+
+    res, train = spec.resources, spec.training
+    measured = measure_model(spec.model, train.micro_batch, spec.parallelism.precision, train.seed)
+    return profile_from_measurements(spec.model.tag, measured, res.kind, res.devices_per_node if res.nodes else res.devices,
+                                     res.memory_gb, comm, res.devices_per_node)
 
 
 def measure_on_nodes(spec: JobSpec) -> dict:
@@ -96,10 +112,12 @@ def measure_on_nodes(spec: JobSpec) -> dict:
     return timings[-1]
 
 
-def load_profile(spec: JobSpec, key: str) -> ModelProfile:
+def load_profile(spec: JobSpec, key: str) -> ModelProfile | MeasuredProfile:
+    """The stored profile: an op graph's, or (a model without one) the measured one."""
     with environment(storage_environment(spec)):
         store = ObjectStore(spec.storage.url, dict(spec.storage.storage_options))
-        return ModelProfile.model_validate(store.get_json(key))
+        stored = store.get_json(key)
+    return ModelProfile.model_validate(stored) if "graph" in stored else MeasuredProfile.model_validate(stored)
 
 
 @task(name="profile-model", retries=2, retry_delay_seconds=2, retry_condition_fn=retry_if_it_may_help)
@@ -115,10 +133,15 @@ def profile_model(spec: JobSpec) -> ModelSummary:
         else:
             profile = build_profile(spec)
             store.put_json(key, profile.model_dump(mode="json"))
-            logger.info(
-                "profiled %s ops; %s FLOP/s GEMM (%s); comm %s",
-                len(profile.graph.ops), f"{profile.device.matmul_flops:.3g}",
-                "measured" if profile.device.measured else "default", "measured" if profile.comm.measured else "default",
-            )
+            if isinstance(profile, MeasuredProfile):
+                logger.info("measured %s: %.1f ms and %.1f MiB kept per sequence; comm %s", profile.name,
+                            profile.sequence_s * 1e3, profile.activation_bytes / 2**20,
+                            "measured" if profile.comm.measured else "default")
+            else:
+                logger.info(
+                    "profiled %s ops; %s FLOP/s GEMM (%s); comm %s",
+                    len(profile.graph.ops), f"{profile.device.matmul_flops:.3g}",
+                    "measured" if profile.device.measured else "default", "measured" if profile.comm.measured else "default",
+                )
     logger.info("model: %s parameters, %s FLOPs per token", f"{params:,}", f"{per_token:,}")
     return ModelSummary(params=params, flops_per_token=per_token, device_kind=spec.resources.kind, profile_key=key)

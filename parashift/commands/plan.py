@@ -39,6 +39,19 @@ def plan(
                 typer.echo(line, err=True)
             raise typer.Exit(1) from None
         profile = profile_graph(op_graph, kind, measure, memory_gb=res.memory_gb, devices_per_node=res.devices_per_node)
+    elif family_of(model).graph_builder is None:  # no op graph: the data axis's options, measured here
+        from planner.measured import plan_measured, profile_from_measurements
+        from trainer.measure_model import measure_model
+
+        train = job.training
+        measured = profile_from_measurements(model.tag, measure_model(model, train.micro_batch, par.precision), kind,
+                                             res.devices_per_node or n, res.memory_gb, None, res.devices_per_node)
+        result = plan_measured(measured, n, train.global_batch, train.micro_batch, shard_dp=par.shard_data_parallel)
+        typer.echo(result.model_dump_json(indent=2) if json_out else "\n".join(
+            [f"{model.tag} on {n} {kind} devices: dp {n}, state sharded over {result.dp_shard} "
+             f"({result.estimated_step_s or 0:.4g} s per step, {(result.memory_per_device_bytes or 0) / 2**30:.2f} GiB "
+             "per device)", *result.notes]))
+        return
     else:
         batch = job.training.global_batch
         profile = profile_graph(family_of(model).graph(model, batch, par.precision), kind, measure,

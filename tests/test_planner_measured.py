@@ -1,0 +1,45 @@
+"""A model without an op graph (the hf family) is planned from measurements of itself: each
+option of the data axis (replicated, HSDP, FSDP) costed, the fastest that fits chosen."""
+
+from __future__ import annotations
+
+from planner.comm import default_comm
+from planner.measured import MeasuredProfile, measured_options, option_cost, plan_measured, profile_from_measurements
+from planner.profile import DEFAULT_DEVICES
+
+PROFILE = MeasuredProfile(name="hf-llama", n_params=100_000_000, flops_per_token=6e8, layer_params=10_000_000,
+                          root_params=20_000_000, sequence_s=0.01, activation_bytes=50e6,
+                          device=DEFAULT_DEVICES["cuda"], comm=default_comm("cuda"))
+
+
+def test_replicated_when_memory_allows_and_sharded_when_it_does_not() -> None:
+    roomy = plan_measured(PROFILE, 8, global_batch=64, micro_batch=8)
+    assert roomy.strategy == "measured" and roomy.dp_shard == 1 and roomy.feasible
+    assert "no op graph" in roomy.notes[0] and "dp_shard 8" in roomy.notes[0]
+    replicated = option_cost(PROFILE, 8, 1, 64, 8).memory_bytes
+    tight = plan_measured(PROFILE, 8, 64, 8, memory_limit_bytes=int(replicated * 0.6))
+    assert tight.dp_shard > 1 and tight.memory_per_device_bytes <= replicated * 0.6
+    # Sharding costs gathers: never faster than replicating where both fit.
+    assert tight.estimated_step_s >= roomy.estimated_step_s
+    nothing = plan_measured(PROFILE, 8, 64, 8, memory_limit_bytes=1)
+    assert not nothing.feasible and nothing.dp_shard == 8  # the least memory
+
+
+def test_options_are_every_fitting_dp_shard_fastest_first() -> None:
+    options = measured_options(PROFILE, 4, 32, 8)
+    assert sorted(p.dp_shard for p in options) == [1, 2, 4]
+    assert options[0].dp_shard == plan_measured(PROFILE, 4, 32, 8).dp_shard
+    assert [p.estimated_step_s for p in options[1:]] == sorted(p.estimated_step_s for p in options[1:])
+
+
+def test_a_transformers_model_is_measured() -> None:
+    from models.hf.spec import HFSpec
+    from trainer.measure_model import measure_model
+
+    spec = HFSpec(family="hf", seq_len=16, config={"model_type": "llama", "num_hidden_layers": 2, "hidden_size": 32,
+                                                   "num_attention_heads": 4, "intermediate_size": 64, "vocab_size": 256})
+    measured = measure_model(spec, 2, "fp32")
+    assert measured["sequence_s"] > 0 and measured["activation_bytes"] > 16 * 32 * 4
+    assert measured["n_params"] == measured["root_params"] + 2 * measured["layer_params"]
+    profile = profile_from_measurements("hf-llama", measured, "cpu", workers=4)
+    assert profile.sequence_s > measured["sequence_s"]  # 4 workers share this machine's cores
