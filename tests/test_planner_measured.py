@@ -4,7 +4,13 @@ option of the data axis (replicated, HSDP, FSDP) costed, the fastest that fits c
 from __future__ import annotations
 
 from planner.comm import default_comm
-from planner.measured import MeasuredProfile, measured_options, option_cost, plan_measured, profile_from_measurements
+from planner.measured import (
+    MeasuredProfile,
+    measured_options,
+    option_cost,
+    plan_measured,
+    profile_from_measurements,
+)
 from planner.profile import DEFAULT_DEVICES
 
 PROFILE = MeasuredProfile(name="hf-llama", n_params=100_000_000, flops_per_token=6e8, layer_params=10_000_000,
