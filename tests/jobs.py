@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 from math import prod
 from pathlib import Path
 from typing import Any
@@ -12,7 +13,8 @@ from specs import JobSpec
 from specs.plan import Plan
 from storage import CheckpointStore, ObjectStore
 from trainer.checkpoint import load_tensors
-from trainer.launch import LaunchResult, descendants, kill_tree, launch_workers
+from trainer.launch import LaunchResult, descendants, kill_tree
+from trainer.warm_pool import WarmPool
 
 __all__ = ["descendants", "kill_tree"]  # tests kill what they started, by PID tree
 
@@ -65,11 +67,26 @@ def mesh_plan(mesh: dict[str, int], **fields: object) -> Plan:
 LOSS_RTOL = 1e-5
 
 
+# Warm workers shared by the whole test session (trainer.warm_pool): each job run through
+# `run` skips torchrun and the interpreters' imports. Tests of launching itself (signals, a
+# killed worker, hangs) call trainer.launch.launch_workers.
+_POOL: list[WarmPool] = []
+POOL_SIZE = 4
+
+
+def warm_pool() -> WarmPool:
+    if not _POOL:
+        _POOL.append(WarmPool(POOL_SIZE))
+        atexit.register(_POOL[0].close)
+    return _POOL[0]
+
+
 def run(spec: JobSpec, plan: Plan, until_step: int | None = None, schedule: str | None = None) -> LaunchResult:
-    lines: list[str] = []
+    """Train `spec` under `plan` (on warm workers) until `until_step` or the end; must succeed."""
     env = {"PARASHIFT_PP_SCHEDULE": schedule} if schedule else None
-    result = launch_workers(spec, plan, on_line=lines.append, until_step=until_step, extra_env=env)
-    assert result.returncode == 0, "\n".join(lines[-60:])
+    pool = warm_pool()
+    result = pool.run(spec, plan, until_step=until_step, extra_env=env)
+    assert result.returncode == 0, pool.output(0)[-8000:]
     return result
 
 

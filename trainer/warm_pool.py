@@ -1,0 +1,197 @@
+"""Warm workers: long-lived processes, torch and the trainer imported once, that run one job
+after another, each in a process group of its own.
+
+A launch through torchrun pays, every time, for a fresh interpreter importing torch and the
+trainer (3-4 s), torchrun's own start (6-9 s for an empty job on the 2-core CI machine), the
+first functional collective importing torch._dynamo (2-12 s) and, for the `hf` family,
+transformers (about 10 s of CPU). A job run here pays none of it again: each pool process runs
+`trainer.worker.main` with torchrun's environment variables set for the job (rank, world size,
+a fresh rendezvous port), its output written to files in the job's folder, and the process
+group torn down after it.
+
+What a job here shares with the jobs before it in the same process is the interpreter: module
+state that is not reset between jobs (caches keyed by name, e.g. a Hugging Face checkpoint
+opened from the same path) carries over. Jobs that are meant to end a process (a worker killed
+with SIGKILL, a hung collective) belong to `trainer.launch`, not here: a job that does not end
+within its timeout takes the pool down with it, and the pool starts afresh.
+
+    pool = WarmPool(4)
+    result = pool.run(spec, plan, until_step=7)   # a trainer.launch.LaunchResult
+    pool.close()
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import logging
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import traceback
+from pathlib import Path
+from typing import Any
+
+from specs import JobSpec
+from specs.loader import resolve_model
+from specs.plan import Plan
+from trainer import metrics
+from trainer.launch import LaunchResult, PlanNotExecutable, worker_env
+from trainer.mesh import job_plan_refusals
+
+# How long one job may run before the pool is presumed stuck (a collective waiting for a rank
+# that failed) and started afresh.
+JOB_TIMEOUT_S = 900.0
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class WarmPool:
+    """`size` warm worker processes; jobs of up to `size` ranks run on the first ranks of it."""
+
+    def __init__(self, size: int, kind: str = "cpu") -> None:
+        self.size, self.kind = size, kind
+        self.root = Path(tempfile.mkdtemp(prefix="parashift-warm-"))
+        self._jobs = 0
+        self._procs: list[subprocess.Popen[str]] = []
+        self._start()
+
+    def _start(self) -> None:
+        command = [sys.executable, "-m", "trainer.warm_pool", "--serve"]
+        self._procs = [subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1,
+                                        env=worker_env(self.kind), start_new_session=True) for _ in range(self.size)]
+
+    def close(self) -> None:
+        for proc in self._procs:
+            if proc.poll() is None:
+                with contextlib.suppress(OSError):
+                    proc.stdin.close()  # type: ignore[union-attr]
+        for proc in self._procs:
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, 9)
+                proc.wait()
+        self._procs = []
+
+    def restart(self) -> None:
+        for proc in self._procs:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, 9)
+            proc.wait()
+        self._start()
+
+    def run(self, spec: JobSpec, plan: Plan, until_step: int | None = None,
+            extra_env: dict[str, str] | None = None, timeout_s: float = JOB_TIMEOUT_S) -> LaunchResult:
+        """Run the job on the first `plan.devices` warm workers until they return; the events
+        rank 0 reported, as a launch through torchrun returns them."""
+        spec = resolve_model(spec)
+        refusals = job_plan_refusals(plan, spec)
+        if refusals:
+            raise PlanNotExecutable(f"plan {plan.mesh} cannot run on {spec.job_id}: " + "; ".join(refusals))
+        if plan.devices > self.size:
+            raise ValueError(f"plan for {plan.devices} devices on a warm pool of {self.size}")
+        self._jobs += 1
+        folder = self.root / f"job{self._jobs:04d}"
+        folder.mkdir()
+        (folder / "spec.json").write_text(spec.model_dump_json())
+        (folder / "plan.json").write_text(plan.model_dump_json())
+        argv = ["--spec", str(folder / "spec.json"), "--plan", str(folder / "plan.json")]
+        if until_step is not None:
+            argv += ["--until-step", str(until_step)]
+        request = {"folder": str(folder), "world": plan.devices, "port": free_port(), "argv": argv,
+                   "env": dict(extra_env or {})}
+        ranks = self._procs[: plan.devices]
+        for rank, proc in enumerate(ranks):
+            proc.stdin.write(json.dumps({**request, "rank": rank}) + "\n")  # type: ignore[union-attr]
+            proc.stdin.flush()  # type: ignore[union-attr]
+        codes = [self._answer(proc, timeout_s) for proc in ranks]
+        result = LaunchResult(returncode=max(codes, key=abs))
+        out = folder / "rank0.out"
+        for line in out.read_text().splitlines() if out.exists() else []:
+            event = metrics.parse(line)
+            if event is not None:
+                result.events.append(event)
+        return result
+
+    def _answer(self, proc: subprocess.Popen[str], timeout_s: float) -> int:
+        import selectors
+
+        with selectors.DefaultSelector() as selector:
+            selector.register(proc.stdout, selectors.EVENT_READ)  # type: ignore[arg-type]
+            if not selector.select(timeout_s):
+                self.restart()
+                return -9
+        line = proc.stdout.readline()  # type: ignore[union-attr]
+        if not line:  # the process died
+            self.restart()
+            return -9
+        return int(json.loads(line)["rc"])
+
+    def output(self, rank: int = 0) -> str:
+        """The newest job's output of `rank` (stdout and stderr), for a failure's message."""
+        folder = self.root / f"job{self._jobs:04d}"
+        return "".join(p.read_text() for p in (folder / f"rank{rank}.out", folder / f"rank{rank}.err") if p.exists())
+
+
+def _run_job(request: dict[str, Any]) -> int:
+    """One job in this process, with torchrun's environment for its rank."""
+    import torch.distributed as dist
+
+    from trainer import worker
+
+    rank, world = request["rank"], request["world"]
+    env = {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world),
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(request["port"]), **request["env"]}
+    saved = {key: os.environ.get(key) for key in env}
+    folder = Path(request["folder"])
+    root = logging.getLogger()
+    with open(folder / f"rank{rank}.out", "w") as out, open(folder / f"rank{rank}.err", "w") as err, \
+            contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        os.environ.update(env)
+        for handler in list(root.handlers):  # the worker configures logging onto this job's stderr
+            root.removeHandler(handler)
+        try:
+            return worker.main(request["argv"])
+        except SystemExit as stop:
+            if stop.code not in (None, 0):
+                print(stop.code, file=sys.stderr)
+            return stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
+        except BaseException:  # noqa: BLE001 - reported as the job's failure; the process serves on
+            traceback.print_exc()
+            return 1
+        finally:
+            for key, value in saved.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
+            if dist.is_initialized():
+                dist.destroy_process_group()
+            gc.unfreeze()  # the worker froze what it built: this job's objects must be collectable
+            gc.collect()
+
+
+def serve() -> None:
+    """Answer job requests (one JSON line each on stdin) with their exit status (on stdout)."""
+    answers = os.fdopen(os.dup(sys.stdout.fileno()), "w", buffering=1)
+    import trainer.worker  # noqa: F401 - the imports a warm worker exists to have done
+
+    for line in sys.stdin:
+        rc = _run_job(json.loads(line))
+        answers.write(json.dumps({"rc": rc}) + "\n")
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description="a warm worker (started by WarmPool)")
+    parser.add_argument("--serve", action="store_true", required=True)
+    parser.parse_args()
+    serve()
