@@ -1,6 +1,8 @@
-"""The baseline: a plain PyTorch DDP training loop of the same GPT, batch and optimizer as the
-trainer, with nothing of parashift's around it (no sample order, no stop checks, no loss
-all-reduce, no checkpoints). Started by torchrun from bench/train_throughput.py.
+"""The baseline: a plain PyTorch DDP training loop of the same model (any family's single-device
+module), batch and optimizer as the trainer, with nothing of parashift's around it (no sample
+order, no stop checks, no loss all-reduce, no checkpoints). With --fsdp: FSDP2's `fully_shard`
+per decoder layer and at the root instead of DDP (torchtitan's order). Started by torchrun from
+bench/train_throughput.py.
 
 Reports per-step timings in the trainer's event format so one parser reads both.
 """
@@ -17,7 +19,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
-from models.gpt.model import GPT, GPTConfig
+from models import family_of
 from specs import JobSpec
 from trainer import metrics
 from trainer.data import load_tokens
@@ -26,14 +28,24 @@ from trainer.data import load_tokens
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--spec", type=Path, required=True)
-    spec = JobSpec.model_validate_json(parser.parse_args().spec.read_text())
+    parser.add_argument("--fsdp", action="store_true", help="FSDP2 fully_shard instead of DDP")
+    args = parser.parse_args()
+    spec = JobSpec.model_validate_json(args.spec.read_text())
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1:
         dist.init_process_group("gloo")
     torch.manual_seed(spec.training.seed)
     m = spec.model
-    model = GPT(GPTConfig.of(m))
-    ddp = DistributedDataParallel(model) if world > 1 else model
+    family = family_of(m)
+    model = family.build(m)
+    if args.fsdp and world > 1:
+        from torch.distributed.fsdp import fully_shard
+
+        for _, layer in family.layers(model):
+            fully_shard(layer)
+        ddp = fully_shard(model, reshard_after_forward=False)
+    else:
+        ddp = DistributedDataParallel(model) if world > 1 else model
     opt = spec.optimizer
     optimizer = torch.optim.AdamW(model.parameters(), lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps, weight_decay=opt.weight_decay)
     tokens = torch.from_numpy(load_tokens(spec.data).astype("int64"))
@@ -43,7 +55,7 @@ def main() -> None:
         started = time.perf_counter()
         starts = torch.randint(0, len(tokens) - m.seq_len - 1, (per_rank,), generator=generator)
         batch = torch.stack([tokens[s : s + m.seq_len + 1] for s in starts.tolist()])  # (b, T + 1)
-        logits = ddp(batch[:, :-1])  # (b, T, vocab)
+        logits = family.logits(ddp, batch[:, :-1])  # (b, T, vocab)
         loss = F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), opt.grad_clip or float("inf"))

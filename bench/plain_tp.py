@@ -18,7 +18,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from models.gpt.model import GPT, GPTConfig
+from models import family_of
+from models.base import ModelFamily
 from specs import JobSpec
 from trainer import metrics
 from trainer.data import load_tokens
@@ -67,28 +68,39 @@ class RowParallelLinear(nn.Module):
     def __init__(self, full: nn.Module, rank: int, tp: int) -> None:
         super().__init__()
         self.weight = nn.Parameter(full.weight.detach().chunk(tp, dim=0)[rank].clone())  # (in / tp, out)
-        self.bias = nn.Parameter(full.bias.detach().clone())  # (out,), added after the reduction
+        self.bias = None if full.bias is None else nn.Parameter(full.bias.detach().clone())  # (out,), after the reduction
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _ReduceFromRegion.apply(x @ self.weight) + self.bias  # (B, T, out)
+        y = _ReduceFromRegion.apply(x @ self.weight)  # (B, T, out)
+        return y if self.bias is None else y + self.bias
 
 
 def column_shard(linear: nn.Linear, rank: int, tp: int) -> None:
     """Keep this rank's rows of the weight (output features) and bias, in place."""
     linear.weight = nn.Parameter(linear.weight.detach().chunk(tp, dim=0)[rank].clone())  # (out / tp, in)
-    linear.bias = nn.Parameter(linear.bias.detach().chunk(tp, dim=0)[rank].clone())  # (out / tp,)
+    if linear.bias is not None:
+        linear.bias = nn.Parameter(linear.bias.detach().chunk(tp, dim=0)[rank].clone())  # (out / tp,)
 
 
-def megatron(model: GPT, rank: int, tp: int) -> list[nn.Parameter]:
-    """Shard every block in place; returns the sharded parameters (the others are replicated)."""
-    for block in model.blocks.values():
-        for name in ("q_proj", "k_proj", "v_proj"):
-            column_shard(getattr(block.attn, name), rank, tp)
-        block.attn.out_proj = RowParallelLinear(block.attn.out_proj, rank, tp)
-        column_shard(block.mlp.up_proj, rank, tp)
-        block.mlp.down_proj = RowParallelLinear(block.mlp.down_proj, rank, tp)
-        block.attn, block.mlp = Region(block.attn), Region(block.mlp)
-    return [p for b in model.blocks.values() for n, p in b.named_parameters() if "proj.weight" in n or n.endswith(("q_proj.bias", "k_proj.bias", "v_proj.bias", "up_proj.bias"))]
+def megatron(model: nn.Module, family: ModelFamily, rank: int, tp: int) -> set[int]:
+    """Shard every layer's attention and MLP in place, Megatron's way, by hand (which modules
+    are which comes from the family's sharding table); returns the ids of the sharded
+    parameters (the others are replicated)."""
+    table = family.sharding
+    assert table is not None
+    sharded: set[int] = set()
+    for _, layer in family.layers(model):
+        for region in table.regions:
+            parent, _, name = region.module.rpartition(".")
+            owner = layer.get_submodule(parent) if parent else layer
+            inner = getattr(owner, name)
+            for linear in region.colwise:
+                column_shard(getattr(inner, linear), rank, tp)
+                sharded |= {id(p) for p in getattr(inner, linear).parameters()}
+            setattr(inner, region.rowwise, RowParallelLinear(getattr(inner, region.rowwise), rank, tp))
+            sharded.add(id(getattr(inner, region.rowwise).weight))
+            setattr(owner, name, Region(inner))
+    return sharded
 
 
 def main() -> None:
@@ -99,8 +111,9 @@ def main() -> None:
     dist.init_process_group("gloo")
     torch.manual_seed(spec.training.seed)
     m = spec.model
-    model = GPT(GPTConfig.of(m))
-    sharded = {id(p) for p in megatron(model, rank, tp)}
+    family = family_of(m)
+    model = family.build(m)
+    sharded = megatron(model, family, rank, tp)
     opt = spec.optimizer
     optimizer = torch.optim.AdamW(model.parameters(), lr=opt.lr, betas=tuple(opt.betas), eps=opt.eps, weight_decay=opt.weight_decay)
     tokens = torch.from_numpy(load_tokens(spec.data).astype("int64"))

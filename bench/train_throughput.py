@@ -3,7 +3,12 @@ and process count:
 
 - ddp: the trainer's data-parallel plan vs a plain DDP loop (bench/plain_ddp.py);
 - tp: the trainer executing a Megatron plan (attention and MLP split over "tp", in the planner's
-  per-op format, through DTensor) vs hand-written Megatron TP (bench/plain_tp.py).
+  per-op format, through DTensor) vs hand-written Megatron TP (bench/plain_tp.py);
+- fsdp: the trainer's FSDP plan vs a plain FSDP2 loop (bench/plain_ddp.py --fsdp: fully_shard
+  per decoder layer and at the root).
+
+`--family` picks the model: the GPT, the Llama family (the same size, grouped-query attention)
+or the `hf` family (transformers' Llama of the same size: dp and fsdp only).
 
 Both run as real torchrun jobs, alternating (trainer, plain, trainer, plain, ...) so machine
 noise hits both alike; each round's figure is the median step time after warm-up, and the
@@ -11,7 +16,7 @@ headline ratio is the median of the per-round (paired) ratios, which cancels the
 of a shared machine better than a ratio of medians (both are printed). Last line of output: one
 JSON object with `modes: {mode: {ratio_vs_plain, ...}}` and ddp's ratio at the top level.
 
-    OMP_NUM_THREADS=1 python -m bench.train_throughput [--devices 2] [--rounds 5] [--steps 20] [--modes ddp,tp]
+    OMP_NUM_THREADS=1 python -m bench.train_throughput [--family gpt] [--devices 2] [--rounds 5] [--steps 20] [--modes ddp,tp]
 """
 
 from __future__ import annotations
@@ -42,20 +47,31 @@ def megatron_plan(devices: int) -> Plan:
                 strategy="megatron")
 
 
-# mode -> (the trainer's plan, the plain program, whether each rank takes a share of the batch)
+# mode -> (the trainer's plan, the plain program and its arguments, whether each rank takes a share of the batch)
 MODES = {
-    "ddp": (Plan.data_parallel, "bench.plain_ddp", True),
-    "tp": (megatron_plan, "bench.plain_tp", False),
+    "ddp": (Plan.data_parallel, ("bench.plain_ddp",), True),
+    "tp": (megatron_plan, ("bench.plain_tp",), False),
+    "fsdp": (Plan.fully_sharded, ("bench.plain_ddp", "--fsdp"), True),
+}
+
+# The reference size measured before (6 layers, d 256, T 128), in each family's terms.
+MODELS = {
+    "gpt": {"n_layers": N_LAYERS, "d_model": 256, "n_heads": 8, "vocab_size": 256, "seq_len": 128},
+    "llama": {"family": "llama", "n_layers": N_LAYERS, "d_model": 256, "n_heads": 8, "n_kv_heads": 4, "ffn_dim": 704,
+              "vocab_size": 256, "seq_len": 128},
+    "hf": {"family": "hf", "seq_len": 128, "config": {
+        "model_type": "llama", "num_hidden_layers": N_LAYERS, "hidden_size": 256, "num_attention_heads": 8,
+        "num_key_value_heads": 4, "intermediate_size": 704, "vocab_size": 256}},
 }
 
 
-def bench_spec(devices: int, steps: int, store: str, split_batch: bool = True) -> JobSpec:
+def bench_spec(devices: int, steps: int, store: str, split_batch: bool = True, family: str = "gpt") -> JobSpec:
     """The reference size measured before: 6 layers, d 256, T 128, global batch 16 (one micro-batch per
     rank: a share of the batch under data parallelism, all of it under tensor parallelism)."""
     return JobSpec.model_validate(
         {
             "name": "bench-throughput",
-            "model": {"n_layers": N_LAYERS, "d_model": 256, "n_heads": 8, "vocab_size": 256, "seq_len": 128},
+            "model": MODELS[family],
             "data": {"url": "builtin://python-stdlib", "max_bytes": 2_000_000},
             "training": {"global_batch": 16, "micro_batch": 16 // devices if split_batch else 16, "steps": steps, "checkpoint_every": 10_000},
             "resources": {"devices": devices, "kind": "cpu"},
@@ -77,17 +93,17 @@ def run_trainer(spec: JobSpec, plan: Plan, round_index: int) -> float:
     return median_rate(result.events)
 
 
-def run_plain(spec: JobSpec, program: str, devices: int, tmp: Path) -> float:
+def run_plain(spec: JobSpec, program: tuple[str, ...], devices: int, tmp: Path) -> float:
     spec_file = tmp / "plain-spec.json"
     spec_file.write_text(spec.model_dump_json())
-    command = torchrun_command(devices, program, "--spec", str(spec_file))
+    command = torchrun_command(devices, program[0], "--spec", str(spec_file), *program[1:])
     done = subprocess.run(command, capture_output=True, text=True, env=worker_env("cpu"), check=True)
     return median_rate([e for line in done.stdout.splitlines() if (e := metrics.parse(line))])
 
 
-def bench_mode(mode: str, devices: int, rounds_n: int, steps: int, tmp: Path) -> dict:
+def bench_mode(mode: str, devices: int, rounds_n: int, steps: int, tmp: Path, family: str = "gpt") -> dict:
     make_plan, program, split_batch = MODES[mode]
-    spec = bench_spec(devices, steps, f"file://{tmp}/store-{mode}", split_batch)
+    spec = bench_spec(devices, steps, f"file://{tmp}/store-{mode}", split_batch, family)
     rounds = []
     for i in range(rounds_n):
         trainer = run_trainer(spec, make_plan(devices), i)
@@ -98,7 +114,7 @@ def bench_mode(mode: str, devices: int, rounds_n: int, steps: int, tmp: Path) ->
     plain_median = statistics.median(r["plain_tokens_per_s"] for r in rounds)
     return {
         "devices": devices,
-        "plain": program,
+        "plain": " ".join(program),
         "trainer_tokens_per_s": round(trainer_median, 1),
         "plain_tokens_per_s": round(plain_median, 1),
         "ratio_vs_plain": round(statistics.median(r["ratio"] for r in rounds), 4),
@@ -113,13 +129,15 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--modes", default="ddp,tp", help=f"comma-separated, from {sorted(MODES)}")
+    parser.add_argument("--family", default="gpt", choices=sorted(MODELS))
     args = parser.parse_args()
     modes = {}
     with tempfile.TemporaryDirectory(prefix="parashift-bench-") as tmp:
         for mode in args.modes.split(","):
-            modes[mode] = bench_mode(mode, args.devices, args.rounds, args.steps, Path(tmp))
+            modes[mode] = bench_mode(mode, args.devices, args.rounds, args.steps, Path(tmp), args.family)
     headline = modes["ddp"]["ratio_vs_plain"] if "ddp" in modes else None
-    print(json.dumps({"benchmark": "train_throughput", "ratio_vs_plain": headline, "modes": modes}))
+    print(json.dumps({"benchmark": "train_throughput", "family": args.family, "ratio_vs_plain": headline,
+                      "modes": modes}))
 
 
 if __name__ == "__main__":
