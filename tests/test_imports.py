@@ -135,3 +135,21 @@ def test_only_family_folders_name_model_parameters() -> None:
              if not name.startswith("models") for i, line in enumerate(path.read_text().splitlines(), 1)
              if pattern.search(line)]
     assert found == []
+
+
+def test_workers_import_parashift_not_the_users_folders(tmp_path: Path) -> None:
+    """A user keeps specs in a `specs/` folder (or has `models/`, `tasks/`): workers started
+    from there with `python -m` import parashift's packages all the same."""
+    import subprocess
+    import sys
+
+    from trainer.launch import worker_env
+
+    for name in ("specs", "models", "trainer"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "__init__.py").write_text("raise ImportError('the user folder was imported')\n")
+    code = "import specs, models, trainer.worker; print(specs.__file__)"
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=worker_env("cpu"), capture_output=True,
+                         text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == str(ROOT / "specs" / "__init__.py")
