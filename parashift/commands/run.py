@@ -27,6 +27,8 @@ def run(
     """Train the job SPEC_FILE describes on its devices; resume from its latest checkpoint.
     SIGTERM or Ctrl-C stops it at the next step boundary with a committed checkpoint (twice:
     at once)."""
+    # Before anything imports Prefect (the preflight below does): its settings are read once.
+    _prefect_defaults(verbose)
     spec = load_spec_or_exit(spec_file)
     # Seconds, before Prefect starts: storage, data and devices (storage whose credentials live
     # in a Prefect block is probed by the flow, which can read the block).
@@ -36,7 +38,6 @@ def run(
             typer.echo(line, err=True)
         raise typer.Exit(1)
 
-    _prefect_defaults(verbose)
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
