@@ -181,7 +181,7 @@ class ResourcesSpec(_Section):
         description=(
             "Names of the nodes the job runs on (null: this machine alone). Each node runs a Prefect worker on the "
             "work queue of its name in the pool of `node_deployment`; the job starts one launcher per node there. "
-            "devices = nodes x devices_per_node."
+            "devices = nodes x devices_per_node (given nodes and devices_per_node, devices may be left out)."
         ),
     )
     node_deployment: str = Field(
@@ -217,6 +217,9 @@ class ResourcesSpec(_Section):
         if self.nodes is None:
             return self
         n = len(self.nodes)
+        if "devices" not in self.model_fields_set and self.devices_per_node is not None:
+            self.devices = n * self.devices_per_node  # devices follow from the nodes
+            return self
         if self.devices_per_node is None:
             if self.devices % n:
                 _raise_if([(("devices",), f"must be a multiple of the {n} nodes (got {self.devices}); "

@@ -484,3 +484,17 @@ def test_cli_validate_ok_and_schema() -> None:
     schema = run_cli("schema")
     assert schema.returncode == 0, schema.stderr
     assert "model" in json.loads(schema.stdout)["properties"]
+
+
+def test_devices_follow_from_the_nodes(tmp_path: Path) -> None:
+    """`nodes` and `devices_per_node` given, `devices` left out: it is their product (the
+    example in docs/nodes.md); given and contradicting them, it is an error at its line."""
+    good = tmp_path / "nodes.yaml"
+    good.write_text("name: n\ntraining: {global_batch: 8, micro_batch: 2}\n"
+                    "resources: {nodes: [a, b], devices_per_node: 2}\n")
+    assert load_spec(good).resources.devices == 4
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: n\ntraining: {global_batch: 8, micro_batch: 2}\n"
+                   "resources: {nodes: [a, b], devices_per_node: 2, devices: 2}\n")
+    with pytest.raises(SpecError, match=r"bad.yaml:3:.*resources.devices: must be nodes x devices_per_node"):
+        load_spec(bad)
