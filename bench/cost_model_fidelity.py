@@ -45,7 +45,7 @@ from planner.search import baselines, candidates, spaces, to_plan
 from specs import JobSpec
 from specs.plan import Plan
 from trainer.launch import launch_workers, measure_comm_timings
-from trainer.mesh import plan_refusals
+from trainer.mesh import job_plan_refusals, plan_refusals
 
 DEVICES = 4
 MODEL = {"n_layers": 4, "d_model": 128, "n_heads": 4, "vocab_size": 256, "seq_len": 48}
@@ -54,10 +54,10 @@ PRECISION = "fp32"  # the spec's default: what bench_spec runs
 WARMUP_STEPS = 3  # first steps pay for the first collectives, allocator growth, shape inference
 
 
-def bench_spec(steps: int, store: str) -> JobSpec:
+def bench_spec(steps: int, store: str, model: dict | None = None) -> JobSpec:
     return JobSpec.model_validate({
         "name": "bench-fidelity",
-        "model": MODEL,
+        "model": model or MODEL,
         "data": {"url": "builtin://python-stdlib", "max_bytes": 2_000_000},
         # one micro-batch per rank unless the plan pipelines: the planner costs exactly that
         "training": {"global_batch": GLOBAL_BATCH, "micro_batch": GLOBAL_BATCH, "steps": steps, "checkpoint_every": 10_000},
@@ -74,7 +74,7 @@ def plan_name(plan: Plan) -> str:
     return f"{mesh}-m{plan.micro_batches}" if plan.degree("pp") > 1 else f"{mesh}-{plan.strategy}"
 
 
-def planner_plans(profile: ModelProfile, max_plans: int) -> dict[str, Plan]:
+def planner_plans(profile: ModelProfile, max_plans: int, spec: JobSpec | None = None) -> dict[str, Plan]:
     """Each mesh's best strategy and micro-batch count as the planner emits it, in every space
     it searches (dp replicating the weights, dp sharding them with and without resharding after
     forward); runnable ones."""
@@ -85,7 +85,8 @@ def planner_plans(profile: ModelProfile, max_plans: int) -> dict[str, Plan]:
     for cand in sorted(pool, key=lambda c: c.time_s):
         plan = to_plan(cand, DEVICES, base, None, profile.graph)
         sizes = {k: MODEL[k] for k in ("n_layers", "n_heads", "seq_len")}
-        if plan_name(plan) not in plans and not plan_refusals(plan, **sizes, global_batch=GLOBAL_BATCH):
+        refused = job_plan_refusals(plan, spec) if spec is not None else plan_refusals(plan, **sizes, global_batch=GLOBAL_BATCH)
+        if plan_name(plan) not in plans and not refused:
             plans[plan_name(plan)] = plan
     # keep the spread: the fastest, the slowest and evenly in between
     names = list(plans)

@@ -9,7 +9,10 @@ executability check the flow applies), and every mesh's best strategy as the pla
 Megatron baseline). Each plan runs as a fresh job; its median step time after warm-up counts,
 the fastest of `--passes` passes (other work on a shared machine only slows a pass down).
 
-    OMP_NUM_THREADS=1 python -m bench.plan_quality [--steps 12] [--passes 2] [--max-plans 12]
+    OMP_NUM_THREADS=1 python -m bench.plan_quality [--family gpt|llama] [--steps 12] [--passes 2] [--max-plans 12]
+
+`--family llama`: a Llama of the same size (8 query heads in 4 kv groups, SwiGLU), planned from
+its own graph (models/llama/graph.py).
 
 Last line: one JSON object with `pick_rank` (1 = fastest measured), `pick_s`, `best_s`,
 `ratio` (pick / best; target <= 1.10) and every plan's `estimated_s` and `measured_s`.
@@ -32,11 +35,18 @@ from bench.cost_model_fidelity import (
     plan_name,
     planner_plans,
 )
+from models import family_of
 from planner.comm import comm_model_from_timings
-from planner.profile import profile_gpt, share_cores
+from planner.profile import profile_graph, share_cores
 from planner.search import plan_model
 from tasks.plan import choose_plan
 from trainer.launch import measure_comm_timings
+
+MODELS = {
+    "gpt": MODEL,
+    "llama": {"family": "llama", "n_layers": MODEL["n_layers"], "d_model": MODEL["d_model"], "n_heads": 8, "n_kv_heads": 4,
+              "ffn_dim": 352, "vocab_size": MODEL["vocab_size"], "seq_len": MODEL["seq_len"]},
+}
 
 
 def main() -> None:
@@ -44,16 +54,17 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--passes", type=int, default=2)
     parser.add_argument("--max-plans", type=int, default=12)
+    parser.add_argument("--family", default="gpt", choices=sorted(MODELS))
     args = parser.parse_args()
     comm = comm_model_from_timings(measure_comm_timings(DEVICES, "cpu"))
-    profile = profile_gpt(**MODEL, batch=GLOBAL_BATCH, device_kind="cpu", measure=True, comm=comm,
-                          precision=PRECISION)
-    profile = profile.model_copy(update={"device": share_cores(profile.device, DEVICES)})
     with tempfile.TemporaryDirectory(prefix="parashift-quality-") as tmp:
-        spec = bench_spec(args.steps, f"file://{tmp}/store")
+        spec = bench_spec(args.steps, f"file://{tmp}/store", MODELS[args.family])
+        graph = family_of(spec.model).graph(spec.model, GLOBAL_BATCH, PRECISION)
+        profile = profile_graph(graph, "cpu", True, comm=comm, tokens=GLOBAL_BATCH * spec.model.seq_len)
+        profile = profile.model_copy(update={"device": share_cores(profile.device, DEVICES)})
         auto = spec.model_copy(update={"parallelism": spec.parallelism.model_copy(update={"strategy": "auto"})})
         pick = choose_plan(auto, plan_model(profile, DEVICES), DEVICES)
-        plans = planner_plans(profile, args.max_plans)
+        plans = planner_plans(profile, args.max_plans, spec)
         pick_name = plan_name(pick)
         plans.setdefault(pick_name, pick)
         measured: dict[str, list[float]] = {name: [] for name in plans}
@@ -66,7 +77,7 @@ def main() -> None:
     best = {name: min(times) for name, times in measured.items()}
     ranking = sorted(best, key=best.get)
     result = {
-        "benchmark": "plan_quality", "machine": f"{platform.machine()}", "devices": DEVICES, "model": MODEL,
+        "benchmark": "plan_quality", "machine": f"{platform.machine()}", "devices": DEVICES, "model": MODELS[args.family],
         "global_batch": GLOBAL_BATCH, "passes": args.passes, "pick": pick_name, "pick_mesh": pick.mesh,
         "pick_rank": ranking.index(pick_name) + 1, "plans_measured": len(ranking),
         "pick_s": best[pick_name], "best": ranking[0], "best_s": best[ranking[0]],
