@@ -46,7 +46,7 @@ def build(plan: Plan, spec: JobSpec) -> tuple[torch.nn.Module, LocalShardAdamW]:
     n_layers = spec.model.n_layers
     module = build_stage(model, family, plan, n_layers, coords.pp_rank) if dims.pp > 1 else model
     parallelize(module, family, plan, mesh, plan.tp_regions(n_layers), torch.device("cpu"))
-    materialize(module, torch.device("cpu"), lambda name, shape: family.initial_value(spec.model, name, shape, 0))
+    materialize(module, torch.device("cpu"), lambda name, shape, box: family.initial_part(spec.model, name, shape, box, 0))
     optimizer = LocalShardAdamW(module, spec, torch.device("cpu"))
     for p in module.parameters():
         p.grad = torch.full_like(p, 1e-3)

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from models.layers import box_index
 from models.sharding import ShardingTable
 
 
@@ -35,6 +36,12 @@ class ModelFamily:
     def initial_value(self, spec: Any, name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
         """Parameter `name`'s initial value, whole, on the CPU: the same under every plan."""
         raise NotImplementedError
+
+    def initial_part(self, spec: Any, name: str, shape: tuple[int, ...], box: Any, seed: int) -> torch.Tensor:
+        """The `box` (a ptc Slice: offsets, lengths) of parameter `name`'s initial value: what
+        one rank holds. Default: cut from the whole value; a family reading a checkpoint reads
+        just the box."""
+        return self.initial_value(spec, name, shape, seed)[box_index(box)]
 
     def flops_per_token(self, spec: Any, n_params: int) -> int:
         """Training FLOPs per token: 6 per parameter plus attention scores (PaLM appendix B; the

@@ -99,6 +99,17 @@ class Weights:
             raise KeyError(f"the checkpoint has no tensor {name}")
         return self.where[name].get_tensor(name)
 
+    def shape(self, name: str) -> tuple[int, ...]:
+        if name not in self.where:
+            raise KeyError(f"the checkpoint has no tensor {name}")
+        return tuple(self.where[name].get_slice(name).get_shape())
+
+    def part(self, name: str, index: tuple[slice, ...]) -> Any:
+        """The `index` of tensor `name`, reading only its bytes (safetensors' slices)."""
+        if name not in self.where:
+            raise KeyError(f"the checkpoint has no tensor {name}")
+        return self.where[name].get_slice(name)[index]
+
 
 @cache
 def checkpoint_weights(url: str) -> Weights:

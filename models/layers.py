@@ -4,6 +4,7 @@ dim 0, the loss as a token sum, and initial values drawn per parameter name."""
 from __future__ import annotations
 
 import zlib
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +34,11 @@ class InputMajorLinear(nn.Module):
 def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Sum of per-token cross-entropy, so callers can normalise by the global token count."""
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten(0, 1), reduction="sum")
+
+
+def box_index(box: Any) -> tuple[slice, ...]:
+    """The index of a box (anything with `offsets` and `lengths`, e.g. a ptc Slice) into its tensor."""
+    return tuple(slice(o, o + n) for o, n in zip(box.offsets, box.lengths, strict=True))
 
 
 def seeded_normal(name: str, shape: tuple[int, ...], std: float, seed: int) -> torch.Tensor:

@@ -36,6 +36,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from models.base import ModelFamily
+from ptc import Slice
 from ptc.dtensor import local_box, local_data
 from specs.plan import Plan, TensorParallel
 from trainer.tp_styles import LocalColwiseParallel, LocalRowwiseParallel, RegionEntry
@@ -210,11 +211,15 @@ def parallelize(model: nn.Module, family: ModelFamily, plan: Plan, mesh: DeviceM
     return model
 
 
+# (parameter name, its global shape, this rank's box of it) -> the box's initial value, on the CPU
+InitialPart = Callable[[str, tuple[int, ...], Slice], torch.Tensor]
+
+
 @torch.no_grad()
-def materialize(model: nn.Module, device: torch.device, initial_value: Callable[[str, tuple[int, ...]], torch.Tensor],
+def materialize(model: nn.Module, device: torch.device, initial_part: InitialPart,
                 buffers: dict[str, torch.Tensor] | None = None) -> None:
     """Give a model built on the meta device and parallelized there its memory on `device`, and
-    fill each rank's part of every parameter from `initial_value(name, global shape)` (whole, on
+    fill each rank's part of every parameter from `initial_part(name, global shape, box)` (on
     the CPU), one parameter at a time (after torchtitan: build on meta, parallelize, then
     `to_empty` and initialise). FSDP2 re-pads its shards inside `to_empty`, so the local
     tensors written here are the ones it keeps. A parameter shared by two modules (a head tied
@@ -228,7 +233,7 @@ def materialize(model: nn.Module, device: torch.device, initial_value: Callable[
     for name, buffer in model.named_buffers():
         if buffers and name in buffers:
             buffer.copy_(buffers[name])
-    initialize(model, initial_value)
+    initialize(model, initial_part)
 
 
 def _tied_parameters(model: nn.Module) -> list[tuple[nn.Module, str, nn.Module, str]]:
@@ -248,13 +253,12 @@ def _tied_parameters(model: nn.Module) -> list[tuple[nn.Module, str, nn.Module, 
 
 
 @torch.no_grad()
-def initialize(model: nn.Module, initial_value: Callable[[str, tuple[int, ...]], torch.Tensor]) -> None:
-    """Fill each rank's part of every parameter from `initial_value(name, global shape)`, in
+def initialize(model: nn.Module, initial_part: InitialPart) -> None:
+    """Fill each rank's part of every parameter from `initial_part(name, global shape, box)`, in
     place (the parameters keep their memory: an optimizer built on them stays valid)."""
     for name, param in model.named_parameters():
         shape, box = local_box(param)
-        part = initial_value(name, shape)[tuple(slice(o, o + n) for o, n in zip(box.offsets, box.lengths, strict=True))]
-        local_data(param).copy_(part)
+        local_data(param).copy_(initial_part(name, shape, box))
 
 
 @contextlib.contextmanager

@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from models import family_of
 from models.layers import token_loss_sum
+from ptc import Slice
 from ptc.reconfig import LOCAL, RankReads
 from specs import JobSpec
 from specs.plan import Plan
@@ -163,8 +164,8 @@ def main(argv: list[str] | None = None) -> int:
     # then only this rank's parts allocated and filled (the same initial weights under any plan)
     family = family_of(m)
 
-    def initial_value(name: str, shape: tuple[int, ...]) -> torch.Tensor:
-        return family.initial_value(m, name, shape, train.seed)
+    def initial_part(name: str, shape: tuple[int, ...], box: Slice) -> torch.Tensor:
+        return family.initial_part(m, name, shape, box, train.seed)
 
     with torch.device("meta"):
         model = family.build(m)
@@ -173,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     regions = plan.tp_regions(n_layers)
     module = build_stage(model, family, plan, n_layers, coords.pp_rank) if dims.pp > 1 else model
     runnable = parallelize(module, family, plan, mesh, regions, device, compile=spec.parallelism.compile)
-    materialize(module, device, initial_value, family.initial_buffers(m))
+    materialize(module, device, initial_part, family.initial_buffers(m))
     optimizer = LocalShardAdamW(module, spec, device)
     # Everything built so far lives for the whole run: keep it out of the garbage collector's
     # full passes, which otherwise cost ~0.3 s whenever a restore or a save allocates many small
@@ -220,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
         return metrics.EXIT_FATAL
     step, position, loss = 0, DataPosition(), None
     if restored is None and checkpoints.manifest_steps():  # every checkpoint refused: start over from step 0
-        initialize(module, initial_value)
+        initialize(module, initial_part)
         optimizer.clear_state()
     if restored is not None:
         loss = restored.manifest.metadata.get("loss") if restored.manifest else None

@@ -19,7 +19,7 @@ from torch import nn
 from models.base import ModelFamily
 from models.hf.spec import HFSpec
 from models.hub import checkpoint_weights
-from models.layers import seeded_normal
+from models.layers import box_index, seeded_normal
 
 
 def transformers_config(spec: HFSpec) -> Any:
@@ -61,6 +61,14 @@ class HFFamily(ModelFamily):
             std = float((spec.config or {}).get("initializer_range", 0.02))
             return seeded_normal(name, shape, std, seed)
         return torch.ones(shape) if name.endswith("weight") else torch.zeros(shape)
+
+    def initial_part(self, spec: HFSpec, name: str, shape: tuple[int, ...], box: Any, seed: int) -> torch.Tensor:
+        if spec.init_from is None:
+            return self.initial_value(spec, name, shape, seed)[box_index(box)]
+        weights = checkpoint_weights(spec.init_from)
+        if weights.shape(name) != tuple(shape):
+            raise ValueError(f"{spec.init_from}: {name} is {list(weights.shape(name))}, the model needs {list(shape)}")
+        return weights.part(name, box_index(box)).float().contiguous()
 
     def initial_buffers(self, spec: HFSpec) -> dict[str, torch.Tensor]:
         """transformers' buffers (rotary inverse frequencies, causal masks) as its constructor

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from models.base import ModelFamily
+from models.layers import box_index
 from models.llama import hf
 from models.llama.model import Llama, initial_value
 from models.llama.spec import LlamaSpec
@@ -34,8 +35,13 @@ class LlamaFamily(ModelFamily):
 
     def initial_value(self, spec: LlamaSpec, name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
         if spec.init_from is not None:
-            return hf.initial_from_checkpoint(spec, name, shape)
+            return hf.part_from_checkpoint(spec, name, shape, tuple(slice(None) for _ in shape))
         return initial_value(spec, name, shape, seed)
+
+    def initial_part(self, spec: LlamaSpec, name: str, shape: tuple[int, ...], box: Any, seed: int) -> torch.Tensor:
+        if spec.init_from is not None:
+            return hf.part_from_checkpoint(spec, name, shape, box_index(box))
+        return initial_value(spec, name, shape, seed)[box_index(box)]
 
     def flops_per_token(self, spec: LlamaSpec, n_params: int) -> int:
         return 6 * n_params + 12 * spec.n_layers * spec.n_heads * spec.hd * spec.seq_len

@@ -162,14 +162,17 @@ def resolve(spec: LlamaSpec) -> LlamaSpec:
     return spec.model_copy(update=fields)
 
 
-def initial_from_checkpoint(spec: LlamaSpec, name: str, shape: tuple[int, ...]) -> Any:
-    """Our parameter `name`, whole, from the spec's `init_from` checkpoint (float32)."""
+def part_from_checkpoint(spec: LlamaSpec, name: str, shape: tuple[int, ...], index: tuple[slice, ...]) -> Any:
+    """The `index` of our parameter `name` from the spec's `init_from` checkpoint (float32),
+    reading only those bytes: a rank reads its box, never the whole tensor."""
     assert spec.init_from is not None
     key, transposed = hf_name(name)
     if key == "lm_head.weight" and spec.tie_embeddings:
         key = "model.embed_tokens.weight"
-    tensor = checkpoint_weights(spec.init_from).get(key)
-    tensor = (tensor.t() if transposed else tensor).float().contiguous()
-    if tuple(tensor.shape) != tuple(shape):
-        raise ValueError(f"{spec.init_from}: {key} is {list(tensor.shape)}, the model's {name} needs {list(shape)}")
-    return tensor
+    weights = checkpoint_weights(spec.init_from)
+    stored = weights.shape(key)
+    if (stored[::-1] if transposed else stored) != tuple(shape):
+        raise ValueError(f"{spec.init_from}: {key} is {list(stored)}, the model's {name} needs {list(shape)}"
+                         + (" (transposed)" if transposed else ""))
+    tensor = weights.part(key, index[::-1]).t() if transposed else weights.part(key, index)
+    return tensor.float().contiguous()
