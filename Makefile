@@ -35,7 +35,7 @@ run: setup
 	$(BIN)/parashift run $(SPEC)
 
 test: setup
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=15
 
 # A local Prefect server + the `parashift` process pool + every deployment + a worker (Ctrl-C stops them).
 serve: setup
