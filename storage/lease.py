@@ -19,7 +19,9 @@ Taking it is one atomic conditional write (`ObjectStore.create` / `ObjectStore.r
   flock(2) on local files; `PutObject` with `If-Match: <etag>` on S3), generation + 1. Of two
   runs taking over at once, one wins; the other reads the winner's live lease and is refused.
 
-A crashed holder's lease lapses by itself after its TTL. A lease is never deleted: release
+A crashed holder's lease lapses by itself after its TTL; on the machine it ran on (the same
+kernel boot and PID namespace, recorded in the lease) a crashed holder is seen at once (its
+process is gone) and its lease taken over without waiting. A lease is never deleted: release
 marks it expired, so generations only grow.
 
 Every manifest commit carries the token (`LEASE_ENV` in the workers' environment, read by the
@@ -114,6 +116,10 @@ class LeaseRecord:
     expires_at: float
     ttl_s: float
     released: bool = False
+    # Where the holder runs, to tell at once that it is gone (this machine: boot id and PID
+    # namespace; its process: start time in clock ticks since boot). Empty: unknown.
+    machine: str = ""
+    started: int = 0
 
     @property
     def token(self) -> LeaseToken:
@@ -141,6 +147,34 @@ class LeaseRecord:
             return record
         except (ValueError, TypeError, UnicodeDecodeError) as exc:
             raise ValueError(f"not a lease: {exc}") from None
+
+
+def this_machine() -> str:
+    """This kernel's boot id and this process's PID namespace ("" where /proc does not say):
+    two processes agreeing on it see the same PIDs."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        return f"{boot}/{os.readlink('/proc/self/ns/pid')}"
+    except OSError:
+        return ""
+
+
+def process_started(pid: int) -> int | None:
+    """When process `pid` started (clock ticks since boot, /proc), None when there is no such
+    process: a PID reused by another process starts later."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def holder_gone(record: LeaseRecord) -> bool:
+    """Whether the lease's holder ran on this machine (same kernel, same PID namespace) and its
+    process no longer exists: a crashed run, whose lease need not be waited out."""
+    return bool(record.machine) and record.machine == this_machine() and \
+        process_started(record.pid) != record.started
 
 
 def lease_key(job_id: str) -> str:
@@ -220,7 +254,8 @@ class JobLease:
         now = self.clock()
         return LeaseRecord(job_id=self.job_id, generation=generation, run_id=self.run_id, host=socket.gethostname(),
                            pid=os.getpid(), acquired_at=now if acquired_at is None else acquired_at, renewed_at=now,
-                           expires_at=now + self.ttl_s, ttl_s=self.ttl_s)
+                           expires_at=now + self.ttl_s, ttl_s=self.ttl_s, machine=this_machine(),
+                           started=process_started(os.getpid()) or 0)
 
     def acquire(self) -> LeaseToken:
         """Take the lease: create it, or take over an expired or released one (generation + 1).
@@ -238,7 +273,10 @@ class JobLease:
             if current is not None and current.run_id == self.run_id:  # ours (a write whose answer was lost)
                 return self._took(current, tag, None)
             now = self.clock()
-            if current is not None and current.remaining_s(now) > 0:
+            if current is not None and current.remaining_s(now) > 0 and holder_gone(current):
+                logger.warning("%s was held by %s, which no longer runs on this machine: taken over without "
+                               "waiting %.0f s for it to lapse", self.url, current.holder, current.remaining_s(now))
+            elif current is not None and current.remaining_s(now) > 0:
                 left = current.remaining_s(now)
                 raise JobLeaseHeld(
                     f"job {self.job_id} is already running: {current.holder} holds its storage lease {self.url} "

@@ -207,6 +207,23 @@ def test_a_held_lease_is_renewed_and_a_crashed_one_lapses(tmp_path: Path) -> Non
     assert JobLease(store, JOB).acquire().generation == crashed.token.generation + 1
 
 
+def test_a_holder_gone_from_this_machine_is_taken_over_at_once(tmp_path: Path) -> None:
+    """A `parashift run` killed with -9 on this machine: its process is gone, so its live lease
+    is taken over without waiting for it to lapse; a live holder's is not."""
+    import subprocess
+    import sys
+
+    store = file_store(tmp_path)
+    code = ("import sys; from storage import ObjectStore; from storage.lease import JobLease; "
+            f"JobLease(ObjectStore(sys.argv[1]), {JOB!r}).acquire()")
+    subprocess.run([sys.executable, "-c", code, store.url], check=True, cwd=Path(__file__).parents[1])
+    record, _ = read_lease(store, JOB)
+    assert record is not None and record.remaining_s(time.time()) > 50  # live, and its holder exited
+    assert JobLease(store, JOB).acquire().generation == 2
+    with pytest.raises(JobLeaseHeld):  # this process holds it now, and runs
+        JobLease(store, JOB).acquire()
+
+
 def test_a_holder_learns_its_lease_was_taken(tmp_path: Path) -> None:
     store = file_store(tmp_path)
     lost: list[str] = []
