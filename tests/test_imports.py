@@ -153,3 +153,15 @@ def test_workers_import_parashift_not_the_users_folders(tmp_path: Path) -> None:
                          text=True)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == str(ROOT / "specs" / "__init__.py")
+
+
+def test_gpt_and_llama_workers_never_import_transformers() -> None:
+    """Only the `hf` family's processes pay transformers' import (about 10 s of CPU here):
+    a relaunch of a GPT or Llama job is dominated by interpreter start-up already."""
+    import subprocess
+    import sys
+
+    code = ("import sys, trainer.worker, trainer.layout, models.gpt.family, models.llama.family, models.llama.hf; "
+            "print([m for m in sys.modules if m.split('.')[0] in ('transformers', 'safetensors')])")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
