@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from specs import JobSpec
-from storage import CheckpointStore, ObjectStore
+from storage import CheckpointStore, job_store
 from trainer.checkpoint import load_tensors
 from trainer.launch import descendants, kill_tree
 
@@ -32,7 +32,7 @@ def tiny_spec(name: str, storage_url: str, **sections: dict[str, Any]) -> JobSpe
 
 
 def checkpoint_store(spec: JobSpec) -> CheckpointStore:
-    return CheckpointStore(ObjectStore(spec.storage.url, dict(spec.storage.storage_options)), spec.job_id)
+    return job_store(spec)
 
 
 def final_state(spec: JobSpec, step: int | None = None) -> dict[str, torch.Tensor]:

@@ -60,6 +60,8 @@ from storage import (
     TierUnusable,
     TransientStorageError,
     holding_object_name,
+    job_store,
+    node_tier,
 )
 from trainer.optim import LocalShardAdamW
 
@@ -442,12 +444,6 @@ def stored_boxes(manifest: Manifest) -> tuple[dict[str, list[StoredBox]], dict[s
     return boxes, {name: t.dtype for name, t in manifest.tensors.items()}
 
 
-def node_tier(local_tier: str | None, node: str) -> ObjectStore | None:
-    """This node's local tier: the spec's folder, with `{node}` (if present) replaced by the
-    node's name (nodes that share a filesystem keep apart that way)."""
-    return ObjectStore(local_tier.replace("{node}", node)) if local_tier else None
-
-
 def restore_totals(reads: RankReads | None, group: Group = None) -> dict[str, int]:
     """Bytes every rank of the job needed and read for its restore, and where the reads came
     from (`local`: the reader's node-local tier; `store`: object storage), summed over ranks."""
@@ -555,7 +551,7 @@ def job_reshard_plan(spec: JobSpec, plan: Plan) -> ReconfigPlan | None:
     from trainer.layout import rng_state_bytes, state_layout
     from trainer.model import GPTConfig
 
-    store = CheckpointStore(ObjectStore(spec.storage.url, dict(spec.storage.storage_options)), spec.job_id)
+    store = job_store(spec)
     nodes = spec.resources.nodes
     tier = node_tier(spec.storage.local_tier, "local") if nodes is None or spec.storage.local_tier else None
     layout = state_layout(plan, GPTConfig.of(spec.model), rng_state_bytes(torch.device(spec.resources.kind)))
@@ -805,6 +801,7 @@ __all__ = [
     "execute_reads",
     "job_reshard_plan",
     "load_tensors",
+    "node_tier",
     "reshard_plan",
     "restore_destinations",
     "restore_latest",
