@@ -117,6 +117,12 @@ class ObjectStore:
             raise StorageError(f"backend returned {path!r} outside the store root {self.url}")
         return rel[len(root) + 1 :]
 
+    def check_key(self, key: str) -> None:
+        """Refuse, without reading anything, a key a read would refuse: ValueError for one that
+        names a path outside the store, StorageError for one that leads out of it through a
+        symbolic link (local files)."""
+        self._path(key)
+
     def url_for(self, key: str) -> str:
         """Full URL of `key` (for logs and artifacts)."""
         key = key.strip("/")
