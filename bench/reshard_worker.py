@@ -25,7 +25,7 @@ from models import family_of
 from ptc.dtensor import local_data
 from specs import JobSpec
 from specs.plan import Plan
-from storage import CheckpointStore, ObjectStore
+from storage import ObjectStore, job_store
 from trainer.checkpoint import Checkpointer, apply_state, collect_state, restore_destinations, restore_latest
 from trainer.layout import layout_mismatches, state_layout
 from trainer.mesh import Coordinates, ParallelDims
@@ -134,9 +134,9 @@ def main() -> None:
     problems = layout_mismatches(layout, collect_state(module, optimizer, rank, torch.device("cpu")), rank)
     assert not problems, problems
     state = collect_state(module, optimizer, rank, torch.device("cpu"), local=True)  # what the trainer saves
-    options = dict(spec.storage.storage_options)
-    store = ObjectStore(spec.storage.url, options)
-    checkpoints = CheckpointStore(store, spec.job_id)
+    options = dict(spec.storage.storage_options)  # the raw and DCP baselines' too
+    checkpoints = job_store(spec)
+    store = checkpoints.store
     remote = not store.is_local
     if remote:
         count_s3_reads()

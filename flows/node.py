@@ -20,7 +20,7 @@ from prefect.logging import get_run_logger
 
 from specs import JobSpec
 from specs.plan import Plan
-from storage import JobPaths, ObjectStore
+from storage import JobPaths, open_store
 from tasks.credentials import environment, storage_environment
 from tasks.nodes import NodeReport, meet, stop_workers_when
 from tasks.worker_log import present
@@ -36,7 +36,7 @@ def node_launcher(spec: JobSpec, plan: Plan, launch_id: str, nodes: list[str], n
     logger = get_run_logger()
     credentials = storage_environment(spec)
     with environment(credentials):
-        store = ObjectStore(spec.storage.url, dict(spec.storage.storage_options))
+        store = open_store(spec.storage)
         rendezvous = meet(store, spec.job_id, launch_id, nodes, node)
     logger.info("node %s (%d of %d): rendezvous at %s:%d", node, rendezvous.node_rank, len(nodes),
                 rendezvous.master_addr, rendezvous.master_port)

@@ -42,6 +42,7 @@ from storage.manifest import (
     encode_manifest,
 )
 from storage.objects import ObjectStore, StoreStats
+from storage.stores import job_store, node_tier, open_store
 
 __all__ = [
     "FORMAT_VERSION",
@@ -78,6 +79,9 @@ __all__ = [
     "holding_object_name",
     "is_transient",
     "job_key",
+    "job_store",
+    "node_tier",
+    "open_store",
     "rank_object_name",
     "translate_error",
 ]

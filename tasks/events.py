@@ -25,7 +25,7 @@ from typing import Any
 from pydantic import BaseModel, Field, ValidationError, model_validator
 
 from specs import JobSpec
-from storage import JobPaths, ObjectStore, StorageError
+from storage import JobPaths, ObjectStore, StorageError, open_store
 
 EVENT = "parashift.resources.changed"
 log = logging.getLogger("parashift.events")
@@ -240,7 +240,7 @@ def follow_resources(spec: JobSpec) -> Iterator[ResourceWatcher]:
     """A watcher of the job's resource events for the duration (stopped on exit); accepted
     changes are recorded in the job's storage (its credentials must be in the environment)."""
     job_id = spec.job_id
-    store = ObjectStore(spec.storage.url, dict(spec.storage.storage_options))
+    store = open_store(spec.storage)
     watcher = ResourceWatcher(job_id, EventLog(store, job_id))
     try:
         if watcher.start():

@@ -26,7 +26,7 @@ from prefect.client.orchestration import get_client
 from prefect.concurrency.sync import concurrency
 
 from specs import JobSpec
-from storage import LEASE_ENV, JobLease, ObjectStore
+from storage import LEASE_ENV, JobLease, open_store
 from tasks.credentials import environment, storage_environment
 
 LEASE_S = 60.0
@@ -59,7 +59,7 @@ def one_writer_per_job(spec: JobSpec, ttl_s: float | None = None) -> Iterator[Jo
     this process's environment (`LEASE_ENV`) for the workers it starts. JobLeaseHeld, at once
     and in one line, when another run holds it; LeaseLost on leaving when it was taken over."""
     with environment(storage_environment(spec)):
-        store = ObjectStore(spec.storage.url, dict(spec.storage.storage_options))
+        store = open_store(spec.storage)
         lease = JobLease(store, spec.job_id, **({"ttl_s": ttl_s} if ttl_s else {}))
         with lease.hold() as token, environment({LEASE_ENV: str(token)}):
             yield lease

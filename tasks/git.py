@@ -14,7 +14,7 @@ from prefect.cache_policies import NO_CACHE
 from pydantic import BaseModel
 
 from specs import JobSpec
-from storage import JobPaths, ObjectStore
+from storage import JobPaths, open_store
 from tasks.retry import retry_if_it_may_help
 
 GIT_TIMEOUT_S = 120
@@ -64,12 +64,12 @@ def _record_key(spec: JobSpec, digest: str) -> str:
 
 def trained_before(spec: JobSpec, digest: str) -> dict | None:
     """The record of an earlier submission of these exact contents that trained to the end."""
-    store = ObjectStore(spec.storage.url, dict(spec.storage.storage_options))
+    store = open_store(spec.storage)
     key = _record_key(spec, digest)
     return store.get_json(key) if store.exists(key) else None
 
 
 def record_trained(spec: JobSpec, digest: str, source: dict[str, str], final_step: int) -> None:
-    store = ObjectStore(spec.storage.url, dict(spec.storage.storage_options))
+    store = open_store(spec.storage)
     store.put_json(_record_key(spec, digest), {**source, "final_step": final_step,
                                                "trained_at": datetime.now(UTC).isoformat()})

@@ -19,7 +19,7 @@ from prefect.logging import get_run_logger
 
 from specs import JobSpec
 from specs.plan import Plan
-from storage import JobPaths, ObjectStore
+from storage import JobPaths, open_store
 from tasks import progress
 from tasks.artifacts import TrainingProgress
 from tasks.credentials import environment, storage_environment
@@ -123,7 +123,7 @@ def launch_training(spec: JobSpec, plan: Plan, until_step: int | None = None,
     logger = get_run_logger()
     credentials = storage_environment(spec)
     with environment(credentials):
-        store = ObjectStore(spec.storage.url, dict(spec.storage.storage_options))
+        store = open_store(spec.storage)
         stop_key = JobPaths(spec.job_id).stop()
         store.delete(stop_key)  # a stop request belongs to the run it stopped
 

@@ -15,6 +15,7 @@ from tasks.artifacts import artifact_key
 from tasks.credentials import environment, storage_environment
 from tasks.profile import load_profile
 from tasks.records import ModelSummary
+from tasks.reshard import job_reshard_plan
 
 
 def executable_reasons(spec: JobSpec, plan: Plan) -> list[str]:
@@ -56,8 +57,6 @@ def cheapest_to_continue(spec: JobSpec, options: list[Plan], step: int,
                          read_bytes_per_s: float | None) -> tuple[Option, list[dict[str, object]]] | None:
     """Among executable options, the plan that finishes the remaining steps first counting the
     move of the newest checkpoint onto it; None when nothing is committed (nothing to move)."""
-    from trainer.checkpoint import job_reshard_plan
-
     moves = []
     for plan in options:
         reshard = job_reshard_plan(spec, plan)

@@ -115,7 +115,7 @@ def _describe_storage_error(error: BaseException) -> str:
 def check_storage(spec: JobSpec, timeout_s: float = PROBE_TIMEOUT_S) -> list[Problem]:
     """Storage every process of the job can share: a write, read and delete of a probe object
     under the job's folder; the node-local tier writable."""
-    from storage import JobPaths, ObjectStore
+    from storage import JobPaths, open_store
 
     url = spec.storage.url
     if _protocol(url) == "memory":
@@ -124,13 +124,11 @@ def check_storage(spec: JobSpec, timeout_s: float = PROBE_TIMEOUT_S) -> list[Pro
     missing = _backend_problem("storage.url", url)
     if missing:
         return [missing]
-    options = dict(spec.storage.storage_options)
-    if _protocol(url) in ("s3", "s3a"):
-        options.setdefault("config_kwargs", _S3_PROBE_CONFIG)
+    probing = {"config_kwargs": _S3_PROBE_CONFIG} if _protocol(url) in ("s3", "s3a") else None
     key = JobPaths(spec.job_id).job_key(f".preflight-{uuid.uuid4().hex}")
 
     def probe() -> None:
-        store = ObjectStore(url, options, max_tries=1)
+        store = open_store(spec.storage, max_tries=1, option_defaults=probing)
         store.put(key, b"parashift preflight")
         try:
             if store.get(key) != b"parashift preflight":

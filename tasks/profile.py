@@ -17,7 +17,7 @@ from planner.comm import CommModel, comm_model_from_timings
 from planner.measured import MeasuredProfile, profile_from_measurements
 from planner.profile import ModelProfile, profile_graph, share_cores
 from specs import JobSpec
-from storage import JobPaths, ObjectStore
+from storage import JobPaths, open_store
 from tasks.credentials import environment, storage_environment
 from tasks.records import ModelSummary
 from tasks.retry import retry_if_it_may_help
@@ -102,7 +102,7 @@ def measure_on_nodes(spec: JobSpec) -> dict:
     from tasks.nodes import node_launch
 
     with environment(storage_environment(spec)):
-        store = ObjectStore(spec.storage.url, dict(spec.storage.storage_options))
+        store = open_store(spec.storage)
         result, left = node_launch(spec, Plan.data_parallel(spec.resources.devices), None, store,
                                    measure_comm=True).run()
     timings = [e["timings"] for e in result.events if e["event"] == "comm_timings"]
@@ -115,8 +115,7 @@ def measure_on_nodes(spec: JobSpec) -> dict:
 def load_profile(spec: JobSpec, key: str) -> ModelProfile | MeasuredProfile:
     """The stored profile: an op graph's, or (a model without one) the measured one."""
     with environment(storage_environment(spec)):
-        store = ObjectStore(spec.storage.url, dict(spec.storage.storage_options))
-        stored = store.get_json(key)
+        stored = open_store(spec.storage).get_json(key)
     return ModelProfile.model_validate(stored) if "graph" in stored else MeasuredProfile.model_validate(stored)
 
 
@@ -127,7 +126,7 @@ def profile_model(spec: JobSpec) -> ModelSummary:
     key = JobPaths(spec.job_id).profile(profile_key(spec))
     params, per_token = exact_parameter_count(spec)
     with environment(storage_environment(spec)):
-        store = ObjectStore(spec.storage.url, dict(spec.storage.storage_options))
+        store = open_store(spec.storage)
         if store.exists(key):
             logger.info("reusing profile %s", store.url_for(key))
         else:

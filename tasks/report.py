@@ -10,7 +10,7 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.logging import get_run_logger
 
 from specs import JobSpec
-from storage import JobPaths, ObjectStore, StorageError
+from storage import JobPaths, StorageError, open_store
 from tasks.artifacts import artifact_key
 from tasks.credentials import environment, storage_environment
 from tasks.loss_plot import loss_curve_png
@@ -97,7 +97,7 @@ def publish_report(spec: JobSpec, model: ModelSummary, segments: list[SegmentRes
         stored = None
         try:
             with environment(storage_environment(spec)):
-                store = ObjectStore(spec.storage.url, dict(spec.storage.storage_options))
+                store = open_store(spec.storage)
                 store.put(key, png)
                 stored = store.url_for(key)
         except StorageError as error:  # the report must not fail a trained job

@@ -1,7 +1,10 @@
 """plan_reshard: before workers start on a plan, what they will read from the newest
-checkpoint (ReconfigPlan), published as a table artifact."""
+checkpoint (ReconfigPlan), published as a table artifact; `job_reshard_plan`, the same for
+the planner's options and the `reshard-plan` command."""
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 from prefect import task
 from prefect.artifacts import create_table_artifact
@@ -9,18 +12,36 @@ from prefect.logging import get_run_logger
 
 from specs import JobSpec
 from specs.plan import Plan
+from storage import job_store, node_tier
 from tasks.artifacts import artifact_key
 from tasks.credentials import environment, storage_environment
 from tasks.records import ReshardSummary
 from tasks.retry import retry_if_it_may_help
+
+if TYPE_CHECKING:
+    from ptc.reconfig import ReconfigPlan
+
+
+def job_reshard_plan(spec: JobSpec, plan: Plan) -> ReconfigPlan | None:
+    """What the job's workers under `plan` would read from its newest checkpoint, from
+    node-local tiers and from the store; None when nothing is committed yet. The job's Layout
+    comes from the trainer (a model on the meta device); the reads from its manifest alone
+    (`ptc.reshard_plan`: no process group, no torch.distributed runtime)."""
+    import torch
+
+    from ptc import reshard_plan
+    from trainer.layout import rng_state_bytes, state_layout
+
+    nodes = spec.resources.nodes
+    tier = node_tier(spec.storage.local_tier, "local") if nodes is None or spec.storage.local_tier else None
+    layout = state_layout(plan, spec.model, rng_state_bytes(torch.device(spec.resources.kind)))
+    return reshard_plan(job_store(spec), layout, tier=tier, nodes=nodes)
 
 
 @task(name="plan-reshard", retries=2, retry_delay_seconds=2, retry_condition_fn=retry_if_it_may_help)
 def plan_reshard(spec: JobSpec, plan: Plan) -> ReshardSummary | None:
     """Compute (without starting anything) each new rank's reads from the newest committed
     checkpoint; None when there is none. The workers then execute exactly these reads."""
-    from trainer.checkpoint import job_reshard_plan
-
     with environment(storage_environment(spec)):
         reconfig = job_reshard_plan(spec, plan)
     if reconfig is None:

@@ -11,7 +11,7 @@ import torch
 
 from specs import JobSpec
 from specs.plan import Plan
-from storage import CheckpointStore, ObjectStore
+from storage import CheckpointStore, job_store
 from trainer.checkpoint import load_tensors
 from trainer.launch import LaunchResult, descendants, kill_tree
 from trainer.warm_pool import WarmPool
@@ -36,7 +36,7 @@ def tiny_spec(name: str, storage_url: str, **sections: dict[str, Any]) -> JobSpe
 
 
 def checkpoint_store(spec: JobSpec) -> CheckpointStore:
-    return CheckpointStore(ObjectStore(spec.storage.url, dict(spec.storage.storage_options)), spec.job_id)
+    return job_store(spec)
 
 
 def final_state(spec: JobSpec, step: int | None = None) -> dict[str, torch.Tensor]:

@@ -13,7 +13,7 @@ from jobs import tiny_spec
 
 from models.gpt.model import GPT, GPTConfig
 from specs.plan import Plan
-from storage import CheckpointStore, ObjectStore
+from storage import job_store
 from trainer.checkpoint import (
     Checkpointer,
     CheckpointsUnusable,
@@ -35,7 +35,7 @@ class Job:
         self.spec = tiny_spec("trust", f"file://{root}", resources={"devices": 1, "kind": "cpu"})
         self.config = GPTConfig.of(self.spec.model)
         self.layout = state_layout(Plan.data_parallel(1), self.spec.model, rng_state_bytes(CPU))
-        self.store = CheckpointStore(ObjectStore(self.spec.storage.url), self.spec.job_id)
+        self.store = job_store(self.spec)
         self.root = root
 
     def fresh(self, seed: int = 0) -> tuple[GPT, LocalShardAdamW]:

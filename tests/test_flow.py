@@ -258,12 +258,12 @@ def test_auto_strategy_measures_on_real_workers_and_plans(prefect_server: None, 
     profile cached in storage, the planner's plan published as an artifact and executed."""
     from flows.train import train_job
     from planner.profile import ModelProfile
-    from storage import ObjectStore
+    from storage import open_store
 
     spec = tiny_spec("auto-plan", f"file://{tmp_path}/store", training={"steps": 4}, parallelism={"strategy": "auto"})
     summary = train_job(spec)
     assert summary.steps == 4
-    store = ObjectStore(spec.storage.url)
+    store = open_store(spec.storage)
     [key] = store.list("jobs/auto-plan/profile")
     profile = ModelProfile.model_validate(store.get_json(f"jobs/auto-plan/profile/{key.rsplit('/', 1)[-1]}"))
     assert profile.comm.measured and profile.device.measured

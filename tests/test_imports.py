@@ -165,3 +165,44 @@ def test_gpt_and_llama_workers_never_import_transformers() -> None:
             "print([m for m in sys.modules if m.split('.')[0] in ('transformers', 'safetensors')])")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+STORES = ("ObjectStore", "CheckpointStore")
+
+
+def stores_opened_by_hand(source: str) -> list[int]:
+    """Lines that build an ObjectStore or CheckpointStore from a storage section's fields
+    (`x.storage.url`, `x.storage_options`) instead of `storage.open_store` / `job_store`."""
+    lines = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.Call):
+            continue
+        name = node.func.id if isinstance(node.func, ast.Name) else getattr(node.func, "attr", None)
+        if name not in STORES:
+            continue
+        fields = [n for arg in [*node.args, *(k.value for k in node.keywords)] for n in ast.walk(arg)
+                  if isinstance(n, ast.Attribute)]
+        if any(f.attr == "storage_options" or (f.attr == "url" and getattr(f.value, "attr", None) == "storage")
+               for f in fields):
+            lines.append(node.lineno)
+    return lines
+
+
+def test_a_jobs_storage_is_opened_one_way() -> None:
+    """Outside storage/, a job's store comes from `storage.open_store(spec.storage)` or
+    `storage.job_store(spec)`, never from its URL and options spelled out again."""
+    found = {}
+    for folder in (*PACKAGES, "bench", "tests"):
+        for path in (ROOT / folder).rglob("*.py"):
+            if folder != "storage":
+                lines = stores_opened_by_hand(path.read_text())
+                if lines:
+                    found[str(path.relative_to(ROOT))] = lines
+    assert found == {}
+
+
+def test_a_store_opened_by_hand_is_seen() -> None:
+    assert stores_opened_by_hand(
+        "s = ObjectStore(spec.storage.url, dict(spec.storage.storage_options))\n"
+        "c = storage.CheckpointStore(ObjectStore(self.spec.storage.url), spec.job_id)\n"
+        "t = ObjectStore(tier_url)\n") == [1, 2, 2]

@@ -17,7 +17,7 @@ from test_elastic_events import LONG, wait_for
 
 def test_a_second_run_of_a_running_job_is_refused(prefect_server: None, tmp_path: Path, monkeypatch: Any) -> None:
     from flows.train import train_job
-    from storage import JobPaths, ObjectStore
+    from storage import JobPaths, open_store
     from tasks import progress
 
     monkeypatch.setenv("PARASHIFT_STOP_POLL_SECONDS", "0")
@@ -40,7 +40,7 @@ def test_a_second_run_of_a_running_job_is_refused(prefect_server: None, tmp_path
         assert "job exclusive is already running: run " in message and "holds its storage lease" in message
         assert "lease.json" in message and "s more unless renewed" in message
     finally:
-        store = ObjectStore(spec.storage.url)
+        store = open_store(spec.storage)
         store.put_json(JobPaths(spec.job_id).stop(), {"reason": "test over"})
         runner.join(timeout=300)
         progress.remove_listener(on_event)
@@ -56,9 +56,9 @@ def test_a_second_run_of_a_running_job_is_refused(prefect_server: None, tmp_path
 
 
 def checkpoints_of(spec: Any) -> Any:
-    from storage import CheckpointStore, ObjectStore
+    from storage import job_store
 
-    return CheckpointStore(ObjectStore(spec.storage.url), spec.job_id)
+    return job_store(spec)
 
 
 def test_the_prefect_slot_refuses_and_a_dead_runs_slot_is_freed(prefect_server: None) -> None:
@@ -90,10 +90,10 @@ def test_a_run_on_another_server_holding_the_storage_lease_refuses_this_one(pref
     """The Prefect slot here is free (the other run's server is another one): storage refuses,
     at once, in one line that names the holder; nothing is written."""
     from flows.train import train_job
-    from storage import JobLease, ObjectStore
+    from storage import JobLease, open_store
 
     spec = tiny_spec("elsewhere", f"file://{tmp_path}/store")
-    elsewhere = JobLease(ObjectStore(spec.storage.url), spec.job_id)
+    elsewhere = JobLease(open_store(spec.storage), spec.job_id)
     elsewhere.acquire()
     state = train_job(spec, return_state=True)
     assert state.is_failed()

@@ -63,7 +63,7 @@ def test_the_job_sets_the_variable_the_template_places_pods_by(monkeypatch: pyte
     from jobs import tiny_spec
 
     from specs.plan import Plan
-    from storage import ObjectStore
+    from storage import open_store
     from tasks.nodes import node_launch
 
     asked: list[dict[str, Any]] = []
@@ -77,7 +77,7 @@ def test_the_job_sets_the_variable_the_template_places_pods_by(monkeypatch: pyte
 
     monkeypatch.setattr(prefect.deployments, "run_deployment", run_deployment)
     spec = tiny_spec("k8s", f"file://{tmp_path}/store", resources={"devices": 4, "nodes": ["gpu-a", "gpu-b"]})
-    launch = node_launch(spec, Plan.data_parallel(4), None, ObjectStore(spec.storage.url))
+    launch = node_launch(spec, Plan.data_parallel(4), None, open_store(spec.storage))
     for node in ("gpu-a", "gpu-b"):
         launch._start(node, launch.launch_id)
     assert [(a["work_queue_name"], a["job_variables"]) for a in asked] == [

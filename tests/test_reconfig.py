@@ -248,3 +248,47 @@ def test_a_wrong_manifest_never_loads(saved, tmp_path_factory, data: st.DataObje
     if how in ("transpose", "dtype", "rename", "drop", "extra"):  # which tensor
         assert any(name.split("/")[-1] in line or "ghost" in line for line in seen), seen
     assert all("\n" not in line for line in seen), "one line per refusal"
+
+
+# Computes a ReconfigPlan from the format-2 fixture's manifest file (argv[1]: the store's root)
+# onto a Layout built by hand, and reports what was loaded meanwhile.
+PLAN_WITHOUT_THE_RUNTIME = """
+import json, sys
+from pathlib import Path
+import ptc
+from ptc.layout import TensorPlacement
+from storage import CheckpointStore, ObjectStore, decode_manifest
+
+root = sys.argv[1]
+layout = ptc.mesh_layout({"tp": 2}, {
+    "model/w": TensorPlacement((4, 6), "float32", tp_dim=0),
+    "model/b": TensorPlacement((6,), "float32"),
+    **{f"rng/rank{r:05d}/cpu": TensorPlacement((8,), "uint8", rank=r) for r in range(2)},
+})
+store = CheckpointStore(ObjectStore(root), "format2")
+newest = ptc.reshard_plan(store, layout)
+manifest = decode_manifest(Path(root, "jobs/format2/ckpt/00000004/manifest.json").read_bytes())
+given = ptc.reshard_plan(store, layout, manifest=manifest)
+print(json.dumps({"step": newest.step, "totals": newest.totals(), "same": given.summary() == newest.summary(),
+                  "loaded": sorted(m for m in sys.modules if m.split(".")[0] in ("trainer", "tasks", "flows"))}))
+"""
+
+
+def test_a_reshard_plan_needs_no_distributed_runtime(tmp_path) -> None:
+    """`ptc.reshard_plan` goes from a manifest file and a Layout to a ReconfigPlan with none of
+    parashift's torch.distributed modules loaded (trainer.checkpoint, .parallel, .mesh, .worker;
+    nothing of trainer/ at all). `import torch` itself loads torch.distributed in torch 2.13,
+    so that module cannot be the test."""
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    shutil.copytree(root / "tests/fixtures/format2/jobs", tmp_path / "jobs")
+    done = subprocess.run([sys.executable, "-c", PLAN_WITHOUT_THE_RUNTIME, str(tmp_path)], cwd=root,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    shown = json.loads(done.stdout.strip().splitlines()[-1])
+    assert shown["loaded"] == [] and shown["same"] and shown["step"] == 4
+    assert shown["totals"]["bytes_needed"] == shown["totals"]["bytes_read"] == 4 * 24 + 2 * 4 * 6 + 2 * 8

@@ -1,4 +1,5 @@
-"""Contract tests for storage/: the same suite on file://, memory:// and a local S3 (moto server).
+"""Contract tests for storage/: the same suite on both backends, local files (file://) and
+fsspec (memory://, and s3:// on a local S3: moto's server).
 
 Malformed manifests: `committed_steps`/`latest` skip them (with a warning; the step counts as
 uncommitted) and `load_manifest` on that step raises MalformedManifest, a StorageError.
@@ -34,24 +35,27 @@ from storage import (
     job_key,
     translate_error,
 )
+from storage.backends import Backend, FsspecObjects, LocalFiles, MemoryObjects, S3Objects
 
-BACKENDS = ["file", "memory", "s3"]
+# Each URL scheme of the suite, and the backend implementation that serves it.
+BACKENDS = {"file": LocalFiles, "memory": MemoryObjects, "s3": S3Objects}
 
 
-@pytest.fixture(params=BACKENDS)
+@pytest.fixture(params=list(BACKENDS))
 def store(request: pytest.FixtureRequest, tmp_path) -> Iterator[ObjectStore]:
     """A fresh, empty ObjectStore on each backend."""
     if request.param == "file":
-        yield ObjectStore(f"file://{tmp_path}/store")
+        s = ObjectStore(f"file://{tmp_path}/store")
     elif request.param == "memory":
         s = ObjectStore(f"memory://parashift-test-{uuid.uuid4().hex[:12]}")
-        yield s
-        if s.fs.exists(s._root):  # the memory filesystem is process-global
-            s.fs.rm(s._root, recursive=True)
     else:
         endpoint = request.getfixturevalue("s3_endpoint")
         bucket = request.getfixturevalue("s3_bucket")
-        yield ObjectStore(f"s3://{bucket}/root", {"endpoint_url": endpoint})
+        s = ObjectStore(f"s3://{bucket}/root", {"endpoint_url": endpoint})
+    assert type(s.backend) is BACKENDS[request.param]
+    yield s
+    if request.param == "memory" and s.fs.exists(s._root):  # the memory filesystem is process-global
+        s.fs.rm(s._root, recursive=True)
 
 
 def _twin(store: ObjectStore) -> ObjectStore:
@@ -99,6 +103,36 @@ def test_get_ranges(store: ObjectStore) -> None:
     assert out == [b"cd", b"012", b"789", b"j"]
     assert store.stats.get_requests - gets == 4
     assert store.get_ranges([]) == []
+
+
+def test_read_into(store: ObjectStore) -> None:
+    """Buffers that tile each request are filled in order; `then(i)` hears each request once."""
+    store.put("a", bytes(range(100)))
+    store.put("b/c", bytes(range(50, 150)))
+    buffers = [[memoryview(bytearray(3)), memoryview(bytearray(5))], [memoryview(bytearray(10))],
+               [memoryview(bytearray(0)), memoryview(bytearray(1))]]
+    done: list[int] = []
+    gets, read = store.stats.get_requests, store.stats.bytes_read
+    store.read_into([("a", 10, buffers[0]), ("b/c", 0, buffers[1]), ("a", 99, buffers[2])], then=done.append)
+    assert [b"".join(bytes(b) for b in out) for out in buffers] == [bytes(range(10, 18)), bytes(range(50, 60)), bytes([99])]
+    assert sorted(done) == [0, 1, 2]
+    assert store.stats.get_requests - gets == 3 and store.stats.bytes_read - read == 19
+    with pytest.raises(StorageError):  # the object ends first
+        store.read_into([("a", 95, [memoryview(bytearray(10))])])
+    with pytest.raises(ObjectNotFound):
+        store.read_into([("no/such", 0, [memoryview(bytearray(1))])])
+    store.read_into([])
+
+
+def test_each_backend_implements_the_protocol(tmp_path) -> None:
+    """Local files for file:// and plain paths, fsspec for the rest; every primitive there."""
+    primitives = [name for name in vars(Backend) if not name.startswith("_")] + list(Backend.__annotations__)
+    for url, kind in [(f"file://{tmp_path}", LocalFiles), (str(tmp_path), LocalFiles),
+                      ("memory://protocol-test", MemoryObjects)]:
+        backend = ObjectStore(url).backend
+        assert type(backend) is kind
+        assert [name for name in primitives if not hasattr(backend, name)] == []
+    assert issubclass(S3Objects, FsspecObjects) and issubclass(MemoryObjects, FsspecObjects)
 
 
 def test_put_overwrites(store: ObjectStore) -> None:

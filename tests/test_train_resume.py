@@ -12,7 +12,7 @@ import pytest
 from jobs import assert_bitwise_equal, checkpoint_store, final_state, kill_tree, tiny_spec
 
 from specs.plan import Plan
-from storage import JobPaths, ObjectStore
+from storage import JobPaths, open_store
 from trainer.launch import LaunchResult, launch_workers
 
 pytestmark = pytest.mark.slow
@@ -47,7 +47,7 @@ def test_uninterrupted_run_learns_and_commits(reference) -> None:
 def test_stop_request_then_resume_is_bitwise_equal(reference, tmp_path: Path) -> None:
     _, _, expected = reference
     spec = tiny_spec("stopped", f"file://{tmp_path}/store")
-    store = ObjectStore(spec.storage.url)
+    store = open_store(spec.storage)
 
     def stop_after_step_5(event: dict[str, Any]) -> None:
         if event["event"] == "step" and event["step"] == 5:

@@ -28,7 +28,6 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from math import prod
 from typing import Any
 
 import torch
@@ -38,14 +37,20 @@ from torch.distributed.tensor import DTensor
 
 from ptc import Layout, Slice
 from ptc.chunks import chunk_rows, row_bytes, storage_order
-from ptc.codec import tensor_bytes, torch_dtype
+from ptc.codec import tensor_bytes
 from ptc.dtensor import local_data
-from ptc.reconfig import LOCAL, Assembly, RankReads, ReconfigPlan, StoredBox, rank_reads, reconfig_plan
+from ptc.reconfig import LOCAL, Assembly, RankReads
+from ptc.reshard import (
+    REFUSALS,
+    check_matches,
+    check_usable,
+    node_objects,
+    reads_for,
+    reshard_plan,
+    stored_boxes,
+)
 from ptc.transpose import copy_across_transpose
-from specs import JobSpec
-from specs.plan import Plan
 from storage import (
-    CheckpointNotFound,
     CheckpointStore,
     LeaseToken,
     Manifest,
@@ -60,6 +65,7 @@ from storage import (
     TierUnusable,
     TransientStorageError,
     holding_object_name,
+    node_tier,
 )
 from trainer.optim import LocalShardAdamW
 
@@ -418,36 +424,6 @@ class Restored:
     manifest: Manifest | None = None
 
 
-def stored_boxes(manifest: Manifest) -> tuple[dict[str, list[StoredBox]], dict[str, str]]:
-    """The manifest's slices as ptc sees them, and every tensor's dtype. A slice outside its
-    tensor, or whose bytes do not match its box, is refused (ValueError) before anything is
-    read or allocated."""
-    boxes: dict[str, list[StoredBox]] = {}
-    for name, t in manifest.tensors.items():
-        itemsize = torch_dtype(t.dtype).itemsize
-        boxes[name] = []
-        for s in t.slices:
-            box = Slice(tuple(s.offsets), tuple(s.lengths))
-            inside = len(box.offsets) == len(t.shape) and all(
-                o >= 0 and n > 0 and o + n <= size for o, n, size in zip(box.offsets, box.lengths, t.shape, strict=True))
-            if not inside or s.nbytes != box.numel * itemsize:
-                raise ValueError(f"checkpoint at step {manifest.step}: a slice of {name} ({s.offsets}+{s.lengths}, "
-                                 f"{s.nbytes} bytes) does not fit a {t.dtype}{t.shape} tensor")
-            per_row = row_bytes(box, tuple(s.dim_order), itemsize)
-            if any(n % per_row for n, _ in s.chunks):
-                raise ValueError(f"checkpoint at step {manifest.step}: chunks of {name} are not whole rows")
-            boxes[name].append(StoredBox(name, box, tuple(s.dim_order), s.object, s.byte_offset,
-                                         tuple((int(n), int(c)) for n, c in s.chunks),
-                                         tuple((str(o), int(at)) for o, at in s.copies)))
-    return boxes, {name: t.dtype for name, t in manifest.tensors.items()}
-
-
-def node_tier(local_tier: str | None, node: str) -> ObjectStore | None:
-    """This node's local tier: the spec's folder, with `{node}` (if present) replaced by the
-    node's name (nodes that share a filesystem keep apart that way)."""
-    return ObjectStore(local_tier.replace("{node}", node)) if local_tier else None
-
-
 def restore_totals(reads: RankReads | None, group: Group = None) -> dict[str, int]:
     """Bytes every rank of the job needed and read for its restore, and where the reads came
     from (`local`: the reader's node-local tier; `store`: object storage), summed over ranks."""
@@ -457,19 +433,6 @@ def restore_totals(reads: RankReads | None, group: Group = None) -> dict[str, in
         dist.all_reduce(totals, group=group)
     needed, read, local = (int(x) for x in totals.tolist())
     return {"needed": needed, "read": read, "local": local, "store": read - local}
-
-
-def node_objects(tier: ObjectStore | None, store: CheckpointStore, step: int) -> frozenset[str]:
-    """The objects of `step` this node's tier holds."""
-    if tier is None:
-        return frozenset()
-    folder = store.paths.ckpt_dir(step)
-    return frozenset(key[len(folder) + 1 :] for key in tier.list(folder))
-
-
-def reads_for(manifest: Manifest, wanted: dict[str, Slice], rank: int, local: frozenset[str] = frozenset()) -> RankReads:
-    boxes, dtypes = stored_boxes(manifest)
-    return rank_reads(boxes, dtypes, wanted, rank, local)
 
 
 def execute_reads(store: CheckpointStore, step: int, reads: RankReads, tier: ObjectStore | None = None,
@@ -486,134 +449,6 @@ def load_tensors(store: CheckpointStore, manifest: Manifest, names: list[str]) -
     """Whole global tensors `names` from a committed checkpoint, checksums verified."""
     wanted = {name: Slice.whole(tuple(manifest.tensors[name].shape)) for name in names}
     return execute_reads(store, manifest.step, reads_for(manifest, wanted, 0))
-
-
-def reshard_plan(store: CheckpointStore, layout: Layout, manifest: Manifest | None = None,
-                 tier: ObjectStore | None = None, nodes: list[str] | None = None) -> ReconfigPlan | None:
-    """What every rank of `layout` would read from the newest checkpoint the workers would
-    restore (or the given one): computed from the manifests alone, before any process starts.
-    None when nothing usable is committed.
-
-    A checkpoint the workers would refuse before reading it (`check_usable`: its manifest's
-    digest or schema, another shape or dtype than the job's, slices that do not fit, objects
-    outside the store, reads that do not cover a rank's boxes) is skipped for an older one,
-    with one WARNING line, as `restore_latest` skips it: the plan and the workers agree.
-
-    Where each read comes from: on one node (`nodes` None), the objects `tier` holds. Across
-    `nodes` (node-major ranks, `trainer.launch.NodeRendezvous`) with tiers (`tier` not None:
-    any node's, only its presence counts), the objects the manifest says were written on the
-    reader's node, which that node's tier keeps (one that lost them is read around at restore
-    time, from object storage)."""
-    if manifest is not None:
-        return _reshard_plan(store, layout, manifest, tier, nodes)
-    for step in reversed(store.manifest_steps()):
-        try:
-            found = store.load_manifest(step)
-            check_usable(found, layout, store)
-            return _reshard_plan(store, layout, found, tier, nodes)
-        except CheckpointNotFound:
-            continue  # pruned since the listing
-        except TransientStorageError:
-            raise
-        except _REFUSALS as error:
-            _say_once(store, step, str(error) or type(error).__name__)
-    return None
-
-
-def _reshard_plan(store: CheckpointStore, layout: Layout, manifest: Manifest, tier: ObjectStore | None,
-                  nodes: list[str] | None) -> ReconfigPlan:
-    boxes, dtypes = stored_boxes(manifest)
-    world = layout.world_size
-    if nodes is None:
-        local = node_objects(tier, store, manifest.step)
-        return reconfig_plan(manifest.step, boxes, dtypes, layout, {r: local for r in range(world)})
-    written = manifest.metadata.get("nodes")
-    on_node: dict[str, set[str]] = {}
-    if tier is not None and isinstance(written, list):
-        for old_rank, node in enumerate(written):
-            on_node.setdefault(str(node), set()).add(holding_object_name(old_rank))
-    per_node = max(1, world // len(nodes))
-    local_objects = {r: frozenset(on_node.get(nodes[min(r // per_node, len(nodes) - 1)], ())) for r in range(world)}
-    return reconfig_plan(manifest.step, boxes, dtypes, layout, local_objects)
-
-
-# (job's store, step, reason) already said by this process's planning: one line per refusal,
-# however often a flow plans (each option of the planner, then the reshard summary).
-_said: set[tuple[str, int, str]] = set()
-
-
-def _say_once(store: CheckpointStore, step: int, reason: str) -> None:
-    if (repr(store), step, reason) not in _said:
-        _said.add((repr(store), step, reason))
-        log.warning("planning skips the checkpoint at step %d of %s (the workers would refuse it): %s",
-                    step, store.job_id, reason)
-
-
-def job_reshard_plan(spec: JobSpec, plan: Plan) -> ReconfigPlan | None:
-    """What the job's workers under `plan` would read from its newest checkpoint, from
-    node-local tiers and from the store; None when nothing is committed yet."""
-    from trainer.layout import rng_state_bytes, state_layout
-
-    store = CheckpointStore(ObjectStore(spec.storage.url, dict(spec.storage.storage_options)), spec.job_id)
-    nodes = spec.resources.nodes
-    tier = node_tier(spec.storage.local_tier, "local") if nodes is None or spec.storage.local_tier else None
-    layout = state_layout(plan, spec.model, rng_state_bytes(torch.device(spec.resources.kind)))
-    return reshard_plan(store, layout, tier=tier, nodes=nodes)
-
-
-def check_matches(manifest: Manifest, layout: Layout) -> None:
-    """Refuse (ValueError) a checkpoint that is not of this job's state: every parameter and
-    optimizer tensor of the layout present with the same global shape and dtype, nothing else
-    but RNG states (other rank counts have other ones)."""
-    step = manifest.step
-    trained = {n: t for n, t in layout.tensors.items() if not n.startswith("rng/")}
-    missing = sorted(set(trained) - set(manifest.tensors))
-    if missing:
-        raise ValueError(f"checkpoint at step {step} lacks {len(missing)} tensors of this job, e.g. {missing[:3]}")
-    foreign = sorted(n for n in manifest.tensors if n not in trained and not n.startswith("rng/"))
-    if foreign:
-        raise ValueError(f"checkpoint at step {step} holds {len(foreign)} tensors this job does not have, e.g. {foreign[:3]}")
-    for name, mine in sorted(trained.items()):
-        stored = manifest.tensors[name]
-        if tuple(stored.shape) != mine.shape or stored.dtype != mine.dtype:
-            raise ValueError(f"checkpoint at step {step}: {name} is {stored.dtype}{stored.shape}, "
-                             f"this job's is {mine.dtype}{list(mine.shape)}")
-
-
-def check_usable(manifest: Manifest, layout: Layout, store: CheckpointStore | None = None) -> None:
-    """Refuse (ValueError or StorageError, one line) a checkpoint that cannot be restored into
-    `layout`, from its manifest alone: the one rule a restore (`restore_latest`) and the
-    planning before a launch (`reshard_plan`) share, so they always choose the same checkpoint.
-
-    Refused: another job's state (`check_matches`); a tensor both hold (RNG states included)
-    with another shape or dtype; one the layout does not hold (another rank count's RNG
-    state) larger than the layout's largest tensor; slices outside their tensor or not
-    matching their bytes (`stored_boxes`); an object whose slices do not add up to its size;
-    with `store`, an object that resolves outside the store (a symbolic link). The manifest's
-    digest and schema were checked when it was parsed."""
-    check_matches(manifest, layout)
-    step = manifest.step
-    largest = max((prod(t.shape) * t.itemsize for t in layout.tensors.values()), default=0)
-    for name, stored in manifest.tensors.items():
-        mine = layout.tensors.get(name)
-        if mine is not None and (tuple(stored.shape) != mine.shape or stored.dtype != mine.dtype):
-            raise ValueError(f"checkpoint at step {step}: {name} is {stored.dtype}{stored.shape}, "
-                             f"this job's is {mine.dtype}{list(mine.shape)}")
-        nbytes = prod(stored.shape) * torch_dtype(stored.dtype).itemsize
-        if mine is None and nbytes > largest:
-            raise ValueError(f"checkpoint at step {step}: {name} is {stored.dtype}{stored.shape}, {nbytes:,} bytes: "
-                             f"larger than any tensor of this job ({largest:,} bytes)")
-    stored_boxes(manifest)
-    filled = dict.fromkeys(manifest.objects, 0)
-    for record in manifest.all_slices():
-        filled[record.object] += record.nbytes
-    for key, obj in manifest.objects.items():
-        if filled[key] != obj.nbytes:
-            raise ValueError(f"checkpoint at step {step}: object {key} is recorded as {obj.nbytes:,} bytes, "
-                             f"its slices hold {filled[key]:,}")
-    if store is not None and store.store.is_local:  # what a read would refuse (no I/O elsewhere)
-        for key in manifest.objects:
-            store.store._path(store.paths.ckpt_object(step, key))
 
 
 def _broadcast(value: Any, group: Group) -> Any:
@@ -655,11 +490,6 @@ class CheckpointsUnusable(RuntimeError):
 # A rank's verdict on one checkpoint; the ranks act on the lowest.
 _UNREACHABLE, _REFUSED, _RESTORED = 0, 1, 2
 _BY_ANOTHER = "refused by another rank"
-
-# What a restore refuses a checkpoint for (it is then skipped for an older one). A manifest
-# comes from storage, so any of these may follow from one written wrongly or tampered with.
-_REFUSALS = (StorageError, ValueError, KeyError, IndexError, TypeError, OverflowError, RuntimeError)
-
 
 def restore_latest(store: CheckpointStore, layout: Layout, rank: int, group: Group = None,
                    tier: ObjectStore | None = None,
@@ -716,7 +546,7 @@ def restore_latest(store: CheckpointStore, layout: Layout, rank: int, group: Gro
                 verdict = _RESTORED
             except TransientStorageError as error:
                 verdict, reason = _UNREACHABLE, str(error)
-            except _REFUSALS as error:
+            except REFUSALS as error:
                 verdict, reason = _REFUSED, str(error) or type(error).__name__
         verdict = _agree(verdict, group)
         if verdict == _RESTORED:
@@ -799,11 +629,14 @@ __all__ = [
     "SaveReport",
     "apply_state",
     "build_manifest",
+    "check_matches",
     "check_usable",
     "collect_state",
     "execute_reads",
-    "job_reshard_plan",
     "load_tensors",
+    "node_objects",
+    "node_tier",
+    "reads_for",
     "reshard_plan",
     "restore_destinations",
     "restore_latest",

@@ -19,7 +19,7 @@ from safetensors.torch import save as safetensors_bytes
 from models import family_of
 from ptc.codec import torch_dtype
 from specs import JobSpec
-from storage import CheckpointStore, ObjectStore
+from storage import ObjectStore, job_store
 from trainer.checkpoint import load_tensors
 
 # transformers' default shard size for save_pretrained ("5GB").
@@ -55,7 +55,7 @@ def export_hf(spec: JobSpec, to: str, step: int | None = None, max_shard_bytes: 
     adapter = family.hf_adapter()
     if adapter is None:
         raise ValueError(f"the {family.name} family has no Hugging Face adapter")
-    store = CheckpointStore(ObjectStore(spec.storage.url, dict(spec.storage.storage_options)), spec.job_id)
+    store = job_store(spec)
     manifest = store.latest() if step is None else store.load_manifest(step)
     if manifest is None:
         raise FileNotFoundError(f"{spec.job_id} has no committed checkpoint to export")

@@ -33,7 +33,7 @@ from ptc import Slice
 from ptc.reconfig import LOCAL, RankReads
 from specs import JobSpec
 from specs.plan import Plan
-from storage import CheckpointStore, JobPaths, ObjectStore
+from storage import JobPaths, job_store
 from trainer import metrics
 from trainer.checkpoint import (
     Checkpointer,
@@ -193,8 +193,8 @@ def main(argv: list[str] | None = None) -> int:
     # Checkpoint coordination gets its own gloo group: saves talk from a background thread
     # while training uses the default group, and CPU collectives work there on any device.
     ckpt_group = dist.new_group(backend="gloo") if world_size > 1 else None  # None: nobody to talk to
-    store = ObjectStore(spec.storage.url, dict(spec.storage.storage_options))
-    checkpoints = CheckpointStore(store, spec.job_id)
+    checkpoints = job_store(spec)
+    store = checkpoints.store
     node = os.environ.get("PARASHIFT_NODE", "local")  # set by a launcher of a job across nodes
     tier = node_tier(spec.storage.local_tier, node)
     ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))

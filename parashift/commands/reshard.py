@@ -28,7 +28,7 @@ def reshard_plan(
     new rank needs and reads, its ranged requests, and what this node's tier serves."""
     from parashift.commands.spec import load_spec_or_exit
     from specs.plan import Plan
-    from trainer.checkpoint import job_reshard_plan
+    from tasks.reshard import job_reshard_plan
     from trainer.mesh import job_plan_refusals
 
     spec = load_spec_or_exit(spec_file)

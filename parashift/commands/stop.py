@@ -15,10 +15,10 @@ def stop(
     reason: str = typer.Option("manual", help="recorded in the stop request"),
 ) -> None:
     """Write the job's stop request; its workers checkpoint and exit within a few seconds."""
-    from storage import JobPaths, ObjectStore
+    from storage import JobPaths, open_store
 
     spec = load_spec_or_exit(spec_file)
-    store = ObjectStore(spec.storage.url, dict(spec.storage.storage_options))
+    store = open_store(spec.storage)
     key = JobPaths(spec.job_id).stop()
     store.put_json(key, {"reason": reason, "requested_at": datetime.now(UTC).isoformat()})
     typer.echo(f"stop requested: {store.url_for(key)}")
