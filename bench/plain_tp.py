@@ -21,6 +21,7 @@ from torch import nn
 from specs import JobSpec
 from trainer import metrics
 from trainer.data import load_tokens
+from trainer.events import StepEvent
 from trainer.model import GPT, GPTConfig
 
 
@@ -124,7 +125,7 @@ def main() -> None:
         elapsed = time.perf_counter() - started
         if rank == 0:
             tokens_per_step = batch_size * m.seq_len
-            metrics.emit("step", step=step, loss=loss.item(), step_s=elapsed, tokens_per_s=tokens_per_step / elapsed)
+            metrics.emit(StepEvent(step=step, loss=loss.item(), step_s=elapsed, tokens_per_s=tokens_per_step / elapsed))
     dist.destroy_process_group()
 
 

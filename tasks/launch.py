@@ -11,7 +11,6 @@ import statistics
 import threading
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
-from typing import Any
 
 from prefect import task
 from prefect.cache_policies import NO_CACHE
@@ -27,6 +26,7 @@ from tasks.events import ResourceEvent, ResourceWatcher
 from tasks.nodes import node_launch
 from tasks.records import Outcome, SegmentResult
 from tasks.worker_log import present
+from trainer.events import StartEvent, StepEvent, WorkerEvent
 from trainer.launch import LaunchResult, RunningWorkers, launch_workers
 
 # torchrun's summary of a failed worker: "rank : 1 (local_rank: 1)" and "exitcode : -9 (pid: 123)"
@@ -141,11 +141,11 @@ def launch_training(spec: JobSpec, plan: Plan, until_step: int | None = None,
                        change.reason, change.epoch, plan.devices, change.describe())
         stop(f"rescale to {change.describe()} ({change.reason})")
 
-    def on_event(event: dict[str, Any]) -> None:
-        progress.publish({**event, "total_steps": spec.training.steps})
-        if progress_bar is not None and event["event"] in ("step", "start"):
+    def on_event(event: WorkerEvent) -> None:
+        progress.publish(event)
+        if progress_bar is not None and isinstance(event, StepEvent | StartEvent):
             try:
-                progress_bar.update(event["step"])
+                progress_bar.update(event.step)
             except Exception as error:  # noqa: BLE001 - a progress display never stops training
                 logger.debug("progress artifact not updated: %s", error)
 
@@ -184,22 +184,22 @@ def launch_training(spec: JobSpec, plan: Plan, until_step: int | None = None,
             _stoppers.discard(stop)
         if resources is not None:
             resources.on_change = None
-    starts = [e for e in result.events if e["event"] == "start"]
-    start = starts[-1] if starts else {}
-    committed = [e for e in result.checkpoints if e.get("url")]
+    start = result.start
+    start_step = start.step if start is not None else 0
+    committed = [(e.step, e.url) for e in result.checkpoints if e.url]
     outcome: Outcome
     reason = None
     # torchrun exits non-zero when it was signalled itself, even though its workers stopped
     # cleanly at a committed step: a "stopped" event is what counts.
-    fatal = [e for e in result.events if e["event"] == "fatal"]
-    if fatal:
-        outcome, reason = "fatal", fatal[-1]["message"]
-        final_step = start.get("step", 0)
+    fatal = result.fatal
+    if fatal is not None:
+        outcome, reason = "fatal", fatal.message
+        final_step = start_step
         logger.error("%s", reason)
     elif left or result.final_step is None or (result.returncode != 0 and not result.stopped):
         outcome = "failed"
         reason = f"node{'s' if len(left) > 1 else ''} {', '.join(left)} left" if left else failure_reason(result, lines)
-        final_step = committed[-1]["step"] if committed else start.get("step", 0)
+        final_step = committed[-1][0] if committed else start_step
         logger.error("workers failed: %s; the last committed step is %d", reason, final_step)
     else:
         final_step = result.final_step
@@ -208,24 +208,24 @@ def launch_training(spec: JobSpec, plan: Plan, until_step: int | None = None,
             outcome, reason = "rescaled", f"{change.reason}: {plan.devices} devices -> {change.describe()}"
         else:
             outcome = "stopped" if result.stopped else "finished"
-    rates = [e["tokens_per_s"] for e in result.steps[1:]]  # the first step pays for warm-up
-    reads = [e for e in result.events if e["event"] == "restoring"]
+    rates = [e.tokens_per_s for e in result.steps[1:]]  # the first step pays for warm-up
+    read = result.restoring
     restore_rate = None
-    if reads and start.get("restore_s") and reads[-1]["bytes_read"] > 0:
-        restore_rate = reads[-1]["bytes_read"] * start["world_size"] / start["restore_s"]
+    if read is not None and start is not None and start.restore_s and read.bytes_read > 0:
+        restore_rate = read.bytes_read * start.world_size / start.restore_s
     return SegmentResult(
         devices=plan.devices,
-        start_step=start.get("step", 0),
+        start_step=start_step,
         final_step=final_step,
         outcome=outcome,
         reason=reason,
-        losses=[(e["step"], e["loss"]) for e in result.steps],
+        losses=[(e.step, e.loss) for e in result.steps],
         tokens_per_s=statistics.median(rates) if rates else None,
-        checkpoint_urls=[e["url"] for e in committed],
-        resumed_from_url=start.get("checkpoint_url"),
-        resumed_loss=start.get("checkpoint_loss"),
+        checkpoint_urls=[url for _, url in committed],
+        resumed_from_url=start.checkpoint_url if start else None,
+        resumed_loss=start.checkpoint_loss if start else None,
         restore_bytes_per_s=restore_rate,
-        restore_bytes=start.get("restore_bytes"),
+        restore_bytes=start.restore_bytes if start else None,
         nodes=nodes,
         left_nodes=left,
     )
