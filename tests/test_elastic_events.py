@@ -122,7 +122,7 @@ def test_events_are_ordered_by_epoch_and_scoped_to_their_job(prefect_server: Non
                               capture_output=True, text=True, timeout=120)
         assert done.returncode == 0, done.stderr
         wait_for(lambda: watcher.latest is not None and watcher.latest.devices == 3, "the CLI's event")
-        emit_resource_change("watched", ResourceEvent(devices=5, epoch=10, reason="late"))
+        emit_resource_change("watched", ResourceEvent(devices=5, epoch=10, reason="manual"))  # late: a lower epoch
         emit_resource_change("other-job", ResourceEvent(devices=7, epoch=99))
         wait_for(lambda: len(watcher.ignored) >= 1, "the late event to arrive")
         assert watcher.latest == ResourceEvent(devices=3, epoch=20, reason="scale")
@@ -156,7 +156,7 @@ def test_events_rescale_a_running_job_and_losses_match_a_static_run(prefect_serv
             emit_resource_change(spec.job_id, ResourceEvent(devices=3, epoch=10))
         elif len(sent) == 1:
             sent.append(event.step)
-            emit_resource_change(spec.job_id, ResourceEvent(devices=2, epoch=5, reason="stale"))  # older: ignored
+            emit_resource_change(spec.job_id, ResourceEvent(devices=2, epoch=5, reason="manual"))  # older: ignored
             emit_resource_change("some-other-job", ResourceEvent(devices=2, epoch=50))
             emit_resource_change(spec.job_id, ResourceEvent(devices=1, epoch=20))
 
