@@ -160,7 +160,7 @@ def measure(plan: Plan, spec: JobSpec, name: str) -> tuple[float, float | None]:
         raise RuntimeError(f"plan {name} failed with {result.returncode}")
     wall, now = time.perf_counter() - start, _busy_cpu_s()
     others = None if busy is None or now is None else max(0.0, (now - busy) - (_children_cpu_s() - ours)) / wall
-    return statistics.median(e["step_s"] for e in result.steps[WARMUP_STEPS:]), others
+    return statistics.median(e.step_s for e in result.steps[WARMUP_STEPS:]), others
 
 
 def main() -> None:

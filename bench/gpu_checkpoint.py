@@ -128,10 +128,10 @@ def two_ranks_resume(spec: JobSpec, device: str) -> dict:
     env = {"PARASHIFT_DIST_BACKEND": "gloo"} if device == "cuda" else None
     first = launch_workers(job, Plan.data_parallel(2), until_step=4, extra_env=env)
     second = launch_workers(job, Plan.data_parallel(2), extra_env=env)
-    start = next((e for e in second.events if e["event"] == "start"), {})
-    return {"first_rc": first.returncode, "second_rc": second.returncode, "resumed_at": start.get("step"),
+    resumed_at = second.start.step if second.start is not None else None
+    return {"first_rc": first.returncode, "second_rc": second.returncode, "resumed_at": resumed_at,
             "final_step": second.final_step, "ok": first.returncode == 0 and second.returncode == 0
-            and start.get("step") == 4 and second.final_step == 8}
+            and resumed_at == 4 and second.final_step == 8}
 
 
 def main() -> None:

@@ -81,7 +81,7 @@ def main() -> None:
         result = launch_workers(spec, Plan.data_parallel(1), on_line=lambda line: print(line, flush=True))
         if result.returncode != 0:
             raise SystemExit(f"trainer failed with {result.returncode}")
-        trainer_rates = [e["tokens_per_s"] for e in result.steps][WARMUP_STEPS:]
+        trainer_rates = [e.tokens_per_s for e in result.steps][WARMUP_STEPS:]
         plain_rates = plain_loop(spec, args.device)
     m = spec.model
     config = GPTConfig.of(m)

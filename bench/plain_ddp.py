@@ -23,6 +23,7 @@ from models import family_of
 from specs import JobSpec
 from trainer import metrics
 from trainer.data import load_tokens
+from trainer.events import StepEvent
 
 
 def main() -> None:
@@ -64,7 +65,7 @@ def main() -> None:
         elapsed = time.perf_counter() - started
         if rank == 0:
             tokens_per_step = spec.training.global_batch * m.seq_len
-            metrics.emit("step", step=step, loss=loss.item(), step_s=elapsed, tokens_per_s=tokens_per_step / elapsed)
+            metrics.emit(StepEvent(step=step, loss=loss.item(), step_s=elapsed, tokens_per_s=tokens_per_step / elapsed))
     if world > 1:
         dist.destroy_process_group()
 

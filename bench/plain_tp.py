@@ -23,6 +23,7 @@ from models.base import ModelFamily
 from specs import JobSpec
 from trainer import metrics
 from trainer.data import load_tokens
+from trainer.events import StepEvent
 
 
 class _CopyToRegion(torch.autograd.Function):
@@ -137,7 +138,7 @@ def main() -> None:
         elapsed = time.perf_counter() - started
         if rank == 0:
             tokens_per_step = batch_size * m.seq_len
-            metrics.emit("step", step=step, loss=loss.item(), step_s=elapsed, tokens_per_s=tokens_per_step / elapsed)
+            metrics.emit(StepEvent(step=step, loss=loss.item(), step_s=elapsed, tokens_per_s=tokens_per_step / elapsed))
     dist.destroy_process_group()
 
 

@@ -55,6 +55,7 @@ def one_round(store: Path, devices_from: int, devices_to: int, steps: int, round
     from specs import JobSpec
     from tasks import progress
     from tasks.events import ResourceEvent, emit_resource_change, now_epoch
+    from trainer.events import StartEvent, StepEvent, StoppedEvent, WorkerEvent
 
     spec = JobSpec.model_validate({
         "name": f"rescale-latency-{round_no}",
@@ -64,12 +65,12 @@ def one_round(store: Path, devices_from: int, devices_to: int, steps: int, round
         "resources": {"devices": devices_from, "kind": "cpu"},
         "storage": {"url": f"file://{store}"},
     })
-    seen: list[tuple[float, dict[str, Any]]] = []
+    seen: list[tuple[float, WorkerEvent]] = []
     emitted: list[float] = []
 
-    def listen(event: dict[str, Any]) -> None:
+    def listen(event: WorkerEvent) -> None:
         seen.append((time.time(), event))
-        if event["event"] == "step" and event["step"] == EVENT_AT_STEP and not emitted:
+        if isinstance(event, StepEvent) and event.step == EVENT_AT_STEP and not emitted:
             emitted.append(time.time())
             threading.Thread(target=emit_resource_change,
                              args=(spec.job_id, ResourceEvent(devices=devices_to, epoch=now_epoch()))).start()
@@ -86,10 +87,10 @@ def one_round(store: Path, devices_from: int, devices_to: int, steps: int, round
         runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[state.state_details.flow_run_id])))
     launches = sorted((r for r in runs if r.name.startswith("launch-training")), key=lambda r: r.start_time)
     old_end, new_start = launches[0].end_time.timestamp(), launches[1].start_time.timestamp()
-    starts = [(t, e) for t, e in seen if e["event"] == "start"]
+    starts = [(t, e) for t, e in seen if isinstance(e, StartEvent)]
     new_start_event = starts[1][1]
-    first_new_step = next(t for t, e in seen if e["event"] == "step" and t > starts[1][0])
-    reshard = new_start_event["restore_s"]
+    first_new_step = next(t for t, e in seen if isinstance(e, StepEvent) and t > starts[1][0])
+    reshard = new_start_event.restore_s or 0.0
     out = {
         "stop_s": old_end - emitted[0],
         "plan_s": new_start - old_end,
@@ -97,8 +98,8 @@ def one_round(store: Path, devices_from: int, devices_to: int, steps: int, round
         "relaunch_s": first_new_step - new_start - reshard,
         "total_s": first_new_step - emitted[0],
         "stopped_at_step": summary.segments[0].final_step,
-        "stopped_event_s": next(t for t, e in seen if e["event"] == "stopped") - emitted[0],
-        "worker_phases": new_start_event.get("phases"),
+        "stopped_event_s": next(t for t, e in seen if isinstance(e, StoppedEvent)) - emitted[0],
+        "worker_phases": new_start_event.phases,
         "event_at_step": EVENT_AT_STEP,
     }
     print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in out.items()}), file=sys.stderr, flush=True)
@@ -111,6 +112,8 @@ def node_leave_round(store: Path, steps: int, round_no: int, workers: dict[str, 
 
     from flows.train import train_job
     from specs import JobSpec
+    from tasks.nodes import NodeReport
+    from trainer.events import StartEvent, StepEvent
 
     spec = JobSpec.model_validate({
         "name": f"node-leave-{round_no}",
@@ -140,18 +143,19 @@ def node_leave_round(store: Path, steps: int, round_no: int, workers: dict[str, 
     launches = sorted((r for r in runs if r.name.startswith("launch-training")), key=lambda r: r.start_time)
     old_end, new_start = launches[0].end_time.timestamp(), launches[1].start_time.timestamp()
     reports = sorted((store / "jobs" / spec.job_id / "launches").glob("*/node-a.json"))
-    events = json.loads(reports[-1].read_text())["events"]
-    start = next(e for e in events if e["event"] == "start")
-    first_step = next(e["received_at"] for e in events if e["event"] == "step")
+    report = NodeReport.model_validate_json(reports[-1].read_text())
+    start = next(e for e in report.events if isinstance(e, StartEvent))
+    first_step = next(e.received_at for e in report.events if isinstance(e, StepEvent) and e.received_at is not None)
+    restore_s = start.restore_s or 0.0
     out = {
         "stop_s": old_end - killed[0],
         "plan_s": new_start - old_end,
-        "reshard_data_s": start["restore_s"],
-        "relaunch_s": first_step - new_start - start["restore_s"],
+        "reshard_data_s": restore_s,
+        "relaunch_s": first_step - new_start - restore_s,
         "total_s": first_step - killed[0],
         "resumed_at_step": summary.segments[1].start_step,
         "restore_bytes": summary.segments[1].restore_bytes,
-        "worker_phases": start.get("phases"),
+        "worker_phases": start.phases,
     }
     print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in out.items()}), file=sys.stderr, flush=True)
     return out

@@ -93,7 +93,9 @@ def measure_stalls(plan: Plan, spec: JobSpec, env: dict[str, str]) -> list[float
     result = launch_workers(spec, plan, on_line=lines.append, extra_env=env)
     if result.returncode != 0:
         raise RuntimeError("training for stalls failed:\n" + "\n".join(lines[-40:]))
-    return [e["stall_s"] for e in result.events if e["event"] == "checkpoint_stall"]
+    from trainer.events import CheckpointStallEvent
+
+    return [e.stall_s for e in result.of(CheckpointStallEvent)]
 
 
 def start_moto() -> tuple[Any, str]:

@@ -30,7 +30,7 @@ from pathlib import Path
 
 from specs import JobSpec
 from specs.plan import Plan, TensorParallel
-from trainer import metrics
+from trainer.events import StepEvent, WorkerEvent, parse
 from trainer.launch import launch_workers, torchrun_command, worker_env
 
 WARMUP_STEPS = 3  # the first steps pay for allocator growth and gradient bucket building
@@ -80,8 +80,8 @@ def bench_spec(devices: int, steps: int, store: str, split_batch: bool = True, f
     )
 
 
-def median_rate(events: list[dict]) -> float:
-    rates = [e["tokens_per_s"] for e in events if e["event"] == "step"][WARMUP_STEPS:]
+def median_rate(events: list[WorkerEvent]) -> float:
+    rates = [e.tokens_per_s for e in events if isinstance(e, StepEvent)][WARMUP_STEPS:]
     return statistics.median(rates)
 
 
@@ -98,7 +98,7 @@ def run_plain(spec: JobSpec, program: tuple[str, ...], devices: int, tmp: Path) 
     spec_file.write_text(spec.model_dump_json())
     command = torchrun_command(devices, program[0], "--spec", str(spec_file), *program[1:])
     done = subprocess.run(command, capture_output=True, text=True, env=worker_env("cpu"), check=True)
-    return median_rate([e for line in done.stdout.splitlines() if (e := metrics.parse(line))])
+    return median_rate([e for line in done.stdout.splitlines() if (e := parse(line))])
 
 
 def bench_mode(mode: str, devices: int, rounds_n: int, steps: int, tmp: Path, family: str = "gpt") -> dict:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any
 
 from prefect import flow
 from prefect.logging import get_run_logger
@@ -24,6 +23,7 @@ from storage import JobPaths, open_store
 from tasks.credentials import environment, storage_environment
 from tasks.nodes import NodeReport, meet, stop_workers_when
 from tasks.worker_log import present
+from trainer.events import WorkerEvent
 from trainer.launch import LaunchResult, RunningWorkers, launch_workers, run_measure_comm
 
 
@@ -48,8 +48,8 @@ def node_launcher(spec: JobSpec, plan: Plan, launch_id: str, nodes: list[str], n
         level, message = present(line, spec.training.steps)
         logger.log(level, "[%s] %s", node, message)
 
-    def stamp(event: dict[str, Any]) -> None:
-        event["received_at"] = time.time()  # when this node heard it (the job hears it later)
+    def stamp(event: WorkerEvent) -> None:
+        event.received_at = time.time()  # when this node heard it (the job hears it later)
 
     workers, left = RunningWorkers(), threading.Event()
     if measure_comm:

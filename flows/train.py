@@ -1,12 +1,13 @@
 """train_job: a job spec in, a trained and checkpointed model out.
 
-    validate -> preflight -> profile -> until the job is done: plan -> reshard plan -> launch -> (react) -> report
+    validate -> preflight -> profile -> until the job is done: plan -> reshard plan -> launch -> ask the policy, act -> report
 
 The job follows its resource events while it runs: a change of the device count (or, across
 nodes, of the node set) stops the workers at a step boundary, and the next launch re-plans and
 reshards onto it. A worker that dies is the same change with reason `failure`, a node that
 leaves with `node-left`: the job resumes from its last committed checkpoint on what is left. A
-node of the spec whose worker comes back is taken in again (`node-joined`).
+node of the spec whose worker comes back is taken in again (`node-joined`). Every such rule is
+the elastic policy's (`specs.elastic.decide`); this flow asks it and acts.
 """
 
 from __future__ import annotations
@@ -16,10 +17,11 @@ from prefect.logging import get_run_logger
 from prefect.states import Completed
 
 from specs import JobSpec
+from specs.elastic import Decision, Fail, Ignore, JobState, Replan, SegmentEnded, Stop, decide
 from storage import JobLease
 from tasks.artifacts import TrainingProgress, job_tags, tag_this_run
 from tasks.credentials import environment, storage_environment
-from tasks.events import ResourceEvent, apply_change, follow_resources
+from tasks.events import ResourceWatcher, follow_resources
 from tasks.exclusive import one_run_per_job, one_writer_per_job
 from tasks.launch import launch_training, signals_stop_training
 from tasks.node_watch import follow_nodes
@@ -27,7 +29,7 @@ from tasks.plan import plan_parallelism
 from tasks.preflight import preflight_job
 from tasks.profile import profile_model
 from tasks.records import SegmentResult, TrainSummary
-from tasks.recovery import TrainingFailed, recover_from_failure
+from tasks.recovery import TrainingFailed, announce_change
 from tasks.report import publish_report
 from tasks.reshard import plan_reshard
 from tasks.validate import validate_spec
@@ -55,49 +57,57 @@ def train_job(spec: JobSpec) -> TrainSummary:
 
 
 def _train(spec: JobSpec, lease: JobLease | None = None) -> TrainSummary:
-    """Profile, then segment after segment until the job is done, stopped or cannot go on.
+    """Profile, then segment after segment until the job is done, stopped or cannot go on: after
+    each segment, and on each change heard, ask the elastic policy (`specs.elastic`) and act.
     `lease`: the job's storage lease, renewed before each launch: a run whose lease was taken
     over launches nothing more (LeaseLost)."""
+    logger = get_run_logger()
     profiles = {spec.resources.devices: profile_model(spec)}
     segments: list[SegmentResult] = []
-    devices, nodes, step = spec.resources.devices, spec.resources.nodes, 0
+    job = JobState.starting(spec)
     # The storage credentials stay in the environment while the job's events are recorded.
     progress = TrainingProgress(spec.job_id, spec.training.steps)
-    with environment(storage_environment(spec)), follow_resources(spec) as resources, \
+    with environment(storage_environment(spec)), follow_resources(spec, logger) as resources, \
             follow_nodes(spec, resources) as node_watch:
         while True:
-            change = resources.wanted(devices, nodes)
-            if change is not None:
-                try:
-                    devices, nodes = apply_change(change, spec, devices, nodes)
-                except ValueError as error:
-                    get_run_logger().warning("resource change ignored: %s", error)
+            heard = resources.newest_after(job.epoch)  # while the last segment was planned, or before the first
+            if heard is not None:
+                job = _act(spec, job, decide(spec, job, heard), resources)
             if lease is not None:
                 lease.ensure()  # LeaseLost: another run writes this job now
-            here = spec if nodes is None else spec.on_nodes(nodes)  # the nodes of this segment
-            node_watch.now_on(nodes)  # a node of the spec that left is taken back once its worker is
-            scripted = spec.scripted_change_after(step)
-            if devices not in profiles:  # collectives and the core share measured on this count (cached in storage)
-                profiles[devices] = profile_model(spec.on_devices(devices))
-            model = profiles[devices]
+            here = spec if job.nodes is None else spec.on_nodes(job.nodes)  # the nodes of this segment
+            node_watch.now_on(job.nodes)  # a node of the spec that left is taken back once its worker is
+            scripted = spec.scripted_change_after(job.step)
+            if job.devices not in profiles:  # collectives and the core share measured on this count (cached in storage)
+                profiles[job.devices] = profile_model(spec.on_devices(job.devices))
+            model = profiles[job.devices]
             measured = [s.restore_bytes_per_s for s in segments if s.restore_bytes_per_s]
-            plan = plan_parallelism(spec, model, devices, step, measured[-1] if measured else None)
+            plan = plan_parallelism(spec, model, job.devices, job.step, measured[-1] if measured else None)
             plan_reshard(here, plan)  # what the workers will read, shown before they start
-            segment = launch_training(here, plan, scripted.at_step if scripted else None, resources, progress)
+            segment = launch_training(here, plan, scripted.at_step if scripted else None, resources, progress, job)
             segments.append(segment)
-            step = segment.final_step
-            if segment.outcome == "fatal":  # no retry can fix it
-                raise TrainingFailed(segment.reason or "the workers stopped with an error no retry can fix")
-            if segment.outcome == "failed":
-                devices, nodes = recover_from_failure(spec, segments, resources)
-            elif segment.outcome == "stopped":  # asked to stop: the checkpoint is committed, the rest waits
+            decision = decide(spec, job, SegmentEnded(segment, scripted, resources.newest_after(job.epoch)))
+            job = job.after(segment)
+            if isinstance(decision, Stop):
+                logger.info("%s %s", spec.job_id, decision.why)
                 break
-            elif segment.outcome == "finished":
-                if scripted is None or step >= spec.training.steps:
-                    break
-                devices, nodes = apply_change(ResourceEvent(devices=scripted.devices, epoch=0), spec, devices, nodes)
+            job = _act(spec, job, decision, resources)
     progress.update(segments[-1].final_step if segments else 0, force=True)
-    get_run_logger().info("%s: %d segment(s) on %s devices", spec.job_id, len(segments),
-                          " -> ".join(str(s.devices) for s in segments))
+    logger.info("%s: %d segment(s) on %s devices", spec.job_id, len(segments),
+                " -> ".join(str(s.devices) for s in segments))
     return publish_report(spec, model, segments)
 
+
+def _act(spec: JobSpec, job: JobState, decision: Decision, resources: ResourceWatcher) -> JobState:
+    """Do what the policy decided, short of stopping; where the job stands then."""
+    match decision:
+        case Fail(why=why):
+            raise TrainingFailed(why)
+        case Replan(announce=True):  # the job's own change (a failure): recorded and emitted like an event
+            event = announce_change(spec, decision, resources)
+            return job.following(decision, event.epoch if event is not None else None)
+        case Replan(why=why):
+            get_run_logger().info("re-planning: %s", why)
+        case Ignore(why=why):
+            get_run_logger().info("resource change ignored: %s", why)
+    return job.following(decision)

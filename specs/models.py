@@ -9,7 +9,7 @@ its line; constructed in Python they read as an ordinary pydantic `ValidationErr
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any, Literal, Self, Union
+from typing import Annotated, Any, Literal, Self, Union, get_args
 
 from pydantic import Discriminator, Field, Tag, field_validator, model_validator
 
@@ -313,6 +313,15 @@ class StorageSpec(_Section):
         return name
 
 
+# Why a job's resources change: one vocabulary for the spec's `elasticity`, resource events
+# (`specs.elastic.ResourceEvent`, `parashift scale --reason`) and the job's records of them.
+# scale: `parashift scale`'s default; scale-up, scale-down, manual: a person's or a tool's;
+# preemption: the cluster took devices back; failure: a worker died or hung (the job's own
+# change: one device fewer); node-left, node-joined: a node's worker went away or came back.
+Reason = Literal["scale", "scale-up", "scale-down", "manual", "preemption", "failure", "node-left", "node-joined"]
+REASONS: tuple[Reason, ...] = get_args(Reason)
+
+
 class ResourceChange(_Section):
     """A scripted change of the device count (for demos and tests of elasticity)."""
 
@@ -320,9 +329,7 @@ class ResourceChange(_Section):
         ge=1, description="Apply the change before this step (0 < at_step < training.steps)."
     )
     devices: int = Field(ge=1, le=65536, description="Device count from then on.")
-    reason: Literal["scale-up", "scale-down", "failure", "manual"] = Field(
-        "manual", description="Why the resources change."
-    )
+    reason: Reason = Field("manual", description="Why the resources change.")
 
 
 _SECTIONS = ("model", "data", "optimizer", "training", "resources", "parallelism", "storage", "elasticity")

@@ -2,14 +2,16 @@
 
 A change is a Prefect event `parashift.resources.changed` on resource `parashift.job.{job_id}`,
 payload `{devices, epoch, reason}`. Anything that can reach the Prefect API may emit one
-(`parashift scale`, a cluster tool, an automation); the launcher emits one itself with reason
+(`parashift scale`, a cluster tool, an automation); the job emits one itself with reason
 `failure` when a worker dies. The running flow follows its own job's events over the API's
 websocket (`ResourceWatcher`), so a change reaches it within the websocket's latency, with no
 deployment trigger and no second flow run in between.
 
-Prefect does not deliver events in order: the highest epoch wins, and every accepted change is
-recorded in the job's storage (`events/{epoch}.json`), so a later run of the job ignores events
-older than what it already applied. Epochs default to milliseconds since 1970.
+Prefect does not deliver events in order: the highest epoch wins (`specs.elastic.admit`, the
+policy's rule), and every accepted change is recorded in the job's storage (`events/{epoch}.json`),
+so a later run of the job ignores events older than what it already applied. Epochs default to
+milliseconds since 1970. What a heard change does to the job is the policy's to decide
+(`specs.elastic.decide`).
 """
 
 from __future__ import annotations
@@ -22,9 +24,10 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from pydantic import BaseModel, Field, ValidationError, model_validator
+from pydantic import ValidationError
 
 from specs import JobSpec
+from specs.elastic import ResourceEvent, admit, apply_change
 from storage import JobPaths, ObjectStore, StorageError, open_store
 
 EVENT = "parashift.resources.changed"
@@ -38,33 +41,6 @@ def resource_id(job_id: str) -> str:
 def now_epoch() -> int:
     """The default epoch: milliseconds since 1970, so a later command outranks an earlier one."""
     return time.time_ns() // 1_000_000
-
-
-class ResourceEvent(BaseModel):
-    """The payload of a resource event: the devices, or the nodes, the job should run on from now."""
-
-    devices: int | None = Field(None, ge=1, le=65536, description="devices (worker processes) the job should use")
-    nodes: list[str] | None = Field(
-        None, min_length=1, max_length=4096,
-        description="a job across nodes: the nodes it should use (each with the spec's devices per node)")
-    epoch: int = Field(ge=0, description="ordering: a change with a higher epoch replaces any lower one")
-    reason: str = Field("scale", max_length=200, description="why: scale, failure, node-left, preemption, ...")
-
-    @model_validator(mode="after")
-    def _says_what(self) -> ResourceEvent:
-        if self.devices is None and self.nodes is None:
-            raise ValueError("a resource change names devices or nodes")
-        return self
-
-    def differs(self, devices: int, nodes: list[str] | None) -> bool:
-        """Whether this change asks for something else than `devices` on `nodes` (None: one
-        node; node lists matter only to jobs across nodes)."""
-        if self.nodes is not None and nodes is not None and list(self.nodes) != list(nodes):
-            return True
-        return self.devices is not None and self.devices != devices
-
-    def describe(self) -> str:
-        return f"nodes {','.join(self.nodes)}" if self.nodes is not None else f"{self.devices} devices"
 
 
 def api_url() -> str | None:
@@ -94,27 +70,6 @@ def emit_resource_change(job_id: str, change: ResourceEvent) -> None:
     asyncio.run(send())
 
 
-def apply_change(change: ResourceEvent, spec: JobSpec, devices: int,
-                 nodes: list[str] | None) -> tuple[int, list[str] | None]:
-    """The devices and nodes a job runs on after `change`. A job across nodes takes a node
-    list as it is, and a device count as the first nodes that hold it (a count that is not
-    whole nodes is refused: ValueError)."""
-    if nodes is None:
-        if change.devices is None:
-            raise ValueError(f"{change.describe()}: this job runs on one node; name devices, not nodes")
-        return change.devices, None
-    if change.nodes is not None:
-        return spec.resources.node_devices(change.nodes), list(change.nodes)
-    per_node = spec.resources.devices_per_node or 1
-    assert change.devices is not None
-    if change.devices % per_node:
-        raise ValueError(f"{change.devices} devices are not whole nodes of {per_node} devices")
-    kept = nodes[: change.devices // per_node]
-    if len(kept) * per_node != change.devices:
-        raise ValueError(f"{change.devices} devices need more nodes than the {len(nodes)} running; name them")
-    return change.devices, kept
-
-
 class EventLog:
     """The job's accepted changes, kept in its storage: the highest epoch applied so far."""
 
@@ -139,14 +94,18 @@ class EventLog:
 class ResourceWatcher:
     """Follows one job's resource events in a background thread; keeps the newest change.
 
-    An accepted change (this job's, with a higher epoch than any seen or recorded) is recorded in
-    the event log and handed to `on_change` (on the watcher's thread), which the launch sets
-    while workers run. Whether it differs from what runs now is the caller's question
-    (`wanted`). Changes the flow finds itself (a worker failure) go through `offer` too."""
+    An accepted change (`admit`: this job's, with a higher epoch than any seen or recorded) is
+    recorded in the event log and handed to `on_change` (on the watcher's thread), which the
+    launch sets while workers run; one not accepted is logged with the reason. What it does to
+    the job is the policy's question (`specs.elastic.decide`). Changes the flow finds itself (a
+    worker failure) go through `offer` too. `logger`: where accepted and ignored changes are
+    said (the flow's run logger, usable from this thread)."""
 
-    def __init__(self, job_id: str, event_log: EventLog | None = None) -> None:
+    def __init__(self, job_id: str, event_log: EventLog | None = None,
+                 logger: logging.Logger | logging.LoggerAdapter[Any] | None = None) -> None:
         self.job_id = job_id
         self.event_log = event_log
+        self.log = logger if logger is not None else log
         self.highest_epoch = event_log.highest_epoch() if event_log is not None else -1
         self.latest: ResourceEvent | None = None
         self.on_change: Callable[[ResourceEvent], None] | None = None
@@ -177,16 +136,16 @@ class ResourceWatcher:
     def offer(self, change: ResourceEvent, job_id: str | None = None) -> bool:
         """Take `change` if it is this job's and newer than any seen; True if taken."""
         with self._lock:
-            if job_id is not None and job_id != self.job_id:
-                self.ignored.append((change, f"for job {job_id}"))
-                return False
-            if change.epoch <= self.highest_epoch:
-                self.ignored.append((change, f"epoch {change.epoch} is not above {self.highest_epoch}"))
-                log.info("ignored resource change %s: epoch not above %d", change, self.highest_epoch)
-                return False
-            self.highest_epoch, self.latest = change.epoch, change
-        log.info("resource change for job %s: %s (%s, epoch %d)", self.job_id, change.describe(),
-                 change.reason, change.epoch)
+            refused = admit(self.job_id, change, self.highest_epoch, sent_to=job_id)
+            if refused is None:
+                self.highest_epoch, self.latest = change.epoch, change
+            else:
+                self.ignored.append((change, refused.why))
+        if refused is not None:
+            self.log.info("resource change ignored: %s", refused.why)
+            return False
+        self.log.info("resource change for job %s: %s (%s, epoch %d)", self.job_id, change.describe(),
+                      change.reason, change.epoch)
         if self.event_log is not None:
             self.event_log.record(change)
         on_change = self.on_change
@@ -200,6 +159,12 @@ class ResourceWatcher:
         with self._lock:
             latest = self.latest
         return latest if latest is not None and latest.differs(running, nodes) else None
+
+    def newest_after(self, epoch: int) -> ResourceEvent | None:
+        """The newest change if its epoch is above `epoch` (the last the job decided on)."""
+        with self._lock:
+            latest = self.latest
+        return latest if latest is not None and latest.epoch > epoch else None
 
     def _run(self) -> None:
         self._loop = asyncio.new_event_loop()
@@ -230,24 +195,26 @@ class ResourceWatcher:
         try:
             change = ResourceEvent.model_validate(payload)
         except ValidationError as error:
-            log.warning("ignored a malformed %s event for job %s: %s", EVENT, job_id, error)
+            self.log.warning("resource change ignored: a malformed %s event for job %s: %s", EVENT, job_id, error)
             return
         self.offer(change, job_id)
 
 
 @contextlib.contextmanager
-def follow_resources(spec: JobSpec) -> Iterator[ResourceWatcher]:
+def follow_resources(spec: JobSpec,
+                     logger: logging.Logger | logging.LoggerAdapter[Any] | None = None) -> Iterator[ResourceWatcher]:
     """A watcher of the job's resource events for the duration (stopped on exit); accepted
-    changes are recorded in the job's storage (its credentials must be in the environment)."""
+    changes are recorded in the job's storage (its credentials must be in the environment),
+    accepted and ignored ones said to `logger`."""
     job_id = spec.job_id
     store = open_store(spec.storage)
-    watcher = ResourceWatcher(job_id, EventLog(store, job_id))
+    watcher = ResourceWatcher(job_id, EventLog(store, job_id), logger)
     try:
         if watcher.start():
-            log.info("following resource events %s for %s", EVENT, resource_id(job_id))
+            watcher.log.info("following resource events %s for %s", EVENT, resource_id(job_id))
         elif watcher.error is None:
-            log.info("no Prefect server (PREFECT_API_URL unset): this run hears no resource events; "
-                     "it follows its spec's elasticity and recovers from worker failures")
+            watcher.log.info("no Prefect server (PREFECT_API_URL unset): this run hears no resource events; "
+                             "it follows its spec's elasticity and recovers from worker failures")
         yield watcher
     finally:
         watcher.stop()

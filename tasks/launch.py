@@ -1,6 +1,7 @@
 """launch_training: torchrun the workers for one segment, their output streamed into the run log;
-a resource change heard while they run stops them at a step boundary (with a committed
-checkpoint), and a worker that dies ends the segment as `failed` for the flow to recover."""
+a resource change heard while they run that the elastic policy re-plans for stops them at a step
+boundary (with a committed checkpoint), and a worker that dies ends the segment as `failed` for
+the flow to recover. How the segment ended is the policy's reading (`specs.elastic.segment_outcome`)."""
 
 from __future__ import annotations
 
@@ -11,22 +12,23 @@ import statistics
 import threading
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
-from typing import Any
 
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 from prefect.logging import get_run_logger
 
 from specs import JobSpec
+from specs.elastic import JobState, Replan, ResourceEvent, decide, segment_outcome
 from specs.plan import Plan
 from storage import JobPaths, open_store
 from tasks import progress
 from tasks.artifacts import TrainingProgress
 from tasks.credentials import environment, storage_environment
-from tasks.events import ResourceEvent, ResourceWatcher
+from tasks.events import ResourceWatcher
 from tasks.nodes import node_launch
-from tasks.records import Outcome, SegmentResult
+from tasks.records import SegmentResult
 from tasks.worker_log import present
+from trainer.events import StartEvent, StepEvent, WorkerEvent
 from trainer.launch import LaunchResult, RunningWorkers, launch_workers
 
 # torchrun's summary of a failed worker: "rank : 1 (local_rank: 1)" and "exitcode : -9 (pid: 123)"
@@ -118,8 +120,10 @@ def signals_stop_training() -> Iterator[None]:
 # No task retries: a failed segment goes back to the flow, which resumes on the devices left.
 @task(name="launch-training", cache_policy=NO_CACHE)
 def launch_training(spec: JobSpec, plan: Plan, until_step: int | None = None,
-                    resources: ResourceWatcher | None = None, progress_bar: TrainingProgress | None = None) -> SegmentResult:
-    """Train on `plan.devices` workers until `until_step` (or the end), resuming if possible."""
+                    resources: ResourceWatcher | None = None, progress_bar: TrainingProgress | None = None,
+                    job: JobState | None = None) -> SegmentResult:
+    """Train on `plan.devices` workers until `until_step` (or the end), resuming if possible.
+    `job`: where the job stands (the policy's question for a change heard meanwhile: re-plan?)."""
     logger = get_run_logger()
     credentials = storage_environment(spec)
     with environment(credentials):
@@ -133,19 +137,20 @@ def launch_training(spec: JobSpec, plan: Plan, until_step: int | None = None,
             store.put_json(stop_key, {"reason": reason, "requested_at": datetime.now(UTC).isoformat()})
 
     nodes = spec.resources.nodes
+    job = job if job is not None else JobState(devices=plan.devices, nodes=nodes)
 
     def stop_for(change: ResourceEvent) -> None:
-        if not change.differs(plan.devices, nodes):
-            return
+        if not isinstance(decide(spec, job, change), Replan):
+            return  # the flow decides on it, and says why, when the segment ends
         logger.warning("resource change (%s, epoch %d): %d devices -> %s; stopping at the next step boundary",
                        change.reason, change.epoch, plan.devices, change.describe())
         stop(f"rescale to {change.describe()} ({change.reason})")
 
-    def on_event(event: dict[str, Any]) -> None:
-        progress.publish({**event, "total_steps": spec.training.steps})
-        if progress_bar is not None and event["event"] in ("step", "start"):
+    def on_event(event: WorkerEvent) -> None:
+        progress.publish(event)
+        if progress_bar is not None and isinstance(event, StepEvent | StartEvent):
             try:
-                progress_bar.update(event["step"])
+                progress_bar.update(event.step)
             except Exception as error:  # noqa: BLE001 - a progress display never stops training
                 logger.debug("progress artifact not updated: %s", error)
 
@@ -160,7 +165,7 @@ def launch_training(spec: JobSpec, plan: Plan, until_step: int | None = None,
 
     if resources is not None:
         resources.on_change = stop_for
-        pending = resources.wanted(plan.devices, nodes)
+        pending = resources.newest_after(job.epoch)
         if pending is not None:  # arrived while this segment was being planned
             stop_for(pending)
     with _stoppers_lock:
@@ -184,48 +189,38 @@ def launch_training(spec: JobSpec, plan: Plan, until_step: int | None = None,
             _stoppers.discard(stop)
         if resources is not None:
             resources.on_change = None
-    starts = [e for e in result.events if e["event"] == "start"]
-    start = starts[-1] if starts else {}
-    committed = [e for e in result.checkpoints if e.get("url")]
-    outcome: Outcome
-    reason = None
-    # torchrun exits non-zero when it was signalled itself, even though its workers stopped
-    # cleanly at a committed step: a "stopped" event is what counts.
-    fatal = [e for e in result.events if e["event"] == "fatal"]
-    if fatal:
-        outcome, reason = "fatal", fatal[-1]["message"]
-        final_step = start.get("step", 0)
+    start = result.start
+    start_step = start.step if start is not None else 0
+    committed = [(e.step, e.url) for e in result.checkpoints if e.url]
+    fatal = result.fatal
+    pending = resources.newest_after(job.epoch) if resources is not None and result.stopped else None
+    outcome, reason, final_step = segment_outcome(
+        start_step=start_step, ended_at=result.final_step, stopped=result.stopped, returncode=result.returncode,
+        committed_step=committed[-1][0] if committed else None, fatal=fatal.message if fatal else None,
+        left_nodes=left, failure=failure_reason(result, lines),
+        stopped_for=decide(spec, job, pending) if pending is not None else None)
+    if outcome == "fatal":
         logger.error("%s", reason)
-    elif left or result.final_step is None or (result.returncode != 0 and not result.stopped):
-        outcome = "failed"
-        reason = f"node{'s' if len(left) > 1 else ''} {', '.join(left)} left" if left else failure_reason(result, lines)
-        final_step = committed[-1]["step"] if committed else start.get("step", 0)
+    elif outcome == "failed":
         logger.error("workers failed: %s; the last committed step is %d", reason, final_step)
-    else:
-        final_step = result.final_step
-        change = resources.wanted(plan.devices, nodes) if resources is not None and result.stopped else None
-        if change is not None:
-            outcome, reason = "rescaled", f"{change.reason}: {plan.devices} devices -> {change.describe()}"
-        else:
-            outcome = "stopped" if result.stopped else "finished"
-    rates = [e["tokens_per_s"] for e in result.steps[1:]]  # the first step pays for warm-up
-    reads = [e for e in result.events if e["event"] == "restoring"]
+    rates = [e.tokens_per_s for e in result.steps[1:]]  # the first step pays for warm-up
+    read = result.restoring
     restore_rate = None
-    if reads and start.get("restore_s") and reads[-1]["bytes_read"] > 0:
-        restore_rate = reads[-1]["bytes_read"] * start["world_size"] / start["restore_s"]
+    if read is not None and start is not None and start.restore_s and read.bytes_read > 0:
+        restore_rate = read.bytes_read * start.world_size / start.restore_s
     return SegmentResult(
         devices=plan.devices,
-        start_step=start.get("step", 0),
+        start_step=start_step,
         final_step=final_step,
         outcome=outcome,
         reason=reason,
-        losses=[(e["step"], e["loss"]) for e in result.steps],
+        losses=[(e.step, e.loss) for e in result.steps],
         tokens_per_s=statistics.median(rates) if rates else None,
-        checkpoint_urls=[e["url"] for e in committed],
-        resumed_from_url=start.get("checkpoint_url"),
-        resumed_loss=start.get("checkpoint_loss"),
+        checkpoint_urls=[url for _, url in committed],
+        resumed_from_url=start.checkpoint_url if start else None,
+        resumed_loss=start.checkpoint_loss if start else None,
         restore_bytes_per_s=restore_rate,
-        restore_bytes=start.get("restore_bytes"),
+        restore_bytes=start.restore_bytes if start else None,
         nodes=nodes,
         left_nodes=left,
     )

@@ -16,7 +16,8 @@ import time
 from collections.abc import Iterator
 
 from specs import JobSpec
-from tasks.events import ResourceEvent, ResourceWatcher, api_url, emit_resource_change
+from specs.elastic import ResourceEvent, rejoined_nodes
+from tasks.events import ResourceWatcher, api_url, emit_resource_change
 
 log = logging.getLogger("parashift.nodes")
 
@@ -78,7 +79,7 @@ class NodeWatch:
 
     def _take_in(self, back: list[str]) -> None:
         with self._lock:
-            wanted = [n for n in self.spec.resources.nodes or [] if n in self.nodes or n in back]
+            wanted = rejoined_nodes(self.spec, self.nodes, back)
             for node in back:
                 self.left_at.pop(node, None)
         change = ResourceEvent(nodes=wanted, epoch=self.resources.highest_epoch + 1, reason="node-joined")

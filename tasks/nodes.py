@@ -28,6 +28,7 @@ from pydantic import BaseModel, Field
 from specs import JobSpec
 from specs.plan import Plan
 from storage import JobPaths, ObjectStore, StorageError
+from trainer.events import WorkerEvent
 from trainer.launch import LaunchResult, NodeRendezvous, RunningWorkers
 
 # How long the other nodes wait for node 0's endpoint, and the job for a node's launcher to start.
@@ -42,7 +43,7 @@ class NodeReport(BaseModel):
 
     node: str
     returncode: int
-    events: list[dict[str, Any]] = Field(default_factory=list)
+    events: list[WorkerEvent] = Field(default_factory=list)
     hung_s: float | None = None
     left: bool = Field(False, description="the node's worker went away: its workers were stopped")
     tail: list[str] = Field(default_factory=list, description="the last output lines (torchrun's failure summary)")

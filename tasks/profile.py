@@ -100,12 +100,13 @@ def measure_on_nodes(spec: JobSpec) -> dict:
     per node running `trainer.measure_comm` (tasks/nodes.py)."""
     from specs.plan import Plan
     from tasks.nodes import node_launch
+    from trainer.events import CommTimingsEvent
 
     with environment(storage_environment(spec)):
         store = open_store(spec.storage)
         result, left = node_launch(spec, Plan.data_parallel(spec.resources.devices), None, store,
                                    measure_comm=True).run()
-    timings = [e["timings"] for e in result.events if e["event"] == "comm_timings"]
+    timings = [e.timings for e in result.of(CommTimingsEvent)]
     if left or result.returncode != 0 or not timings:
         raise RuntimeError(f"timing collectives on nodes {spec.resources.nodes} failed (exit {result.returncode}, "
                            f"left: {left or 'none'})")

@@ -7,9 +7,10 @@ event as the launch task parses it. With no listener this costs nothing.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
-Listener = Callable[[dict[str, Any]], None]
+from trainer.events import WorkerEvent
+
+Listener = Callable[[WorkerEvent], None]
 _listeners: list[Listener] = []
 
 
@@ -22,6 +23,6 @@ def remove_listener(listener: Listener) -> None:
         _listeners.remove(listener)
 
 
-def publish(event: dict[str, Any]) -> None:
+def publish(event: WorkerEvent) -> None:
     for listener in list(_listeners):
         listener(event)

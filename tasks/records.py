@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Literal
-
 from pydantic import BaseModel, Field
 
-Outcome = Literal["finished", "stopped", "rescaled", "failed", "fatal"]
+from specs.elastic import Outcome
 
 
 class ModelSummary(BaseModel):

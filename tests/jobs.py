@@ -92,9 +92,9 @@ def run(spec: JobSpec, plan: Plan, until_step: int | None = None, schedule: str 
 
 def assert_losses_match(result: LaunchResult, expected: list[float]) -> None:
     """Every step the run reported (after a resume: its steps only) against the reference."""
-    losses = {e["step"]: e["loss"] for e in result.steps}
-    start = next(e for e in result.events if e["event"] == "start")["step"]
-    assert sorted(losses) == list(range(start + 1, result.final_step + 1))
+    losses = {e.step: e.loss for e in result.steps}
+    assert result.start is not None and result.final_step is not None
+    assert sorted(losses) == list(range(result.start.step + 1, result.final_step + 1))
     for step, got in losses.items():
         want = expected[step - 1]
         assert abs(got - want) <= LOSS_RTOL * abs(want), f"step {step}: {got} vs {want}"

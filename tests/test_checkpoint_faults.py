@@ -15,7 +15,8 @@ from jobs import assert_bitwise_equal, checkpoint_store, final_state, kill_tree,
 
 from specs import JobSpec
 from specs.plan import Plan
-from trainer import launch, metrics
+from trainer import launch
+from trainer.events import RestoringEvent, parse
 from trainer.launch import launch_workers
 
 pytestmark = pytest.mark.slow
@@ -89,8 +90,8 @@ def test_writer_killed_during_an_asynchronous_save(reference, tmp_path: Path) ->
     store.verify(committed[-1])  # the last commit is intact: every chunk checks out
 
     resumed = run_to_end(spec)
-    start = next(e for e in resumed.events if e["event"] == "start")
-    assert start["resumed"] and start["step"] == committed[-1] and resumed.final_step == 8
+    start = resumed.start
+    assert start is not None and start.resumed and start.step == committed[-1] and resumed.final_step == 8
     assert_bitwise_equal(final_state(spec), reference)
 
 
@@ -105,8 +106,7 @@ def test_reader_killed_during_a_restore(reference, tmp_path: Path) -> None:
     assert process.stdout is not None
     killed = False
     for line in process.stdout:
-        event = metrics.parse(line)
-        if event and event["event"] == "restoring":
+        if isinstance(parse(line), RestoringEvent):
             kill_tree(process.pid)
             killed = True
             break
@@ -118,6 +118,5 @@ def test_reader_killed_during_a_restore(reference, tmp_path: Path) -> None:
     store.verify(4)
 
     resumed = run_to_end(spec)
-    start = next(e for e in resumed.events if e["event"] == "start")
-    assert start["step"] == 4 and resumed.final_step == 8
+    assert resumed.start is not None and resumed.start.step == 4 and resumed.final_step == 8
     assert_bitwise_equal(final_state(spec), reference)

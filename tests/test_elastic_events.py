@@ -21,6 +21,7 @@ import pytest
 from jobs import tiny_spec
 
 from specs import JobSpec
+from trainer.events import StartEvent, StepEvent, WorkerEvent
 
 # A job long enough that an event emitted at its 3rd step arrives long before its end.
 LONG = {"steps": 400, "checkpoint_every": 50, "log_every": 1}
@@ -45,17 +46,17 @@ def wait_for(condition: Callable[[], Any], what: str, timeout_s: float = 60.0) -
 class WorkerEvents:
     """Every worker event of the flow running in this process, as the launch task parses them."""
 
-    def __init__(self, react: Callable[[dict[str, Any]], None] | None = None) -> None:
-        self.events: list[dict[str, Any]] = []
+    def __init__(self, react: Callable[[WorkerEvent], None] | None = None) -> None:
+        self.events: list[WorkerEvent] = []
         self.react = react
 
-    def __call__(self, event: dict[str, Any]) -> None:
+    def __call__(self, event: WorkerEvent) -> None:
         self.events.append(event)
         if self.react is not None:
             self.react(event)
 
-    def starts(self) -> list[dict[str, Any]]:
-        return [e for e in self.events if e["event"] == "start"]
+    def starts(self) -> list[StartEvent]:
+        return [e for e in self.events if isinstance(e, StartEvent)]
 
 
 class SignalRank:
@@ -67,16 +68,16 @@ class SignalRank:
         self.pids: list[int] = []
         self.signalled: list[int] = []
 
-    def __call__(self, event: dict[str, Any]) -> None:
-        if event["event"] == "start":
-            self.pids = event["pids"]
-        if event["event"] == "step" and event["step"] == self.step and (self.every_segment or not self.signalled):
+    def __call__(self, event: WorkerEvent) -> None:
+        if isinstance(event, StartEvent):
+            self.pids = event.pids
+        if isinstance(event, StepEvent) and event.step == self.step and (self.every_segment or not self.signalled):
             pid = self.pids[self.rank]
             self.signalled.append(pid)
             os.kill(pid, self.sig)
 
 
-def run_flow(spec: JobSpec, listener: Callable[[dict[str, Any]], None]) -> Any:
+def run_flow(spec: JobSpec, listener: Callable[[WorkerEvent], None]) -> Any:
     """The flow run's final state (its result is the TrainSummary)."""
     from flows.train import train_job
     from tasks import progress
@@ -121,7 +122,7 @@ def test_events_are_ordered_by_epoch_and_scoped_to_their_job(prefect_server: Non
                               capture_output=True, text=True, timeout=120)
         assert done.returncode == 0, done.stderr
         wait_for(lambda: watcher.latest is not None and watcher.latest.devices == 3, "the CLI's event")
-        emit_resource_change("watched", ResourceEvent(devices=5, epoch=10, reason="late"))
+        emit_resource_change("watched", ResourceEvent(devices=5, epoch=10, reason="manual"))  # late: a lower epoch
         emit_resource_change("other-job", ResourceEvent(devices=7, epoch=99))
         wait_for(lambda: len(watcher.ignored) >= 1, "the late event to arrive")
         assert watcher.latest == ResourceEvent(devices=3, epoch=20, reason="scale")
@@ -144,18 +145,18 @@ def test_events_rescale_a_running_job_and_losses_match_a_static_run(prefect_serv
     spec = tiny_spec("rescaled", f"file://{tmp_path}/rescaled", training=LONG)
     sent: list[int] = []
 
-    def react(event: dict[str, Any]) -> None:
+    def react(event: WorkerEvent) -> None:
         """Send the next change three steps into each segment (from the launch task's thread)."""
-        if event["event"] == "start":
-            react.segment_start = event["step"]  # type: ignore[attr-defined]
-        if event["event"] != "step" or event["step"] != getattr(react, "segment_start", 0) + 3:
+        if isinstance(event, StartEvent):
+            react.segment_start = event.step  # type: ignore[attr-defined]
+        if not isinstance(event, StepEvent) or event.step != getattr(react, "segment_start", 0) + 3:
             return
         if not sent:
-            sent.append(event["step"])
+            sent.append(event.step)
             emit_resource_change(spec.job_id, ResourceEvent(devices=3, epoch=10))
         elif len(sent) == 1:
-            sent.append(event["step"])
-            emit_resource_change(spec.job_id, ResourceEvent(devices=2, epoch=5, reason="stale"))  # older: ignored
+            sent.append(event.step)
+            emit_resource_change(spec.job_id, ResourceEvent(devices=2, epoch=5, reason="manual"))  # older: ignored
             emit_resource_change("some-other-job", ResourceEvent(devices=2, epoch=50))
             emit_resource_change(spec.job_id, ResourceEvent(devices=1, epoch=20))
 

@@ -17,6 +17,7 @@ from jobs import assert_losses_match, descendants, final_state, mesh_plan, run, 
 
 from specs import JobSpec
 from specs.plan import Plan
+from trainer.events import CheckpointEvent
 from trainer.launch import launch_workers
 
 pytestmark = pytest.mark.slow
@@ -35,7 +36,7 @@ def hf_spec(name: str, tmp: Path, config: dict = LLAMA, **training: int) -> JobS
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> list[float]:
     spec = hf_spec("reference", tmp_path_factory.mktemp("hf-reference"))
-    losses = [e["loss"] for e in run(spec, Plan.data_parallel(1)).steps]
+    losses = [e.loss for e in run(spec, Plan.data_parallel(1)).steps]
     assert len(losses) == 12 and losses[-1] < losses[0] - 0.2
     return losses
 
@@ -48,7 +49,7 @@ def test_dp_fsdp_hsdp_on_2_and_4_workers_move_exactly(reference: list[float], tm
     plans = [Plan.data_parallel(2), Plan.fully_sharded(4), mesh_plan({"dp": 4}, dp_shard=2), Plan.fully_sharded(2)]
     for i, plan in enumerate(plans):
         result = run(spec, plan, until_step=3 * (i + 1))
-        assert next(e for e in result.events if e["event"] == "start")["step"] == 3 * i
+        assert result.start.step == 3 * i
         assert_losses_match(result, reference)
     from transformers import AutoModelForCausalLM
 
@@ -67,8 +68,8 @@ def test_a_killed_worker_resumes_on_the_rest(reference: list[float], tmp_path: P
     spec = hf_spec("killed", tmp_path)
     killed: list[int] = []
 
-    def on_event(event: dict) -> None:
-        if event["event"] == "checkpoint" and not killed:
+    def on_event(event: object) -> None:
+        if isinstance(event, CheckpointEvent) and not killed:
             workers = [p for p in descendants(os.getpid())
                        if b"trainer.worker" in Path(f"/proc/{p}/cmdline").read_bytes()]
             victim = workers[-1]
@@ -79,8 +80,8 @@ def test_a_killed_worker_resumes_on_the_rest(reference: list[float], tmp_path: P
     assert killed and failed.returncode != 0
     time.sleep(0.5)
     resumed = run(spec, Plan.fully_sharded(2))
-    start = next(e for e in resumed.events if e["event"] == "start")
-    assert start["resumed"] and start["step"] >= 3 and resumed.final_step == 12
+    start = resumed.start
+    assert start.resumed and start.step >= 3 and resumed.final_step == 12
     assert_losses_match(resumed, reference)
 
 
@@ -91,7 +92,7 @@ def test_gpt2_tied_embeddings_under_fsdp_equal_one_process(tmp_path: Path) -> No
     gpt2 = {"model_type": "gpt2", "n_layer": 2, "n_embd": 32, "n_head": 2, "vocab_size": 256, "n_positions": 64,
             "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}  # dropout draws differ by rank
     one = hf_spec("gpt2-one", tmp_path, gpt2, steps=4)
-    expected = [e["loss"] for e in run(one, Plan.data_parallel(1)).steps]
+    expected = [e.loss for e in run(one, Plan.data_parallel(1)).steps]
     sharded = hf_spec("gpt2-fsdp", tmp_path, gpt2, steps=4)
     assert_losses_match(run(sharded, Plan.fully_sharded(2)), expected)
     assert "model/lm_head.weight" not in final_state(sharded) and "model/transformer.wte.weight" in final_state(sharded)

@@ -14,6 +14,8 @@ import pytest
 from jobs import tiny_spec
 from test_elastic_events import LONG, wait_for
 
+from trainer.events import StepEvent, WorkerEvent
+
 
 def test_a_second_run_of_a_running_job_is_refused(prefect_server: None, tmp_path: Path, monkeypatch: Any) -> None:
     from flows.train import train_job
@@ -24,8 +26,8 @@ def test_a_second_run_of_a_running_job_is_refused(prefect_server: None, tmp_path
     spec = tiny_spec("exclusive", f"file://{tmp_path}/store", training={**LONG, "steps": 100_000})
     started = threading.Event()
 
-    def on_event(event: dict[str, Any]) -> None:
-        if event["event"] == "step":
+    def on_event(event: WorkerEvent) -> None:
+        if isinstance(event, StepEvent):
             started.set()
 
     progress.add_listener(on_event)

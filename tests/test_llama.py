@@ -126,7 +126,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[float], di
     """One process, no parallelism: the losses and final state every plan must reproduce."""
     spec = llama_spec("reference", tmp_path_factory.mktemp("reference"))
     result = run(spec, Plan.data_parallel(1))
-    losses = [e["loss"] for e in result.steps]
+    losses = [e.loss for e in result.steps]
     assert len(losses) == 20 and losses[-1] < losses[0] - 0.3
     return losses, final_state(spec)
 
@@ -209,8 +209,8 @@ def test_elastic_two_three_one_equals_the_static_run(reference, tmp_path: Path) 
     segments = [(mesh_plan({"tp": 2}), 7), (Plan.data_parallel(3), 14), (Plan.data_parallel(1), None)]
     for i, (plan, until) in enumerate(segments):
         result = run(spec, plan, until_step=until)
-        start = next(e for e in result.events if e["event"] == "start")
-        assert start["step"] == (0, 7, 14)[i] and start["resumed"] == (i > 0)
+        start = result.start
+        assert start.step == (0, 7, 14)[i] and start.resumed == (i > 0)
         assert_losses_match(result, expected_losses)
     assert_state_matches(final_state(spec), expected_state, noise_only=())
 
@@ -226,11 +226,11 @@ def test_a_qwen2_checkpoint_trains_under_tp_and_exports_to_transformers(tmp_path
     spec = resolve_model(spec.model_copy(update={"model": LlamaSpec(family="llama", init_from=str(folder), seq_len=24)}))
     assert spec.model.attention_bias and spec.model.tie_embeddings
     result = run(spec, mesh_plan({"dp": 2, "tp": 2}))
-    assert result.final_step == 20 and result.steps[-1]["loss"] < result.steps[0]["loss"]
+    assert result.final_step == 20 and result.steps[-1].loss < result.steps[0].loss
     # Each rank read its box of every weight from the folder: one process reading them whole
     # trains the same losses.
     whole = run(spec.model_copy(update={"name": "qwen-one"}), Plan.data_parallel(1))
-    assert_losses_match(result, [e["loss"] for e in whole.steps])
+    assert_losses_match(result, [e.loss for e in whole.steps])
     export_hf(spec, str(tmp_path / "hf"))
     ours = parashift_logits(spec.model, final_state(spec), TOKENS)
     theirs = transformers_logits(tmp_path / "hf", TOKENS)

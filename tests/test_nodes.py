@@ -84,7 +84,7 @@ def static_losses(spec: JobSpec) -> dict[int, float]:
                                      "resources": spec.resources.model_copy(update={"nodes": None})})
     result = launch_workers(single, Plan.data_parallel(4))
     assert result.returncode == 0
-    return {e["step"]: e["loss"] for e in result.steps}
+    return {e.step: e.loss for e in result.steps}
 
 
 def assert_same_losses(got: dict[int, float], want: dict[int, float]) -> None:

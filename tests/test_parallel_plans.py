@@ -69,7 +69,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[float], di
     """One process, no parallelism: the losses and final state every plan must reproduce."""
     spec = spec_for("reference", tmp_path_factory.mktemp("reference"))
     result = run(spec, Plan.data_parallel(1))
-    losses = [e["loss"] for e in result.steps]
+    losses = [e.loss for e in result.steps]
     assert len(losses) == 20 and losses[-1] < losses[0] - 0.3
     return losses, final_state(spec)
 
@@ -124,11 +124,10 @@ def test_checkpoint_moves_between_plans(reference, tmp_path: Path) -> None:
     spec = spec_for("moving", tmp_path)
     run(spec, mesh_plan({"dp": 2, "tp": 2}), until_step=7)
     second = run(spec, mesh_plan({"tp": 4}), until_step=14)
-    start = next(e for e in second.events if e["event"] == "start")
-    assert start["resumed"] and start["step"] == 7
+    assert second.start is not None and second.start.resumed and second.start.step == 7
     assert_losses_match(second, expected_losses)
     third = run(spec, mesh_plan({"pp": 2, "dp": 2}, micro_batches=2))
-    assert next(e for e in third.events if e["event"] == "start")["step"] == 14
+    assert third.start is not None and third.start.step == 14
     assert third.final_step == 20
     assert_losses_match(third, expected_losses)
     assert_state_matches(final_state(spec), expected_state)
@@ -147,7 +146,7 @@ def test_checkpoint_moves_between_sharded_plans(reference, tmp_path: Path) -> No
     for i, plan in enumerate(plans):
         until = min(3 * (i + 1), 20) if i < len(plans) - 1 else None
         result = run(spec, plan, until_step=until)
-        assert next(e for e in result.events if e["event"] == "start")["step"] == 3 * i
+        assert result.start is not None and result.start.step == 3 * i
         assert result.final_step == (until or 20)
         assert_losses_match(result, expected_losses)
     assert_state_matches(final_state(spec), expected_state)
@@ -164,11 +163,11 @@ def test_tp4_tp3_tp1_chain_three_times(reference, tmp_path: Path) -> None:
     for i, plan in enumerate(plans):
         last = i == len(plans) - 1  # the last tp1 segment trains to the end
         result = run(spec, plan, until_step=None if last else 2 * (i + 1))
-        start = next(e for e in result.events if e["event"] == "start")
-        assert start["step"] == 2 * i and result.final_step == (20 if last else 2 * (i + 1))
+        assert result.start is not None and result.start.step == 2 * i
+        assert result.final_step == (20 if last else 2 * (i + 1))
         if i:
-            restoring = next(e for e in result.events if e["event"] == "restoring")
-            assert restoring["bytes_read"] == restoring["bytes_needed"]  # rank 0 reads exactly its bytes
+            restoring = result.restoring
+            assert restoring is not None and restoring.bytes_read == restoring.bytes_needed  # rank 0 reads exactly its bytes
         assert_losses_match(result, expected_losses)
     assert_state_matches(final_state(spec), expected_state)
 

@@ -13,6 +13,7 @@ from jobs import assert_bitwise_equal, checkpoint_store, final_state, kill_tree,
 
 from specs.plan import Plan
 from storage import JobPaths, open_store
+from trainer.events import CheckpointEvent, FatalEvent, StepEvent, WorkerEvent, parse
 from trainer.launch import LaunchResult, launch_workers
 
 pytestmark = pytest.mark.slow
@@ -39,7 +40,7 @@ def reference(tmp_path_factory: pytest.TempPathFactory):
 
 def test_uninterrupted_run_learns_and_commits(reference) -> None:
     spec, result, _ = reference
-    losses = [e["loss"] for e in result.steps]
+    losses = [e.loss for e in result.steps]
     assert len(losses) == 12 and losses[-1] < losses[0] - 0.3
     assert checkpoint_store(spec).committed_steps() == [8, 12]  # keep_checkpoints=2 pruned step 4
 
@@ -49,8 +50,8 @@ def test_stop_request_then_resume_is_bitwise_equal(reference, tmp_path: Path) ->
     spec = tiny_spec("stopped", f"file://{tmp_path}/store")
     store = open_store(spec.storage)
 
-    def stop_after_step_5(event: dict[str, Any]) -> None:
-        if event["event"] == "step" and event["step"] == 5:
+    def stop_after_step_5(event: WorkerEvent) -> None:
+        if isinstance(event, StepEvent) and event.step == 5:
             store.put_json(JobPaths(spec.job_id).stop(), {"reason": "test"})
 
     os.environ["PARASHIFT_STOP_POLL_SECONDS"] = "0"
@@ -63,8 +64,8 @@ def test_stop_request_then_resume_is_bitwise_equal(reference, tmp_path: Path) ->
 
     store.delete(JobPaths(spec.job_id).stop())
     second = run(spec)
-    start = next(e for e in second.events if e["event"] == "start")
-    assert start["resumed"] and start["step"] == first.final_step
+    start = second.start
+    assert start is not None and start.resumed and start.step == first.final_step
     assert second.final_step == 12
     assert_bitwise_equal(final_state(spec), expected)
 
@@ -75,7 +76,7 @@ def test_killed_workers_resume_from_last_commit_bitwise_equal(reference, tmp_pat
     spec = tiny_spec("killed", f"file://{tmp_path}/store", training={"checkpoint_every": 3})
     import subprocess
 
-    from trainer import launch, metrics
+    from trainer import launch
 
     spec_file, plan_file = tmp_path / "spec.json", tmp_path / "plan.json"
     spec_file.write_text(spec.model_dump_json())
@@ -89,8 +90,7 @@ def test_killed_workers_resume_from_last_commit_bitwise_equal(reference, tmp_pat
         start_new_session=True,
     )
     for line in process.stdout:
-        event = metrics.parse(line)
-        if event and event["event"] == "checkpoint":
+        if isinstance(parse(line), CheckpointEvent):
             kill_tree(process.pid)
             break
     process.wait()
@@ -98,8 +98,7 @@ def test_killed_workers_resume_from_last_commit_bitwise_equal(reference, tmp_pat
     assert checkpoint_store(spec).committed_steps() == [3]
 
     resumed = run(spec)
-    start = next(e for e in resumed.events if e["event"] == "start")
-    assert start["step"] == 3 and resumed.final_step == 12
+    assert resumed.start is not None and resumed.start.step == 3 and resumed.final_step == 12
     assert_bitwise_equal(final_state(spec), expected)
 
 
@@ -116,8 +115,7 @@ def test_corrupted_checkpoint_is_refused_and_the_previous_one_used(reference, tm
     resumed = run(spec)
     log = "\n".join(resumed.lines)  # type: ignore[attr-defined]
     assert "checksum" in log.lower()
-    start = next(e for e in resumed.events if e["event"] == "start")
-    assert start["step"] == 4, "the corrupted step-8 checkpoint must not be loaded"
+    assert resumed.start is not None and resumed.start.step == 4, "the corrupted step-8 checkpoint must not be loaded"
     assert resumed.final_step == 12
     assert_bitwise_equal(final_state(spec), expected)
 
@@ -134,10 +132,10 @@ def test_another_models_checkpoints_end_the_run_with_one_line(reference, tmp_pat
     wider = tiny_spec("reference", f"file://{tmp_path}/store", model={"d_model": 64})
     lines: list[str] = []
     result = launch_workers(wider, DP2, on_line=lines.append)
-    fatal = [e for e in result.events if e["event"] == "fatal"]
+    fatal = result.of(FatalEvent)
     assert result.returncode != 0 and len(fatal) == 1, "\n".join(lines[-30:])
-    assert "none of the 2 committed checkpoints of reference" in fatal[0]["message"]
-    assert "this job's is float32[64]" in fatal[0]["message"]
+    assert "none of the 2 committed checkpoints of reference" in fatal[0].message
+    assert "this job's is float32[64]" in fatal[0].message
     assert f"exitcode  : {EXIT_FATAL}" in "\n".join(lines) and not result.steps
     assert checkpoint_store(spec).committed_steps() == [8, 12]  # the reference's own store is untouched
 
@@ -150,8 +148,7 @@ def test_same_job_on_s3_resumes_bitwise_equal(reference, s3_endpoint: str, s3_bu
     assert first.final_step == 6
     assert checkpoint_store(spec).committed_steps() == [4, 6]
     second = run(spec)
-    start = next(e for e in second.events if e["event"] == "start")
-    assert start["step"] == 6 and second.final_step == 12
+    assert second.start is not None and second.start.step == 6 and second.final_step == 12
     assert_bitwise_equal(final_state(spec), expected)
 
 
@@ -168,8 +165,8 @@ def test_node_local_tier_serves_restores_and_a_bad_copy_falls_back(reference, tm
     assert {p.parent.name for p in tier.rglob("hold*.bin")} == {"00000004", "00000006"}  # the two newest steps
     assert not list(tier.rglob("rank*.bin")) and not list((tmp_path / "store").rglob("hold*.bin"))
     second = run(spec, until_step=10)
-    restoring = next(e for e in second.events if e["event"] == "restoring")
-    assert restoring["step"] == 6 and restoring["bytes_local"] == restoring["bytes_read"] > 0
+    restoring = second.restoring
+    assert restoring is not None and restoring.step == 6 and restoring.bytes_local == restoring.bytes_read > 0
 
     victim = next(tier.rglob("hold00000.bin"))  # both ranks read the first copy of each box
     data = bytearray(victim.read_bytes())
@@ -177,7 +174,7 @@ def test_node_local_tier_serves_restores_and_a_bad_copy_falls_back(reference, tm
     victim.write_bytes(bytes(data))
     third = run(spec)
     assert "node-local tier unusable" in "\n".join(third.lines)  # type: ignore[attr-defined]
-    assert next(e for e in third.events if e["event"] == "start")["step"] == 10 and third.final_step == 12
+    assert third.start is not None and third.start.step == 10 and third.final_step == 12
     assert_bitwise_equal(final_state(spec), expected)
 
 
@@ -201,6 +198,6 @@ def test_every_checkpoint_refused_starts_over_exactly_like_a_fresh_run(tmp_path:
     lines: list[str] = []
     result = launch_workers(again, one, on_line=lines.append)
     assert result.returncode == 0, "\n".join(lines[-30:])
-    assert next(e for e in result.events if e["event"] == "start")["step"] == 0 and result.final_step == 12
+    assert result.start is not None and result.start.step == 0 and result.final_step == 12
     assert "refused the checkpoint at step 8" in "\n".join(lines)
     assert_bitwise_equal(final_state(again), final_state(fresh))

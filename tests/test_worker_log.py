@@ -3,13 +3,13 @@
 import logging
 
 from tasks.worker_log import present
-from trainer import metrics
+from trainer import events
 
 
 def test_events_read_as_sentences() -> None:
-    step = metrics.PREFIX + '{"event": "step", "step": 12, "loss": 2.48929, "lr": 0.001, "step_s": 0.0221, "tokens_per_s": 11488.7}'
+    step = events.PREFIX + '{"event": "step", "step": 12, "loss": 2.48929, "lr": 0.001, "step_s": 0.0221, "tokens_per_s": 11488.7}'
     assert present(step, 400) == (logging.INFO, "step 12/400  loss 2.4893  11,489 tok/s  22 ms")
-    start = metrics.PREFIX + '{"event": "start", "step": 10, "resumed": true, "world_size": 2, "pids": [5, 6], "end_step": 40}'
+    start = events.PREFIX + '{"event": "start", "step": 10, "resumed": true, "world_size": 2, "pids": [5, 6], "end_step": 40}'
     assert present(start)[1] == "2 workers (pids [5, 6]) resuming at step 10, training to step 40"
 
 

@@ -17,13 +17,26 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from specs import JobSpec
 from specs.loader import resolve_model
 from specs.plan import Plan
-from trainer import metrics
+from trainer.events import (
+    CheckpointEvent,
+    CommTimingsEvent,
+    FatalEvent,
+    FinishedEvent,
+    RestoringEvent,
+    StartEvent,
+    StepEvent,
+    StoppedEvent,
+    WorkerEvent,
+    parse,
+)
 from trainer.mesh import job_plan_refusals
+
+E = TypeVar("E", bound=WorkerEvent)
 
 
 class PlanNotExecutable(ValueError):
@@ -33,25 +46,47 @@ class PlanNotExecutable(ValueError):
 @dataclass
 class LaunchResult:
     returncode: int
-    events: list[dict[str, Any]] = field(default_factory=list)
+    events: list[WorkerEvent] = field(default_factory=list)
     hung_s: float | None = None  # set when the watchdog killed workers that reported nothing this long
 
+    def of(self, kind: type[E]) -> list[E]:
+        """The events of one kind, in order: `result.of(RestoringEvent)`."""
+        return [e for e in self.events if isinstance(e, kind)]
+
     @property
-    def steps(self) -> list[dict[str, Any]]:
-        return [e for e in self.events if e["event"] == "step"]
+    def start(self) -> StartEvent | None:
+        """The workers' start report (None: they never got that far)."""
+        starts = self.of(StartEvent)
+        return starts[-1] if starts else None
+
+    @property
+    def steps(self) -> list[StepEvent]:
+        return self.of(StepEvent)
 
     @property
     def final_step(self) -> int | None:
-        ends = [e for e in self.events if e["event"] in ("finished", "stopped")]
-        return ends[-1]["step"] if ends else None
+        ends = [e for e in self.events if isinstance(e, FinishedEvent | StoppedEvent)]
+        return ends[-1].step if ends else None
 
     @property
     def stopped(self) -> bool:
-        return any(e["event"] == "stopped" for e in self.events)
+        return bool(self.of(StoppedEvent))
 
     @property
-    def checkpoints(self) -> list[dict[str, Any]]:
-        return [e for e in self.events if e["event"] == "checkpoint"]
+    def checkpoints(self) -> list[CheckpointEvent]:
+        return self.of(CheckpointEvent)
+
+    @property
+    def restoring(self) -> RestoringEvent | None:
+        """Rank 0's restore report (None: nothing restored)."""
+        reads = self.of(RestoringEvent)
+        return reads[-1] if reads else None
+
+    @property
+    def fatal(self) -> FatalEvent | None:
+        """The error no retry can fix, if the workers reported one."""
+        fatal = self.of(FatalEvent)
+        return fatal[-1] if fatal else None
 
 
 class RunningWorkers:
@@ -174,14 +209,14 @@ def worker_command(devices: int, spec_file: Path, plan_file: Path, until_step: i
     return command
 
 
-def run_measure_comm(devices: int, kind: str, node: NodeRendezvous | None = None) -> tuple[int, list[dict[str, Any]], str]:
+def run_measure_comm(devices: int, kind: str, node: NodeRendezvous | None = None) -> tuple[int, list[WorkerEvent], str]:
     """Run `trainer.measure_comm` on `devices` workers (with `node`: this node's share of
     them); its exit code, its events (rank 0's `comm_timings`) and the end of its stderr."""
     here = devices if node is None else devices // len(node.nodes)
     command = torchrun_command(here, "trainer.measure_comm", "--kind", kind, node=node)
     env = {**worker_env(kind), **(node.env() if node else {})}
     done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
-    events = [e for line in done.stdout.splitlines() if (e := metrics.parse(line)) is not None]
+    events = [e for line in done.stdout.splitlines() if (e := parse(line)) is not None]
     return done.returncode, events, done.stderr[-2000:]
 
 
@@ -189,7 +224,7 @@ def measure_comm_timings(devices: int, kind: str) -> dict[str, Any]:
     """The collectives' timings on `devices` workers of this machine (the planner fits its
     model to them: `planner.comm.comm_model_from_timings`)."""
     returncode, events, stderr = run_measure_comm(devices, kind)
-    timings = [e["timings"] for e in events if e["event"] == "comm_timings"]
+    timings = [e.timings for e in events if isinstance(e, CommTimingsEvent)]
     if returncode != 0 or not timings:
         raise RuntimeError(f"measuring collectives failed ({returncode}):\n{stderr}")
     return timings[-1]
@@ -221,7 +256,7 @@ def launch_workers(
     spec: JobSpec,
     plan: Plan,
     on_line: Callable[[str], None] = lambda line: None,
-    on_event: Callable[[dict[str, Any]], None] = lambda event: None,
+    on_event: Callable[[WorkerEvent], None] = lambda event: None,
     until_step: int | None = None,
     extra_env: dict[str, str] | None = None,
     workers: RunningWorkers | None = None,
@@ -272,12 +307,12 @@ def launch_workers(
             for raw in process.stdout:
                 line = raw.rstrip("\n")
                 on_line(line)
-                event = metrics.parse(line)
+                event = parse(line)
                 if event is not None:
                     last_report[:] = [time.monotonic()]
                     result.events.append(event)
-                    if event["event"] == "start":
-                        workers._started(event.get("pids", []))
+                    if isinstance(event, StartEvent):
+                        workers._started(event.pids)
                     on_event(event)
         except KeyboardInterrupt:  # asked to stop at once: nothing of this launch outlives it
             kill_tree(process.pid)

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from trainer import metrics
+from trainer.events import CommTimingsEvent
 from trainer.worker import init_distributed
 
 
@@ -102,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         timings = time_collectives()
     if rank == 0:
-        metrics.emit("comm_timings", timings=timings)
+        metrics.emit(CommTimingsEvent(timings=timings))
     dist.destroy_process_group()
     return 0
 

@@ -1,16 +1,14 @@
-"""Worker -> launcher reporting: one JSON object per line behind a fixed prefix, on rank 0's stdout.
-The launcher parses these; everything else a worker prints is passed through as log text."""
+"""Worker -> launcher reporting: rank 0 writes each event (`trainer.events`) as one line on its
+stdout. The launcher parses these; everything else a worker prints is passed through as log text."""
 
 from __future__ import annotations
 
-import json
 import sys
 import threading
-from typing import Any
 
-PREFIX = "PARASHIFT "
+from trainer.events import WorkerEvent, encode
 
-# A worker's exit status for an error no retry can fix (it emits a "fatal" event saying what).
+# A worker's exit status for an error no retry can fix (it emits a `FatalEvent` saying what).
 EXIT_FATAL = 3
 
 
@@ -20,21 +18,8 @@ EXIT_FATAL = 3
 _WRITING = threading.Lock()
 
 
-def emit(event: str, **fields: Any) -> None:
-    line = PREFIX + json.dumps({"event": event, **fields}, sort_keys=True) + "\n"
+def emit(event: WorkerEvent) -> None:
+    line = encode(event) + "\n"
     with _WRITING:
         sys.stdout.write(line)
         sys.stdout.flush()
-
-
-def parse(line: str) -> dict[str, Any] | None:
-    """The event a worker line carries, or None for plain log text. torchrun may prefix lines
-    with `[rank]:`, so the prefix is searched, not matched at the start."""
-    at = line.find(PREFIX)
-    if at < 0:
-        return None
-    try:
-        event = json.loads(line[at + len(PREFIX) :])
-    except json.JSONDecodeError:
-        return None
-    return event if isinstance(event, dict) else None

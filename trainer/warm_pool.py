@@ -39,7 +39,7 @@ from typing import Any
 from specs import JobSpec
 from specs.loader import resolve_model
 from specs.plan import Plan
-from trainer import metrics
+from trainer import events as worker_events
 from trainer.launch import LaunchResult, PlanNotExecutable, worker_env
 from trainer.mesh import job_plan_refusals
 
@@ -117,7 +117,7 @@ class WarmPool:
         result = LaunchResult(returncode=max(codes, key=abs))
         out = folder / "rank0.out"
         for line in out.read_text().splitlines() if out.exists() else []:
-            event = metrics.parse(line)
+            event = worker_events.parse(line)
             if event is not None:
                 result.events.append(event)
         return result

@@ -48,6 +48,16 @@ from trainer.checkpoint import (
 )
 from trainer.control import StopRequests
 from trainer.data import DataPosition, SampleStream, load_tokens, micro_batches, rank_share
+from trainer.events import (
+    CheckpointEvent,
+    CheckpointStallEvent,
+    FatalEvent,
+    FinishedEvent,
+    RestoringEvent,
+    StartEvent,
+    StepEvent,
+    StoppedEvent,
+)
 from trainer.layout import layout_mismatches, rng_state_bytes, state_layout
 from trainer.mesh import Coordinates, ParallelDims, job_plan_refusals
 from trainer.optim import LocalShardAdamW
@@ -203,8 +213,8 @@ def main(argv: list[str] | None = None) -> int:
     def restoring(at_step: int, reads: RankReads) -> None:
         my_reads[:] = [reads]
         if rank == 0:
-            metrics.emit("restoring", step=at_step, bytes_needed=reads.bytes_needed, bytes_read=reads.bytes_read,
-                         requests=len(reads.requests), bytes_local=reads.bytes_from(LOCAL))
+            metrics.emit(RestoringEvent(step=at_step, bytes_needed=reads.bytes_needed, bytes_read=reads.bytes_read,
+                                        requests=len(reads.requests), bytes_local=reads.bytes_from(LOCAL)))
 
     # Parameters are read in place (just initialised: nothing is lost if a checkpoint is
     # refused half-way, they are initialised again below); optimizer state into new tensors.
@@ -215,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
                                   start_over=train.if_checkpoints_unusable == "start-over")
     except CheckpointsUnusable as error:  # no retry can fix it: said once, and the run ends
         if rank == 0:
-            metrics.emit("fatal", message=str(error))
+            metrics.emit(FatalEvent(message=str(error)))
         runnable = optimizer = ckpt_group = None  # holders of process groups first (see end_distributed)
         end_distributed(world_size)
         return metrics.EXIT_FATAL
@@ -239,8 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     pids, nodes = [p for p, _ in where], [n for _, n in where]
     restore_bytes = restore_totals(my_reads[0] if restored is not None and my_reads else None, ckpt_group)
     if rank == 0:
-        metrics.emit(
-            "start",
+        metrics.emit(StartEvent(
             pids=pids,
             nodes=nodes,
             restore_bytes=restore_bytes,
@@ -254,14 +263,14 @@ def main(argv: list[str] | None = None) -> int:
             params=n_params,
             flops_per_token=family.flops_per_token(m, n_params),
             end_step=end_step,
-        )
+        ))
 
     # Where the spec came from (repository, commit, path), when a flow says so: kept in each manifest.
     source = {"source": json.loads(os.environ["PARASHIFT_SOURCE"])} if os.environ.get("PARASHIFT_SOURCE") else {}
 
     def committed(report: SaveReport) -> None:
-        metrics.emit("checkpoint", step=report.step, url=report.url, stall_s=round(report.stall_s, 4),
-                     write_s=round(report.write_s, 4), bytes_written=report.bytes_written)
+        metrics.emit(CheckpointEvent(step=report.step, url=report.url, stall_s=round(report.stall_s, 4),
+                                     write_s=round(report.write_s, 4), bytes_written=report.bytes_written))
 
     checkpointer = Checkpointer(checkpoints, layout, rank, ckpt_group, train.keep_checkpoints,
                                 on_commit=committed if rank == 0 else None, tier=tier,
@@ -326,7 +335,7 @@ def main(argv: list[str] | None = None) -> int:
             if world_size > 1:
                 dist.all_reduce(stall, op=dist.ReduceOp.MAX)
             if rank == 0:
-                metrics.emit("checkpoint_stall", step=step + 1, stall_s=round(stall.item(), 4))
+                metrics.emit(CheckpointStallEvent(step=step + 1, stall_s=round(stall.item(), 4)))
             checkpointer.last_stall_s = None
         step += 1
         position = DataPosition(position.samples_consumed + train.global_batch)
@@ -339,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
         loss, stop_now = report[0].item() / tokens_per_step, report[1].item() > 0
         elapsed = time.perf_counter() - started
         if rank == 0 and (step % train.log_every == 0 or step == end_step):
-            metrics.emit("step", step=step, loss=loss, lr=lr, step_s=elapsed, tokens_per_s=tokens_per_step / elapsed)
+            metrics.emit(StepEvent(step=step, loss=loss, lr=lr, step_s=elapsed, tokens_per_s=tokens_per_step / elapsed))
         if step % train.checkpoint_every == 0 or step == end_step or stop_now:
             checkpoint(step)
         if stop_now and step < end_step:
@@ -348,7 +357,8 @@ def main(argv: list[str] | None = None) -> int:
 
     checkpointer.close()  # the last save is committed before anyone reports or exits
     if rank == 0:
-        metrics.emit("stopped" if stopped else "finished", step=step, samples_consumed=position.samples_consumed)
+        end = StoppedEvent if stopped else FinishedEvent
+        metrics.emit(end(step=step, samples_consumed=position.samples_consumed))
     runnable = pipeline = optimizer = ckpt_group = None
     end_distributed(world_size)
     return 0

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
 
 import typer
 
@@ -44,6 +43,7 @@ def run(
     from flows.train import train_job
     from tasks import progress as progress_events
     from tasks.launch import stop_on_signals
+    from trainer.events import StartEvent, StepEvent, WorkerEvent
 
     console = Console(soft_wrap=True)
     stop_on_signals(lambda name: console.print(f"[bold yellow]{name}[/]: stopping at the next step boundary "
@@ -59,11 +59,11 @@ def run(
     ) as bar:
         task_id = bar.add_task(f"{spec.name} (starting workers)", total=spec.training.steps, loss="-", rate="")
 
-        def on_event(event: dict[str, Any]) -> None:
-            if event["event"] == "start":
-                bar.update(task_id, completed=event["step"], description=f"{spec.name} on {event['world_size']} workers")
-            elif event["event"] == "step":
-                bar.update(task_id, completed=event["step"], loss=f"{event['loss']:.4f}", rate=f"{event['tokens_per_s']:,.0f} tok/s")
+        def on_event(event: WorkerEvent) -> None:
+            if isinstance(event, StartEvent):
+                bar.update(task_id, completed=event.step, description=f"{spec.name} on {event.world_size} workers")
+            elif isinstance(event, StepEvent):
+                bar.update(task_id, completed=event.step, loss=f"{event.loss:.4f}", rate=f"{event.tokens_per_s:,.0f} tok/s")
 
         progress_events.add_listener(on_event)
         try:

@@ -1,0 +1,261 @@
+"""The elastic policy (`specs.elastic`), rule by rule as docs/elastic.md states them: plain
+function calls, no Prefect server, no worker processes."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import pytest
+from pydantic import ValidationError
+
+from specs import JobSpec
+from specs.elastic import (
+    REASONS,
+    Fail,
+    Ignore,
+    JobState,
+    Replan,
+    ResourceEvent,
+    SegmentEnded,
+    Stop,
+    admit,
+    check_change,
+    decide,
+    rejoined_nodes,
+    segment_outcome,
+)
+from tasks.records import SegmentResult
+
+
+def job_spec(**sections: Any) -> JobSpec:
+    data: dict[str, Any] = {"name": "policy", "training": {"global_batch": 8, "micro_batch": 2, "steps": 100},
+                            "resources": {"devices": 2}}
+    data.update(sections)
+    return JobSpec.model_validate(data)
+
+
+ONE_NODE = job_spec()
+NODES = job_spec(resources={"devices": 6, "nodes": ["a", "b", "c"]})
+
+
+def segment(devices: int, start: int, final: int, outcome: str = "finished", reason: str | None = None,
+            nodes: list[str] | None = None, left: list[str] | None = None) -> SegmentResult:
+    return SegmentResult(devices=devices, start_step=start, final_step=final, outcome=outcome,  # type: ignore[arg-type]
+                         reason=reason, nodes=nodes, left_nodes=left or [])
+
+
+# Which events the job hears
+
+
+def test_the_highest_epoch_wins() -> None:
+    assert admit("policy", ResourceEvent(devices=3, epoch=11), highest_epoch=10) is None
+    for stale in (10, 5):
+        ignored = admit("policy", ResourceEvent(devices=3, epoch=stale), highest_epoch=10)
+        assert isinstance(ignored, Ignore) and ignored.epoch == stale
+        assert f"epoch {stale}): epoch not above 10" in ignored.why
+    # what the job already decided on is not decided again
+    job = JobState(devices=2, epoch=20)
+    ignored = decide(ONE_NODE, job, ResourceEvent(devices=3, epoch=20))
+    assert isinstance(ignored, Ignore) and "not above 20" in ignored.why
+
+
+def test_another_jobs_event_is_ignored() -> None:
+    ignored = admit("policy", ResourceEvent(devices=3, epoch=99), highest_epoch=-1, sent_to="other")
+    assert isinstance(ignored, Ignore) and "for job other" in ignored.why
+    assert admit("policy", ResourceEvent(devices=3, epoch=99), highest_epoch=-1, sent_to="policy") is None
+
+
+def test_ignored_events_are_logged_with_the_reason(caplog: pytest.LogCaptureFixture) -> None:
+    from tasks.events import ResourceWatcher
+
+    watcher = ResourceWatcher("policy", logger=logging.getLogger("test.policy"))
+    with caplog.at_level(logging.INFO, logger="test.policy"):
+        assert watcher.offer(ResourceEvent(devices=3, epoch=10))
+        assert not watcher.offer(ResourceEvent(devices=4, epoch=7))
+        assert not watcher.offer(ResourceEvent(devices=4, epoch=12), job_id="other")
+    ignored = [r.getMessage() for r in caplog.records if "ignored" in r.getMessage()]
+    assert ignored == ["resource change ignored: 4 devices (scale, epoch 7): epoch not above 10",
+                       "resource change ignored: 4 devices (scale, epoch 12) is for job other"]
+    assert watcher.latest == ResourceEvent(devices=3, epoch=10)
+    assert watcher.newest_after(9) == watcher.latest and watcher.newest_after(10) is None
+
+
+# What a heard event does
+
+
+def test_a_new_device_count_replans_and_the_same_one_does_nothing() -> None:
+    job = JobState.starting(ONE_NODE)
+    assert (job.devices, job.nodes, job.step, job.epoch) == (2, None, 0, -1)
+    decision = decide(ONE_NODE, job, ResourceEvent(devices=3, epoch=10, reason="scale-up"))
+    assert decision == Replan(3, None, "scale-up", "scale-up: 2 devices -> 3 devices", epoch=10)
+    job = job.following(decision)
+    assert (job.devices, job.epoch) == (3, 10)
+    same = decide(ONE_NODE, job, ResourceEvent(devices=3, epoch=11))
+    assert isinstance(same, Ignore) and "runs on 3 devices already" in same.why
+    assert job.following(same).epoch == 11 and job.following(same).devices == 3
+
+
+def test_no_device_gets_less_than_one_sequence_per_step() -> None:
+    job = JobState.starting(ONE_NODE)
+    assert isinstance(decide(ONE_NODE, job, ResourceEvent(devices=8, epoch=1)), Replan)  # global_batch 8
+    too_many = decide(ONE_NODE, job, ResourceEvent(devices=9, epoch=1))
+    assert isinstance(too_many, Ignore) and "exceed training.global_batch (8)" in too_many.why
+    with pytest.raises(ValueError, match="global_batch"):
+        check_change(ResourceEvent(devices=9, epoch=1), ONE_NODE)  # what `parashift scale SPEC` refuses up front
+
+
+def test_a_job_on_one_node_takes_devices_not_nodes() -> None:
+    ignored = decide(ONE_NODE, JobState.starting(ONE_NODE), ResourceEvent(nodes=["a"], epoch=1))
+    assert isinstance(ignored, Ignore) and "runs on one node" in ignored.why
+
+
+def test_a_job_across_nodes_takes_node_lists_and_whole_nodes() -> None:
+    job = JobState.starting(NODES)
+    assert job.nodes == ["a", "b", "c"]
+    assert decide(NODES, job, ResourceEvent(nodes=["a", "c"], epoch=1)) == Replan(
+        4, ["a", "c"], "scale", "scale: 6 devices -> nodes a,c", epoch=1)
+    assert decide(NODES, job, ResourceEvent(devices=2, epoch=1)) == Replan(
+        2, ["a"], "scale", "scale: 6 devices -> 2 devices", epoch=1)
+    assert "not whole nodes of 2" in decide(NODES, job, ResourceEvent(devices=3, epoch=1)).why  # type: ignore[union-attr]
+    more = decide(NODES, JobState(devices=2, nodes=["a"]), ResourceEvent(devices=4, epoch=1))
+    assert isinstance(more, Ignore) and "need more nodes than the 1 running" in more.why
+    same = decide(NODES, job, ResourceEvent(devices=6, epoch=1))
+    assert isinstance(same, Ignore) and "runs on nodes a,b,c already" in same.why
+
+
+# Failures
+
+
+def test_a_failure_resumes_on_one_device_fewer() -> None:
+    job = JobState(devices=3, step=0)
+    failed = segment(3, 0, 10, "failed", "rank 1 killed by signal 9 (torchrun exited with 1)")
+    decision = decide(ONE_NODE, job, SegmentEnded(failed))
+    assert isinstance(decision, Replan)
+    assert (decision.devices, decision.nodes, decision.reason, decision.announce) == (2, None, "failure", True)
+    assert decision.why == ("worker failure on 3 devices (rank 1 killed by signal 9 (torchrun exited with 1)): "
+                            "resuming from step 10 on 2 devices")
+    assert decision.as_event(7) == ResourceEvent(devices=2, epoch=7, reason="failure")
+    job = job.after(failed).following(decision, epoch=7)
+    assert (job.devices, job.step, job.epoch, len(job.segments)) == (2, 10, 7, 1)
+    # at least one device
+    last = decide(ONE_NODE, JobState(devices=1), SegmentEnded(segment(1, 0, 4, "failed", "oom")))
+    assert isinstance(last, Replan) and last.devices == 1
+
+
+def test_two_failures_in_a_row_without_progress_fail_the_job() -> None:
+    first = segment(2, 4, 4, "failed", "rank 0 killed by signal 9")
+    job = JobState(devices=2, step=4).after(first)
+    second = segment(1, 4, 4, "failed", "rank 0 killed by signal 9 again")
+    decision = decide(ONE_NODE, job, SegmentEnded(second))
+    assert isinstance(decision, Fail)
+    assert decision.why == ("policy cannot make progress: two failures in a row without a new checkpoint "
+                            "(last: rank 0 killed by signal 9 again); the last committed step is 4")
+    # a failure that committed a new step, or one after a segment that did not fail, is retried
+    progressed = JobState(devices=2).after(segment(2, 0, 4, "failed", "x"))
+    assert isinstance(decide(ONE_NODE, progressed, SegmentEnded(second)), Replan)
+    after_rescale = JobState(devices=2).after(segment(2, 4, 4, "rescaled"))
+    assert isinstance(decide(ONE_NODE, after_rescale, SegmentEnded(second)), Replan)
+    made_progress = segment(1, 4, 6, "failed", "y")
+    assert isinstance(decide(ONE_NODE, job, SegmentEnded(made_progress)), Replan)
+
+
+def test_a_node_that_leaves_is_a_failure_on_the_nodes_left() -> None:
+    job = JobState.starting(NODES)
+    left = segment(6, 0, 10, "failed", "node b left", nodes=["a", "b", "c"], left=["b"])
+    decision = decide(NODES, job, SegmentEnded(left))
+    assert decision == Replan(4, ["a", "c"], "node-left",
+                              "node failure on 6 devices (node b left): resuming from step 10 on nodes a,c",
+                              announce=True)
+    gone = segment(6, 0, 10, "failed", "nodes a, b, c left", nodes=["a", "b", "c"], left=["a", "b", "c"])
+    every = decide(NODES, job, SegmentEnded(gone))
+    assert isinstance(every, Fail) and "every node left (a, b, c)" in every.why
+    # a worker that died on a node that stayed: the same nodes again
+    died = segment(6, 0, 10, "failed", "rank 4 killed", nodes=["a", "b", "c"])
+    again = decide(NODES, job, SegmentEnded(died))
+    assert isinstance(again, Replan) and (again.devices, again.nodes, again.reason) == (6, ["a", "b", "c"], "failure")
+
+
+def test_a_node_that_comes_back_is_taken_in_again() -> None:
+    assert rejoined_nodes(NODES, running=["a"], back=["c"]) == ["a", "c"]
+    assert rejoined_nodes(NODES, running=["c"], back=["b", "a"]) == ["a", "b", "c"]  # the spec's order
+    job = JobState(devices=2, nodes=["a"], epoch=3)
+    decision = decide(NODES, job, ResourceEvent(nodes=["a", "c"], epoch=4, reason="node-joined"))
+    assert decision == Replan(4, ["a", "c"], "node-joined", "node-joined: 2 devices -> nodes a,c", epoch=4)
+
+
+# How segments end, and what follows
+
+
+def test_a_finished_segment_follows_the_script_or_ends_the_job() -> None:
+    spec = job_spec(elasticity=[{"at_step": 4, "devices": 3, "reason": "scale-up"},
+                                {"at_step": 8, "devices": 3}, {"at_step": 12, "devices": 1, "reason": "failure"}])
+    job = JobState.starting(spec)
+    scripted = spec.scripted_change_after(0)
+    decision = decide(spec, job, SegmentEnded(segment(2, 0, 4), scripted))
+    assert decision == Replan(3, None, "scale-up", "scripted change at step 4 to 3 devices (scale-up)")
+    job = job.after(segment(2, 0, 4)).following(decision)
+    assert (job.devices, job.step, job.epoch) == (3, 4, -1)  # a scripted change is no event
+    same = decide(spec, job, SegmentEnded(segment(3, 4, 8), spec.scripted_change_after(4)))
+    assert isinstance(same, Ignore) and "runs on 3 devices already" in same.why
+    assert decide(spec, job, SegmentEnded(segment(3, 12, 100))) == Stop("finished at step 100")
+    assert isinstance(decide(spec, job, SegmentEnded(segment(3, 90, 100), scripted)), Stop)  # at the last step
+    whole = job_spec(resources={"devices": 6, "nodes": ["a", "b", "c"]},
+                     elasticity=[{"at_step": 4, "devices": 3}])
+    halves = decide(whole, JobState.starting(whole), SegmentEnded(segment(6, 0, 4), whole.scripted_change_after(0)))
+    assert isinstance(halves, Ignore) and "not whole nodes" in halves.why
+
+
+def test_stopped_and_fatal_segments() -> None:
+    job = JobState(devices=2)
+    assert decide(ONE_NODE, job, SegmentEnded(segment(2, 0, 5, "stopped"))) == Stop("asked to stop at step 5")
+    assert decide(ONE_NODE, job, SegmentEnded(segment(2, 0, 0, "fatal", "no usable checkpoint"))) == Fail(
+        "no usable checkpoint")
+    assert isinstance(decide(ONE_NODE, job, SegmentEnded(segment(2, 0, 0, "fatal"))), Fail)
+
+
+def test_a_segment_stopped_for_a_change_replans_for_the_newest_one() -> None:
+    job = JobState(devices=2, epoch=5)
+    rescaled = segment(2, 0, 7, "rescaled", "scale: 2 devices -> 3 devices")
+    pending = ResourceEvent(devices=3, epoch=10)
+    assert decide(ONE_NODE, job, SegmentEnded(rescaled, pending=pending)) == Replan(
+        3, None, "scale", "scale: 2 devices -> 3 devices", epoch=10)
+    # a newer event asked for what runs: nothing to re-plan; none pending: go on
+    assert isinstance(decide(ONE_NODE, job, SegmentEnded(rescaled, pending=ResourceEvent(devices=2, epoch=11))),
+                      Ignore)
+    assert isinstance(decide(ONE_NODE, job, SegmentEnded(rescaled)), Ignore)
+
+
+def test_segment_outcomes() -> None:
+    common: dict[str, Any] = {"start_step": 4, "returncode": 0}
+    assert segment_outcome(**common, ended_at=12, stopped=False) == ("finished", None, 12)
+    assert segment_outcome(**common, ended_at=7, stopped=True) == ("stopped", None, 7)
+    # torchrun exits non-zero when it was signalled itself; the workers' report is what counts
+    assert segment_outcome(start_step=4, returncode=1, ended_at=7, stopped=True) == ("stopped", None, 7)
+    replan = Replan(3, None, "scale", "scale: 2 devices -> 3 devices", epoch=10)
+    assert segment_outcome(**common, ended_at=7, stopped=True, stopped_for=replan) == (
+        "rescaled", "scale: 2 devices -> 3 devices", 7)
+    assert segment_outcome(**common, ended_at=7, stopped=True, stopped_for=Ignore("same")) == ("stopped", None, 7)
+    assert segment_outcome(**common, ended_at=None, stopped=False, fatal="no usable checkpoint") == (
+        "fatal", "no usable checkpoint", 4)
+    died = {"start_step": 4, "returncode": -9, "ended_at": None, "stopped": False, "failure": "rank 1 killed"}
+    assert segment_outcome(**died, committed_step=8) == ("failed", "rank 1 killed", 8)
+    assert segment_outcome(**died) == ("failed", "rank 1 killed", 4)  # nothing committed: where it started
+    assert segment_outcome(**common, ended_at=12, stopped=False, left_nodes=["b"], committed_step=10) == (
+        "failed", "node b left", 10)
+    assert segment_outcome(**common, ended_at=None, stopped=False, left_nodes=["b", "c"])[1] == "nodes b, c left"
+    assert segment_outcome(start_step=4, returncode=1, ended_at=12, stopped=False, failure="x")[0] == "failed"
+
+
+# One vocabulary
+
+
+def test_one_reason_vocabulary_for_specs_events_and_records() -> None:
+    assert {"scale-up", "scale-down", "failure", "manual"} <= set(REASONS)  # what specs already say
+    assert {"scale", "node-left", "node-joined"} <= set(REASONS)  # what events say
+    spec = job_spec(elasticity=[{"at_step": 4, "devices": 1, "reason": "node-left"}])
+    assert spec.elasticity[0].reason == "node-left"
+    with pytest.raises(ValidationError):
+        ResourceEvent(devices=2, epoch=1, reason="whatever")  # type: ignore[arg-type]
+    with pytest.raises(ValidationError):
+        job_spec(elasticity=[{"at_step": 4, "devices": 1, "reason": "whatever"}])

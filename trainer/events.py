@@ -1,0 +1,144 @@
+"""What workers report: one pydantic model per event, a union discriminated by `event`.
+
+Rank 0 writes each event as one line, `PREFIX` + JSON, on its stdout (`trainer.metrics.emit`);
+the launcher (`trainer.launch`), the log relay (`tasks.worker_log`) and the job's flow read
+them back through `parse`, the same models. A line that is not an event, or an event this
+code does not know (a malformed one, a newer worker's), stays log text.
+
+Pydantic and the standard library only: the launcher side imports this without torch.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+
+PREFIX = "PARASHIFT "
+
+
+class _Event(BaseModel):
+    # A diverging run's loss is NaN: written as NaN (as json.dumps does), read back as NaN.
+    model_config = ConfigDict(ser_json_inf_nan="constants")
+
+    received_at: float | None = Field(
+        None, description="when a launcher heard it (seconds since 1970; set by a node's launcher, never by a worker)")
+
+
+class StartEvent(_Event):
+    """The workers are up and restored (or start from scratch); they train from `step`."""
+
+    event: Literal["start"] = "start"
+    step: int
+    world_size: int
+    end_step: int | None = None
+    resumed: bool = False
+    pids: list[int] = Field(default_factory=list, description="by rank")
+    nodes: list[str] = Field(default_factory=list, description="each rank's node")
+    params: int | None = None
+    flops_per_token: int | None = None
+    checkpoint_url: str | None = Field(None, description="the manifest restored")
+    checkpoint_loss: float | None = Field(None, description="the loss recorded in that checkpoint")
+    restore_s: float | None = None
+    restore_bytes: dict[str, int] | None = Field(None, description="over all ranks: needed, read, local, store")
+    phases: dict[str, float | None] = Field(default_factory=dict, description="seconds of each start-up phase")
+
+
+class RestoringEvent(_Event):
+    """Rank 0 reads its share of the checkpoint of `step`."""
+
+    event: Literal["restoring"] = "restoring"
+    step: int
+    bytes_needed: int
+    bytes_read: int
+    requests: int
+    bytes_local: int = 0
+
+
+class StepEvent(_Event):
+    """One optimizer step done (every `log_every` steps and the last)."""
+
+    event: Literal["step"] = "step"
+    step: int
+    loss: float
+    lr: float | None = None
+    step_s: float
+    tokens_per_s: float
+
+
+class CheckpointEvent(_Event):
+    """The checkpoint of `step` is committed (written in the background)."""
+
+    event: Literal["checkpoint"] = "checkpoint"
+    step: int
+    url: str | None = Field(None, description="its manifest")
+    stall_s: float = 0.0
+    write_s: float = 0.0
+    bytes_written: int = 0
+
+
+class CheckpointStallEvent(_Event):
+    """The training loop waited for a checkpoint before step `step`."""
+
+    event: Literal["checkpoint_stall"] = "checkpoint_stall"
+    step: int
+    stall_s: float
+
+
+class StoppedEvent(_Event):
+    """Asked to stop: the workers stopped at `step`, committed."""
+
+    event: Literal["stopped"] = "stopped"
+    step: int
+    samples_consumed: int = 0
+
+
+class FinishedEvent(_Event):
+    """The workers reached their last step, committed."""
+
+    event: Literal["finished"] = "finished"
+    step: int
+    samples_consumed: int = 0
+
+
+class FatalEvent(_Event):
+    """An error no retry can fix (the workers exit with `trainer.metrics.EXIT_FATAL`)."""
+
+    event: Literal["fatal"] = "fatal"
+    message: str
+
+
+class CommTimingsEvent(_Event):
+    """`trainer.measure_comm`: the collectives' timings (`planner.comm.comm_model_from_timings`)."""
+
+    event: Literal["comm_timings"] = "comm_timings"
+    timings: dict[str, Any]
+
+
+WorkerEvent = Annotated[
+    StartEvent | RestoringEvent | StepEvent | CheckpointEvent | CheckpointStallEvent | StoppedEvent | FinishedEvent
+    | FatalEvent | CommTimingsEvent,
+    Field(discriminator="event"),
+]
+_WORKER_EVENT: TypeAdapter[WorkerEvent] = TypeAdapter(WorkerEvent)
+
+
+def encode(event: WorkerEvent) -> str:
+    """The line that carries `event` (without its newline)."""
+    return PREFIX + event.model_dump_json(exclude={"received_at"} if event.received_at is None else None)
+
+
+def parse(line: str) -> WorkerEvent | None:
+    """The event a worker line carries, or None for log text. torchrun may prefix lines with
+    `[rank]:`, so the prefix is searched, not matched at the start."""
+    at = line.find(PREFIX)
+    if at < 0:
+        return None
+    try:
+        return _WORKER_EVENT.validate_json(line[at + len(PREFIX):])
+    except ValidationError:
+        return None
+
+
+__all__ = ["PREFIX", "CheckpointEvent", "CheckpointStallEvent", "CommTimingsEvent", "FatalEvent", "FinishedEvent",
+           "RestoringEvent", "StartEvent", "StepEvent", "StoppedEvent", "WorkerEvent", "encode", "parse"]
