@@ -12,9 +12,7 @@ from __future__ import annotations
 
 from math import prod
 
-from torch.distributed.tensor import Shard
-
-from ptc.layout import Slice
+from ptc.layout import Slice, shard_extent
 
 # Split points of every degree up to 8 (the devices of one node on the common GPU servers) are
 # chunk edges. A dim of n elements has at most 1+2+...+7 = 28 of them inside, so this adds few
@@ -47,7 +45,7 @@ def split_points(size: int, max_degree: int = MAX_ALIGNED_DEGREE) -> set[int]:
     points = set()
     for parts in range(2, max_degree + 1):
         for index in range(1, parts):
-            _, offset = Shard.local_shard_size_and_offset(size, parts, index)
+            _, offset = shard_extent(size, parts, index)
             points.add(offset)
     return points
 

@@ -6,16 +6,16 @@ chosen to balance bytes across ranks, so saving scales with the number of ranks.
 
 `mesh_layout` computes a Layout without any process: from the mesh shape and, per tensor, the
 pipeline stage that holds it and the mesh axis (if any) that shards it along which dim. Boxes
-follow torch's own Shard rule (`Shard.local_shard_size_and_offset`, uneven splits included), so
-the Layout equals what DTensor really holds; the trainer checks that at start.
+follow torch's own Shard rule (`Shard.local_shard_size_and_offset`, uneven splits included;
+`shard_extent`, checked against it by tests/test_ptc.py), so the Layout equals what DTensor
+really holds; the trainer checks that at start. Computing it here keeps torch.distributed.tensor
+out of whatever only plans (a Layout, a reshard plan).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from math import prod
-
-from torch.distributed.tensor import Shard
 
 from ptc.codec import torch_dtype
 
@@ -129,10 +129,19 @@ def mesh_coordinates(mesh: dict[str, int]) -> list[dict[str, int]]:
     return coords
 
 
+def shard_extent(size: int, parts: int, index: int) -> tuple[int, int]:
+    """(length, offset) of part `index` of `parts` along a dim of `size` elements, by torch's
+    Shard rule (`Shard.local_shard_size_and_offset`, torch.chunk's cut): parts of ceil(size /
+    parts) elements, the last ones shorter or empty."""
+    full = -(-size // parts)
+    offset = min(size, full * index)
+    return min(size, offset + full) - offset, offset
+
+
 def shard_box(shape: tuple[int, ...], dim: int, parts: int, index: int) -> Slice:
     """Box `index` of `parts` along `dim`, by torch's Shard rule (ceil-sized chunks, the last
     ones shorter or empty)."""
-    length, offset = Shard.local_shard_size_and_offset(shape[dim], parts, index)
+    length, offset = shard_extent(shape[dim], parts, index)
     offsets = tuple(offset if d == dim else 0 for d in range(len(shape)))
     lengths = tuple(length if d == dim else n for d, n in enumerate(shape))
     return Slice(offsets, lengths)
@@ -141,7 +150,7 @@ def shard_box(shape: tuple[int, ...], dim: int, parts: int, index: int) -> Slice
 def shard_within(box: Slice, dim: int, parts: int, index: int) -> Slice:
     """Part `index` of `parts` of `box` along `dim`, by the same rule: FSDP's chunk of a rank's
     tensor-parallel shard (torch.chunk, which FSDP2 uses, cuts as Shard does)."""
-    length, offset = Shard.local_shard_size_and_offset(box.lengths[dim], parts, index)
+    length, offset = shard_extent(box.lengths[dim], parts, index)
     offsets = tuple(o + offset if d == dim else o for d, o in enumerate(box.offsets))
     lengths = tuple(length if d == dim else n for d, n in enumerate(box.lengths))
     return Slice(offsets, lengths)

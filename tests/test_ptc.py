@@ -6,7 +6,7 @@ import torch
 
 from ptc import Layout, Slice, TensorLayout, data_parallel_layout, dtype_name, intersect
 from ptc.codec import torch_dtype
-from ptc.layout import TensorPlacement, mesh_coordinates, mesh_layout
+from ptc.layout import TensorPlacement, mesh_coordinates, mesh_layout, shard_extent
 
 
 def test_dtype_names_round_trip_and_unknown_ones_are_refused() -> None:
@@ -22,6 +22,18 @@ def test_mesh_ranks_are_numbered_as_device_mesh_does() -> None:
     """Row-major over ("pp", "dp", "tp"), as init_device_mesh lays ranks out."""
     coords = mesh_coordinates({"pp": 2, "dp": 2, "tp": 2})
     assert coords[5] == {"pp": 1, "dp": 0, "tp": 1} and len(coords) == 8
+
+
+def test_shard_extents_are_torchs() -> None:
+    """ptc's copy of torch's Shard rule (layouts need not load torch.distributed.tensor) cuts
+    every size as torch does, uneven and empty parts included."""
+    from torch.distributed.tensor import Shard
+
+    for size in range(40):
+        for parts in range(1, 10):
+            for index in range(parts):
+                length, offset = Shard.local_shard_size_and_offset(size, parts, index)
+                assert shard_extent(size, parts, index) == (int(length), int(offset)), (size, parts, index)
 
 
 def test_mesh_layout_shards_by_torch_rule_and_places_stages() -> None:
