@@ -78,8 +78,9 @@ def _train(spec: JobSpec, lease: JobLease | None = None) -> TrainSummary:
             here = spec if job.nodes is None else spec.on_nodes(job.nodes)  # the nodes of this segment
             node_watch.now_on(job.nodes)  # a node of the spec that left is taken back once its worker is
             scripted = spec.scripted_change_after(job.step)
-            if job.devices not in profiles:  # collectives and the core share measured on this count (cached in storage)
-                profiles[job.devices] = profile_model(spec.on_devices(job.devices))
+            if job.devices not in profiles:  # the core share on this count; collectives measured once (cached in storage)
+                first = profiles[spec.resources.devices].profile_key
+                profiles[job.devices] = profile_model(spec.on_devices(job.devices), comm_from=first)
             model = profiles[job.devices]
             measured = [s.restore_bytes_per_s for s in segments if s.restore_bytes_per_s]
             plan = plan_parallelism(spec, model, job.devices, job.step, measured[-1] if measured else None)

@@ -61,15 +61,14 @@ def exact_parameter_count(spec: JobSpec) -> tuple[int, int]:
     return params, family.flops_per_token(spec.model, params)
 
 
-def build_profile(spec: JobSpec) -> ModelProfile | MeasuredProfile:
+def build_profile(spec: JobSpec, comm: CommModel | None = None) -> ModelProfile | MeasuredProfile:
     """The planner's profile: GEMM rates timed here and collectives timed on the job's own
     workers when the planner will choose; the defaults for the device kind otherwise."""
     from trainer.launch import measure_comm_timings
 
     measure = needs_measurement(spec)
     res, m = spec.resources, spec.model
-    comm = None
-    if measure and res.devices > 1:
+    if measure and res.devices > 1 and comm is None:
         timings = measure_on_nodes(spec) if res.nodes else measure_comm_timings(res.devices, res.kind)
         comm = comm_model_from_timings(timings, res.devices_per_node)
     batch = spec.training.global_batch
@@ -121,8 +120,22 @@ def load_profile(spec: JobSpec, key: str) -> ModelProfile | MeasuredProfile:
 
 
 @task(name="profile-model", retries=2, retry_delay_seconds=2, retry_condition_fn=retry_if_it_may_help)
-def profile_model(spec: JobSpec) -> ModelSummary:
-    """Profile the model, or reuse the profile stored for the same model, batch and devices."""
+def measured_comm(spec: JobSpec, key: str | None) -> CommModel | None:
+    """The collectives measured for another device count of the job (the profile at `key`):
+    a fitted latency and bandwidth per link, whatever the group size, so a new count needs no
+    new measurement (issue 26: a change of device count measured collectives for 65 s)."""
+    if key is None:
+        return None
+    with environment(storage_environment(spec)):
+        stored = open_store(spec.storage).get_json(key)
+    comm = CommModel.model_validate(stored["comm"])
+    return comm if comm.measured else None
+
+
+def profile_model(spec: JobSpec, comm_from: str | None = None) -> ModelSummary:
+    """Profile the model, or reuse the profile stored for the same model, batch and devices.
+    `comm_from`: the key of this job's profile on another device count, whose measured
+    collectives serve this one too."""
     logger = get_run_logger()
     key = JobPaths(spec.job_id).profile(profile_key(spec))
     params, per_token = exact_parameter_count(spec)
@@ -131,7 +144,7 @@ def profile_model(spec: JobSpec) -> ModelSummary:
         if store.exists(key):
             logger.info("reusing profile %s", store.url_for(key))
         else:
-            profile = build_profile(spec)
+            profile = build_profile(spec, measured_comm(spec, comm_from))
             store.put_json(key, profile.model_dump(mode="json"))
             if isinstance(profile, MeasuredProfile):
                 logger.info("measured %s: %.1f ms and %.1f MiB kept per sequence; comm %s", profile.name,

@@ -50,3 +50,22 @@ def test_a_resumed_job_picks_a_different_plan_than_step_time_alone(tmp_path: Pat
     far_from_end = spec.model_copy(update={"training": spec.training.model_copy(update={"steps": 10_000_000})})
     chosen, _ = cheapest_to_continue(far_from_end, options, step=2, read_bytes_per_s=slow_store)
     assert chosen.plan.mesh == fastest.mesh
+
+
+def test_a_new_device_count_reuses_the_measured_collectives(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Re-planning onto another device count measures no collectives again: the comm model
+    fitted on the first count (latency and bandwidth per link) is the profile's for any."""
+    import trainer.launch
+    from planner.comm import CommModel, Link
+    from tasks.profile import build_profile
+
+    def measuring(*args: object) -> None:
+        raise AssertionError("collectives measured again")
+
+    monkeypatch.setattr(trainer.launch, "measure_comm_timings", measuring)
+    spec = tiny_spec("reuse", f"file://{tmp_path}/store", resources={"devices": 3, "kind": "cpu"},
+                     parallelism={"strategy": "auto"})
+    link = Link(latency_s=1e-4, bandwidth_Bps=1e9)
+    measured = CommModel(intra=link, inter=link, measured=True)
+    profile = build_profile(spec, measured)
+    assert profile.comm == measured and profile.device.core_share < 1  # 3 workers on this machine's cores
