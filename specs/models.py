@@ -31,6 +31,15 @@ def _family_of(value: Any) -> str:
     return found if isinstance(found, str) else repr(found)
 
 
+def _any_of(schema: dict[str, Any]) -> None:
+    """The families as `anyOf` in JSON Schema: `family` tells them apart (pydantic's
+    discriminator), and a schema validator that ignores a section's defaults (Prefect's
+    server, validating a deployment's parameters) finds a GPT section valid as a Llama one
+    too, which `oneOf` refuses."""
+    if "oneOf" in schema:
+        schema["anyOf"] = schema.pop("oneOf")
+
+
 # The spec sections of the registered model families (models/*/spec.py), told apart by `family`.
 MODEL_SECTIONS: dict[str, type[_Section]] = spec_sections()
 ModelSpec = Annotated[
@@ -343,7 +352,8 @@ class JobSpec(_Section):
         json_schema_extra={"pattern": _JOB_NAME.pattern},
     )
     model: ModelSpec = Field(default_factory=MODEL_SECTIONS[DEFAULT_FAMILY],
-                             description="The model to train: a family (gpt, llama, hf) and its shape.")
+                             description="The model to train: a family (gpt, llama, hf) and its shape.",
+                             json_schema_extra=_any_of)
     data: DataSpec = Field(default_factory=DataSpec, description=DataSpec.__doc__)
     optimizer: OptimizerSpec = Field(default_factory=OptimizerSpec, description=OptimizerSpec.__doc__)
     training: TrainingSpec = Field(default_factory=TrainingSpec, description=TrainingSpec.__doc__)
