@@ -467,3 +467,90 @@ def test_a_refused_checkpoint_is_set_aside_on_s3(s3_endpoint: str, s3_bucket: st
     aside = [k for k in ckpts.store.list(ckpts.paths.ckpt_root) if ".aside-" in k]
     assert sorted(k.rsplit("/", 1)[1] for k in aside) == ["manifest.json", "rank00000.bin"]
     assert ckpts.committed_steps() == [4, 8] and ckpts.uncommitted_steps() == []
+
+
+@pytest.mark.slow
+def test_a_paused_writer_whose_lease_was_taken_cannot_commit(tmp_path: Path) -> None:
+    """A run and its workers are paused (SIGSTOP) past the lease's expiry, as a host that
+    freezes would be; another run takes the lease over; the paused ones continue (SIGCONT):
+    the workers' next commit is refused, naming the run that holds the job now, and nothing of
+    theirs is committed after the takeover."""
+    import signal
+    import subprocess
+    import sys
+
+    from jobs import tiny_spec
+
+    from specs.plan import Plan
+    from trainer.events import CheckpointEvent, StartEvent
+    from trainer.launch import launch_workers
+
+    spec = tiny_spec("paused", f"file://{tmp_path}/store", training={"steps": 400, "checkpoint_every": 4})
+    store = file_store(tmp_path)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from storage import ObjectStore; from storage.lease import JobLease\n"
+         "lease = JobLease(ObjectStore(sys.argv[1]), 'paused', ttl_s=1.5)\n"
+         "with lease.hold() as token:\n    print(token, flush=True); time.sleep(600)", store.url],
+        stdout=subprocess.PIPE, text=True, cwd=Path(__file__).parents[1])
+    try:
+        token = holder.stdout.readline().strip()  # type: ignore[union-attr]
+        workers: list[int] = []
+        taken: list[str] = []
+        before: list[int] = []
+        lines: list[str] = []
+
+        def on_event(event: object) -> None:
+            if isinstance(event, StartEvent):
+                workers.extend(event.pids)
+            if isinstance(event, CheckpointEvent) and not taken:
+                paused = [holder.pid, *workers]
+                for pid in paused:
+                    os.kill(pid, signal.SIGSTOP)
+                time.sleep(2.0)  # past the 1.5 s TTL: nobody renews
+                taken.append(JobLease(store, "paused").acquire().run_id)
+                before.extend(CheckpointStore(store, "paused").committed_steps())
+                for pid in paused:
+                    os.kill(pid, signal.SIGCONT)
+
+        result = launch_workers(spec, Plan.data_parallel(2), on_line=lines.append, on_event=on_event,
+                                extra_env={LEASE_ENV: token})
+    finally:
+        holder.kill()
+        holder.wait()
+    output = "\n".join(lines)
+    assert taken and result.returncode != 0, output[-3000:]
+    refusals = [line for line in lines if "not committed" in line and "LeaseLost" in line]
+    assert refusals and "is no longer the job's" in refusals[0] and taken[0] in refusals[0], output[-3000:]
+    assert CheckpointStore(store, "paused").committed_steps() == before
+
+
+@pytest.mark.slow
+def test_a_damaged_newest_checkpoint_is_passed_over_and_the_job_ends_as_an_undamaged_one(tmp_path: Path) -> None:
+    """A job committed 4 and 8; then 12 is another model's (wider) checkpoint of the same job
+    name and 16 declares a float32[10^6, 10^6] weight, both with valid digests. The plan before
+    the launch and the workers both take 8, the job trains to the end past the refused steps,
+    and its final state is, bit for bit, that of the same job never damaged."""
+    from jobs import assert_bitwise_equal, final_state, run, tiny_spec
+
+    from specs.plan import Plan
+    from tasks.reshard import job_reshard_plan
+
+    training = {"steps": 20, "checkpoint_every": 4, "keep_checkpoints": 5}
+    spec = tiny_spec("damaged", f"file://{tmp_path}/store", training=training)
+    run(spec, Plan.data_parallel(2), until_step=8)
+    wider = tiny_spec("damaged", f"file://{tmp_path}/other", training=training, model={"d_model": 48})
+    run(wider, Plan.data_parallel(2), until_step=12)
+    shutil.copytree(tmp_path / "other/jobs/damaged/ckpt/00000012", tmp_path / "store/jobs/damaged/ckpt/00000012")
+    ckpts = CheckpointStore(file_store(tmp_path), "damaged")
+    huge = json.loads(ckpts.load_manifest(8).model_dump_json())
+    weight = huge["tensors"]["model/tok_emb.weight"]
+    weight["shape"] = [10**6, 10**6]
+    _forge(ckpts, 16, huge)
+    assert ckpts.committed_steps() == [4, 8, 12, 16]  # every manifest parses: the damage is in what they say
+    planned = job_reshard_plan(spec, Plan.data_parallel(2))
+    assert planned is not None and planned.step == 8
+    resumed = run(spec, Plan.data_parallel(2))
+    assert resumed.start is not None and resumed.start.step == 8 and resumed.final_step == 20
+    clean = tiny_spec("clean", f"file://{tmp_path}/store", training=training)
+    run(clean, Plan.data_parallel(2))
+    assert_bitwise_equal(final_state(spec), final_state(clean))
