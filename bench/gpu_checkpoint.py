@@ -27,10 +27,11 @@ from models.gpt.model import GPT, GPTConfig
 from specs import JobSpec, example_path, load_spec
 from specs.plan import Plan
 from storage import CheckpointStore, ObjectStore
-from trainer.checkpoint import Checkpointer, apply_state, collect_state, restore_latest
+from trainer.checkpoint import Checkpointer, restore_latest
 from trainer.launch import launch_workers
-from trainer.layout import rng_state_bytes, state_layout
+from trainer.layout import state_layout
 from trainer.optim import LocalShardAdamW
+from trainer.state import apply_state, collect_state, rng_state_bytes
 
 
 def job_spec(device: str, tiny: bool, store: str) -> JobSpec:
@@ -103,7 +104,7 @@ def single_device(spec: JobSpec, device: torch.device, folder: Path) -> dict:
     started = time.perf_counter()
     restored = restore_latest(store, layout, 0)
     assert restored is not None and restored.step == 3
-    apply_state(restored, model, optimizer, 0, device)
+    apply_state(restored.tensors, model, optimizer, 0, device)
     synced(device)
     restore_s = time.perf_counter() - started
     started = time.perf_counter()

@@ -26,12 +26,13 @@ from ptc.dtensor import local_data
 from specs import JobSpec
 from specs.plan import Plan
 from storage import ObjectStore, job_store
-from trainer.checkpoint import Checkpointer, apply_state, collect_state, restore_destinations, restore_latest
+from trainer.checkpoint import Checkpointer, restore_latest
 from trainer.layout import layout_mismatches, state_layout
 from trainer.mesh import Coordinates, ParallelDims
 from trainer.optim import LocalShardAdamW
 from trainer.parallel import materialize, parallelize
 from trainer.pipeline import build_stage
+from trainer.state import apply_state, collect_state, restore_destinations
 
 
 def build(plan: Plan, spec: JobSpec) -> tuple[torch.nn.Module, LocalShardAdamW]:
@@ -174,7 +175,7 @@ def main() -> None:
                                       on_reads=lambda step, reads: needed.__setitem__(0, reads.bytes_needed),
                                       destinations=restore_destinations(optimizer, in_place=True))
             assert restored is not None, "nothing to restore"
-            apply_state(restored, module, optimizer, rank, torch.device("cpu"), adopt=True)
+            apply_state(restored.tensors, module, optimizer, rank, torch.device("cpu"), adopt=True)
 
         restore_s, _ = timed(ours, group)
         stats = store.stats.as_dict()

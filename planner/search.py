@@ -208,12 +208,13 @@ def search_counts(graph: Graph, profile: ModelProfile, devices: int, method: Met
 
 def plan_options(source: ModelProfile | Graph, devices: int, memory_limit_bytes: int | None = None,
                  max_tp: int | None = None, max_pp: int | None = None, *, device_kind: str = "cuda",
-                 devices_per_node: int | None = None, shard_dp: bool = True) -> list[Plan]:
+                 devices_per_node: int | None = None, shard_dp: bool = True, searched: Plan | None = None) -> list[Plan]:
     """The search's choice and every baseline that fits, as Plans, fastest first: for a choice
     that weighs more than step time (re-planning a running job also pays for moving its
-    checkpoint onto the new plan, which differs from plan to plan)."""
-    best = plan_model(source, devices, memory_limit_bytes, max_tp, max_pp, device_kind=device_kind,
-                      devices_per_node=devices_per_node, shard_dp=shard_dp)
+    checkpoint onto the new plan, which differs from plan to plan). `searched`: `plan_model`'s
+    result for the same arguments, when the caller has it (the search is not run twice)."""
+    best = searched or plan_model(source, devices, memory_limit_bytes, max_tp, max_pp, device_kind=device_kind,
+                                  devices_per_node=devices_per_node, shard_dp=shard_dp)
     profile = _as_profile(source, device_kind, devices_per_node)
     limit = memory_limit_bytes if memory_limit_bytes is not None else profile.device.memory_bytes
     base = baselines(profile, devices, max_tp, shard_dp)

@@ -89,7 +89,7 @@ def plan_parallelism(spec: JobSpec, model: ModelSummary, devices: int, step: int
                                           shard_dp=par.shard_data_parallel)
         else:
             candidates = plan_options(profile, devices, None, par.max_tp, par.max_pp, device_kind=spec.resources.kind,
-                                      shard_dp=par.shard_data_parallel)
+                                      shard_dp=par.shard_data_parallel, searched=searched)
         options = [p for p in candidates if not executable_reasons(spec, p)]
         with environment(storage_environment(spec)):
             chosen = cheapest_to_continue(spec, options, step, read_bytes_per_s) if len(options) > 1 else None

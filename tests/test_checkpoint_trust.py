@@ -14,16 +14,10 @@ from jobs import tiny_spec
 from models.gpt.model import GPT, GPTConfig
 from specs.plan import Plan
 from storage import job_store
-from trainer.checkpoint import (
-    Checkpointer,
-    CheckpointsUnusable,
-    apply_state,
-    collect_state,
-    restore_destinations,
-    restore_latest,
-)
-from trainer.layout import rng_state_bytes, state_layout
+from trainer.checkpoint import Checkpointer, CheckpointsUnusable, restore_latest
+from trainer.layout import state_layout
 from trainer.optim import LocalShardAdamW
+from trainer.state import apply_state, collect_state, restore_destinations, rng_state_bytes
 
 CPU = torch.device("cpu")
 
@@ -60,7 +54,7 @@ class Job:
         restored = restore_latest(self.store, self.layout, 0, destinations=restore_destinations(optimizer),
                                   start_over=start_over)
         if restored is not None:
-            apply_state(restored, model, optimizer, 0, CPU, adopt=True)
+            apply_state(restored.tensors, model, optimizer, 0, CPU, adopt=True)
         return restored, collect_state(model, optimizer, 0, CPU)
 
     def corrupt(self, step: int) -> None:
@@ -146,7 +140,7 @@ def test_an_in_place_restore_fills_the_live_tensors_and_nothing_else(tmp_path: P
     assert {k: destinations[k].data_ptr() for k in before} == before
     restored = restore_latest(job.store, job.layout, 0, destinations=destinations)
     assert restored is not None
-    apply_state(restored, model, optimizer, 0, CPU, adopt=True)
+    apply_state(restored.tensors, model, optimizer, 0, CPU, adopt=True)
     after = collect_state(model, optimizer, 0, CPU)
     assert {k: after[k].data_ptr() for k in before} == before
     assert_same(after, saved)

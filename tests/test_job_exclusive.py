@@ -103,3 +103,70 @@ def test_a_run_on_another_server_holding_the_storage_lease_refuses_this_one(pref
     assert f"job elsewhere is already running: run {elsewhere.run_id}" in message and "\n" not in message
     assert checkpoints_of(spec).manifest_steps() == []
     elsewhere.release()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("where", ["file", "s3"])
+def test_two_prefect_databases_sharing_one_store_train_the_job_once(where: str, tmp_path: Path,
+                                                                   request: pytest.FixtureRequest) -> None:
+    """`parashift run` of one job twice, each against its own Prefect database, so no Prefect
+    slot can see the other: on file:// two embedded APIs, on s3:// (moto) the session's real
+    server and an embedded API. The storage lease decides: the second is refused in one line
+    naming the first; the first trains on, stops when asked, and its final state is, bit for
+    bit, a single run's at the same step."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from jobs import assert_bitwise_equal, checkpoint_store, final_state, kill_tree, run
+    from typer.testing import CliRunner
+
+    from parashift.cli import app
+    from specs import load_spec
+    from specs.plan import Plan
+
+    if where == "s3":
+        endpoint, bucket = request.getfixturevalue("s3_endpoint"), request.getfixturevalue("s3_bucket")
+        storage = f"{{url: 's3://{bucket}/root', storage_options: {{endpoint_url: '{endpoint}'}}}}"
+    else:
+        storage = f"{{url: 'file://{tmp_path}/store'}}"
+    path = tmp_path / "job.yaml"
+    path.write_text("name: shared-store\nmodel: {n_layers: 1, d_model: 32, n_heads: 2, seq_len: 32}\n"
+                    "data: {max_bytes: 100000}\ntraining: {global_batch: 4, micro_batch: 2, steps: 100000, "
+                    f"checkpoint_every: 10, log_every: 1}}\nstorage: {storage}\n")
+    spec = load_spec(path)
+    embedded = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API")}
+    envs = [{**embedded, "PREFECT_HOME": str(tmp_path / "home-a")}, {**embedded, "PREFECT_HOME": str(tmp_path / "home-b")}]
+    if where == "s3":
+        from prefect.settings import PREFECT_API_URL
+
+        request.getfixturevalue("prefect_server")
+        envs[0] = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value(), "PREFECT_HOME": str(tmp_path / "home-a")}
+    parashift = str(Path(sys.executable).with_name("parashift"))
+    first = subprocess.Popen([parashift, "run", str(path)], cwd=tmp_path, env=envs[0], stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        store = checkpoint_store(spec)
+        deadline = time.monotonic() + 300
+        while not store.manifest_steps():  # the first run holds the lease and has committed
+            assert first.poll() is None and time.monotonic() < deadline, first.stdout.read() if first.stdout else ""
+            time.sleep(0.5)
+        second = subprocess.run([parashift, "run", str(path)], cwd=tmp_path, env=envs[1], capture_output=True,
+                                text=True, timeout=300)
+        said = second.stdout + second.stderr
+        assert second.returncode != 0, said[-3000:]
+        refusals = [line for line in said.splitlines() if "job shared-store is already running: run " in line]
+        assert refusals and "holds its storage lease" in refusals[0], said[-3000:]
+        assert CliRunner().invoke(app, ["stop", str(path)]).exit_code == 0
+        out, _ = first.communicate(timeout=300)
+    finally:
+        if first.poll() is None:
+            kill_tree(first.pid)
+            first.wait()
+    assert first.returncode == 0, out[-3000:]
+    manifest = store.latest()
+    assert manifest is not None and manifest.writer is not None and manifest.writer.generation == 1
+    alone = spec.model_copy(update={"name": "alone", "storage": spec.storage.model_copy(update={"url": f"file://{tmp_path}/alone"})})
+    run(alone, Plan.data_parallel(spec.resources.devices), until_step=manifest.step)
+    assert_bitwise_equal(final_state(spec), final_state(alone, manifest.step))

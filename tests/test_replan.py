@@ -52,6 +52,23 @@ def test_a_resumed_job_picks_a_different_plan_than_step_time_alone(tmp_path: Pat
     assert chosen.plan.mesh == fastest.mesh
 
 
+def test_the_options_of_a_resumed_job_reuse_the_search_already_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A resumed job's plan choice weighs the search's pick against the baselines: given the
+    pick, `plan_options` does not search again (it ran twice on every resumed segment)."""
+    import planner.search
+
+    profile = profile_gpt(2, 48, 4, 256, 24, 8, device_kind="cpu")
+    searched = planner.search.plan_model(profile, 2, device_kind="cpu", shard_dp=False)
+    fresh = plan_options(profile, 2, device_kind="cpu", shard_dp=False)
+
+    def no_second_search(*args: object, **kwargs: object) -> Plan:
+        raise AssertionError("the search ran again")
+
+    monkeypatch.setattr(planner.search, "plan_model", no_second_search)
+    reused = plan_options(profile, 2, device_kind="cpu", shard_dp=False, searched=searched)
+    assert [p.model_dump() for p in reused] == [p.model_dump() for p in fresh]
+
+
 def test_a_new_device_count_reuses_the_measured_collectives(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Re-planning onto another device count measures no collectives again: the comm model
     fitted on the first count (latency and bandwidth per link) is the profile's for any."""

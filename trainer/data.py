@@ -63,7 +63,13 @@ class DataPosition:
 
     samples_consumed: int = 0
 
-    def to_dict(self, samples_per_epoch: int) -> dict[str, int]:
+    @classmethod
+    def from_manifest(cls, data_position: dict[str, int]) -> DataPosition:
+        """The position a checkpoint's manifest records (`to_manifest`)."""
+        return cls(int(data_position["samples_consumed"]))
+
+    def to_manifest(self, samples_per_epoch: int) -> dict[str, int]:
+        """The manifest's `data_position`: the count, and the epoch and sample in it for readers."""
         return {
             "samples_consumed": self.samples_consumed,
             "epoch": self.samples_consumed // samples_per_epoch,

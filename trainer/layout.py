@@ -1,13 +1,12 @@
 """The Layout of a job's whole training state under a Plan, computed without processes.
 
-Every tensor of the state is named: parameters `model/<name>`, AdamW state
-`optim/<name>/{exp_avg,exp_avg_sq,step}` and each rank's RNG state `rng/rank<r>/<device>`.
-Which rank holds which box follows from the plan and the model's family alone: the pipeline
-stage that owns a parameter (`Plan.layers_per_stage`, the family's sharding table), the dim
-tensor parallelism shards it along (`ShardingTable.tp_shard_dims`), and data parallelism
-replicating it or, sharded (FSDP),
-cutting each tensor-parallel box along dim 0 (FSDP2 shards every parameter on dim 0). The same function
-serves the worker (what to write, what to read), the CLI and the flow (the reshard plan shown
+Every tensor of the state is named by its kind (`trainer.state`): parameters `model/<name>`,
+AdamW state `optim/<name>/{exp_avg,exp_avg_sq,step}` and each rank's RNG state
+`rng/rank<r>/<device>`. Which rank holds which box follows from the plan and the model's
+family alone: the pipeline stage that owns a parameter (`Plan.layers_per_stage`, the family's
+sharding table), the dim tensor parallelism shards it along (`ShardingTable.tp_shard_dims`),
+and data parallelism replicating it or, sharded (FSDP), cutting each tensor-parallel box along
+dim 0 (FSDP2 shards every parameter on dim 0). The same function serves the worker (what to write, what to read), the CLI and the flow (the reshard plan shown
 before anything moves).
 """
 
@@ -22,24 +21,14 @@ from ptc import Layout, dtype_name
 from ptc.dtensor import holdings
 from ptc.layout import TensorPlacement, mesh_layout
 from specs.plan import Plan
+from trainer.state import STATE_KINDS, rng_state_bytes
 
-# AdamW's per-parameter state: two moments shaped and placed like the parameter, and a scalar
-# float32 step count (torch.optim.AdamW without `capturable`).
-MOMENTS = ("exp_avg", "exp_avg_sq")
-
-
-def rng_state_bytes(device: torch.device) -> dict[str, int]:
-    """Bytes of each generator state a rank saves: the CPU one always, the CUDA one on GPUs
-    (the live size where a GPU is present; else its Philox seed and offset, 16 bytes)."""
-    sizes = {"cpu": torch.get_rng_state().numel()}
-    if device.type == "cuda":
-        sizes["cuda"] = torch.cuda.get_rng_state(device).numel() if torch.cuda.is_available() else 16
-    return sizes
+__all__ = ["layout_mismatches", "parameter_placements", "rng_state_bytes", "state_layout"]
 
 
-def state_layout(plan: Plan, model_spec: Any, rng_bytes: dict[str, int] | None = None) -> Layout:
-    """Every rank's box of every tensor of the training state under `plan`, for the model a
-    spec's `model:` section describes (built on the meta device: no memory, no processes)."""
+def parameter_placements(plan: Plan, model_spec: Any) -> dict[str, TensorPlacement]:
+    """Where each parameter of the model a spec's `model:` section describes lives under
+    `plan`, by parameter name (built on the meta device: no memory, no processes)."""
     family = family_of(model_spec)
     with torch.device("meta"):
         model = family.build(model_spec)
@@ -49,18 +38,21 @@ def state_layout(plan: Plan, model_spec: Any, rng_bytes: dict[str, int] | None =
     sharded = table.tp_shard_dims(names, plan.tp_regions(n_layers)) if table is not None else {}
     stages = plan.layers_per_stage(n_layers)
     fsdp_dim = 0 if plan.dp_shard > 1 else None
+    return {name: TensorPlacement(tuple(param.shape), dtype_name(param.dtype),
+                                  table.stage_of(name, stages) if table is not None else None,
+                                  sharded.get(name), fsdp_dim,
+                                  split_dim=0)  # every plan splits dim 0 (docs/plans.md): stored as is
+            for name, param in model.named_parameters()}
+
+
+def state_layout(plan: Plan, model_spec: Any, rng_bytes: dict[str, int] | None = None) -> Layout:
+    """Every rank's box of every tensor of the training state under `plan`: each kind of
+    state (`trainer.state.STATE_KINDS`) places its tensors from where the parameters live."""
+    parameters = parameter_placements(plan, model_spec)
+    rng = rng_bytes or rng_state_bytes(torch.device("cpu"))
     placements: dict[str, TensorPlacement] = {}
-    for name, param in model.named_parameters():
-        stage = table.stage_of(name, stages) if table is not None else None
-        where = TensorPlacement(tuple(param.shape), dtype_name(param.dtype), stage, sharded.get(name), fsdp_dim,
-                                split_dim=0)  # every plan splits dim 0 (docs/plans.md): stored as is
-        placements[f"model/{name}"] = where
-        for moment in MOMENTS:
-            placements[f"optim/{name}/{moment}"] = where
-        placements[f"optim/{name}/step"] = TensorPlacement((), "float32", stage)
-    for rank in range(plan.devices):
-        for device, size in (rng_bytes or rng_state_bytes(torch.device("cpu"))).items():
-            placements[f"rng/rank{rank:05d}/{device}"] = TensorPlacement((size,), "uint8", rank=rank)
+    for kind in STATE_KINDS:
+        placements.update(kind.placements(parameters, plan.devices, rng))
     return mesh_layout(plan.mesh, placements, plan.dp_shard)
 
 

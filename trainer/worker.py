@@ -22,12 +22,16 @@ import json
 import logging
 import os
 import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from models import family_of
+from models.base import ModelFamily
 from models.layers import token_loss_sum
 from ptc import Slice
 from ptc.reconfig import LOCAL, RankReads
@@ -38,11 +42,9 @@ from trainer import metrics
 from trainer.checkpoint import (
     Checkpointer,
     CheckpointsUnusable,
+    Restored,
     SaveReport,
-    apply_state,
-    collect_state,
     node_tier,
-    restore_destinations,
     restore_latest,
     restore_totals,
 )
@@ -58,7 +60,7 @@ from trainer.events import (
     StepEvent,
     StoppedEvent,
 )
-from trainer.layout import layout_mismatches, rng_state_bytes, state_layout
+from trainer.layout import layout_mismatches, state_layout
 from trainer.mesh import Coordinates, ParallelDims, job_plan_refusals
 from trainer.optim import LocalShardAdamW
 from trainer.parallel import (
@@ -73,6 +75,7 @@ from trainer.parallel import (
 )
 from trainer.pipeline import DEFAULT_SCHEDULE, PipelineRunner, build_stage
 from trainer.schedule import learning_rate
+from trainer.state import apply_state, collect_state, restore_destinations, rng_state_bytes
 
 log = logging.getLogger("parashift.worker")
 
@@ -131,52 +134,59 @@ def seconds_since_process_start() -> float | None:
     return uptime - ticks / os.sysconf("SC_CLK_TCK")
 
 
-def main(argv: list[str] | None = None) -> int:
-    phases: dict[str, float | None] = {"boot_s": seconds_since_process_start()}  # where a relaunch's time goes
-    mark = time.perf_counter()
+class Phases:
+    """Where a (re)launch's time goes, phase by phase, for the start event: the interpreter's
+    start and imports first (the largest part on a small machine), then each phase of `main`."""
 
-    def phase(name: str) -> None:
-        nonlocal mark
+    def __init__(self) -> None:
+        self.seconds: dict[str, float | None] = {"boot_s": seconds_since_process_start()}
+        self._mark = time.perf_counter()
+
+    def done(self, name: str) -> None:
         now = time.perf_counter()
-        phases[name] = round(now - mark, 4)
-        mark = now
+        self.seconds[name] = round(now - self._mark, 4)
+        self._mark = now
 
-    args = parse_args(argv)
-    # The rank in every record: the run log interleaves every worker's lines.
-    logging.basicConfig(level=logging.INFO, format=f"%(levelname)s rank{os.environ.get('RANK', '0')} %(name)s: %(message)s")
-    spec = JobSpec.model_validate_json(args.spec.read_text())
-    plan = Plan.model_validate_json(args.plan.read_text())
-    train, m = spec.training, spec.model
-    refusals = job_plan_refusals(plan, spec)
-    if refusals:
-        raise SystemExit(f"cannot execute plan with mesh {plan.mesh}: " + "; ".join(refusals))
-    dims = ParallelDims.from_plan(plan)
-    end_step = min(train.steps, args.until_step or train.steps)
 
-    # distributed
-    rank, world_size, device = init_distributed(spec.resources.kind)
-    if world_size != plan.devices:
-        raise SystemExit(f"plan is for {plan.devices} devices, torchrun started {world_size}")
-    mesh = dims.build_mesh(device.type)
-    coords = Coordinates.of(mesh, dims)
-    phase("distributed_s")
+@dataclass
+class Batches:
+    """This rank's data: the global sample stream every rank builds alike, and its share of
+    each global batch (tensor-parallel peers take the same share)."""
 
-    # data: every rank builds the same global sample stream; dp ranks take shares of each batch
-    stream = SampleStream(load_tokens(spec.data), m.seq_len, train.seed)
+    stream: SampleStream
+    share_offset: int
+    share_count: int
+    micros: list[tuple[int, int]]  # (offset in the share, size) of each micro-batch
+
+
+def rank_batches(spec: JobSpec, plan: Plan, dims: ParallelDims, coords: Coordinates) -> Batches:
+    train = spec.training
+    stream = SampleStream(load_tokens(spec.data), spec.model.seq_len, train.seed)
     share_offset, share_count = rank_share(train.global_batch, dims.dp, coords.dp_rank)
     # The spec's micro-batch size, or smaller where the plan asks for more micro-batches
     # (gradient accumulation to cut activation memory; pipelines split the share themselves).
     micro_size = train.micro_batch if plan.micro_batches == 1 else min(train.micro_batch, -(-share_count // plan.micro_batches))
-    micros = micro_batches(share_count, micro_size)
-    phase("data_s")
+    return Batches(stream, share_offset, share_count, micro_batches(share_count, micro_size))
 
-    # model: built on the meta device (no memory), cut to this rank's stage, the Plan applied,
-    # then only this rank's parts allocated and filled (the same initial weights under any plan)
+
+@dataclass
+class Built:
+    """This rank's part of the model under the Plan, allocated and initialised."""
+
+    family: ModelFamily
+    module: torch.nn.Module  # this rank's stage (the whole model without "pp"), parallelized
+    runnable: torch.nn.Module  # what the forward pass calls (compiled, where the spec asks)
+    optimizer: LocalShardAdamW
+    n_params: int  # of the whole model
+    regions: Any  # the plan's tensor-parallel regions
+    initial_part: Callable[[str, tuple[int, ...], Slice], torch.Tensor]  # a box's initial values, the same under any plan
+
+
+def build(spec: JobSpec, plan: Plan, dims: ParallelDims, coords: Coordinates, mesh: Any, device: torch.device) -> Built:
+    """Built on the meta device (no memory), cut to this rank's stage, the Plan applied, then
+    only this rank's parts allocated and filled."""
+    m = spec.model
     family = family_of(m)
-
-    def initial_part(name: str, shape: tuple[int, ...], box: Slice) -> torch.Tensor:
-        return family.initial_part(m, name, shape, box, train.seed)
-
     with torch.device("meta"):
         model = family.build(m)
     n_params = sum(p.numel() for p in model.parameters())
@@ -184,30 +194,32 @@ def main(argv: list[str] | None = None) -> int:
     regions = plan.tp_regions(n_layers)
     module = build_stage(model, family, plan, n_layers, coords.pp_rank) if dims.pp > 1 else model
     runnable = parallelize(module, family, plan, mesh, regions, device, compile=spec.parallelism.compile)
-    materialize(module, device, initial_part, family.initial_buffers(m))
-    optimizer = LocalShardAdamW(module, spec, device)
-    # Everything built so far lives for the whole run: keep it out of the garbage collector's
-    # full passes, which otherwise cost ~0.3 s whenever a restore or a save allocates many small
-    # objects (seen parsing a manifest: 5 ms alone, 0.3 s in a worker).
-    gc.freeze()
-    # Dropout's stream: one per data-parallel share and pipeline stage, the same on tp peers
-    # (trainer.parallel.apply_dropout_streams gives sharded activations streams of their own).
-    torch.manual_seed(train.seed + 1 + coords.pp_rank * dims.dp + coords.dp_rank)
-    phase("build_s")
 
-    # restore: this rank's boxes under this plan, from whatever plan saved the checkpoint
-    layout = state_layout(plan, m, rng_state_bytes(device))
-    mismatches = layout_mismatches(layout, {f"model/{n}": p for n, p in module.named_parameters()}, rank)
-    if mismatches:
-        raise SystemExit(f"rank {rank}: the plan's layout disagrees with the parallelized model: " + "; ".join(mismatches[:5]))
-    # Checkpoint coordination gets its own gloo group: saves talk from a background thread
-    # while training uses the default group, and CPU collectives work there on any device.
-    ckpt_group = dist.new_group(backend="gloo") if world_size > 1 else None  # None: nobody to talk to
-    checkpoints = job_store(spec)
-    store = checkpoints.store
-    node = os.environ.get("PARASHIFT_NODE", "local")  # set by a launcher of a job across nodes
-    tier = node_tier(spec.storage.local_tier, node)
-    ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    def initial_part(name: str, shape: tuple[int, ...], box: Slice) -> torch.Tensor:
+        return family.initial_part(m, name, shape, box, spec.training.seed)
+
+    materialize(module, device, initial_part, family.initial_buffers(m))
+    return Built(family, module, runnable, LocalShardAdamW(module, spec, device), n_params, regions, initial_part)
+
+
+@dataclass
+class Resumed:
+    """Where training starts: step 0, or a restored checkpoint's step, data position and loss."""
+
+    step: int = 0
+    position: DataPosition = field(default_factory=DataPosition)
+    loss: float | None = None
+    restored: Restored | None = None
+    reads: RankReads | None = None  # this rank's reads of the restore
+
+
+def restore(spec: JobSpec, built: Built, layout: Any, checkpoints: Any, tier: Any, rank: int, group: Any,
+            device: torch.device) -> Resumed:
+    """This rank's boxes under this plan, from whatever plan saved the newest usable
+    checkpoint; raises CheckpointsUnusable when none is and the spec does not start over.
+
+    Parameters are read in place (just initialised: nothing is lost if a checkpoint is refused
+    half-way, they are initialised again); optimizer state into new tensors."""
     my_reads: list[RankReads] = []
 
     def restoring(at_step: int, reads: RankReads) -> None:
@@ -216,80 +228,62 @@ def main(argv: list[str] | None = None) -> int:
             metrics.emit(RestoringEvent(step=at_step, bytes_needed=reads.bytes_needed, bytes_read=reads.bytes_read,
                                         requests=len(reads.requests), bytes_local=reads.bytes_from(LOCAL)))
 
-    # Parameters are read in place (just initialised: nothing is lost if a checkpoint is
-    # refused half-way, they are initialised again below); optimizer state into new tensors.
-    phase("layout_s")
-    try:
-        restored = restore_latest(checkpoints, layout, rank, ckpt_group, tier, on_reads=restoring,
-                                  destinations=restore_destinations(optimizer, in_place=True),
-                                  start_over=train.if_checkpoints_unusable == "start-over")
-    except CheckpointsUnusable as error:  # no retry can fix it: said once, and the run ends
-        if rank == 0:
-            metrics.emit(FatalEvent(message=str(error)))
-        runnable = optimizer = ckpt_group = None  # holders of process groups first (see end_distributed)
-        end_distributed(world_size)
-        return metrics.EXIT_FATAL
-    step, position, loss = 0, DataPosition(), None
-    if restored is None and checkpoints.manifest_steps():  # every checkpoint refused: start over from step 0
-        initialize(module, initial_part)
-        optimizer.clear_state()
-    if restored is not None:
-        loss = restored.manifest.metadata.get("loss") if restored.manifest else None
-        apply_state(restored, module, optimizer, rank, device, adopt=not spec.parallelism.compile)
-        step, position = restored.step, DataPosition(restored.data_position["samples_consumed"])
-    phase("restore_s")
-    stops = StopRequests(store, spec.job_id, poll=rank == 0)
-    tokens_per_step = train.global_batch * m.seq_len
-    # By rank: the process (in the run log, which process is which rank when one fails) and its
-    # node (kept in each manifest: whose node-local tier holds which rank's objects).
+    restored = restore_latest(checkpoints, layout, rank, group, tier, on_reads=restoring,
+                              destinations=restore_destinations(built.optimizer, in_place=True),
+                              start_over=spec.training.if_checkpoints_unusable == "start-over")
+    if restored is None:
+        if checkpoints.manifest_steps():  # every checkpoint refused: start over from step 0
+            initialize(built.module, built.initial_part)
+            built.optimizer.clear_state()
+        return Resumed()
+    apply_state(restored.tensors, built.module, built.optimizer, rank, device, adopt=not spec.parallelism.compile)
+    return Resumed(restored.step, DataPosition.from_manifest(restored.data_position),
+                   restored.manifest.metadata.get("loss") if restored.manifest else None, restored,
+                   my_reads[0] if my_reads else None)
+
+
+def where_ranks_run(node: str, world_size: int, group: Any) -> tuple[list[int], list[str]]:
+    """Every rank's process id and node, by rank: which process is which rank in the run log
+    when one fails, and whose node-local tier holds which rank's objects (in each manifest)."""
     where: list[tuple[int, str]] = [(os.getpid(), node)]
     if world_size > 1:
         where = [(0, "")] * world_size
-        dist.all_gather_object(where, (os.getpid(), node), group=ckpt_group)
-    pids, nodes = [p for p, _ in where], [n for _, n in where]
-    restore_bytes = restore_totals(my_reads[0] if restored is not None and my_reads else None, ckpt_group)
-    if rank == 0:
-        metrics.emit(StartEvent(
-            pids=pids,
-            nodes=nodes,
-            restore_bytes=restore_bytes,
-            restore_s=phases["restore_s"],
-            phases=phases,
-            step=step,
-            resumed=restored is not None,
-            checkpoint_loss=loss,
-            checkpoint_url=store.url_for(JobPaths(spec.job_id).manifest(step)) if restored is not None else None,
-            world_size=world_size,
-            params=n_params,
-            flops_per_token=family.flops_per_token(m, n_params),
-            end_step=end_step,
-        ))
+        dist.all_gather_object(where, (os.getpid(), node), group=group)
+    return [p for p, _ in where], [n for _, n in where]
 
-    # Where the spec came from (repository, commit, path), when a flow says so: kept in each manifest.
-    source = {"source": json.loads(os.environ["PARASHIFT_SOURCE"])} if os.environ.get("PARASHIFT_SOURCE") else {}
 
-    def committed(report: SaveReport) -> None:
-        metrics.emit(CheckpointEvent(step=report.step, url=report.url, stall_s=round(report.stall_s, 4),
-                                     write_s=round(report.write_s, 4), bytes_written=report.bytes_written))
+class Saves:
+    """The job's checkpoints from this rank: the state collected, checked once against its
+    Layout, and handed to the asynchronous saver (the loop goes on while it is written)."""
 
-    checkpointer = Checkpointer(checkpoints, layout, rank, ckpt_group, train.keep_checkpoints,
-                                on_commit=committed if rank == 0 else None, tier=tier,
-                                tier_budget_bytes=int(spec.storage.local_tier_max_gb * 1e9 / ranks_here),
-                                resumed_from=restored.manifest if restored is not None else None)
-    checked = False
+    def __init__(self, spec: JobSpec, plan: Plan, built: Built, layout: Any, checkpointer: Checkpointer,
+                 samples_per_epoch: int, rank: int, device: torch.device, metadata: dict[str, Any]) -> None:
+        self.spec, self.plan, self.built, self.layout = spec, plan, built, layout
+        self.checkpointer, self.samples_per_epoch = checkpointer, samples_per_epoch
+        self.rank, self.device, self.metadata = rank, device, metadata
+        self.checked = False
 
-    def checkpoint(at_step: int) -> None:
-        nonlocal checked
-        if not checked:  # once: the optimizer's state has the layout's boxes too
-            problems = layout_mismatches(layout, collect_state(module, optimizer, rank, device), rank)
+    def __call__(self, step: int, position: DataPosition, loss: float | None) -> None:
+        module, optimizer = self.built.module, self.built.optimizer
+        if not self.checked:  # once: the optimizer's state has the layout's boxes too
+            problems = layout_mismatches(self.layout, collect_state(module, optimizer, self.rank, self.device), self.rank)
             if problems:
-                raise SystemExit(f"rank {rank}: training state disagrees with its layout: " + "; ".join(problems[:5]))
-            checked = True
-        state = collect_state(module, optimizer, rank, device, local=True)
-        # Asynchronous: the loop goes on while this is written; a stop or the end waits for it.
-        checkpointer.save(at_step, state, position.to_dict(stream.samples_per_epoch), plan.model_dump(mode="json"),
-                          {"model": m.model_dump(), "job": spec.name, "loss": loss, "nodes": nodes, **source})
+                raise SystemExit(f"rank {self.rank}: training state disagrees with its layout: " + "; ".join(problems[:5]))
+            self.checked = True
+        state = collect_state(module, optimizer, self.rank, self.device, local=True)
+        self.checkpointer.save(step, state, position.to_manifest(self.samples_per_epoch), self.plan.model_dump(mode="json"),
+                               {**self.metadata, "loss": loss})
 
+
+def train(spec: JobSpec, plan: Plan, built: Built, batches: Batches, dims: ParallelDims, coords: Coordinates,
+          mesh: Any, device: torch.device, world_size: int, rank: int, resumed: Resumed, end_step: int,
+          checkpointer: Checkpointer, save: Saves, stops: StopRequests) -> tuple[int, DataPosition, bool]:
+    """The training loop from `resumed` to `end_step` or a stop: (step, data position, stopped)."""
+    train_spec, m = spec.training, spec.model
+    module, runnable, optimizer, family = built.module, built.runnable, built.optimizer, built.family
+    stream, micros = batches.stream, batches.micros
+    step, position, loss = resumed.step, resumed.position, resumed.loss
+    tokens_per_step = train_spec.global_batch * m.seq_len
     autocast = (
         torch.autocast(device.type, dtype=torch.bfloat16)
         if spec.parallelism.precision == "bf16"
@@ -307,19 +301,20 @@ def main(argv: list[str] | None = None) -> int:
     stopped = False
     while step < end_step:
         started = time.perf_counter()
-        lr = learning_rate(step, train.steps, spec.optimizer)
+        lr = learning_rate(step, train_spec.steps, spec.optimizer)
         for group in optimizer.param_groups:
             group["lr"] = lr
         loss_sum = torch.zeros((), device=device)
+        first = position.samples_consumed + batches.share_offset
         if pipeline is not None:
-            inputs, targets = stream.batch(position.samples_consumed + share_offset, share_count)  # (share, T) each
+            inputs, targets = stream.batch(first, batches.share_count)  # (share, T) each
             with autocast:
                 loss_sum += pipeline.step(inputs.to(device), targets.to(device))
         for i, (offset, size) in enumerate(micros if pipeline is None else []):
-            inputs, targets = stream.batch(position.samples_consumed + share_offset + offset, size)
+            inputs, targets = stream.batch(first + offset, size)
             inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
             last = i == len(micros) - 1
-            with gradient_sync(runnable, last), loss_context(regions):
+            with gradient_sync(runnable, last), loss_context(built.regions):
                 with autocast:
                     micro_loss = token_loss_sum(family.logits(runnable, inputs), targets)  # scalar, sum over tokens
                 (micro_loss * loss_scale).backward()
@@ -338,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
                 metrics.emit(CheckpointStallEvent(step=step + 1, stall_s=round(stall.item(), 4)))
             checkpointer.last_stall_s = None
         step += 1
-        position = DataPosition(position.samples_consumed + train.global_batch)
+        position = DataPosition(position.samples_consumed + train_spec.global_batch)
 
         # one small all-reduce: the global loss and whether any rank was asked to stop
         report = torch.stack([loss_sum if counts_loss else torch.zeros_like(loss_sum),
@@ -347,19 +342,115 @@ def main(argv: list[str] | None = None) -> int:
             dist.all_reduce(report)
         loss, stop_now = report[0].item() / tokens_per_step, report[1].item() > 0
         elapsed = time.perf_counter() - started
-        if rank == 0 and (step % train.log_every == 0 or step == end_step):
+        if rank == 0 and (step % train_spec.log_every == 0 or step == end_step):
             metrics.emit(StepEvent(step=step, loss=loss, lr=lr, step_s=elapsed, tokens_per_s=tokens_per_step / elapsed))
-        if step % train.checkpoint_every == 0 or step == end_step or stop_now:
-            checkpoint(step)
+        if step % train_spec.checkpoint_every == 0 or step == end_step or stop_now:
+            save(step, position, loss)
         if stop_now and step < end_step:
             stopped = True
             break
+    return step, position, stopped
+
+
+def main(argv: list[str] | None = None) -> int:
+    phases = Phases()
+    args = parse_args(argv)
+    # The rank in every record: the run log interleaves every worker's lines.
+    logging.basicConfig(level=logging.INFO, format=f"%(levelname)s rank{os.environ.get('RANK', '0')} %(name)s: %(message)s")
+    spec = JobSpec.model_validate_json(args.spec.read_text())
+    plan = Plan.model_validate_json(args.plan.read_text())
+    train_spec = spec.training
+    refusals = job_plan_refusals(plan, spec)
+    if refusals:
+        raise SystemExit(f"cannot execute plan with mesh {plan.mesh}: " + "; ".join(refusals))
+    dims = ParallelDims.from_plan(plan)
+    end_step = min(train_spec.steps, args.until_step or train_spec.steps)
+
+    rank, world_size, device = init_distributed(spec.resources.kind)
+    if world_size != plan.devices:
+        raise SystemExit(f"plan is for {plan.devices} devices, torchrun started {world_size}")
+    mesh = dims.build_mesh(device.type)
+    coords = Coordinates.of(mesh, dims)
+    phases.done("distributed_s")
+
+    batches = rank_batches(spec, plan, dims, coords)
+    phases.done("data_s")
+
+    built = build(spec, plan, dims, coords, mesh, device)
+    # Everything built so far lives for the whole run: keep it out of the garbage collector's
+    # full passes, which otherwise cost ~0.3 s whenever a restore or a save allocates many small
+    # objects (seen parsing a manifest: 5 ms alone, 0.3 s in a worker).
+    gc.freeze()
+    # Dropout's stream: one per data-parallel share and pipeline stage, the same on tp peers
+    # (trainer.parallel.apply_dropout_streams gives sharded activations streams of their own).
+    torch.manual_seed(train_spec.seed + 1 + coords.pp_rank * dims.dp + coords.dp_rank)
+    phases.done("build_s")
+
+    layout = state_layout(plan, spec.model, rng_state_bytes(device))
+    mismatches = layout_mismatches(layout, {f"model/{n}": p for n, p in built.module.named_parameters()}, rank)
+    if mismatches:
+        raise SystemExit(f"rank {rank}: the plan's layout disagrees with the parallelized model: " + "; ".join(mismatches[:5]))
+    # Checkpoint coordination gets its own gloo group: saves talk from a background thread
+    # while training uses the default group, and CPU collectives work there on any device.
+    ckpt_group = dist.new_group(backend="gloo") if world_size > 1 else None  # None: nobody to talk to
+    checkpoints = job_store(spec)
+    node = os.environ.get("PARASHIFT_NODE", "local")  # set by a launcher of a job across nodes
+    tier = node_tier(spec.storage.local_tier, node)
+    phases.done("layout_s")
+    try:
+        resumed, unusable = restore(spec, built, layout, checkpoints, tier, rank, ckpt_group, device), None
+    except CheckpointsUnusable as error:
+        unusable = str(error)  # outside the handler: its traceback's frames hold the model
+    if unusable is not None:  # no retry can fix it: said once, and the run ends
+        if rank == 0:
+            metrics.emit(FatalEvent(message=unusable))
+        built = ckpt_group = None  # holders of process groups first (see end_distributed)
+        end_distributed(world_size)
+        return metrics.EXIT_FATAL
+    phases.done("restore_s")
+
+    store = checkpoints.store
+    stops = StopRequests(store, spec.job_id, poll=rank == 0)
+    pids, nodes = where_ranks_run(node, world_size, ckpt_group)
+    restore_bytes = restore_totals(resumed.reads if resumed.restored is not None else None, ckpt_group)
+    if rank == 0:
+        metrics.emit(StartEvent(
+            pids=pids,
+            nodes=nodes,
+            restore_bytes=restore_bytes,
+            restore_s=phases.seconds["restore_s"],
+            phases=phases.seconds,
+            step=resumed.step,
+            resumed=resumed.restored is not None,
+            checkpoint_loss=resumed.loss,
+            checkpoint_url=store.url_for(JobPaths(spec.job_id).manifest(resumed.step)) if resumed.restored else None,
+            world_size=world_size,
+            params=built.n_params,
+            flops_per_token=built.family.flops_per_token(spec.model, built.n_params),
+            end_step=end_step,
+        ))
+
+    def committed(report: SaveReport) -> None:
+        metrics.emit(CheckpointEvent(step=report.step, url=report.url, stall_s=round(report.stall_s, 4),
+                                     write_s=round(report.write_s, 4), bytes_written=report.bytes_written))
+
+    ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    checkpointer = Checkpointer(checkpoints, layout, rank, ckpt_group, train_spec.keep_checkpoints,
+                                on_commit=committed if rank == 0 else None, tier=tier,
+                                tier_budget_bytes=int(spec.storage.local_tier_max_gb * 1e9 / ranks_here),
+                                resumed_from=resumed.restored.manifest if resumed.restored is not None else None)
+    # Where the spec came from (repository, commit, path), when a flow says so: kept in each manifest.
+    source = {"source": json.loads(os.environ["PARASHIFT_SOURCE"])} if os.environ.get("PARASHIFT_SOURCE") else {}
+    save = Saves(spec, plan, built, layout, checkpointer, batches.stream.samples_per_epoch, rank, device,
+                 {"model": spec.model.model_dump(), "job": spec.name, "nodes": nodes, **source})
+    step, position, stopped = train(spec, plan, built, batches, dims, coords, mesh, device, world_size, rank,
+                                    resumed, end_step, checkpointer, save, stops)
 
     checkpointer.close()  # the last save is committed before anyone reports or exits
     if rank == 0:
         end = StoppedEvent if stopped else FinishedEvent
         metrics.emit(end(step=step, samples_consumed=position.samples_consumed))
-    runnable = pipeline = optimizer = ckpt_group = None
+    built = save = resumed = ckpt_group = None  # holders of process groups first (see end_distributed)
     end_distributed(world_size)
     return 0
 

@@ -1,21 +1,12 @@
-"""The one checkpoint component: training state <-> a parallelizable tensor collection in storage.
+"""Saving: the asynchronous, sharded writer of one rank and the manifest rank 0 commits.
 
-Everything checkpointed is a named global tensor (`trainer.layout`); the data position travels
-in the manifest. The Layout comes from the Plan, not from the live tensors, so nothing is
-exchanged to know who writes what.
-
-Saving (`Checkpointer`) blocks the training loop only for the snapshot: GPU boxes are copied
-into reused pinned host buffers; host boxes are read in place, the loop waiting (if at all) at
-its next optimizer step (`before_update`). A background thread streams the boxes the Layout
-assigns this rank (replicas once) to storage in stored dim order with a CRC-32C per chunk, the
-ranks send their records to rank 0 over a dedicated gloo group, and rank 0 commits the
-manifest, last, then prunes. One save is in flight at a time; a failed save is reported at the
-next `wait` and never leaves a manifest.
-
-Restoring (`restore_latest`) lists the committed steps once; rank 0 reads the newest manifest
-and sends it to the others; every rank computes its reads (`ptc.reconfig`: exact byte ranges,
-coalesced) and executes exactly those, verifying every chunk. A checkpoint that fails anywhere
-is skipped for an older one, by agreement of all ranks.
+Blocks the training loop only for the snapshot: GPU boxes are copied into reused pinned host
+buffers; host boxes are read in place, the loop waiting (if at all) at its next optimizer step
+(`before_update`). A background thread streams the boxes the Layout assigns this rank
+(replicas once) to storage in stored dim order with a CRC-32C per chunk, the ranks send their
+records to rank 0 over a dedicated gloo group, and rank 0 commits the manifest, last, then
+prunes. One save is in flight at a time; a failed save is reported at the next `wait` and
+never leaves a manifest.
 """
 
 from __future__ import annotations
@@ -26,29 +17,17 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
-from torch.distributed.tensor import DTensor
 
 from ptc import Layout, Slice
 from ptc.chunks import chunk_rows, row_bytes, storage_order
 from ptc.codec import tensor_bytes
 from ptc.dtensor import local_data
-from ptc.reconfig import LOCAL, Assembly, RankReads
-from ptc.reshard import (
-    REFUSALS,
-    check_matches,
-    check_usable,
-    node_objects,
-    reads_for,
-    reshard_plan,
-    stored_boxes,
-)
 from ptc.transpose import copy_across_transpose
 from storage import (
     CheckpointStore,
@@ -56,39 +35,16 @@ from storage import (
     Manifest,
     ObjectRecord,
     ObjectStore,
-    ReadRequest,
     SliceKey,
     SlicePayload,
     SliceRecord,
     StorageError,
     TensorRecord,
-    TierUnusable,
-    TransientStorageError,
     holding_object_name,
-    node_tier,
 )
-from trainer.optim import LocalShardAdamW
+from trainer.checkpoint.group import Group, broadcast
 
 log = logging.getLogger("parashift.checkpoint")
-
-Group = Any  # a torch.distributed ProcessGroup, or None for a single process
-
-
-def collect_state(model: nn.Module, optimizer: LocalShardAdamW, rank: int, device: torch.device,
-                  *, local: bool = False) -> dict[str, torch.Tensor]:
-    """The training state as named global tensors: whole tensors, or DTensors whose local
-    shard is this rank's box; `local`: just this rank's boxes (cheaper: a save knows the
-    Layout, only the check against it needs DTensors)."""
-    state: dict[str, torch.Tensor] = {f"model/{name}": local_data(p).detach() if local else p.detach()
-                                      for name, p in model.named_parameters()}
-    state.update({f"optim/{key}": value for key, value in optimizer.state_tensors(local=local).items()})
-    state[f"rng/rank{rank:05d}/cpu"] = torch.get_rng_state()
-    if device.type == "cuda":
-        state[f"rng/rank{rank:05d}/cuda"] = torch.cuda.get_rng_state(device)
-    return state
-
-
-# ---------------------------------------------------------------------------------- saving
 
 
 @dataclass(frozen=True)
@@ -381,7 +337,7 @@ def _set_aside(store: CheckpointStore, step: int, rank: int, group: Group, known
             store.set_aside(step, fence=LeaseToken.from_env(), skipped=known)
         except Exception as exc:  # noqa: BLE001 - every rank fails this save with it
             error = str(exc) or type(exc).__name__
-    error = _broadcast(error, group)
+    error = broadcast(error, group)
     if error is not None:
         raise StorageError(error if rank == 0 else f"rank 0: {error}")
 
@@ -411,234 +367,3 @@ def build_manifest(job_id: str, step: int, layout: Layout, objects: list[ObjectR
     return Manifest(job_id=job_id, step=step, created_at=datetime.now(UTC).isoformat(), world_size=layout.world_size,
                     data_position=data_position, plan=plan, tensors=tensors, objects={o.key: o for o in objects},
                     metadata=metadata, previous_step=previous_step)
-
-
-# ---------------------------------------------------------------------------------- restoring
-
-
-@dataclass
-class Restored:
-    step: int
-    data_position: dict[str, int]
-    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
-    manifest: Manifest | None = None
-
-
-def restore_totals(reads: RankReads | None, group: Group = None) -> dict[str, int]:
-    """Bytes every rank of the job needed and read for its restore, and where the reads came
-    from (`local`: the reader's node-local tier; `store`: object storage), summed over ranks."""
-    mine = [0, 0, 0] if reads is None else [reads.bytes_needed, reads.bytes_read, reads.bytes_from(LOCAL)]
-    totals = torch.tensor(mine, dtype=torch.int64)
-    if group is not None:
-        dist.all_reduce(totals, group=group)
-    needed, read, local = (int(x) for x in totals.tolist())
-    return {"needed": needed, "read": read, "local": local, "store": read - local}
-
-
-def execute_reads(store: CheckpointStore, step: int, reads: RankReads, tier: ObjectStore | None = None,
-                  destinations: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
-    """Exactly `reads`' requests, every chunk verified, assembled into this rank's boxes (into
-    `destinations` where given)."""
-    requests = [ReadRequest(r.object, r.start, r.end, tuple(r.checks), r.source == LOCAL) for r in reads.requests]
-    assembly = Assembly(reads, destinations)
-    store.read_verified(step, requests, assembly.targets, tier)
-    return assembly.finish()
-
-
-def load_tensors(store: CheckpointStore, manifest: Manifest, names: list[str]) -> dict[str, torch.Tensor]:
-    """Whole global tensors `names` from a committed checkpoint, checksums verified."""
-    wanted = {name: Slice.whole(tuple(manifest.tensors[name].shape)) for name in names}
-    return execute_reads(store, manifest.step, reads_for(manifest, wanted, 0))
-
-
-def _broadcast(value: Any, group: Group) -> Any:
-    if group is None:
-        return value
-    box = [value]
-    dist.broadcast_object_list(box, src=0, group=group)
-    return box[0]
-
-
-def _first_reason(reason: str, rank: int, group: Group) -> str:
-    """The refusal reason of the lowest rank that had one of its own (a rank whose reads went
-    well knows only that another refused), for every rank."""
-    if group is None:
-        return reason
-    reasons: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(reasons, reason if reason != _BY_ANOTHER else None, group=group)
-    for other, said in enumerate(reasons):
-        if said is not None:
-            return said if other == 0 else f"rank {other}: {said}"
-    return reason
-
-
-def _agree(verdict: int, group: Group) -> int:
-    """The lowest verdict of all ranks (a CPU collective on the gloo group: it also works where
-    the training group is NCCL-only)."""
-    if group is None:
-        return verdict
-    flag = torch.tensor([verdict], dtype=torch.int64)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
-    return int(flag.item())
-
-
-class CheckpointsUnusable(RuntimeError):
-    """Committed checkpoints exist, but none can be restored into this job: starting fresh
-    would silently discard them, so the run stops unless the spec asks to start over."""
-
-
-# A rank's verdict on one checkpoint; the ranks act on the lowest.
-_UNREACHABLE, _REFUSED, _RESTORED = 0, 1, 2
-_BY_ANOTHER = "refused by another rank"
-
-def restore_latest(store: CheckpointStore, layout: Layout, rank: int, group: Group = None,
-                   tier: ObjectStore | None = None,
-                   on_reads: Callable[[int, RankReads], None] | None = None,
-                   destinations: dict[str, torch.Tensor] | None = None,
-                   start_over: bool = False) -> Restored | None:
-    """The newest committed checkpoint that every rank reads intact and that holds exactly this
-    job's state, as this rank's boxes under `layout`; None when there is none to restore.
-
-    A checkpoint that fails a checksum, names objects outside its folder, or does not match
-    the job (tensor missing or extra, other shape or dtype) is refused with one WARNING line
-    and kept, for inspection; an older one is tried. When checkpoints exist but none can be
-    restored, CheckpointsUnusable is raised unless `start_over`. Storage that stays
-    unreachable through its retries raises (a later attempt may read the same checkpoint).
-    `on_reads(step, reads)` hears this rank's reads before they start. `destinations`: fresh
-    tensors to read into (not live ones: a checkpoint refused half-way must leave the live
-    state as it was)."""
-    lead = rank == 0 or group is None  # the rank that lists and reads manifests for all
-    steps = None
-    if lead:
-        steps = store.manifest_steps()
-        for step in store.uncommitted_steps():
-            log.warning("step %d has objects but no manifest (a save that did not finish, or a deleted manifest): "
-                        "not a checkpoint", step)
-    steps = _broadcast(steps, group)
-    refused: list[str] = []
-    for step in reversed(steps):
-        raw, verdict, reason = None, _REFUSED, _BY_ANOTHER
-        if lead:
-            try:
-                raw = store.read_manifest_bytes(step)
-            except StorageError as error:
-                reason = str(error)
-                verdict = _UNREACHABLE if isinstance(error, TransientStorageError) else _REFUSED
-        raw = _broadcast(raw, group)
-        restored = None
-        if raw is not None:
-            try:
-                manifest = store.parse_manifest(step, raw)
-                check_usable(manifest, layout, store if lead else None)
-                wanted = {n: b for n, b in layout.boxes_of(rank).items() if n in manifest.tensors}
-                reads = reads_for(manifest, wanted, rank, node_objects(tier, store, step))
-                if on_reads is not None:
-                    on_reads(step, reads)
-                try:
-                    tensors = execute_reads(store, step, reads, tier, destinations)
-                except TierUnusable as error:  # a cache: read everything from the store instead
-                    log.warning("rank %d: %s; reading object storage", rank, error)
-                    reads = reads_for(manifest, wanted, rank)
-                    if on_reads is not None:
-                        on_reads(step, reads)
-                    tensors = execute_reads(store, step, reads, None, destinations)
-                restored = Restored(step, dict(manifest.data_position), tensors, manifest)
-                verdict = _RESTORED
-            except TransientStorageError as error:
-                verdict, reason = _UNREACHABLE, str(error)
-            except REFUSALS as error:
-                verdict, reason = _REFUSED, str(error) or type(error).__name__
-        verdict = _agree(verdict, group)
-        if verdict == _RESTORED:
-            return restored
-        if verdict == _UNREACHABLE:
-            raise StorageError(f"rank {rank}: storage unreachable while restoring the checkpoint at step {step}: {reason}")
-        reason = _first_reason(reason, rank, group)
-        if lead:  # one line per job
-            log.warning("refused the checkpoint at step %d: %s", step, reason)
-        refused.append(reason if f"step {step}" in reason else f"step {step}: {reason}")
-    if refused and not start_over:
-        raise CheckpointsUnusable(
-            f"none of the {len(refused)} committed checkpoints of {store.job_id} can be restored into this job "
-            f"(newest: {refused[0]}); fix or move them, or set training.if_checkpoints_unusable: start-over "
-            "to train from step 0 beside them")
-    if refused:
-        log.warning("starting over from step 0: no committed checkpoint can be restored (%d refused)", len(refused))
-    return None
-
-
-def restore_destinations(optimizer: LocalShardAdamW, *,
-                         in_place: bool = False) -> dict[str, torch.Tensor]:
-    """Host tensors for a restore to read into, adopted afterwards by `apply_state(adopt=True)`.
-
-    Default: new ones for every parameter and the optimizer's state, so a checkpoint refused
-    half-way leaves the live state as it was. `in_place`: the parameters' own local shards
-    (DTensor or plain) and whatever optimizer state exists, new tensors only for state not
-    yet created: no second copy of the state, and no page faults on memory the process has
-    already touched (on 4 ranks sharing 2 cores, reading into fresh memory took 2-4x as long).
-    The caller of an in-place restore that refused every checkpoint initialises the model
-    again and clears the optimizer state (`LocalShardAdamW.clear_state`)."""
-    state = optimizer.empty_state_tensors()
-    if in_place:
-        for key, live in optimizer.state_tensors(local=True).items():
-            if key in state and _fits(live, state[key]):
-                state[key] = live
-    out = {f"optim/{name}": t for name, t in state.items()}
-    for name, view in optimizer.views.items():  # each parameter's local shard
-        live = view.detach()  # outside autograd: written through
-        if live.device.type == "cpu":
-            out[f"model/{name}"] = live if in_place and live.is_contiguous() else torch.empty_like(live)
-    return out
-
-
-def _fits(live: torch.Tensor, fresh: torch.Tensor) -> bool:
-    return (live.shape == fresh.shape and live.dtype == fresh.dtype and live.device == fresh.device
-            and live.is_contiguous())
-
-
-def apply_state(restored: Restored, model: nn.Module, optimizer: LocalShardAdamW, rank: int, device: torch.device,
-                *, adopt: bool = False) -> None:
-    """Put restored tensors (this rank's boxes) into the live model, optimizer and RNGs.
-    `adopt`: a plain parameter takes a restored host tensor as its data instead of copying it;
-    only before anything (compile, a pipeline stage) has taken hold of parameter storage."""
-    tensors = restored.tensors
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            value = tensors[f"model/{name}"]
-            if value.data_ptr() == local_data(param).data_ptr() and value.shape == local_data(param).shape:
-                continue  # read in place
-            if (adopt and not isinstance(param, DTensor) and value.device == param.device and value.dtype == param.dtype
-                    and value.shape == param.shape and value.is_contiguous()):
-                param.data = value
-            else:
-                copy_across_transpose(local_data(param), value)
-    # The optimizer adopts these tensors as its state: contiguous, as it would have made them.
-    optimizer.load_state_tensors({k[len("optim/") :]: v.contiguous() for k, v in tensors.items() if k.startswith("optim/")})
-    cpu_rng = tensors.get(f"rng/rank{rank:05d}/cpu")
-    if cpu_rng is not None:
-        torch.set_rng_state(cpu_rng)
-    cuda_rng = tensors.get(f"rng/rank{rank:05d}/cuda")
-    if cuda_rng is not None and device.type == "cuda":
-        torch.cuda.set_rng_state(cuda_rng, device)
-
-
-__all__ = [
-    "Checkpointer",
-    "CheckpointsUnusable",
-    "Restored",
-    "SaveReport",
-    "apply_state",
-    "build_manifest",
-    "check_matches",
-    "check_usable",
-    "collect_state",
-    "execute_reads",
-    "load_tensors",
-    "node_objects",
-    "node_tier",
-    "reads_for",
-    "reshard_plan",
-    "restore_destinations",
-    "restore_latest",
-    "stored_boxes",
-]

@@ -1,0 +1,171 @@
+"""Restoring: the newest committed checkpoint every rank can use, read as this rank's boxes.
+
+Rank 0 lists the committed steps once, reads the newest manifest and sends it to the others;
+every rank computes its reads (`ptc.reconfig`: exact byte ranges, coalesced) and executes
+exactly those, verifying every chunk. A checkpoint that fails anywhere is skipped for an older
+one, by agreement of all ranks.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ptc import Layout, Slice
+from ptc.reconfig import LOCAL, Assembly, RankReads
+from ptc.reshard import (
+    REFUSALS,
+    check_usable,
+    node_objects,
+    reads_for,
+)
+from storage import (
+    CheckpointStore,
+    Manifest,
+    ObjectStore,
+    ReadRequest,
+    StorageError,
+    TierUnusable,
+    TransientStorageError,
+)
+from trainer.checkpoint.group import Group, agree_lowest, broadcast
+
+log = logging.getLogger("parashift.checkpoint")
+
+
+@dataclass
+class Restored:
+    step: int
+    data_position: dict[str, int]
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    manifest: Manifest | None = None
+
+
+def restore_totals(reads: RankReads | None, group: Group = None) -> dict[str, int]:
+    """Bytes every rank of the job needed and read for its restore, and where the reads came
+    from (`local`: the reader's node-local tier; `store`: object storage), summed over ranks."""
+    mine = [0, 0, 0] if reads is None else [reads.bytes_needed, reads.bytes_read, reads.bytes_from(LOCAL)]
+    totals = torch.tensor(mine, dtype=torch.int64)
+    if group is not None:
+        dist.all_reduce(totals, group=group)
+    needed, read, local = (int(x) for x in totals.tolist())
+    return {"needed": needed, "read": read, "local": local, "store": read - local}
+
+
+def execute_reads(store: CheckpointStore, step: int, reads: RankReads, tier: ObjectStore | None = None,
+                  destinations: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """Exactly `reads`' requests, every chunk verified, assembled into this rank's boxes (into
+    `destinations` where given)."""
+    requests = [ReadRequest(r.object, r.start, r.end, tuple(r.checks), r.source == LOCAL) for r in reads.requests]
+    assembly = Assembly(reads, destinations)
+    store.read_verified(step, requests, assembly.targets, tier)
+    return assembly.finish()
+
+
+def load_tensors(store: CheckpointStore, manifest: Manifest, names: list[str]) -> dict[str, torch.Tensor]:
+    """Whole global tensors `names` from a committed checkpoint, checksums verified."""
+    wanted = {name: Slice.whole(tuple(manifest.tensors[name].shape)) for name in names}
+    return execute_reads(store, manifest.step, reads_for(manifest, wanted, 0))
+
+
+def _first_reason(reason: str, rank: int, group: Group) -> str:
+    """The refusal reason of the lowest rank that had one of its own (a rank whose reads went
+    well knows only that another refused), for every rank."""
+    if group is None:
+        return reason
+    reasons: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(reasons, reason if reason != _BY_ANOTHER else None, group=group)
+    for other, said in enumerate(reasons):
+        if said is not None:
+            return said if other == 0 else f"rank {other}: {said}"
+    return reason
+
+
+class CheckpointsUnusable(RuntimeError):
+    """Committed checkpoints exist, but none can be restored into this job: starting fresh
+    would silently discard them, so the run stops unless the spec asks to start over."""
+
+
+# A rank's verdict on one checkpoint; the ranks act on the lowest.
+_UNREACHABLE, _REFUSED, _RESTORED = 0, 1, 2
+_BY_ANOTHER = "refused by another rank"
+
+def restore_latest(store: CheckpointStore, layout: Layout, rank: int, group: Group = None,
+                   tier: ObjectStore | None = None,
+                   on_reads: Callable[[int, RankReads], None] | None = None,
+                   destinations: dict[str, torch.Tensor] | None = None,
+                   start_over: bool = False) -> Restored | None:
+    """The newest committed checkpoint that every rank reads intact and that holds exactly this
+    job's state, as this rank's boxes under `layout`; None when there is none to restore.
+
+    A checkpoint that fails a checksum, names objects outside its folder, or does not match
+    the job (tensor missing or extra, other shape or dtype) is refused with one WARNING line
+    and kept, for inspection; an older one is tried. When checkpoints exist but none can be
+    restored, CheckpointsUnusable is raised unless `start_over`. Storage that stays
+    unreachable through its retries raises (a later attempt may read the same checkpoint).
+    `on_reads(step, reads)` hears this rank's reads before they start. `destinations`: fresh
+    tensors to read into (not live ones: a checkpoint refused half-way must leave the live
+    state as it was)."""
+    lead = rank == 0 or group is None  # the rank that lists and reads manifests for all
+    steps = None
+    if lead:
+        steps = store.manifest_steps()
+        for step in store.uncommitted_steps():
+            log.warning("step %d has objects but no manifest (a save that did not finish, or a deleted manifest): "
+                        "not a checkpoint", step)
+    steps = broadcast(steps, group)
+    refused: list[str] = []
+    for step in reversed(steps):
+        raw, verdict, reason = None, _REFUSED, _BY_ANOTHER
+        if lead:
+            try:
+                raw = store.read_manifest_bytes(step)
+            except StorageError as error:
+                reason = str(error)
+                verdict = _UNREACHABLE if isinstance(error, TransientStorageError) else _REFUSED
+        raw = broadcast(raw, group)
+        restored = None
+        if raw is not None:
+            try:
+                manifest = store.parse_manifest(step, raw)
+                check_usable(manifest, layout, store if lead else None)
+                wanted = {n: b for n, b in layout.boxes_of(rank).items() if n in manifest.tensors}
+                reads = reads_for(manifest, wanted, rank, node_objects(tier, store, step))
+                if on_reads is not None:
+                    on_reads(step, reads)
+                try:
+                    tensors = execute_reads(store, step, reads, tier, destinations)
+                except TierUnusable as error:  # a cache: read everything from the store instead
+                    log.warning("rank %d: %s; reading object storage", rank, error)
+                    reads = reads_for(manifest, wanted, rank)
+                    if on_reads is not None:
+                        on_reads(step, reads)
+                    tensors = execute_reads(store, step, reads, None, destinations)
+                restored = Restored(step, dict(manifest.data_position), tensors, manifest)
+                verdict = _RESTORED
+            except TransientStorageError as error:
+                verdict, reason = _UNREACHABLE, str(error)
+            except REFUSALS as error:
+                verdict, reason = _REFUSED, str(error) or type(error).__name__
+        verdict = agree_lowest(verdict, group)
+        if verdict == _RESTORED:
+            return restored
+        if verdict == _UNREACHABLE:
+            raise StorageError(f"rank {rank}: storage unreachable while restoring the checkpoint at step {step}: {reason}")
+        reason = _first_reason(reason, rank, group)
+        if lead:  # one line per job
+            log.warning("refused the checkpoint at step %d: %s", step, reason)
+        refused.append(reason if f"step {step}" in reason else f"step {step}: {reason}")
+    if refused and not start_over:
+        raise CheckpointsUnusable(
+            f"none of the {len(refused)} committed checkpoints of {store.job_id} can be restored into this job "
+            f"(newest: {refused[0]}); fix or move them, or set training.if_checkpoints_unusable: start-over "
+            "to train from step 0 beside them")
+    if refused:
+        log.warning("starting over from step 0: no committed checkpoint can be restored (%d refused)", len(refused))
+    return None
