@@ -145,7 +145,8 @@ def mesh_configs(op: Op, mesh: Mesh) -> list[Config]:
 
     Axes may split only what `axis_targets` allows: the restriction is applied here, at
     generation, so the search never sees a layout the op does not declare. A `tp_required` op
-    with no even split over "tp" has no configuration at all (the caller avoids that state).
+    with no even split over "tp" has no configuration at all (the caller avoids that state, or
+    that mesh: planner/outer.py `_Context.configurable`).
     Where the batch does not split evenly over "dp", the op is replicated over "dp" instead.
     """
     targets = [axis_targets(op, mesh, n) for n in mesh.names]

@@ -32,6 +32,9 @@ MAX_TABLE = 1 << 25
 # 8.8e9 at p = 128; past it the problem is narrowed and relaxed (solve_bounded): two solves of
 # at most this much work each (PaSE's Transformer at p = 512, a 5,000-op skip stack: < 25 s).
 MAX_WORK = 4e9
+# Ops brute force can enumerate: its joint table has one array axis per op, and numpy arrays
+# have at most 64 (past it numpy fails with "maximum supported dimension", however few states).
+BRUTE_FORCE_MAX_OPS = 64
 # Graphs up to this many variables also try randomised near-greedy elimination orders.
 RANDOM_ORDERS_UP_TO = 2000
 # Eliminations whose full table (dependents x own configurations) is larger run in slices of
@@ -302,12 +305,20 @@ def evaluate(problem: Problem, assign: list[int]) -> float:
     return float(sum(f.table[tuple(assign[v] for v in f.scope)] for f in problem.factors))
 
 
-def brute_force(problem: Problem, max_states: int = 50_000_000) -> tuple[list[int], float]:
-    """Every assignment at once: the full joint table, then its argmin. For small problems only."""
-    card = problem.card
+def _check_brute_force(card: list[int], max_states: int) -> None:
+    """ValueError when the joint table would have too many axes or entries to build."""
+    if len(card) > BRUTE_FORCE_MAX_OPS:
+        raise ValueError(f"brute force enumerates at most {BRUTE_FORCE_MAX_OPS} ops (one array axis each), "
+                         f"this has {len(card)}")
     states = int(np.prod(card, dtype=np.float64))
     if states > max_states:
         raise ValueError(f"brute force over {states:,} assignments exceeds {max_states:,}")
+
+
+def brute_force(problem: Problem, max_states: int = 50_000_000) -> tuple[list[int], float]:
+    """Every assignment at once: the full joint table, then its argmin. For small problems only."""
+    card = problem.card
+    _check_brute_force(card, max_states)
     full = _combine(problem.factors, tuple(range(len(card))), card) if card else np.zeros(())
     flat = int(np.argmin(full))
     return [int(i) for i in np.unravel_index(flat, full.shape)], float(full.reshape(-1)[flat])
@@ -319,9 +330,7 @@ def brute_force_constrained(problem: Problem, memory: Problem, limit: float,
     is at most `limit`, by enumerating them all; None when none fits. For small problems only:
     what the constrained search is tested against."""
     card = problem.card
-    states = int(np.prod(card, dtype=np.float64))
-    if states > max_states:
-        raise ValueError(f"brute force over {states:,} assignments exceeds {max_states:,}")
+    _check_brute_force(card, max_states)
     scope = tuple(range(len(card)))
     objective = _combine(problem.factors, scope, card) if card else np.zeros(())
     used = _combine(memory.factors, scope, card) if card else np.zeros(())

@@ -51,8 +51,9 @@ and a graph without them is searched over every layout, as PaSE does):
 - `tp_needs`: a group name; the op may split over "tp" only if that group is on (a vocab-parallel
   loss needs a vocab-parallel head). A group with no op in the graph constrains nothing.
 - `tp_required`: the op must split one of its `tp_dims` over "tp" when the mesh has a "tp" axis
-  (the search sets it to fix a group on, planner/search.py `TieVariants`; a graph that sets it
-  itself must split evenly on every mesh with a "tp" axis, else the op has no configuration).
+  (the search sets it to fix a group on, planner/stage.py `TieVariants`; where a graph sets it
+  itself, a mesh whose "tp" axis divides none of the dims the op may split leaves it no
+  configuration, and the search leaves that mesh out, planner/outer.py).
 
 These apply to named meshes (planner/configs.py `named_mesh`); PaSE's counts space ignores them.
 
@@ -70,7 +71,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from math import prod
 from pathlib import Path
 from typing import Annotated
@@ -116,6 +117,23 @@ class Op(BaseModel):
     tp_required: bool = False
     saved: tuple[Saved, ...] | None = Field(
         default=None, description="activations backward keeps (None: the output at the graph's act_bytes)")
+
+    def _tensors(self) -> Iterator[tuple[str, Dims]]:
+        """Each tensor of the op with the name the JSON format gives it (`inputs[0]`, `output`...)."""
+        yield from ((f"inputs[{i}]", t) for i, t in enumerate(self.inputs))
+        yield "output", self.output
+        yield from ((f"params[{i}]", t) for i, t in enumerate(self.params))
+        yield from ((f"saved[{i}]", s.dims) for i, s in enumerate(self.saved or ()))
+
+    @model_validator(mode="after")
+    def _tensors_name_each_dim_once(self) -> Op:
+        """A tensor axis is one dim: `["d", "d"]` has no layout a split could give (which axis
+        would a split of d shard?), and its element count would be d squared."""
+        for where, tensor in self._tensors():
+            twice = next((d for i, d in enumerate(tensor) if d in tensor[:i]), None)
+            if twice is not None:
+                raise ValueError(f"op {self.name}: tensor {where} {list(tensor)} names dim {twice!r} twice")
+        return self
 
     @model_validator(mode="after")
     def _tensors_use_own_dims(self) -> Op:

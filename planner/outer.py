@@ -33,7 +33,7 @@ import heapq
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
-from planner.configs import named_mesh
+from planner.configs import TP, mesh_configs, named_mesh
 from planner.costs import CostModel
 from planner.graph import Graph, Op
 from planner.pipeline import block_order, boundary_s, stage_ops, stage_splits, step_time
@@ -148,7 +148,15 @@ class _Context:
         self._rep = {}
         for op in g.ops:
             self._rep.setdefault(sig[op.name], op.name)
+        self._forced = {sig[op.name]: op.name for op in g.ops if op.tp_required}
         self.stages: dict[tuple, _Stage] = {}
+
+    def configurable(self) -> bool:
+        """Whether every op has a configuration here. Only an op that must split over "tp"
+        (`tp_required`) can lack one, where none of its dims splits evenly at this batch size
+        (planner/configs.py `mesh_configs`): then the mesh is no candidate, but others are."""
+        mesh = self.costs.mesh
+        return TP not in mesh.names or all(mesh_configs(self.ops[n], mesh) for n in self._forced.values())
 
     @property
     def graph(self) -> Graph:
@@ -247,9 +255,10 @@ def enumerate_specs(profile: ModelProfile, devices: int, limit: float | None, ma
             ctx = _Context(profile, g, dp_, tp, None, Weights.schedule(1, 1, profile.reshard_after_forward),
                            limit, method, sig)
             names = [op.name for op in g.ops]
-            stage = ctx.stage(("single",), names, _sig_counts(names, sig))
-            single = CandidateSpec(len(specs), 1, dp_, tp, 1, ctx, [stage], 0.0)
-            specs.append(single)
+            if ctx.configurable():
+                stage = ctx.stage(("single",), names, _sig_counts(names, sig))
+                single = CandidateSpec(len(specs), 1, dp_, tp, 1, ctx, [stage], 0.0)
+                specs.append(single)
         if len(blocks) < pp or g.batch_dim not in g.ops[0].dims:
             continue  # no blocks to cut into stages, or no batch to cut into micro-batches
         batch = g.ops[0].dims[g.batch_dim]
@@ -264,6 +273,8 @@ def enumerate_specs(profile: ModelProfile, devices: int, limit: float | None, ma
                     continue  # the single stage above
                 w = Weights.schedule(pp, m, profile.reshard_after_forward)
                 ctx = _Context(profile, gv, dp_, tp, batch // m, w, limit, method, sv)
+                if not ctx.configurable():
+                    continue
                 for lay in layouts[pp, id(gv)]:
                     stages = [ctx.stage(*x) for x in zip(lay.keys, lay.names, lay.sig_counts, strict=True)]
                     worst = 0.0  # the largest activation crossing a stage boundary

@@ -194,7 +194,12 @@ def spaces(profile: ModelProfile, shard_dp: bool) -> list[ModelProfile]:
 
 def exhaustive_search(source: ModelProfile | Graph, devices: int, memory_limit_bytes: int | None = None,
                       max_tp: int | None = None, max_pp: int | None = None, **kwargs: object) -> Plan:
-    """`plan_model` with brute force in place of the DP, over the same space (small graphs only)."""
+    """`plan_model` with brute force in place of the DP, over the same space (small graphs only:
+    one beyond `dp.BRUTE_FORCE_MAX_OPS` is refused up front, before any stage is searched)."""
+    graph = source.graph if isinstance(source, ModelProfile) else source
+    if len(graph.ops) > dp.BRUTE_FORCE_MAX_OPS:
+        raise ValueError(f"brute force enumerates at most {dp.BRUTE_FORCE_MAX_OPS} ops (one array axis each), "
+                         f"this graph has {len(graph.ops)}: plan it with the DP (plan_model)")
     return plan_model(source, devices, memory_limit_bytes, max_tp, max_pp, method="exhaustive", **kwargs)
 
 

@@ -194,6 +194,10 @@ GOOD_GRAPH = {"ops": [{"name": "a", "dims": {"b": 4, "f": 8}, "inputs": [["b", "
         (lambda g: g.update(batch_dim="n"), "batch_dim: 'n' is not a dim of any op"),
         (lambda g: g["ops"][0]["dims"].update(b=2**50), "ops[0].dims.b (op 'a'): Input should be less than or equal to"),
         (lambda g: g["ops"][0].update(saved=[{"dims": ["z"], "bytes": 2}]), "ops[0] (op 'a'): op a: dims ['z'] not in"),
+        (lambda g: g["ops"][0].update(params=[["f", "f"]]),
+         "ops[0] (op 'a'): op a: tensor params[0] ['f', 'f'] names dim 'f' twice"),
+        (lambda g: g["ops"][1].update(inputs=[["b", "b"]]),
+         "ops[1] (op 'c'): op c: tensor inputs[0] ['b', 'b'] names dim 'b' twice"),
     ],
 )
 def test_malformed_graphs_are_refused_with_one_line(tmp_path: Path, change, line: str) -> None:
@@ -220,11 +224,100 @@ def test_plan_input_that_cannot_be_planned(tmp_path: Path) -> None:
     (tmp_path / "t.json").write_text(json.dumps(GOOD_GRAPH)[:40])
     done = runner.invoke(app, ["plan", "specs/default.yaml", "--graph", str(tmp_path / "t.json")])
     assert done.exit_code == 1 and f"{tmp_path / 't.json'}: not JSON" in done.output
-    for bad in ("0", "-1", "100000000"):
-        done = runner.invoke(app, ["plan", "specs/default.yaml", "--devices", bad])
-        assert done.exit_code == 2 and "--devices" in done.output and "Traceback" not in done.output
+    for option in ("--devices", "-n"):
+        for bad in ("0", "-1", "1e6", "100000000", "two"):
+            done = runner.invoke(app, ["plan", "specs/default.yaml", option, bad])
+            assert done.exit_code == 2 and "Traceback" not in done.output, done.output
+            assert done.output.strip() == f"parashift plan: --devices must be a whole number from 1 to 65536 (got {bad!r})"
     (tmp_path / "ok.json").write_text(json.dumps(GOOD_GRAPH))
     assert runner.invoke(app, ["plan", "specs/default.yaml", "--graph", str(tmp_path / "ok.json")]).exit_code == 0
+    done = runner.invoke(app, ["plan", "specs/default.yaml", "--graph", str(tmp_path / "ok.json"), "-n", "4", "--json"])
+    assert done.exit_code == 0 and Plan.model_validate_json(done.output).devices == 4, done.output
+
+
+def _one_op_graph(d: int) -> dict:
+    """One op that must split its `d` over "tp" (tp_required), on a batch of 8."""
+    return {"ops": [{"name": "fc", "kind": "matmul", "dims": {"b": 8, "d": d}, "inputs": [["b", "d"]],
+                     "output": ["b", "d"], "params": [["d"]], "flops": 1e6, "tp_dims": ["d"], "tp_required": True}]}
+
+
+@pytest.mark.parametrize("devices", [1, 2, 3, 4, 7, 8])
+def test_a_required_tp_split_that_cannot_divide_leaves_the_other_meshes(tmp_path: Path, devices: int) -> None:
+    """d = 7 splits over tp = 7 only: on every other mesh with a "tp" axis the op has no
+    configuration, and that mesh is left out, not the whole search (it failed on a minimum
+    over no configurations); data parallelism plans it on every device count."""
+    from typer.testing import CliRunner
+
+    from parashift.cli import app
+
+    path = tmp_path / "g.json"
+    path.write_text(json.dumps(_one_op_graph(7)))
+    for extra in ([], ["--exhaustive"]):
+        done = CliRunner().invoke(app, ["plan", "specs/default.yaml", "--graph", str(path), "-n", str(devices),
+                                        "--json", *extra])
+        assert done.exit_code == 0, done.output
+        plan = Plan.model_validate_json(done.output)
+        assert plan.devices == devices and plan.placements[0].op == "fc"
+        tp = plan.mesh.get("tp", 1)
+        assert tp == 1 or 7 % tp == 0, plan.mesh
+        assert ("d" in plan.placements[0].splits) == (tp > 1), plan.placements[0].splits
+    prof = profile_graph(load_graph_json(path), "cuda")
+    assert plan_model(prof, devices, None).estimated_step_s > 0
+
+
+@pytest.mark.parametrize("error", [MemoryError(), MemoryError("a table of 9e12 entries"), RuntimeError("two\nlines"),
+                                   ValueError("brute force over 9 assignments exceeds 8")])
+def test_a_failed_search_is_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, error: Exception) -> None:
+    """Whatever the search raises, `parashift plan` says it in one line and exits 1."""
+    from typer.testing import CliRunner
+
+    import planner.search
+    from parashift.cli import app
+
+    def fail(*args: object, **kwargs: object) -> Plan:
+        raise error
+
+    monkeypatch.setattr(planner.search, "plan_model", fail)
+    path = tmp_path / "g.json"
+    path.write_text(json.dumps(GOOD_GRAPH))
+    done = CliRunner().invoke(app, ["plan", "specs/default.yaml", "--graph", str(path)])
+    assert done.exit_code == 1 and "Traceback" not in done.output, done.output
+    assert len(done.output.strip().splitlines()) == 1, done.output
+    assert done.output.startswith(f"{path}: cannot plan it: "), done.output
+    if not isinstance(error, ValueError):
+        assert type(error).__name__ in done.output
+
+
+def _chain(ops: int) -> dict:
+    """`ops` elementwise ops in a line, batch 4."""
+    body = [{"name": f"o{i}", "dims": {"b": 4, "f": 8}, "inputs": [["b", "f"]], "output": ["b", "f"], "flops": 10.0}
+            for i in range(ops)]
+    return {"ops": body, "edges": [{"src": f"o{i}", "dst": f"o{i + 1}"} for i in range(ops - 1)]}
+
+
+def test_exhaustive_refuses_graphs_past_its_limit_up_front(tmp_path: Path) -> None:
+    """Brute force holds one array axis per op (numpy allows 64): 64 ops plan, 65 are refused
+    in one line that gives the limit and points at the DP, which plans them."""
+    from typer.testing import CliRunner
+
+    from parashift.cli import app
+    from planner.dp import BRUTE_FORCE_MAX_OPS
+
+    runner = CliRunner()
+    for ops in (BRUTE_FORCE_MAX_OPS, BRUTE_FORCE_MAX_OPS + 1):
+        path = tmp_path / f"chain{ops}.json"
+        path.write_text(json.dumps(_chain(ops)))
+        args = ["plan", "specs/default.yaml", "--graph", str(path), "-n", "1", "--json"]
+        done = runner.invoke(app, [*args, "--exhaustive"])
+        if ops == BRUTE_FORCE_MAX_OPS:
+            assert done.exit_code == 0, done.output
+            continue
+        assert done.exit_code == 1 and "Traceback" not in done.output, done.output
+        assert done.output.strip() == (f"{path}: --exhaustive enumerates graphs of at most {BRUTE_FORCE_MAX_OPS} ops "
+                                       f"and this one has {ops}; plan it without --exhaustive (the DP, the default)")
+        assert runner.invoke(app, args).exit_code == 0
+        with pytest.raises(ValueError, match=f"at most {BRUTE_FORCE_MAX_OPS} ops"):
+            exhaustive_search(profile_graph(load_graph_json(path), "cuda"), 2)
 
 
 def test_the_spec_can_forbid_sharding_data_parallelism(tmp_path: Path) -> None:

@@ -2,19 +2,76 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
+
+if TYPE_CHECKING:
+    from planner.profile import ModelProfile
+    from specs.models import ParallelismSpec
+    from specs.plan import Plan
+
+MAX_DEVICES = 65536
 
 
 def _label(splits: dict[str, tuple[str, ...]]) -> str:
     return " ".join(f"{dim}/{'x'.join(axes)}" for dim, axes in splits.items()) or "replicated"
 
 
+def _device_count(text: str | None) -> int | None:
+    """`--devices` as a whole number from 1 to MAX_DEVICES, else one line and exit 2 (a usage
+    error). Parsed here, not by typer: its range and type checks print a six-line box."""
+    if text is None:
+        return None
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if not 1 <= n <= MAX_DEVICES:
+        typer.echo(f"parashift plan: --devices must be a whole number from 1 to {MAX_DEVICES} (got {text!r})",
+                   err=True)
+        raise typer.Exit(2)
+    return n
+
+
+def _one_line(error: BaseException) -> str:
+    """An exception as one line: its message (named by its type unless a ValueError, which the
+    search raises to explain itself), whitespace collapsed."""
+    text = " ".join(str(error).split())
+    if isinstance(error, ValueError):
+        return text
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__
+
+
+def _refuse_oversized_exhaustive(profile: ModelProfile, label: str) -> None:
+    """Brute force holds one array axis per op: a larger graph is refused before any search,
+    with the limit and the way that plans it (the DP, the default)."""
+    from planner.dp import BRUTE_FORCE_MAX_OPS
+
+    ops = len(profile.graph.ops)
+    if ops > BRUTE_FORCE_MAX_OPS:
+        typer.echo(f"{label}: --exhaustive enumerates graphs of at most {BRUTE_FORCE_MAX_OPS} ops and this one has "
+                   f"{ops}; plan it without --exhaustive (the DP, the default)", err=True)
+        raise typer.Exit(1)
+
+
+def _solve(search: Callable[..., Plan], profile: ModelProfile, n: int, par: ParallelismSpec, label: str,
+           exhaustive: bool) -> Plan:
+    """The search's Plan; any failure of it one line and exit 1, never a traceback: a ValueError
+    it raises to explain itself, a MemoryError on a graph too wide, or a bug."""
+    try:
+        return search(profile, n, None, par.max_tp, par.max_pp, shard_dp=par.shard_data_parallel)
+    except Exception as error:
+        typer.echo(f"{label}: cannot plan it{' exhaustively' if exhaustive else ''}: {_one_line(error)}", err=True)
+        raise typer.Exit(1) from None
+
+
 def plan(
     spec: Path = typer.Argument(..., help="job spec YAML (its model, batch, resources and limits)"),
-    devices: int | None = typer.Option(None, "--devices", "-n", min=1, max=65536,
-                                       help="devices to plan for (default: the spec's)"),
+    devices: str | None = typer.Option(None, "--devices", "-n", metavar="INTEGER",
+                                       help=f"devices to plan for, 1 to {MAX_DEVICES} (default: the spec's)"),
     json_out: bool = typer.Option(False, "--json", help="print the Plan as JSON only"),
     exhaustive: bool = typer.Option(False, "--exhaustive", help="enumerate every assignment of each stage instead of the DP (small graphs)"),
     graph: Path | None = typer.Option(None, "--graph", help="plan this JSON op graph instead of the spec's model"),
@@ -27,9 +84,10 @@ def plan(
     from planner.profile import profile_graph
     from planner.search import exhaustive_search, plan_model
 
+    count = _device_count(devices)
     job = load_spec_or_exit(spec)
     res, model, par = job.resources, job.model, job.parallelism
-    n = devices or res.devices
+    n = count or res.devices
     kind = getattr(res, "kind", "cpu")
     if graph is not None:
         try:
@@ -57,12 +115,10 @@ def plan(
         profile = profile_graph(family_of(model).graph(model, batch, par.precision), kind, measure,
                                 memory_gb=res.memory_gb, devices_per_node=res.devices_per_node,
                                 tokens=batch * model.seq_len)
-    search = exhaustive_search if exhaustive else plan_model
-    try:
-        result = search(profile, n, None, par.max_tp, par.max_pp, shard_dp=par.shard_data_parallel)
-    except ValueError as error:  # e.g. brute force over more assignments than it can hold
-        typer.echo(f"{graph or spec}: cannot plan it{' exhaustively' if exhaustive else ''}: {error}", err=True)
-        raise typer.Exit(1) from None
+    label = str(graph or spec)
+    if exhaustive:
+        _refuse_oversized_exhaustive(profile, label)
+    result = _solve(exhaustive_search if exhaustive else plan_model, profile, n, par, label, exhaustive)
     if json_out:
         typer.echo(result.model_dump_json(indent=2))
         return
