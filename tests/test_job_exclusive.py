@@ -109,11 +109,11 @@ def test_a_run_on_another_server_holding_the_storage_lease_refuses_this_one(pref
 @pytest.mark.parametrize("where", ["file", "s3"])
 def test_two_prefect_databases_sharing_one_store_train_the_job_once(where: str, tmp_path: Path,
                                                                    request: pytest.FixtureRequest) -> None:
-    """`parashift run` of one job twice, each against its own Prefect database, so no Prefect
-    slot can see the other: on file:// two embedded APIs, on s3:// (moto) the session's real
-    server and an embedded API. The storage lease decides: the second is refused in one line
-    naming the first; the first trains on, stops when asked, and its final state is, bit for
-    bit, a single run's at the same step."""
+    """`parashift run` of one job twice at once, each against its own Prefect database, so no
+    Prefect slot can see the other: on file:// two embedded APIs, on s3:// (moto) the session's
+    real server and an embedded API. The storage lease decides: one is refused in one line
+    naming the other; the other trains, stops when asked, and its final state is, bit for bit,
+    a single run's at the same step."""
     import os
     import subprocess
     import sys
@@ -144,27 +144,28 @@ def test_two_prefect_databases_sharing_one_store_train_the_job_once(where: str, 
         request.getfixturevalue("prefect_server")
         envs[0] = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value(), "PREFECT_HOME": str(tmp_path / "home-a")}
     parashift = str(Path(sys.executable).with_name("parashift"))
-    first = subprocess.Popen([parashift, "run", str(path)], cwd=tmp_path, env=envs[0], stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    runs = [subprocess.Popen([parashift, "run", str(path)], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True, start_new_session=True) for env in envs]
     try:
         store = checkpoint_store(spec)
         deadline = time.monotonic() + 300
-        while not store.manifest_steps():  # the first run holds the lease and has committed
-            assert first.poll() is None and time.monotonic() < deadline, first.stdout.read() if first.stdout else ""
+        while all(r.poll() is None for r in runs) or not store.manifest_steps():  # one refused, one committed
+            assert time.monotonic() < deadline and not all(r.poll() is not None for r in runs)
             time.sleep(0.5)
-        second = subprocess.run([parashift, "run", str(path)], cwd=tmp_path, env=envs[1], capture_output=True,
-                                text=True, timeout=300)
-        said = second.stdout + second.stderr
-        assert second.returncode != 0, said[-3000:]
+        refused = next(r for r in runs if r.poll() is not None)
+        trains = next(r for r in runs if r is not refused)
+        said, _ = refused.communicate()
+        assert refused.returncode != 0, said[-3000:]
         refusals = [line for line in said.splitlines() if "job shared-store is already running: run " in line]
         assert refusals and "holds its storage lease" in refusals[0], said[-3000:]
         assert CliRunner().invoke(app, ["stop", str(path)]).exit_code == 0
-        out, _ = first.communicate(timeout=300)
+        out, _ = trains.communicate(timeout=300)
     finally:
-        if first.poll() is None:
-            kill_tree(first.pid)
-            first.wait()
-    assert first.returncode == 0, out[-3000:]
+        for r in runs:
+            if r.poll() is None:
+                kill_tree(r.pid)
+                r.wait()
+    assert trains.returncode == 0, out[-3000:]
     manifest = store.latest()
     assert manifest is not None and manifest.writer is not None and manifest.writer.generation == 1
     alone = spec.model_copy(update={"name": "alone", "storage": spec.storage.model_copy(update={"url": f"file://{tmp_path}/alone"})})
