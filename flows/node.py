@@ -22,7 +22,7 @@ from specs.plan import Plan
 from storage import JobPaths, open_store
 from tasks.credentials import environment, storage_environment
 from tasks.nodes import NodeReport, meet, stop_workers_when
-from tasks.worker_log import present
+from tasks.worker_log import WorkerLog
 from trainer.events import WorkerEvent
 from trainer.launch import LaunchResult, RunningWorkers, launch_workers, run_measure_comm
 
@@ -41,26 +41,29 @@ def node_launcher(spec: JobSpec, plan: Plan, launch_id: str, nodes: list[str], n
     logger.info("node %s (%d of %d): rendezvous at %s:%d", node, rendezvous.node_rank, len(nodes),
                 rendezvous.master_addr, rendezvous.master_port)
     tail: list[str] = []
+    relay = WorkerLog(lambda level, message: logger.log(level, "[%s] %s", node, message), spec.training.steps)
 
     def on_line(line: str) -> None:
         tail.append(f"[{node}] {line}")
         del tail[:-200]
-        level, message = present(line, spec.training.steps)
-        logger.log(level, "[%s] %s", node, message)
+        relay(line)
 
     def stamp(event: WorkerEvent) -> None:
         event.received_at = time.time()  # when this node heard it (the job hears it later)
 
     workers, left = RunningWorkers(), threading.Event()
-    if measure_comm:
-        returncode, events, stderr = run_measure_comm(plan.devices, spec.resources.kind, rendezvous)
-        for line in stderr.splitlines()[-20:] if returncode else []:
-            on_line(line)
-        result = LaunchResult(returncode=returncode, events=events)
-    else:
-        with environment(credentials), stop_workers_when(store, spec.job_id, launch_id, workers, left):
-            result = launch_workers(spec, plan, on_line=on_line, until_step=until_step, extra_env=credentials,
-                                    workers=workers, node=rendezvous, on_event=stamp)
+    try:
+        if measure_comm:
+            returncode, events, stderr = run_measure_comm(plan.devices, spec.resources.kind, rendezvous)
+            for line in stderr.splitlines()[-20:] if returncode else []:
+                on_line(line)
+            result = LaunchResult(returncode=returncode, events=events)
+        else:
+            with environment(credentials), stop_workers_when(store, spec.job_id, launch_id, workers, left):
+                result = launch_workers(spec, plan, on_line=on_line, until_step=until_step, extra_env=credentials,
+                                        workers=workers, node=rendezvous, on_event=stamp)
+    finally:
+        relay.close()  # a failure report still being gathered
     if left.is_set():
         logger.warning("node %s: its worker went away; this node's workers were stopped (the node left)", node)
     report = NodeReport(node=node, returncode=result.returncode, events=result.events, hung_s=result.hung_s,

@@ -39,18 +39,25 @@ class TrainingProgress:
 
 def job_tags(job_id: str, model: str, devices: int) -> list[str]:
     """What a run is found by in the UI's filters: the job, the model's shape, its devices."""
-    return [f"job:{job_id}", f"model:{model}", f"devices:{devices}"]
+    return [f"job:{job_id}", f"model:{model}", device_tag(devices)]
+
+
+def device_tag(devices: int) -> str:
+    """The tag of a device count the run trained on: an elastic run carries one per count."""
+    return f"devices:{devices}"
 
 
 def tag_this_run(tags: list[str]) -> None:
     """Add `tags` to the flow run in progress (a run's tags are otherwise fixed by whoever
-    started it: the form, a schedule, a parent flow)."""
+    started it: the form, a schedule, a parent flow). Merged with the tags the run has now on
+    the server, which earlier calls changed (the run context keeps those it started with)."""
     from prefect.client.orchestration import get_client
     from prefect.context import FlowRunContext
 
     context = FlowRunContext.get()
     if context is None or context.flow_run is None:
         return
-    run = context.flow_run
     with get_client(sync_client=True) as client:
-        client.update_flow_run(run.id, tags=sorted(set(run.tags) | set(tags)))
+        now = client.read_flow_run(context.flow_run.id).tags
+        if not set(tags) <= set(now):
+            client.update_flow_run(context.flow_run.id, tags=sorted(set(now) | set(tags)))

@@ -16,6 +16,7 @@ from datetime import UTC, datetime
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 from prefect.logging import get_run_logger
+from prefect.states import Failed, State
 
 from specs import JobSpec
 from specs.elastic import JobState, Replan, ResourceEvent, decide, segment_outcome
@@ -27,7 +28,7 @@ from tasks.credentials import environment, storage_environment
 from tasks.events import ResourceWatcher
 from tasks.nodes import node_launch
 from tasks.records import SegmentResult
-from tasks.worker_log import present
+from tasks.worker_log import WorkerLog
 from trainer.events import StartEvent, StepEvent, WorkerEvent
 from trainer.launch import LaunchResult, RunningWorkers, launch_workers
 
@@ -156,12 +157,12 @@ def launch_training(spec: JobSpec, plan: Plan, until_step: int | None = None,
 
     lines: list[str] = []
     workers = RunningWorkers()
+    relay = WorkerLog(logger.log, spec.training.steps)
 
     def on_line(line: str) -> None:
         lines.append(line)
         del lines[:-200]  # torchrun's failure summary is at the end
-        level, message = present(line, spec.training.steps)
-        logger.log(level, message)
+        relay(line)
 
     if resources is not None:
         resources.on_change = stop_for
@@ -185,6 +186,7 @@ def launch_training(spec: JobSpec, plan: Plan, until_step: int | None = None,
             for event in result.events:
                 on_event(event)
     finally:
+        relay.close()  # a failure report still being gathered
         with _stoppers_lock:
             _stoppers.discard(stop)
         if resources is not None:
@@ -208,7 +210,7 @@ def launch_training(spec: JobSpec, plan: Plan, until_step: int | None = None,
     restore_rate = None
     if read is not None and start is not None and start.restore_s and read.bytes_read > 0:
         restore_rate = read.bytes_read * start.world_size / start.restore_s
-    return SegmentResult(
+    return _ended(SegmentResult(
         devices=plan.devices,
         start_step=start_step,
         final_step=final_step,
@@ -223,4 +225,25 @@ def launch_training(spec: JobSpec, plan: Plan, until_step: int | None = None,
         restore_bytes=start.restore_bytes if start else None,
         nodes=nodes,
         left_nodes=left,
-    )
+    ))
+
+
+def _ended(segment: SegmentResult) -> SegmentResult:
+    """The task run's end: a segment whose workers failed is a Failed task run (the run's task
+    list shows which launch went wrong), its SegmentResult still the state's data, for the flow
+    to recover from (`segment_of`)."""
+    if not segment.failed:
+        return segment
+    what = "workers failed" if segment.outcome == "failed" else "cannot go on"
+    return Failed(data=segment, message=f"{what} on {segment.devices} devices ({segment.reason}); "  # type: ignore[return-value]
+                  f"the last committed step is {segment.final_step}")
+
+
+def segment_of(state: State[SegmentResult]) -> SegmentResult:
+    """The segment a `launch_training` run (called with `return_state=True`) ended with, failed
+    workers included; an error of the launch itself (a plan refused, the lease lost) raises."""
+    if state.is_failed():
+        ended = state.result(raise_on_failure=False)
+        if isinstance(ended, SegmentResult):
+            return ended
+    return state.result()

@@ -47,6 +47,16 @@ class SegmentResult(BaseModel):
         """Asked to stop by the user (not by a resource change): the rest of the job waits."""
         return self.outcome == "stopped"
 
+    @property
+    def failed(self) -> bool:
+        """Its workers died, hung or hit an error no retry fixes (the job may have recovered)."""
+        return self.outcome in ("failed", "fatal")
+
+    @property
+    def ended(self) -> str:
+        """How it ended, with why where there is a why: `finished`, `failed: rank 1 killed by signal 9`."""
+        return f"{self.outcome}: {self.reason}" if self.reason else self.outcome
+
 
 class ReshardSummary(BaseModel):
     """What moving the newest checkpoint onto a plan reads (computed before the workers start)."""
@@ -71,3 +81,14 @@ class TrainSummary(BaseModel):
     tokens_per_s: float | None
     checkpoint_url: str | None
     segments: list[SegmentResult]
+
+    @property
+    def failures(self) -> list[str]:
+        """One line per failed segment: a run that recovered still says what went wrong, and where."""
+        return failed_segments(self.segments)
+
+
+def failed_segments(segments: list[SegmentResult]) -> list[str]:
+    """`segment 1 (3 devices, steps 0→10) failed: rank 1 killed by signal 9 ...`, one per failed segment."""
+    return [f"segment {i} ({s.devices} devices, steps {s.start_step}→{s.final_step}) {s.ended}"
+            for i, s in enumerate(segments, 1) if s.failed]

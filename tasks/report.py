@@ -61,9 +61,11 @@ def summary_markdown(summary: TrainSummary, model: ModelSummary) -> str:
         f"| final loss | {fmt(summary.final_loss, '.4f')} |",
         f"| tokens/s (median, last segment) | {fmt(summary.tokens_per_s, ',.0f')} |",
         f"| last checkpoint | {summary.checkpoint_url or 'none'} |",
-        f"| segments (devices: steps) | {', '.join(f'{s.devices}: {s.start_step}→{s.final_step}' for s in summary.segments)} |",
+        f"| segments | {len(summary.segments)}{f', {len(summary.failures)} failed' if summary.failures else ''} |",
         "",
         f"loss: `{sparkline(curve)}`",
+        "",
+        *segments_table(summary.segments),
     ]
     restores = [s for s in summary.segments if s.restore_bytes and s.restore_bytes.get("read")]
     if restores:  # where each resume read its state from
@@ -75,6 +77,18 @@ def summary_markdown(summary: TrainSummary, model: ModelSummary) -> str:
                 lines.append(f"| {i + 1} | {', '.join(s.nodes) if s.nodes else 'this machine'} | {s.start_step} | "
                              f"{b['read'] / 1e6:,.2f} | {b['local'] / 1e6:,.2f} | {b['store'] / 1e6:,.2f} |")
     return "\n".join(lines)
+
+
+def segments_table(segments: list[SegmentResult]) -> list[str]:
+    """The segments as markdown rows: a failed one in bold with its reason, so that a run that
+    recovered still shows which launch went wrong and why."""
+    rows = ["| segment | devices | steps | outcome |", "|---|---|---|---|"]
+    for i, s in enumerate(segments, 1):
+        ended = s.ended.replace("|", "\\|")  # a reason's pipe would split the row
+        if s.failed:
+            ended = f"**{s.outcome}**{ended[len(s.outcome):]}"
+        rows.append(f"| {i} | {s.devices} | {s.start_step}→{s.final_step} | {ended} |")
+    return rows
 
 
 @task(name="publish-report")

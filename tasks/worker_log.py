@@ -1,11 +1,14 @@
 """Worker output as a person reads it in the run log: events as short lines, worker log records
-at their own level with their rank, torchrun's warnings and failure reports as warnings and
-errors. The structured events still reach the launcher unchanged (`trainer.events`)."""
+at their own level with their rank, torchrun's warnings as warnings, and a failure's traceback
+(with torchrun's failure summary after it) as one error record, not a line per record. The
+structured events still reach the launcher unchanged (`trainer.events`)."""
 
 from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Callable
+from typing import Literal
 
 from trainer.events import (
     CheckpointEvent,
@@ -69,3 +72,117 @@ def present(line: str, total_steps: int | None = None) -> tuple[int, str]:
     if any(marker in line for marker in _FAILURE):
         return logging.ERROR, line
     return logging.INFO, line
+
+
+# Where a line came from: "[rank1]:" (torch prefixes a worker's uncaught exception with its rank),
+# or "" (torchrun itself, or a worker before it joined its process group). Not "[0]:", a failure's
+# index inside torchrun's summary.
+_SOURCE = re.compile(r"^(\[[A-Za-z]\w*\]:) ?")
+# torchrun's failure summary sits between two such borders, right after its ChildFailedError.
+_BORDER = re.compile(r"^={10,}\s*$")
+_TRACEBACK = "Traceback (most recent call last)"
+_CHAINED = ("During handling of the above exception", "The above exception was the direct cause")
+Part = Literal["frames", "raised", "summary", "done"]
+
+
+def _source(line: str) -> tuple[str, str]:
+    """(source, the line without it)."""
+    match = _SOURCE.match(line)
+    return (match.group(1), line[match.end():]) if match else ("", line)
+
+
+def _foreign(line: str, body: str) -> bool:
+    """A line that cannot be part of a traceback: a worker event or a log record (a process
+    that shares the output interleaved it)."""
+    return parse(line) is not None or bool(_RECORD.match(body) or _GLOG.match(body))
+
+
+class _Failure:
+    """One failure report being gathered: a traceback, any chained to it, and the failure summary
+    torchrun prints after its own."""
+
+    def __init__(self, line: str) -> None:
+        self.lines = [line]
+        self.part: Part = "frames"
+
+    def takes(self, line: str, body: str) -> bool | None:
+        """Whether `line` continues this report (None: it passes by, the report stays open)."""
+        if self.part == "frames":
+            if body[:1].isspace():
+                self.lines.append(line)
+                return True
+            if _foreign(line, body):
+                return None
+            self.part = "raised"  # the exception line ends the frames
+        elif self.part == "raised":
+            if _TRACEBACK in body:
+                self.part = "frames"
+            elif _BORDER.match(body):
+                self.part = "summary"
+            elif not any(chained in body for chained in _CHAINED):
+                return False
+        elif self.part == "summary":
+            if _foreign(line, body):
+                return None
+            if _BORDER.match(body):
+                self.part = "done"
+        self.lines.append(line)
+        return True
+
+
+class WorkerLog:
+    """The run log's side of the workers' output: `present` line by line, except that a
+    traceback (and torchrun's failure summary after it) becomes one ERROR record, so that a
+    failure reads as one report at one level and not as dozens of records at mixed levels.
+    Tracebacks of several ranks are gathered apart; `close` emits what is still open."""
+
+    MAX_LINES = 400  # a runaway report is emitted in parts
+
+    def __init__(self, emit: Callable[[int, str], None], total_steps: int | None = None) -> None:
+        self.emit, self.total_steps = emit, total_steps
+        self._open: dict[str, _Failure] = {}
+        self._last = ""
+
+    def __call__(self, line: str) -> None:
+        source, body = _source(line)
+        if not line.strip():  # blank lines carry no rank prefix: they belong to whoever wrote last
+            self._blank(line)
+            return
+        self._close_raised(but=source)
+        self._last = source
+        failure = self._open.get(source)
+        if failure is not None:
+            taken = failure.takes(line, body)
+            if taken is None:  # another process's line, amid this report
+                self.emit(*present(line, self.total_steps))
+                return
+            if taken and failure.part != "done" and len(failure.lines) < self.MAX_LINES:
+                return
+            self._emit(source)
+            if taken:
+                return
+        if _TRACEBACK in body:
+            self._open[source] = _Failure(line)
+            return
+        self.emit(*present(line, self.total_steps))
+
+    def close(self) -> None:
+        """Emit every report still being gathered (the workers have exited)."""
+        for source in list(self._open):
+            self._emit(source)
+
+    def _blank(self, line: str) -> None:
+        failure = self._open.get(self._last)
+        if failure is not None and failure.part != "frames":
+            failure.lines.append(line)
+        else:
+            self.emit(*present(line, self.total_steps))
+
+    def _close_raised(self, but: str) -> None:
+        """A report whose exception line was its last ends when another process writes."""
+        for source in [s for s, f in self._open.items() if s != but and f.part == "raised"]:
+            self._emit(source)
+
+    def _emit(self, source: str) -> None:
+        failure = self._open.pop(source)
+        self.emit(logging.ERROR, "\n".join(failure.lines).rstrip())

@@ -8,6 +8,7 @@ change with reason `failure`.
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import subprocess
@@ -19,6 +20,7 @@ from typing import Any
 
 import pytest
 from jobs import tiny_spec
+from test_flow import read_artifact
 
 from specs import JobSpec
 from trainer.events import StartEvent, StepEvent, WorkerEvent
@@ -92,16 +94,49 @@ def run_flow(spec: JobSpec, listener: Callable[[WorkerEvent], None]) -> Any:
 def run_log(state: Any, expected: str) -> list[str]:
     """The messages of the flow run's log (tasks included), once one contains `expected`
     (Prefect ships logs to the server in the background)."""
+    return [message for _, message in run_records(state, expected)]
+
+
+def run_records(state: Any, expected: str) -> list[tuple[int, str]]:
+    """The flow run's log records as (level, message), once a message contains `expected`."""
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
 
-    def read() -> list[str]:
+    where = LogFilter(flow_run_id=LogFilterFlowRunId(any_=[state.state_details.flow_run_id]))
+
+    def read() -> list[tuple[int, str]]:
+        records: list[tuple[int, str]] = []
         with get_client(sync_client=True) as client:
-            logs = client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[state.state_details.flow_run_id])))
-        messages = [log.message for log in logs]
-        return messages if any(expected in m for m in messages) else []
+            while page := client.read_logs(where, limit=200, offset=len(records)):  # the server's default limit is 200
+                records += [(log.level, log.message) for log in page]
+        return records if any(expected in m for _, m in records) else []
 
     return wait_for(read, f"{expected!r} in the run log", timeout_s=30)
+
+
+def launch_states(state: Any, expected: int) -> list[str]:
+    """The state types of the flow run's launch-training task runs, in launch order, once there
+    are `expected` final ones (the server records task states from events, in the background)."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import TaskRunFilter, TaskRunFilterFlowRunId, TaskRunFilterName
+    from prefect.client.schemas.sorting import TaskRunSort
+
+    def read() -> list[str]:
+        with get_client(sync_client=True) as client:
+            runs = client.read_task_runs(task_run_filter=TaskRunFilter(
+                flow_run_id=TaskRunFilterFlowRunId(any_=[state.state_details.flow_run_id]),
+                name=TaskRunFilterName(like_="launch-training")), sort=TaskRunSort.EXPECTED_START_TIME_ASC)
+        types = [run.state.type.value for run in runs if run.state is not None and run.state.is_final()]
+        return types if len(types) == expected else []
+
+    return wait_for(read, f"{expected} finished launches", timeout_s=30)
+
+
+def run_tags(state: Any) -> list[str]:
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as client:
+        return client.read_flow_run(state.state_details.flow_run_id).tags
 
 
 def test_events_are_ordered_by_epoch_and_scoped_to_their_job(prefect_server: None, tmp_path: Path) -> None:
@@ -190,6 +225,21 @@ def test_a_killed_worker_is_a_failure_the_job_recovers_from(prefect_server: None
     assert resumed.final_step == LONG["steps"]
     log = run_log(state, "worker failure on 3 devices")
     assert any("rank 1 killed by signal 9" in m and "resuming from step 10 on 2 devices" in m for m in log), log[-20:]
+    # The run says what happened: the launch that died is a Failed task run (the flow recovered
+    # and completed), the run is tagged with both device counts, and the summary and the log
+    # name the failed segment.
+    assert state.is_completed()
+    assert launch_states(state, 2) == ["FAILED", "COMPLETED"]
+    assert {"devices:3", "devices:2"} <= set(run_tags(state))
+    markdown = read_artifact("killed-rank-summary").data
+    assert "| 1 | 3 | 0→10 | **failed**: rank 1 killed by signal 9" in markdown, markdown
+    assert "| 2 | 2 | 10→400 | finished |" in markdown
+    records = run_records(state, "segment 1 (3 devices, steps 0→10) failed: rank 1 killed by signal 9")
+    # torchrun's traceback and failure summary: one ERROR record, not a record per line.
+    reports = [(level, m) for level, m in records if "Traceback (most recent call last)" in m]
+    assert reports and all(level == logging.ERROR for level, _ in reports), reports
+    assert any("ChildFailedError" in m and "Root Cause" in m and "exitcode" in m for _, m in reports), reports
+    assert not any(m.lstrip().startswith('File "') for _, m in records), "a traceback's frame logged on its own"
 
 
 def test_a_hung_worker_is_a_failure_the_job_recovers_from(prefect_server: None, tmp_path: Path) -> None:

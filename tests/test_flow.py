@@ -9,6 +9,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from jobs import checkpoint_store, tiny_spec
@@ -48,14 +49,14 @@ def test_train_job_flow_trains_checkpoints_and_publishes(prefect_server: None, t
     assert progress is not None and float(progress.data) == 100.0
     state = train_job(spec, return_state=True)  # already trained: a run that finds nothing to do
     assert state.is_completed()
+    assert {"job:flow-job", "model:1x32", "devices:2"} <= set(asyncio.run(tags_of_run(state)))
 
-    async def tags_of_run() -> list[str]:
-        from prefect.client.orchestration import get_client
 
-        async with get_client() as client:
-            return (await client.read_flow_run(state.state_details.flow_run_id)).tags
+async def tags_of_run(state: Any) -> list[str]:
+    from prefect.client.orchestration import get_client
 
-    assert {"job:flow-job", "model:1x32", "devices:2"} <= set(asyncio.run(tags_of_run()))
+    async with get_client() as client:
+        return (await client.read_flow_run(state.state_details.flow_run_id)).tags
 
 
 def test_scripted_elasticity_matches_a_static_run(prefect_server: None, tmp_path: Path) -> None:
@@ -64,14 +65,17 @@ def test_scripted_elasticity_matches_a_static_run(prefect_server: None, tmp_path
     from flows.train import train_job
 
     static = train_job(tiny_spec("static", f"file://{tmp_path}/static"))
-    elastic = train_job(
+    state = train_job(
         tiny_spec(
             "elastic",
             f"file://{tmp_path}/elastic",
             elasticity=[{"at_step": 4, "devices": 3, "reason": "scale-up"}, {"at_step": 8, "devices": 1, "reason": "failure"}],
-        )
+        ),
+        return_state=True,
     )
+    elastic = state.result()
     assert [(s.devices, s.start_step, s.final_step) for s in elastic.segments] == [(2, 0, 4), (3, 4, 8), (1, 8, 12)]
+    assert {"devices:2", "devices:3", "devices:1"} <= set(asyncio.run(tags_of_run(state)))  # every count it ran on
     static_losses = dict(static.segments[0].losses)
     elastic_losses = dict(loss for seg in elastic.segments for loss in seg.losses)
     assert sorted(elastic_losses) == list(range(1, 13))

@@ -2,7 +2,7 @@
 
 import logging
 
-from tasks.worker_log import present
+from tasks.worker_log import WorkerLog, present
 from trainer import events
 
 
@@ -24,3 +24,97 @@ def test_failures_are_errors() -> None:
     assert present("[rank0]: Traceback (most recent call last):")[0] == logging.ERROR
     assert present("  exitcode  : -9 (pid: 766)  (SIGKILL)")[0] == logging.ERROR
     assert present("plain text from a worker") == (logging.INFO, "plain text from a worker")
+
+
+# What torchrun wrote when kill -9 ended one of two workers (torch 2.x), and an ordinary line.
+TORCHRUN_FAILURE = """\
+W1202 08:23:13.454000 18230 torch/distributed/elastic/multiprocessing/api.py:1028] Sending process 18241 closing signal SIGTERM
+E1202 08:23:13.522000 18230 torch/distributed/elastic/multiprocessing/api.py:1002] failed (exitcode: -9) local_rank: 1 (pid: 18242) of binary: /venv/bin/python
+Traceback (most recent call last):
+  File "<frozen runpy>", line 198, in _run_module_as_main
+  File "<frozen runpy>", line 88, in _run_code
+  File "/venv/lib/python3.11/site-packages/torch/distributed/run.py", line 1032, in <module>
+    main()
+  File "/venv/lib/python3.11/site-packages/torch/distributed/elastic/multiprocessing/errors/__init__.py", line 367, in wrapper
+    return f(*args, **kwargs)
+           ^^^^^^^^^^^^^^^^^^
+  File "/venv/lib/python3.11/site-packages/torch/distributed/run.py", line 1028, in main
+    run(args)
+  File "/venv/lib/python3.11/site-packages/torch/distributed/run.py", line 1019, in run
+    elastic_launch(
+  File "/venv/lib/python3.11/site-packages/torch/distributed/launcher/api.py", line 194, in __call__
+    return launch_agent(
+           ^^^^^^^^^^^^^
+  File "/venv/lib/python3.11/site-packages/torch/distributed/launcher/api.py", line 383, in launch_agent
+    raise ChildFailedError(
+torch.distributed.elastic.multiprocessing.errors.ChildFailedError:\x20
+=======================================================
+trainer.worker FAILED
+-------------------------------------------------------
+Failures:
+[1]:
+  time      : 2026-12-02_08:23:13
+  host      : localhost
+  rank      : 0 (local_rank: 0)
+  exitcode  : -15 (pid: 18241)  (SIGTERM)
+  error_file: <N/A>
+  traceback : Signal 15 (SIGTERM) received by PID 18241
+-------------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  time      : 2026-12-02_08:23:13
+  host      : localhost
+  rank      : 1 (local_rank: 1)
+  exitcode  : -9 (pid: 18242)  (SIGKILL)
+  error_file: <N/A>
+  traceback : Signal 9 (SIGKILL) received by PID 18242
+=======================================================
+plain text after it"""
+
+
+def relayed(lines: list[str], close: bool = True) -> list[tuple[int, str]]:
+    """The records a WorkerLog makes of `lines`."""
+    records: list[tuple[int, str]] = []
+    log = WorkerLog(lambda level, message: records.append((level, message)))
+    for line in lines:
+        log(line)
+    if close:
+        log.close()
+    return records
+
+
+def test_torchruns_failure_report_is_one_error_record() -> None:
+    records = relayed(TORCHRUN_FAILURE.splitlines())
+    lines = TORCHRUN_FAILURE.splitlines()
+    assert records == [(logging.WARNING, lines[0]), (logging.ERROR, lines[1]),
+                       (logging.ERROR, "\n".join(lines[2:-1])), (logging.INFO, "plain text after it")]
+
+
+def test_tracebacks_of_ranks_are_gathered_apart_and_chained_ones_together() -> None:
+    step = events.PREFIX + '{"event": "step", "step": 3, "loss": 2.5, "lr": 0.001, "step_s": 0.02, "tokens_per_s": 100.0}'
+    lines = ["[rank0]: Traceback (most recent call last):",
+             "[rank1]: Traceback (most recent call last):",
+             '[rank0]:   File "trainer/worker.py", line 40, in main',
+             step,  # another process's output, amid both
+             '[rank1]:   File "trainer/worker.py", line 41, in main',
+             "[rank0]: KeyError: 'x'",
+             "",  # excepthook writes blank lines without the rank
+             "[rank0]: During handling of the above exception, another exception occurred:",
+             "",
+             "[rank0]: Traceback (most recent call last):",
+             '[rank0]:   File "trainer/worker.py", line 42, in main',
+             "[rank0]: RuntimeError: boom",
+             "[rank1]: ValueError: bad",
+             "INFO rank1 parashift.trainer: after"]
+    records = relayed(lines)
+    assert records[0] == (logging.INFO, "step 3  loss 2.5000  100 tok/s  20 ms")
+    assert records[1] == (logging.ERROR, "\n".join(lines[i] for i in (0, 2, 5, 6, 7, 8, 9, 10, 11)))
+    assert records[2] == (logging.ERROR, "\n".join(lines[i] for i in (1, 4, 12)))
+    assert records[3] == (logging.INFO, "INFO rank1 parashift.trainer: after")
+    assert len(records) == 4
+
+
+def test_a_report_still_open_when_the_workers_exit_is_emitted_on_close() -> None:
+    lines = ["[rank1]: Traceback (most recent call last):", '[rank1]:   File "w.py", line 1, in f', "[rank1]: OSError: gone"]
+    assert relayed(lines, close=False) == []
+    assert relayed(lines) == [(logging.ERROR, "\n".join(lines))]

@@ -1,0 +1,38 @@
+"""The run's summary says which segment failed and why, though the job recovered."""
+
+from __future__ import annotations
+
+from tasks.records import ModelSummary, SegmentResult, TrainSummary
+from tasks.report import summary_markdown
+
+MODEL = ModelSummary(params=1000, flops_per_token=6000, device_kind="cpu", profile_key="p")
+
+
+def recovered() -> TrainSummary:
+    """3 devices until a worker died (last commit at step 10), then 2 devices to the end."""
+    segments = [
+        SegmentResult(devices=3, start_step=0, final_step=10, outcome="failed",
+                      reason="rank 1 killed by signal 9 (torchrun exited with 1)", losses=[(1, 3.0), (12, 2.0)]),
+        SegmentResult(devices=2, start_step=10, final_step=40, outcome="finished", losses=[(40, 1.5)]),
+    ]
+    return TrainSummary(job_id="job", steps=40, final_loss=1.5, first_loss=3.0, tokens_per_s=None,
+                        checkpoint_url=None, segments=segments)
+
+
+def test_the_summary_marks_the_failed_segment_with_its_reason() -> None:
+    markdown = summary_markdown(recovered(), MODEL)
+    assert "| segments | 2, 1 failed |" in markdown
+    assert "| 1 | 3 | 0→10 | **failed**: rank 1 killed by signal 9 (torchrun exited with 1) |" in markdown
+    assert "| 2 | 2 | 10→40 | finished |" in markdown
+
+
+def test_a_reasons_pipe_does_not_split_its_row() -> None:
+    summary = recovered()
+    summary.segments[0].reason = "a | b"
+    assert "| **failed**: a \\| b |" in summary_markdown(summary, MODEL)
+
+
+def test_the_summary_lists_its_failures() -> None:
+    assert recovered().failures == [
+        "segment 1 (3 devices, steps 0→10) failed: rank 1 killed by signal 9 (torchrun exited with 1)"]
+    assert TrainSummary(**{**recovered().model_dump(), "segments": recovered().segments[1:]}).failures == []
