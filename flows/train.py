@@ -19,7 +19,7 @@ from prefect.states import Completed
 from specs import JobSpec
 from specs.elastic import Decision, Fail, Ignore, JobState, Replan, SegmentEnded, Stop, decide
 from storage import JobLease
-from tasks.artifacts import TrainingProgress, device_tag, job_tags, tag_this_run
+from tasks.artifacts import TrainingProgress, job_tags, tag_devices, tag_this_run
 from tasks.credentials import environment, storage_environment
 from tasks.events import ResourceWatcher, follow_resources
 from tasks.exclusive import one_run_per_job, one_writer_per_job
@@ -85,7 +85,7 @@ def _train(spec: JobSpec, lease: JobLease | None = None) -> TrainSummary:
             measured = [s.restore_bytes_per_s for s in segments if s.restore_bytes_per_s]
             plan = plan_parallelism(spec, model, job.devices, job.step, measured[-1] if measured else None)
             plan_reshard(here, plan)  # what the workers will read, shown before they start
-            _tag_devices(job.devices)
+            tag_devices(job.devices)
             launched = launch_training(here, plan, scripted.at_step if scripted else None, resources, progress, job,
                                        return_state=True)  # Failed when the workers failed: the policy decides what next
             segment = segment_of(launched)
@@ -102,15 +102,6 @@ def _train(spec: JobSpec, lease: JobLease | None = None) -> TrainSummary:
     for failure in failed_segments(segments):  # recovered from, but said
         logger.warning("%s: %s", spec.job_id, failure)
     return publish_report(spec, model, segments)
-
-
-def _tag_devices(devices: int) -> None:
-    """The run's tags follow the job onto each new device count (`devices:2`, `devices:3`): the
-    UI's filter finds the run under every count it trained on, not just the first."""
-    try:
-        tag_this_run([device_tag(devices)])
-    except Exception as error:  # noqa: BLE001 - a tag never stops training
-        get_run_logger().warning("could not tag the run with %s: %s", device_tag(devices), error)
 
 
 def _act(spec: JobSpec, job: JobState, decision: Decision, resources: ResourceWatcher) -> JobState:

@@ -61,3 +61,15 @@ def tag_this_run(tags: list[str]) -> None:
         now = client.read_flow_run(context.flow_run.id).tags
         if not set(tags) <= set(now):
             client.update_flow_run(context.flow_run.id, tags=sorted(set(now) | set(tags)))
+
+
+def tag_devices(devices: int) -> None:
+    """The run's tags follow the job onto each new device count (`devices:2`, `devices:3`): the
+    UI's filter finds the run under every count it trained on, not just the first. A tag that
+    cannot be set is said and never stops training."""
+    try:
+        tag_this_run([device_tag(devices)])
+    except Exception as error:  # noqa: BLE001 - a tag never stops training
+        from prefect.logging import get_run_logger
+
+        get_run_logger().warning("could not tag the run with %s: %s", device_tag(devices), error)

@@ -21,7 +21,7 @@ from trainer.checkpoint.restore import (
     restore_latest,
     restore_totals,
 )
-from trainer.checkpoint.saver import Checkpointer, SaveReport, build_manifest, holding_copies
+from trainer.checkpoint.saver import Checkpointer, SaveReport, build_manifest
 
 __all__ = [
     "Checkpointer",
@@ -32,7 +32,6 @@ __all__ = [
     "check_matches",
     "check_usable",
     "execute_reads",
-    "holding_copies",
     "load_tensors",
     "node_objects",
     "node_tier",
