@@ -19,7 +19,7 @@ from prefect.logging import get_run_logger
 
 from specs import JobSpec
 from specs.plan import Plan
-from storage import JobPaths, open_store
+from storage import LEASE_ENV, JobPaths, LeaseToken, open_store
 from tasks.credentials import environment, storage_environment
 from tasks.nodes import NodeReport, meet, stop_workers_when
 from tasks.worker_log import WorkerLog
@@ -29,7 +29,8 @@ from trainer.launch import LaunchResult, RunningWorkers, launch_workers, run_mea
 
 @flow(name="node-launcher", flow_run_name="{spec.name}-{node}")
 def node_launcher(spec: JobSpec, plan: Plan, launch_id: str, nodes: list[str], node: str,
-                  until_step: int | None = None, measure_comm: bool = False) -> NodeReport:
+                  until_step: int | None = None, measure_comm: bool = False,
+                  lease_token: str | None = None) -> NodeReport:
     """Run this node's workers of the segment `launch_id` until they exit; report to the job.
     `measure_comm`: time collectives within and across the nodes instead of training (what the
     planner's communication model is fitted to)."""
@@ -59,8 +60,9 @@ def node_launcher(spec: JobSpec, plan: Plan, launch_id: str, nodes: list[str], n
                 on_line(line)
             result = LaunchResult(returncode=returncode, events=events)
         else:
-            with environment(credentials), stop_workers_when(store, spec.job_id, launch_id, workers, left):
-                result = launch_workers(spec, plan, on_line=on_line, until_step=until_step, extra_env=credentials,
+            fenced = {**credentials, **({LEASE_ENV: str(LeaseToken.parse(lease_token))} if lease_token else {})}
+            with environment(fenced), stop_workers_when(store, spec.job_id, launch_id, workers, left):
+                result = launch_workers(spec, plan, on_line=on_line, until_step=until_step, extra_env=fenced,
                                         workers=workers, node=rendezvous, on_event=stamp)
     finally:
         relay.close()  # a failure report still being gathered

@@ -27,7 +27,7 @@ from pydantic import BaseModel, Field
 
 from specs import JobSpec
 from specs.plan import Plan
-from storage import JobPaths, ObjectStore, StorageError
+from storage import JobPaths, LeaseToken, ObjectStore, StorageError
 from trainer.events import WorkerEvent
 from trainer.launch import LaunchResult, NodeRendezvous, RunningWorkers
 
@@ -236,6 +236,9 @@ def node_launch(spec: JobSpec, plan: Plan, until_step: int | None, store: Object
     from prefect.states import Cancelled
 
     nodes = list(spec.resources.nodes or [])
+    # The job's lease token (tasks.exclusive) travels to every node: the node's rank 0 commits
+    # checkpoints, and a commit without the token would be unfenced.
+    fence = LeaseToken.from_env()
 
     def start(node: str, launch_id: str) -> Any:
         run = run_deployment(
@@ -244,7 +247,7 @@ def node_launch(spec: JobSpec, plan: Plan, until_step: int | None, store: Object
             job_variables={"parashift_node": node},
             parameters={"spec": spec.model_dump(mode="json"), "plan": plan.model_dump(mode="json"),
                         "launch_id": launch_id, "nodes": nodes, "node": node, "until_step": until_step,
-                        "measure_comm": measure_comm})
+                        "measure_comm": measure_comm, "lease_token": str(fence) if fence else None})
         log(f"node {node}: launcher run {run.id} queued on work queue {node!r}")
         return run.id
 

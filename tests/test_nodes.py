@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -109,6 +110,12 @@ def test_two_nodes_of_two_train_as_one_node_of_four(nodes: dict[str, NodeWorker]
     for node, ranks in (("a", {"hold00000.bin", "hold00001.bin"}), ("b", {"hold00002.bin", "hold00003.bin"})):
         assert {p.name for p in (tmp_path / f"tier-{node}").rglob("hold*.bin")} == ranks, node
     assert not list((tmp_path / "store").rglob("hold*.bin"))
+    # rank 0 ran on node a, a launcher run: its commits are still fenced by the job's lease
+    job = tmp_path / "store" / "jobs" / spec.job_id
+    lease = json.loads((job / "lease.json").read_text())
+    for path in job.glob("ckpt/*/manifest.json"):
+        writer = json.loads(path.read_text())["writer"]
+        assert writer is not None and writer["generation"] == lease["generation"], path
     # the job goes on later on the same nodes: every byte of its restore comes from the nodes
     longer = node_spec("two-nodes", tmp_path, steps=16, checkpoint_every=4)
     resumed = train_job(longer).segments[-1]
