@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import typer
 
+from parashift.commands import data as data_commands
 from parashift.commands import export as export_command
 from parashift.commands import plan as plan_command
 from parashift.commands import reshard as reshard_command
@@ -30,6 +31,8 @@ app.command("stop")(stop_command.stop)
 app.command("scale")(scale_command.scale)
 app.command("serve")(serve_command.serve)
 app.command("export")(export_command.export)
+app.command("prepare-data")(data_commands.prepare_data)
+app.add_typer(data_commands.tokenizer_app, name="tokenizer")
 
 
 if __name__ == "__main__":

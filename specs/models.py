@@ -62,11 +62,21 @@ class DataSpec(_Section):
             "a plain local path, or builtin://python-stdlib."
         ),
     )
-    format: Literal["text", "tokens"] = Field(
-        "text", description="'text': UTF-8 text files; 'tokens': raw little-endian uint16 token ids."
+    format: Literal["text", "tokens", "prepared"] = Field(
+        "text",
+        description=(
+            "'text': UTF-8 text files, tokenized by every worker at start (small corpora); 'tokens': raw "
+            "little-endian uint16 token ids; 'prepared': a dataset folder made by `parashift prepare-data`, "
+            "streamed (memory does not grow with the corpus)."
+        ),
     )
-    tokenizer: Literal["bytes"] = Field(
-        "bytes", description="How text becomes token ids ('bytes': one per byte)."
+    tokenizer: str | None = Field(
+        None,
+        description=(
+            "How text becomes token ids: 'bytes' (one per byte), or a Hugging Face tokenizer.json (or a model "
+            "folder holding one) at any fsspec URL. Unset: 'bytes' for text, the dataset's own for 'prepared' "
+            "(set: it must be the one the dataset was prepared with)."
+        ),
     )
     max_bytes: int | None = Field(
         4_000_000, ge=1, description="Read at most this many bytes of corpus (null: read everything)."
@@ -80,6 +90,18 @@ class DataSpec(_Section):
     @classmethod
     def _url(cls, url: str) -> str:
         return check_url(url, DATA_SCHEMES, what="data")
+
+    @field_validator("tokenizer")
+    @classmethod
+    def _tokenizer(cls, tokenizer: str | None) -> str | None:
+        if tokenizer is None or tokenizer == "bytes":
+            return tokenizer
+        return check_url(tokenizer, DATA_SCHEMES, what="tokenizer")
+
+    @property
+    def bytes_tokenizer(self) -> bool:
+        """One token per byte: the default for text, never for a prepared dataset."""
+        return self.format != "prepared" and self.tokenizer in (None, "bytes")
 
     @field_validator("storage_options")
     @classmethod
@@ -418,7 +440,7 @@ class JobSpec(_Section):
     def _cross_section(self) -> Self:
         issues: list[tuple[Loc, str]] = []
         vocab = self.model.vocab_size  # None: a transformers config that leaves it to its default
-        if self.data.tokenizer == "bytes" and self.data.format == "text" and vocab is not None and vocab < 256:
+        if self.data.bytes_tokenizer and self.data.format == "text" and vocab is not None and vocab < 256:
             issues.append(
                 (
                     ("model", "vocab_size"),

@@ -167,6 +167,12 @@ def check_data(spec: JobSpec, timeout_s: float = PROBE_TIMEOUT_S) -> list[Proble
     missing = _backend_problem("data.url", data.url)
     if missing:
         return [missing]
+    if data.format == "prepared":
+        return check_prepared(spec, timeout_s)
+    if not data.bytes_tokenizer:
+        found = check_tokenizer(spec, timeout_s)
+        if found:
+            return found
     bytes_per_token = 2 if data.format == "tokens" else 1
     needed = (spec.model.seq_len + 1) * bytes_per_token  # one sample: seq_len inputs and the next token
 
@@ -195,6 +201,56 @@ def check_data(spec: JobSpec, timeout_s: float = PROBE_TIMEOUT_S) -> list[Proble
         return [Problem("data.url", f"{data.url} holds {usable} bytes{limit}; one sample of model.seq_len "
                                     f"{spec.model.seq_len} needs {needed}: point it at more data or shorten seq_len")]
     return []
+
+
+def _vocab_problem(spec: JobSpec, vocab_size: int, whose: str) -> list[Problem]:
+    vocab = spec.model.vocab_size  # None: a transformers config's default, checked by the model itself
+    if vocab is not None and vocab < vocab_size:
+        return [Problem("model.vocab_size", f"{vocab} ids cannot embed {whose}'s {vocab_size}: "
+                                            f"set model.vocab_size to at least {vocab_size}")]
+    return []
+
+
+def check_tokenizer(spec: JobSpec, timeout_s: float = PROBE_TIMEOUT_S) -> list[Problem]:
+    """The spec's tokenizer loads, and the model's vocabulary holds every id it makes."""
+    from corpus import load_tokenizer
+
+    data = spec.data
+    try:
+        tokenizer = _within(timeout_s, "tokenizer", lambda: load_tokenizer(data.tokenizer, dict(data.storage_options)))
+    except Exception as error:  # noqa: BLE001 - one line per failure
+        return [Problem("data.tokenizer", _first_line(error))]
+    return _vocab_problem(spec, tokenizer.vocab_size, f"the tokenizer {data.tokenizer}")
+
+
+def check_prepared(spec: JobSpec, timeout_s: float = PROBE_TIMEOUT_S) -> list[Problem]:
+    """A prepared dataset: its manifest under its digest, every shard there at its size, a
+    dtype that holds its vocabulary, the tokenizer the spec names (if it names one), a model
+    vocabulary that holds its ids, and at least one sample. No shard is read."""
+    from corpus import DatasetError, load_tokenizer, open_dataset
+
+    data = spec.data
+    try:
+        dataset = _within(timeout_s, "dataset", lambda: open_dataset(data.url, dict(data.storage_options)))
+    except DatasetError as error:
+        return [Problem("data.url", str(error))]
+    except Exception as error:  # noqa: BLE001 - one line per failure
+        return [Problem("data.url", f"{data.url} cannot be read ({type(error).__name__}: {_first_line(error)})")]
+    made_with = dataset.manifest.tokenizer
+    problems = _vocab_problem(spec, made_with.vocab_size, f"the dataset's tokenizer ({made_with.name})")
+    if data.tokenizer is not None:
+        try:
+            named = _within(timeout_s, "tokenizer", lambda: load_tokenizer(data.tokenizer, dict(data.storage_options)))
+        except Exception as error:  # noqa: BLE001 - one line per failure
+            return [*problems, Problem("data.tokenizer", _first_line(error))]
+        if named.fingerprint != made_with.fingerprint:
+            problems.append(Problem("data.tokenizer", f"{data.url} was prepared with another tokenizer "
+                                    f"({made_with.name}, {made_with.fingerprint[:19]}) than {data.tokenizer} "
+                                    f"({named.fingerprint[:19]}): prepare it again, or leave data.tokenizer unset"))
+    if len(dataset) < spec.model.seq_len + 1:
+        problems.append(Problem("data.url", f"{data.url} holds {len(dataset)} tokens; one sample of model.seq_len "
+                                            f"{spec.model.seq_len} needs {spec.model.seq_len + 1}"))
+    return problems
 
 
 def _host_memory_bytes() -> int:

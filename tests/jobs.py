@@ -121,3 +121,29 @@ def assert_state_matches(state: dict[str, torch.Tensor], expected: dict[str, tor
                 assert got.abs().max() <= 3e-3 * 20 and want.abs().max() <= 3e-3 * 20, name
             continue
         assert torch.allclose(got, want, rtol=1e-5, atol=STATE_ATOL), f"{name}: max |d| = {(got - want).abs().max()}"
+
+
+def assert_each_sample_once(sample_log: Path, segments: list[Any], steps: int, samples_per_epoch: int,
+                            global_batch: int) -> None:
+    """The workers' sample log (PARASHIFT_SAMPLE_LOG) over a job's segments: each step counts
+    as trained by the segment that kept it (start_step < step <= final_step), whose dp ranks
+    together trained exactly the step's global batch; over the whole run every sample of each
+    epoch is trained exactly once (every full epoch, all of its samples)."""
+    import json
+    from collections import Counter
+
+    records = [json.loads(line) for path in sample_log.glob("*.jsonl") for line in path.read_text().splitlines()]
+    trained: Counter[tuple[int, int]] = Counter()
+    for step in range(1, steps + 1):
+        keeper = next(s for s in segments if s.start_step < step <= s.final_step)
+        shares = {r["dp_rank"]: r["ids"] for r in records  # tensor/pipeline peers log the same share
+                  if r["step"] == step and r["start_step"] == keeper.start_step and r["world_size"] == keeper.devices}
+        assert sum(len(ids) for ids in shares.values()) == global_batch, f"step {step}: {shares}"
+        trained.update(tuple(i) for ids in shares.values() for i in ids)
+    assert max(trained.values()) == 1, [s for s, n in trained.items() if n > 1][:5]
+    epochs = Counter(epoch for epoch, _ in trained)
+    assert len(trained) == steps * global_batch
+    for epoch, count in epochs.items():
+        if epoch < max(epochs):
+            assert count == samples_per_epoch, f"epoch {epoch}: {count} of {samples_per_epoch} samples"
+        assert {i for e, i in trained if e == epoch} <= set(range(samples_per_epoch))

@@ -19,9 +19,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from jobs import tiny_spec
+from jobs import assert_each_sample_once, tiny_spec
 from test_flow import read_artifact
 
+from corpus import open_dataset
 from specs import JobSpec
 from trainer.events import StartEvent, StepEvent, WorkerEvent
 
@@ -171,13 +172,32 @@ def test_events_are_ordered_by_epoch_and_scoped_to_their_job(prefect_server: Non
     assert not again.offer(ResourceEvent(devices=4, epoch=20)) and again.offer(ResourceEvent(devices=4, epoch=21))
 
 
-def test_events_rescale_a_running_job_and_losses_match_a_static_run(prefect_server: None, tmp_path: Path) -> None:
-    """2 -> 3 -> 1 devices by events sent while the job trains; every step's loss equals the
-    static run's."""
+def prepared_corpus(tmp_path: Path) -> tuple[dict[str, Any], int]:
+    """A prepared dataset (corpus.prepare) of a few standard-library modules, tokenized by a
+    byte-level BPE trained on them: the `data` section and the model vocabulary it needs."""
+    import sysconfig
+
+    from corpus import prepare_dataset, train_bpe
+    from corpus.documents import expand_inputs
+
+    inputs = f"file://{sysconfig.get_paths()['stdlib']}/a[bs]*.py"
+    tokenizer = train_bpe((Path(u.removeprefix("file://")).read_text() for u in expand_inputs(inputs)), 512)
+    prepare_dataset(inputs, f"file://{tmp_path}/dataset", tokenizer, group_bytes=50_000)
+    return {"url": f"file://{tmp_path}/dataset", "format": "prepared"}, tokenizer.vocab_size
+
+
+def test_events_rescale_a_running_job_and_losses_match_a_static_run(prefect_server: None, tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """2 -> 3 -> 1 devices by events sent while the job trains on a prepared (streamed)
+    dataset; every step's loss equals the static run's, and every sample of each epoch is
+    trained exactly once (the workers' sample log)."""
     from tasks.events import ResourceEvent, emit_resource_change
 
-    static = run_flow(tiny_spec("static-events", f"file://{tmp_path}/static", training=LONG), lambda e: None).result()
-    spec = tiny_spec("rescaled", f"file://{tmp_path}/rescaled", training=LONG)
+    data, vocab = prepared_corpus(tmp_path)
+    static = run_flow(tiny_spec("static-events", f"file://{tmp_path}/static", training=LONG, data=data,
+                                model={"vocab_size": vocab}), lambda e: None).result()
+    monkeypatch.setenv("PARASHIFT_SAMPLE_LOG", str(tmp_path / "samples"))
+    spec = tiny_spec("rescaled", f"file://{tmp_path}/rescaled", training=LONG, data=data, model={"vocab_size": vocab})
     sent: list[int] = []
 
     def react(event: WorkerEvent) -> None:
@@ -207,16 +227,23 @@ def test_events_rescale_a_running_job_and_losses_match_a_static_run(prefect_serv
         assert elastic_losses[step] == pytest.approx(loss, rel=1e-5), f"step {step}"
     recorded = sorted(p.stem for p in (tmp_path / "rescaled/jobs/rescaled/events").glob("*.json"))
     assert [int(e) for e in recorded] == [10, 20]
+    windows = (open_dataset(data["url"]).manifest.tokens - 1) // spec.model.seq_len
+    assert LONG["steps"] * spec.training.global_batch > windows  # the run crosses an epoch
+    assert_each_sample_once(tmp_path / "samples", elastic.segments, LONG["steps"], windows, spec.training.global_batch)
 
 
-def test_a_killed_worker_is_a_failure_the_job_recovers_from(prefect_server: None, tmp_path: Path) -> None:
+def test_a_killed_worker_is_a_failure_the_job_recovers_from(prefect_server: None, tmp_path: Path,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     """kill -9 of one of three workers: the job resumes from its last committed checkpoint on
     the two devices left, completes, and the run log says what happened."""
+    monkeypatch.setenv("PARASHIFT_SAMPLE_LOG", str(tmp_path / "samples"))
     spec = tiny_spec("killed-rank", f"file://{tmp_path}/store", training={**LONG, "checkpoint_every": 5},
-                     resources={"devices": 3})
+                     resources={"devices": 3}, data={"max_bytes": 20_000})  # 624 samples an epoch: 5 epochs
     kill = SignalRank(rank=1, step=12, sig=signal.SIGKILL)
     state = run_flow(spec, kill)
     summary = state.result()
+    # steps 11-12 were trained twice (the kill undid them): the resumed segment's count, once
+    assert_each_sample_once(tmp_path / "samples", summary.segments, LONG["steps"], (20_000 - 1) // 32, 8)
     assert kill.signalled
     assert [(s.devices, s.outcome) for s in summary.segments] == [(3, "failed"), (2, "finished")]
     failed, resumed = summary.segments

@@ -10,8 +10,8 @@ import json
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("specs", "models", "planner", "ptc", "storage", "trainer", "tasks", "flows", "parashift")
-ENGINES = ("specs", "models", "planner", "ptc", "storage", "trainer")
+PACKAGES = ("specs", "corpus", "models", "planner", "ptc", "storage", "trainer", "tasks", "flows", "parashift")
+ENGINES = ("specs", "corpus", "models", "planner", "ptc", "storage", "trainer")
 
 
 def modules() -> dict[str, Path]:

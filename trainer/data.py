@@ -1,5 +1,10 @@
-"""Deterministic data: a byte-level corpus, a seeded global sample order per epoch, and a
+"""Deterministic data: the job's tokens, a seeded global sample order per epoch, and a
 position (samples consumed) that says exactly where training is in the data.
+
+The tokens come from a `TokenSource`: a small corpus tokenized in memory at start (`text`,
+`tokens`), or a prepared dataset streamed by ranged reads (`prepared`, corpus.dataset), whose
+memory does not grow with the corpus. The order is computed from the token count alone
+(a permutation of fixed windows), so no data is read to know what comes next.
 
 The global order does not depend on the number of devices: a step takes the next
 `global_batch` samples of the stream and splits them among ranks, so a run on any device
@@ -8,14 +13,22 @@ count, or one that changes device count, sees every sample of an epoch exactly o
 
 from __future__ import annotations
 
+import json
+import os
+import queue
 import sysconfig
+import threading
+import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import fsspec
 import numpy as np
 import torch
 
+from corpus import load_tokenizer, open_dataset
 from specs import DataSpec
 
 BUILTIN_STDLIB = "builtin://python-stdlib"
@@ -36,7 +49,8 @@ def _expand(url: str, storage_options: dict) -> list[str]:
 
 
 def load_tokens(spec: DataSpec) -> np.ndarray:
-    """The whole corpus as a 1-D token array (uint16 covers the byte vocabulary and token files)."""
+    """The whole (small) corpus as a 1-D token array: raw uint16 token files, or text files
+    tokenized here, each file a document followed by the tokenizer's end-of-document token."""
     storage_options = dict(spec.storage_options)
     paths = _expand(spec.url, storage_options)
     if not paths:
@@ -50,11 +64,45 @@ def load_tokens(spec: DataSpec) -> np.ndarray:
             data = handle.read(budget)
         chunks.append(data)
         budget -= len(data)
-    raw = b"".join(chunks)
     if spec.format == "tokens":
+        raw = b"".join(chunks)
         usable = len(raw) - len(raw) % 2
         return np.frombuffer(raw[:usable], dtype="<u2").astype(np.uint16)
-    return np.frombuffer(raw, dtype=np.uint8).astype(np.uint16)  # byte-level tokenizer
+    if spec.bytes_tokenizer:
+        return np.frombuffer(b"".join(chunks), dtype=np.uint8).astype(np.uint16)
+    tokenizer = load_tokenizer(spec.tokenizer, storage_options)
+    texts = [chunk.decode("utf-8", errors="replace") for chunk in chunks]
+    eos = [] if tokenizer.eos_id is None else [tokenizer.eos_id]
+    ids = [np.asarray(doc + eos, dtype=np.int64) for doc in tokenizer.encode_batch(texts)]
+    return np.concatenate(ids) if ids else np.zeros(0, np.int64)
+
+
+class TokenSource(Protocol):
+    """Tokens addressed from 0 to len - 1, read a batch of ranges at a time."""
+
+    def __len__(self) -> int: ...
+
+    def read_many(self, ranges: list[tuple[int, int]]) -> list[np.ndarray]: ...
+
+
+class InMemoryTokens:
+    """A small corpus held whole (what `load_tokens` returns)."""
+
+    def __init__(self, tokens: np.ndarray) -> None:
+        self.tokens = tokens.astype(np.int64)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def read_many(self, ranges: list[tuple[int, int]]) -> list[np.ndarray]:
+        return [self.tokens[start:end] for start, end in ranges]
+
+
+def token_source(spec: DataSpec) -> TokenSource:
+    """The spec's tokens: a prepared dataset streamed from storage, or a small corpus in memory."""
+    if spec.format == "prepared":
+        return open_dataset(spec.url, dict(spec.storage_options))
+    return InMemoryTokens(load_tokens(spec))
 
 
 @dataclass(frozen=True)
@@ -78,16 +126,16 @@ class DataPosition:
 
 
 class SampleStream:
-    """Samples are non-overlapping windows of seq_len + 1 tokens; epoch e visits them in the
-    order of a permutation seeded by (seed, e)."""
+    """Samples are windows of seq_len + 1 tokens starting every seq_len tokens; epoch e visits
+    them in the order of a permutation seeded by (seed, e)."""
 
-    def __init__(self, tokens: np.ndarray, seq_len: int, seed: int) -> None:
-        self.tokens = torch.from_numpy(tokens.astype(np.int64))
+    def __init__(self, source: TokenSource | np.ndarray, seq_len: int, seed: int) -> None:
+        self.source = InMemoryTokens(source) if isinstance(source, np.ndarray) else source
         self.seq_len = seq_len
         self.seed = seed
-        self.samples_per_epoch = (len(tokens) - 1) // seq_len
+        self.samples_per_epoch = (len(self.source) - 1) // seq_len
         if self.samples_per_epoch < 1:
-            raise ValueError(f"corpus of {len(tokens)} tokens is shorter than one sample of {seq_len + 1}")
+            raise ValueError(f"corpus of {len(self.source)} tokens is shorter than one sample of {seq_len + 1}")
         self._epoch_orders: dict[int, torch.Tensor] = {}
 
     def _order(self, epoch: int) -> torch.Tensor:
@@ -104,10 +152,15 @@ class SampleStream:
             out.append((epoch, int(self._order(epoch)[i])))
         return out
 
+    def windows(self, ids: Sequence[tuple[int, int]]) -> torch.Tensor:
+        """The (len(ids), T + 1) tokens of those windows, in one batch of reads."""
+        t = self.seq_len
+        rows = self.source.read_many([(i * t, i * t + t + 1) for _, i in ids])
+        return torch.from_numpy(np.stack(rows)) if rows else torch.zeros((0, t + 1), dtype=torch.int64)
+
     def batch(self, start: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Inputs and next-token targets for global samples [start, start + count)."""
-        windows = [self.tokens[i * self.seq_len : i * self.seq_len + self.seq_len + 1] for _, i in self.sample_ids(start, count)]
-        stacked = torch.stack(windows)  # (count, T + 1)
+        stacked = self.windows(self.sample_ids(start, count))  # (count, T + 1)
         return stacked[:, :-1], stacked[:, 1:]  # (count, T), (count, T)
 
 
@@ -123,3 +176,96 @@ def rank_share(global_batch: int, world_size: int, rank: int) -> tuple[int, int]
 def micro_batches(count: int, micro_batch: int) -> list[tuple[int, int]]:
     """Split a rank's share into (offset, size) micro-batches of at most `micro_batch` samples."""
     return [(o, min(micro_batch, count - o)) for o in range(0, count, micro_batch)]
+
+
+class Prefetcher:
+    """Reads the next steps' batches on a background thread while this step trains.
+
+    Which samples a rank reads at a step follows from the position alone (its share's
+    requests, offset by the samples consumed), so the thread runs `depth` steps ahead without
+    being told. `wait_s` is how long the training loop waited for data (torchtitan's data
+    loading time); `read_s` how long the reads took, so tokens_read / read_s is the reader's rate.
+    """
+
+    def __init__(self, stream: SampleStream, share_offset: int, requests: list[tuple[int, int]],
+                 global_batch: int, depth: int = 2) -> None:
+        self.stream = stream
+        self.share_offset = share_offset
+        self.requests = requests  # (offset in the share, count) read each step
+        self.global_batch = global_batch
+        self.depth = depth
+        self.wait_s = 0.0
+        self.read_s = 0.0
+        self.tokens_read = 0
+        self._queue: queue.Queue[tuple[int, list[tuple[torch.Tensor, torch.Tensor]] | BaseException]] = queue.Queue(depth)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _read(self, position: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        started = time.perf_counter()
+        first = position + self.share_offset
+        out = [self.stream.batch(first + offset, count) for offset, count in self.requests]
+        self.read_s += time.perf_counter() - started
+        self.tokens_read += sum(count for _, count in self.requests) * (self.stream.seq_len + 1)
+        return out
+
+    def _run(self, position: int) -> None:
+        while not self._stop.is_set():
+            try:
+                item: list[tuple[torch.Tensor, torch.Tensor]] | BaseException = self._read(position)
+            except BaseException as error:  # noqa: BLE001 - handed to the training loop, which raises it
+                item = error
+            while not self._stop.is_set():
+                try:
+                    self._queue.put((position, item), timeout=0.1)
+                    break
+                except queue.Full:
+                    continue
+            if isinstance(item, BaseException):
+                return
+            position += self.global_batch
+
+    def start(self, position: int) -> None:
+        self._thread = threading.Thread(target=self._run, args=(position,), name="parashift-prefetch", daemon=True)
+        self._thread.start()
+
+    def step(self, position: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The (inputs, targets) of each request of the step that starts at `position`."""
+        started = time.perf_counter()
+        at, item = self._queue.get()
+        self.wait_s += time.perf_counter() - started
+        if isinstance(item, BaseException):
+            raise item
+        if at != position:  # the loop moved otherwise than one step at a time: read in line
+            raise RuntimeError(f"prefetched samples from {at}, the step starts at {position}")
+        return item
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+
+
+class SampleLog:
+    """The samples this rank trains, step by step, appended to `{folder}/rank{rank}-{pid}.jsonl`:
+    set PARASHIFT_SAMPLE_LOG to a folder to audit that every sample of an epoch is trained
+    exactly once across device changes and failures (the steps a failure undoes appear twice:
+    the segment that committed them is the one that counts)."""
+
+    ENV = "PARASHIFT_SAMPLE_LOG"
+
+    def __init__(self, folder: str, rank: int) -> None:
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        self._file = open(Path(folder) / f"rank{rank}-{os.getpid()}.jsonl", "a", buffering=1)  # noqa: SIM115 - lives with the run
+        self.rank = rank
+
+    @classmethod
+    def from_env(cls, rank: int) -> SampleLog | None:
+        folder = os.environ.get(cls.ENV)
+        return cls(folder, rank) if folder else None
+
+    def write(self, step: int, dp_rank: int, ids: list[tuple[int, int]], world_size: int, start_step: int) -> None:
+        """`world_size` and `start_step` name the segment (a job's run on one device count)."""
+        record = {"step": step, "rank": self.rank, "dp_rank": dp_rank, "world_size": world_size,
+                  "start_step": start_step, "ids": ids}
+        self._file.write(json.dumps(record) + "\n")

@@ -64,6 +64,7 @@ class StepEvent(_Event):
     lr: float | None = None
     step_s: float
     tokens_per_s: float
+    data_wait_s: float | None = Field(None, description="of step_s, how long rank 0 waited for its data")
 
 
 class CheckpointEvent(_Event):

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from corpus import DatasetError, TokenizerError
 from models import family_of
 from models.base import ModelFamily
 from models.layers import token_loss_sum
@@ -49,7 +50,15 @@ from trainer.checkpoint import (
     restore_totals,
 )
 from trainer.control import StopRequests
-from trainer.data import DataPosition, SampleStream, load_tokens, micro_batches, rank_share
+from trainer.data import (
+    DataPosition,
+    Prefetcher,
+    SampleLog,
+    SampleStream,
+    micro_batches,
+    rank_share,
+    token_source,
+)
 from trainer.events import (
     CheckpointEvent,
     CheckpointStallEvent,
@@ -158,10 +167,16 @@ class Batches:
     share_count: int
     micros: list[tuple[int, int]]  # (offset in the share, size) of each micro-batch
 
+    def prefetcher(self, global_batch: int, pipelined: bool) -> Prefetcher:
+        """A reader of this rank's batches, step after step: the whole share for a pipeline
+        (which splits it itself), else each micro-batch."""
+        requests = [(0, self.share_count)] if pipelined else self.micros
+        return Prefetcher(self.stream, self.share_offset, requests, global_batch)
+
 
 def rank_batches(spec: JobSpec, plan: Plan, dims: ParallelDims, coords: Coordinates) -> Batches:
     train = spec.training
-    stream = SampleStream(load_tokens(spec.data), spec.model.seq_len, train.seed)
+    stream = SampleStream(token_source(spec.data), spec.model.seq_len, train.seed)
     share_offset, share_count = rank_share(train.global_batch, dims.dp, coords.dp_rank)
     # The spec's micro-batch size, or smaller where the plan asks for more micro-batches
     # (gradient accumulation to cut activation memory; pipelines split the share themselves).
@@ -281,7 +296,7 @@ def train(spec: JobSpec, plan: Plan, built: Built, batches: Batches, dims: Paral
     """The training loop from `resumed` to `end_step` or a stop: (step, data position, stopped)."""
     train_spec, m = spec.training, spec.model
     module, runnable, optimizer, family = built.module, built.runnable, built.optimizer, built.family
-    stream, micros = batches.stream, batches.micros
+    reader = batches.prefetcher(train_spec.global_batch, pipelined=dims.pp > 1)
     step, position, loss = resumed.step, resumed.position, resumed.loss
     tokens_per_step = train_spec.global_batch * m.seq_len
     autocast = (
@@ -299,56 +314,67 @@ def train(spec: JobSpec, plan: Plan, built: Built, batches: Batches, dims: Paral
     # The loss is counted once per dp rank: on the last stage, by tp rank 0.
     counts_loss = coords.tp_rank == 0 and coords.pp_rank == dims.pp - 1
     stopped = False
-    while step < end_step:
-        started = time.perf_counter()
-        lr = learning_rate(step, train_spec.steps, spec.optimizer)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        loss_sum = torch.zeros((), device=device)
-        first = position.samples_consumed + batches.share_offset
-        if pipeline is not None:
-            inputs, targets = stream.batch(first, batches.share_count)  # (share, T) each
-            with autocast:
-                loss_sum += pipeline.step(inputs.to(device), targets.to(device))
-        for i, (offset, size) in enumerate(micros if pipeline is None else []):
-            inputs, targets = stream.batch(first + offset, size)
-            inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
-            last = i == len(micros) - 1
-            with gradient_sync(runnable, last), loss_context(built.regions):
+    sample_log = SampleLog.from_env(rank)
+    reader.start(position.samples_consumed)
+    try:
+        while step < end_step:
+            started = time.perf_counter()
+            lr = learning_rate(step, train_spec.steps, spec.optimizer)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            loss_sum = torch.zeros((), device=device)
+            waited = reader.wait_s
+            step_batches = reader.step(position.samples_consumed)
+            waited = reader.wait_s - waited
+            if sample_log is not None:
+                first = position.samples_consumed + batches.share_offset
+                sample_log.write(step + 1, coords.dp_rank, batches.stream.sample_ids(first, batches.share_count),
+                                 world_size, resumed.step)
+            if pipeline is not None:
+                inputs, targets = step_batches[0]  # (share, T) each
                 with autocast:
-                    micro_loss = token_loss_sum(family.logits(runnable, inputs), targets)  # scalar, sum over tokens
-                (micro_loss * loss_scale).backward()
-            loss_sum += plain(micro_loss.detach()).float()
-        settle_gradients(list(module.parameters()))
-        if spec.optimizer.grad_clip:
-            clip_grad_norm_(list(module.parameters()), spec.optimizer.grad_clip, coords.within_stage())
-        checkpointer.before_update()  # a save in flight may still be reading these tensors
-        optimizer.step()
-        optimizer.zero_grad()
-        if checkpointer.last_stall_s is not None:  # how long the newest save held the loop, slowest rank
-            stall = torch.tensor([checkpointer.last_stall_s], dtype=torch.float64, device=device)
-            if world_size > 1:
-                dist.all_reduce(stall, op=dist.ReduceOp.MAX)
-            if rank == 0:
-                metrics.emit(CheckpointStallEvent(step=step + 1, stall_s=round(stall.item(), 4)))
-            checkpointer.last_stall_s = None
-        step += 1
-        position = DataPosition(position.samples_consumed + train_spec.global_batch)
+                    loss_sum += pipeline.step(inputs.to(device), targets.to(device))
+            for i, (inputs, targets) in enumerate(step_batches if pipeline is None else []):
+                inputs, targets = inputs.to(device, non_blocking=True), targets.to(device, non_blocking=True)
+                last = i == len(step_batches) - 1
+                with gradient_sync(runnable, last), loss_context(built.regions):
+                    with autocast:
+                        micro_loss = token_loss_sum(family.logits(runnable, inputs), targets)  # scalar, sum over tokens
+                    (micro_loss * loss_scale).backward()
+                loss_sum += plain(micro_loss.detach()).float()
+            settle_gradients(list(module.parameters()))
+            if spec.optimizer.grad_clip:
+                clip_grad_norm_(list(module.parameters()), spec.optimizer.grad_clip, coords.within_stage())
+            checkpointer.before_update()  # a save in flight may still be reading these tensors
+            optimizer.step()
+            optimizer.zero_grad()
+            if checkpointer.last_stall_s is not None:  # how long the newest save held the loop, slowest rank
+                stall = torch.tensor([checkpointer.last_stall_s], dtype=torch.float64, device=device)
+                if world_size > 1:
+                    dist.all_reduce(stall, op=dist.ReduceOp.MAX)
+                if rank == 0:
+                    metrics.emit(CheckpointStallEvent(step=step + 1, stall_s=round(stall.item(), 4)))
+                checkpointer.last_stall_s = None
+            step += 1
+            position = DataPosition(position.samples_consumed + train_spec.global_batch)
 
-        # one small all-reduce: the global loss and whether any rank was asked to stop
-        report = torch.stack([loss_sum if counts_loss else torch.zeros_like(loss_sum),
-                              torch.tensor(float(stops.requested()), device=device)])
-        if world_size > 1:
-            dist.all_reduce(report)
-        loss, stop_now = report[0].item() / tokens_per_step, report[1].item() > 0
-        elapsed = time.perf_counter() - started
-        if rank == 0 and (step % train_spec.log_every == 0 or step == end_step):
-            metrics.emit(StepEvent(step=step, loss=loss, lr=lr, step_s=elapsed, tokens_per_s=tokens_per_step / elapsed))
-        if step % train_spec.checkpoint_every == 0 or step == end_step or stop_now:
-            save(step, position, loss)
-        if stop_now and step < end_step:
-            stopped = True
-            break
+            # one small all-reduce: the global loss and whether any rank was asked to stop
+            report = torch.stack([loss_sum if counts_loss else torch.zeros_like(loss_sum),
+                                  torch.tensor(float(stops.requested()), device=device)])
+            if world_size > 1:
+                dist.all_reduce(report)
+            loss, stop_now = report[0].item() / tokens_per_step, report[1].item() > 0
+            elapsed = time.perf_counter() - started
+            if rank == 0 and (step % train_spec.log_every == 0 or step == end_step):
+                metrics.emit(StepEvent(step=step, loss=loss, lr=lr, step_s=elapsed, tokens_per_s=tokens_per_step / elapsed,
+                                       data_wait_s=round(waited, 6)))
+            if step % train_spec.checkpoint_every == 0 or step == end_step or stop_now:
+                save(step, position, loss)
+            if stop_now and step < end_step:
+                stopped = True
+                break
+    finally:
+        reader.close()
     return step, position, stopped
 
 
@@ -373,7 +399,13 @@ def main(argv: list[str] | None = None) -> int:
     coords = Coordinates.of(mesh, dims)
     phases.done("distributed_s")
 
-    batches = rank_batches(spec, plan, dims, coords)
+    try:
+        batches = rank_batches(spec, plan, dims, coords)
+    except (DatasetError, TokenizerError) as error:  # every rank reads the same: rank 0 says it once
+        if rank == 0:
+            metrics.emit(FatalEvent(message=f"data: {error}"))
+        end_distributed(world_size)
+        return metrics.EXIT_FATAL
     phases.done("data_s")
 
     built = build(spec, plan, dims, coords, mesh, device)
@@ -443,8 +475,12 @@ def main(argv: list[str] | None = None) -> int:
     source = {"source": json.loads(os.environ["PARASHIFT_SOURCE"])} if os.environ.get("PARASHIFT_SOURCE") else {}
     save = Saves(spec, plan, built, layout, checkpointer, batches.stream.samples_per_epoch, rank, device,
                  {"model": spec.model.model_dump(), "job": spec.name, "nodes": nodes, **source})
-    step, position, stopped = train(spec, plan, built, batches, dims, coords, mesh, device, world_size, rank,
-                                    resumed, end_step, checkpointer, save, stops)
+    try:
+        step, position, stopped = train(spec, plan, built, batches, dims, coords, mesh, device, world_size, rank,
+                                        resumed, end_step, checkpointer, save, stops)
+    except DatasetError as error:  # a damaged shard, found as this rank read it: no retry can fix it
+        metrics.emit(FatalEvent(message=f"data: {error}"))
+        os._exit(metrics.EXIT_FATAL)  # the other ranks wait in a collective; torchrun ends them
 
     checkpointer.close()  # the last save is committed before anyone reports or exits
     if rank == 0:
