@@ -191,6 +191,18 @@ class PreparedTokens:
         self.bytes_read += sum(len(b) for b in blobs)
         return out
 
+    def document_ends(self) -> np.ndarray:
+        """Where each document ends, in the dataset's token addresses (8 bytes per document:
+        read from the shards' indexes, each verified by its CRC-32C)."""
+        ends = []
+        for base, record in zip(self.starts, self.manifest.shards, strict=False):
+            raw = self.store.get(record.docs_key)
+            if crc32c.crc32c(raw) != record.docs_crc32c or len(raw) != 8 * record.documents:
+                raise DatasetError(f"{self.store.url_for(record.docs_key)}: fails its checksum: the document index "
+                                   "is damaged; prepare the dataset again")
+            ends.append(np.frombuffer(raw, dtype="<u8").astype(np.int64) + base)
+        return np.concatenate(ends) if ends else np.zeros(0, np.int64)
+
     def _verify(self, shard: int, key: str, lo: int, hi: int, blob: bytes) -> None:
         if len(blob) != hi - lo:
             raise DatasetError(f"{self.store.url_for(key)}: shorter than its manifest says (truncated)")

@@ -79,7 +79,15 @@ class DataSpec(_Section):
         ),
     )
     max_bytes: int | None = Field(
-        4_000_000, ge=1, description="Read at most this many bytes of corpus (null: read everything)."
+        4_000_000, ge=1, description="Read at most this many bytes of corpus (null: read everything); "
+                                     "not used by 'prepared' datasets, which are streamed."
+    )
+    samples: Literal["packed", "documents"] = Field(
+        "packed",
+        description=(
+            "'packed': windows of seq_len + 1 tokens every seq_len tokens, across document ends; 'documents': "
+            "only windows inside one document (a prepared dataset's index; each document's tail is left out)."
+        ),
     )
     storage_options: dict[str, Any] = Field(
         default_factory=dict,
@@ -97,6 +105,12 @@ class DataSpec(_Section):
         if tokenizer is None or tokenizer == "bytes":
             return tokenizer
         return check_url(tokenizer, DATA_SCHEMES, what="tokenizer")
+
+    @model_validator(mode="after")
+    def _documents_need_an_index(self) -> Self:
+        if self.samples == "documents" and self.format != "prepared":
+            _raise_if([(("samples",), "'documents' needs data.format 'prepared' (its index of document ends)")])
+        return self
 
     @property
     def bytes_tokenizer(self) -> bool:

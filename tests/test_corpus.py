@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from corpus import DatasetError, Tokenizer, load_tokenizer, open_dataset, prepare_dataset
+from corpus import DatasetError, PrepareOptions, Tokenizer, load_tokenizer, open_dataset, prepare_dataset
 from corpus.dataset import MANIFEST_KEY, DatasetManifest, encode_dataset_manifest
 from corpus.tokenizer import BYTES_TOKENIZER
 from parashift.cli import app
@@ -84,6 +84,24 @@ def test_prepared_shards_read_back_exactly_across_shard_edges(trained: Path, tmp
     ranges = [(0, len(want)), *[(int(e) - 3, int(e) + 4) for e in edges], (len(want) - 1, len(want))]
     for (start, end), got in zip(ranges, dataset.read_many(ranges), strict=True):
         assert got.tolist() == want[start:end].tolist(), (start, end)
+
+
+def test_parquet_rows_and_jsonl_lines_are_documents(trained: Path, tmp_path: Path) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [f"row {i}: {SAMPLE}" for i in range(30)]
+    (tmp_path / "in").mkdir()
+    pq.write_table(pa.table({"body": rows, "n": list(range(30))}), tmp_path / "in" / "a.parquet")
+    (tmp_path / "in" / "b.jsonl").write_text("\n".join(json.dumps({"body": r}) for r in rows[:5]) + "\n\n")
+    tokenizer = load_tokenizer(str(trained))
+    manifest = prepare_dataset(f"file://{tmp_path}/in", f"file://{tmp_path}/ds", tokenizer,
+                               PrepareOptions(text_field="body"))
+    assert manifest.documents == 35
+    want = [t for ids in tokenizer.encode_batch(rows + rows[:5]) for t in ids + [tokenizer.eos_id]]
+    assert open_dataset(f"file://{tmp_path}/ds").read_many([(0, manifest.tokens)])[0].tolist() == want
+    ends = np.frombuffer((tmp_path / "ds" / manifest.shards[0].docs_key).read_bytes(), "<u8")
+    assert ends[-1] == manifest.tokens and len(ends) == 35
 
 
 def test_a_vocabulary_beyond_uint16_is_stored_as_uint32(tmp_path: Path) -> None:
@@ -201,3 +219,43 @@ def test_a_tokenizer_that_is_not_one_is_refused(tmp_path: Path) -> None:
     spec = JobSpec.model_validate({"name": "j", "data": {"tokenizer": str(tmp_path)},
                                    "storage": {"url": "file:///tmp/unused"}})
     assert one_line(spec).startswith(f"data.tokenizer: {tmp_path}/tokenizer.json is not a tokenizers tokenizer.json")
+
+
+def test_windows_within_documents_never_cross_an_end(tmp_path: Path) -> None:
+    from trainer.data import windows_within
+
+    rng = np.random.default_rng(0)
+    ends = np.cumsum(rng.integers(1, 60, 200))
+    brute = [s for b, e in zip(np.concatenate([[0], ends[:-1]]), ends, strict=True)
+             for s in range(int(b), int(e) - 16, 16)]  # windows of 17 tokens, stride 16
+    assert windows_within(ends, 16).tolist() == brute
+    corpus = write_corpus(tmp_path / "corpus")
+    prepare_dataset(f"file://{corpus}", f"file://{tmp_path}/ds", BYTES_TOKENIZER, group_bytes=1)
+    dataset = open_dataset(f"file://{tmp_path}/ds")
+    doc_ends = dataset.document_ends()
+    assert len(doc_ends) == 55 and doc_ends[-1] == len(dataset)
+    stream = SampleStream(dataset, 16, seed=3, document_ends=doc_ends)
+    assert stream.samples_per_epoch == len(windows_within(doc_ends, 16)) < SampleStream(dataset, 16, 3).samples_per_epoch
+    ids = stream.sample_ids(0, stream.samples_per_epoch)
+    for (_, i), row in zip(ids, stream.windows(ids), strict=True):
+        start = int(stream.starts[i])
+        end = doc_ends[np.searchsorted(doc_ends, start, side="right")]
+        assert start + 17 <= end and row.tolist() == dataset.read_many([(start, start + 17)])[0].tolist()
+
+
+def test_workers_train_within_documents_alike_on_any_device_count(tmp_path: Path) -> None:
+    """A job on a prepared dataset with `samples: documents`: the same losses on 1 and 3
+    workers (the global order does not depend on the device count)."""
+    from jobs import run, tiny_spec
+
+    from specs.plan import Plan
+
+    corpus = write_corpus(tmp_path / "corpus")
+    prepare_dataset(f"file://{corpus}", f"file://{tmp_path}/ds", BYTES_TOKENIZER, group_bytes=1)
+    data = {"url": f"file://{tmp_path}/ds", "format": "prepared", "samples": "documents"}
+    losses = []
+    for devices in (1, 3):
+        spec = tiny_spec(f"documents-{devices}", f"file://{tmp_path}/store", data=data, training={"steps": 4},
+                         resources={"devices": devices})
+        losses.append([e.loss for e in run(spec, Plan.data_parallel(devices)).steps])
+    assert len(losses[0]) == 4 and losses[0] == pytest.approx(losses[1], rel=1e-5)

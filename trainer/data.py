@@ -125,17 +125,34 @@ class DataPosition:
         }
 
 
-class SampleStream:
-    """Samples are windows of seq_len + 1 tokens starting every seq_len tokens; epoch e visits
-    them in the order of a permutation seeded by (seed, e)."""
+def windows_within(document_ends: np.ndarray, seq_len: int) -> np.ndarray:
+    """Start of every window of seq_len + 1 tokens that fits inside one document (a stride of
+    seq_len from each document's start), in document order: 8 bytes per window."""
+    ends = document_ends.astype(np.int64)
+    begins = np.concatenate([[0], ends[:-1]])
+    counts = np.maximum((ends - begins - 1) // seq_len, 0)
+    first_of_doc = np.cumsum(counts) - counts  # index of each document's first window
+    index = np.arange(int(counts.sum()), dtype=np.int64)
+    return np.repeat(begins, counts) + (index - np.repeat(first_of_doc, counts)) * seq_len
 
-    def __init__(self, source: TokenSource | np.ndarray, seq_len: int, seed: int) -> None:
+
+class SampleStream:
+    """Samples are windows of seq_len + 1 tokens starting every seq_len tokens (or, with
+    `document_ends`, every such window inside one document); epoch e visits them in the order
+    of a permutation seeded by (seed, e)."""
+
+    def __init__(self, source: TokenSource | np.ndarray, seq_len: int, seed: int,
+                 document_ends: np.ndarray | None = None) -> None:
         self.source = InMemoryTokens(source) if isinstance(source, np.ndarray) else source
         self.seq_len = seq_len
         self.seed = seed
-        self.samples_per_epoch = (len(self.source) - 1) // seq_len
+        # Packed (None): window i starts at i * seq_len, across documents. Within documents:
+        # the windows of each document in turn, none crossing its end (its tail is not trained).
+        self.starts = None if document_ends is None else windows_within(document_ends, seq_len)
+        self.samples_per_epoch = (len(self.source) - 1) // seq_len if self.starts is None else len(self.starts)
         if self.samples_per_epoch < 1:
-            raise ValueError(f"corpus of {len(self.source)} tokens is shorter than one sample of {seq_len + 1}")
+            raise ValueError(f"corpus of {len(self.source)} tokens is shorter than one sample of {seq_len + 1}"
+                             + ("" if self.starts is None else " within any one document"))
         self._epoch_orders: dict[int, torch.Tensor] = {}
 
     def _order(self, epoch: int) -> torch.Tensor:
@@ -155,7 +172,8 @@ class SampleStream:
     def windows(self, ids: Sequence[tuple[int, int]]) -> torch.Tensor:
         """The (len(ids), T + 1) tokens of those windows, in one batch of reads."""
         t = self.seq_len
-        rows = self.source.read_many([(i * t, i * t + t + 1) for _, i in ids])
+        starts = [i * t if self.starts is None else int(self.starts[i]) for _, i in ids]
+        rows = self.source.read_many([(start, start + t + 1) for start in starts])
         return torch.from_numpy(np.stack(rows)) if rows else torch.zeros((0, t + 1), dtype=torch.int64)
 
     def batch(self, start: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -228,6 +246,11 @@ class Prefetcher:
     def start(self, position: int) -> None:
         self._thread = threading.Thread(target=self._run, args=(position,), name="parashift-prefetch", daemon=True)
         self._thread.start()
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        """The reader's rate so far: tokens read per second spent reading."""
+        return self.tokens_read / self.read_s if self.read_s > 0 else None
 
     def step(self, position: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """The (inputs, targets) of each request of the step that starts at `position`."""

@@ -65,6 +65,7 @@ class StepEvent(_Event):
     step_s: float
     tokens_per_s: float
     data_wait_s: float | None = Field(None, description="of step_s, how long rank 0 waited for its data")
+    data_tokens_per_s: float | None = Field(None, description="rank 0's reader: tokens read per second of reading")
 
 
 class CheckpointEvent(_Event):

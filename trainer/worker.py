@@ -176,7 +176,9 @@ class Batches:
 
 def rank_batches(spec: JobSpec, plan: Plan, dims: ParallelDims, coords: Coordinates) -> Batches:
     train = spec.training
-    stream = SampleStream(token_source(spec.data), spec.model.seq_len, train.seed)
+    source = token_source(spec.data)
+    ends = source.document_ends() if spec.data.samples == "documents" else None  # type: ignore[attr-defined]
+    stream = SampleStream(source, spec.model.seq_len, train.seed, document_ends=ends)
     share_offset, share_count = rank_share(train.global_batch, dims.dp, coords.dp_rank)
     # The spec's micro-batch size, or smaller where the plan asks for more micro-batches
     # (gradient accumulation to cut activation memory; pipelines split the share themselves).
@@ -367,7 +369,7 @@ def train(spec: JobSpec, plan: Plan, built: Built, batches: Batches, dims: Paral
             elapsed = time.perf_counter() - started
             if rank == 0 and (step % train_spec.log_every == 0 or step == end_step):
                 metrics.emit(StepEvent(step=step, loss=loss, lr=lr, step_s=elapsed, tokens_per_s=tokens_per_step / elapsed,
-                                       data_wait_s=round(waited, 6)))
+                                       data_wait_s=round(waited, 6), data_tokens_per_s=reader.tokens_per_s))
             if step % train_spec.checkpoint_every == 0 or step == end_step or stop_now:
                 save(step, position, loss)
             if stop_now and step < end_step:
