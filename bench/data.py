@@ -52,9 +52,9 @@ VOCAB = 128_256  # Llama 3's: ids need uint32
 SHARD_TOKENS = 64 * 2**20  # 256 MB of uint32 per shard
 
 
-def synthetic_dataset(url: str, tokens: int, seed: int = 0) -> None:
+def synthetic_dataset(url: str, tokens: int, seed: int = 0, options: dict | None = None) -> None:
     """A prepared dataset of `tokens` random ids, written shard by shard (never all in memory)."""
-    store = ObjectStore(url)
+    store = ObjectStore(url, options)
     rng = np.random.default_rng(seed)
     shards = []
     for i, start in enumerate(range(0, tokens, SHARD_TOKENS)):
@@ -95,11 +95,11 @@ def peak_rss_mb(pids: list[int]) -> dict[int, float]:
     return out
 
 
-def train_on(url: str, devices: int, steps: int, folder: Path) -> dict[str, float]:
+def train_on(url: str, devices: int, steps: int, folder: Path, options: dict | None = None) -> dict[str, float]:
     spec = JobSpec.model_validate({
         "name": f"bench-data-{Path(url).name}",
         "model": {"n_layers": 2, "d_model": 64, "n_heads": 4, "vocab_size": VOCAB, "seq_len": 64, "dropout": 0.0},
-        "data": {"url": url, "format": "prepared"},
+        "data": {"url": url, "format": "prepared", "storage_options": options or {}},
         "training": {"global_batch": 16, "micro_batch": 4, "steps": steps, "seed": 1234, "checkpoint_every": 10**6,
                      "log_every": 1},
         "resources": {"devices": devices, "kind": "cpu"},
@@ -138,6 +138,27 @@ def train_on(url: str, devices: int, steps: int, folder: Path) -> dict[str, floa
     }
 
 
+def train_on_s3(megabytes: float, devices: int, steps: int, folder: Path) -> dict[str, float]:
+    """The same job on a dataset in a bucket of moto's S3 server on 127.0.0.1 (a test dependency)."""
+    import os
+
+    import boto3
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    try:
+        host, port = server.get_host_and_port()
+        endpoint = f"http://{host}:{port}"
+        os.environ.update({"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench", "AWS_DEFAULT_REGION": "us-east-1"})
+        boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1").create_bucket(Bucket="bench-data")
+        options = {"endpoint_url": endpoint}
+        synthetic_dataset("s3://bench-data/dataset", int(megabytes * 1e6 / 4), options=options)
+        return train_on("s3://bench-data/dataset", devices, steps, folder / "s3", options)
+    finally:
+        server.stop()
+
+
 def text_corpus(folder: Path, megabytes: float) -> Path:
     """The standard library's modules, copied until `megabytes` of text."""
     sources = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
@@ -172,6 +193,7 @@ def main() -> None:
     parser.add_argument("--devices", type=int, default=4)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--text-mb", type=float, default=20.0)
+    parser.add_argument("--s3-mb", type=float, default=200.0, help="a dataset on a local S3 server (moto); 0: skip")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="parashift-bench-data-") as tmp:
         folder = Path(tmp)
@@ -186,6 +208,9 @@ def main() -> None:
         for name, url in (("small", small), ("large", large)):
             runs[name] = train_on(url, args.devices, args.steps, folder / name)
             print(name, json.dumps(runs[name]), flush=True)
+        if args.s3_mb:
+            runs["s3"] = train_on_s3(args.s3_mb, args.devices, args.steps, folder)
+            print("s3", json.dumps(runs["s3"]), flush=True)
         rates = prepare_rates(folder, args.text_mb)
         print(json.dumps(rates), flush=True)
     trainer = runs["large"]["tokens_per_s"]
@@ -203,6 +228,8 @@ def main() -> None:
         "prepare_MBps": round(rates["prepare_MBps"], 2),
         "tokenizers_MBps": round(rates["tokenizers_MBps"], 2),
         "prepare_vs_tokenizers": round(rates["prepare_MBps"] / rates["tokenizers_MBps"], 3),
+        **({"rss_mb_s3": round(runs["s3"]["rss_mb"], 1), "data_wait_fraction_s3": round(runs["s3"]["data_wait_fraction"], 5),
+            "s3_mb": args.s3_mb} if "s3" in runs else {}),
         "devices": args.devices, "large_gb": args.large_gb, "small_mb": args.small_mb, "text_MB": rates["text_MB"],
     }))
 

@@ -1,0 +1,238 @@
+"""Goodput over a resource trace: the training time a job loses to device changes, for each way
+of reacting to them, in the same run.
+
+The trace (default: 4 devices; at step 6 down to 2; at step 12 up to 4; at step 16 one worker
+is killed, so 3; the job ends at step 24) is replayed on CPU workers with a GPT of ~293 MB of
+state (bench.rescale_latency's), for:
+
+- `relaunch`: parashift today: the `train-job` flow against a real Prefect server (started
+  here), planned changes sent as resource events when the trace's step is reported, the
+  failure a SIGKILL of rank 1; each change stops the workers at a step boundary, re-plans,
+  and a fresh torchrun resumes from the checkpoint resharded out of storage;
+- `stop_restart`: what a torchtitan user does (bench/dcp_restart.py): torchrun on the count,
+  FSDP2, a DCP checkpoint every `--checkpoint-every` steps and at each planned stop, restarted
+  on the new count with DCP's reshard-on-load;
+- `parashift` (the warm path of issue 25) is not built yet and is reported as null.
+
+Per system: `wall_s` (first step started -> last step done), `downtimes_s` (one per change:
+the last step done under the old layout -> the first step done under the new one, as rank 0
+reported them), `retrained_steps`, and `goodput`: the time a static run on the same devices
+over time would need (each kept step at the median step time of its device count, measured in
+this run) / `wall_s`. `losses_equal_static`: parashift's every step within 1e-5 of a static
+run on 4 workers. Last line: one JSON object.
+
+    OMP_NUM_THREADS=1 python -m bench.trace [--rounds 3] [--steps 24]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.rescale_latency import MODEL
+from parashift.commands.serve import start_prefect_server, stop_group
+
+# (at step, devices after, reason); devices None: rank 1 is killed (the job goes on with one fewer)
+TRACE: list[tuple[int, int | None, str]] = [(6, 2, "scale-down"), (12, 4, "scale-up"), (16, None, "failure")]
+START_DEVICES = 4
+CHECKPOINT_EVERY = 6
+
+
+def job_spec(name: str, store: Path, steps: int) -> Any:
+    from specs import JobSpec
+
+    return JobSpec.model_validate({
+        "name": name,
+        "model": MODEL,
+        "data": {"url": "builtin://python-stdlib", "max_bytes": 200_000},
+        "training": {"global_batch": 12, "micro_batch": 3, "steps": steps, "checkpoint_every": CHECKPOINT_EVERY,
+                     "log_every": 1},
+        "resources": {"devices": START_DEVICES, "kind": "cpu"},
+        "storage": {"url": f"file://{store}"},
+    })
+
+
+class Timeline:
+    """Rank 0's step events as the bench heard them: (time, segment, step, step_s, loss)."""
+
+    def __init__(self) -> None:
+        self.steps: list[tuple[float, int, int, float, float]] = []
+        self.devices: list[int] = []  # per segment
+
+    def start(self, world_size: int) -> None:
+        self.devices.append(world_size)
+
+    def step(self, step: int, step_s: float, loss: float) -> None:
+        self.steps.append((time.time(), len(self.devices) - 1, step, step_s, loss))
+
+    def figures(self, total_steps: int) -> dict[str, Any]:
+        segments = sorted({s for _, s, *_ in self.steps})
+        downtimes, retrained = [], 0
+        for seg in segments[1:]:
+            last_old = max(t for t, s, *_ in self.steps if s == seg - 1)
+            first_new = min(t for t, s, *_ in self.steps if s == seg)
+            downtimes.append(first_new - last_old)
+            old_last = max(st for _, s, st, *_ in self.steps if s == seg - 1)
+            new_first = min(st for _, s, st, *_ in self.steps if s == seg)
+            retrained += max(0, old_last - new_first + 1)
+        # the step time of each device count: median over its segments' steps, each segment's first left out
+        by_count: dict[int, list[float]] = {}
+        for seg in segments:
+            times = [st_s for _, s, _, st_s, _ in self.steps if s == seg][1:]
+            by_count.setdefault(self.devices[seg], []).extend(times)
+        step_s = {count: statistics.median(times) for count, times in by_count.items() if times}
+        kept: dict[int, int] = {}  # step -> segment that trained it last
+        for _, seg, st, _, _ in self.steps:
+            kept[st] = seg
+        ideal = sum(step_s[self.devices[seg]] for seg in kept.values())
+        first = self.steps[0]
+        wall = self.steps[-1][0] - (first[0] - first[3])
+        return {"wall_s": round(wall, 3), "downtimes_s": [round(d, 3) for d in downtimes], "retrained_steps": retrained,
+                "goodput": round(ideal / wall, 4), "step_s_by_devices": {k: round(v, 4) for k, v in step_s.items()},
+                "steps": len(kept) == total_steps}
+
+
+def relaunch_round(store: Path, steps: int, round_no: int) -> tuple[dict[str, Any], dict[int, float]]:
+    from flows.train import train_job
+    from tasks import progress
+    from tasks.events import ResourceEvent, emit_resource_change, now_epoch
+    from trainer.events import StartEvent, StepEvent, WorkerEvent
+
+    spec = job_spec(f"trace-relaunch-{round_no}", store, steps)
+    timeline, pids, done = Timeline(), [], set()
+    losses: dict[int, float] = {}
+
+    def listen(event: WorkerEvent) -> None:
+        if isinstance(event, StartEvent):
+            timeline.start(event.world_size)
+            pids[:] = event.pids
+        if not isinstance(event, StepEvent):
+            return
+        timeline.step(event.step, event.step_s, event.loss)
+        losses[event.step] = event.loss
+        for at, devices, _ in TRACE:
+            if event.step == at and at not in done:
+                done.add(at)
+                if devices is None:
+                    os.kill(pids[1], signal.SIGKILL)
+                else:
+                    threading.Thread(target=emit_resource_change,
+                                     args=(spec.job_id, ResourceEvent(devices=devices, epoch=now_epoch()))).start()
+
+    progress.add_listener(listen)
+    try:
+        summary = train_job(spec)
+    finally:
+        progress.remove_listener(listen)
+    figures = timeline.figures(steps)
+    figures["segments"] = [(s.devices, s.start_step, s.final_step, s.outcome) for s in summary.segments]
+    return figures, losses
+
+
+def stop_restart_round(store: Path, steps: int, round_no: int) -> dict[str, Any]:
+    from trainer.events import StartEvent, StepEvent, parse
+    from trainer.launch import torchrun_command, worker_env
+
+    spec = job_spec(f"trace-dcp-{round_no}", store, steps)
+    spec_file = store / "spec.json"
+    store.mkdir(parents=True, exist_ok=True)
+    spec_file.write_text(spec.model_dump_json())
+    timeline, devices, position = Timeline(), START_DEVICES, 0
+    plan = [*TRACE, (steps, 0, "end")]
+    for at, after, _ in plan:
+        kill_at = at if after is None else None
+        until = steps if after is None else at  # a failure is not announced: the job runs on until killed
+        command = torchrun_command(devices, "bench.dcp_restart", "--spec", str(spec_file), "--ckpt", str(store / "dcp"),
+                                   "--until-step", str(until), "--checkpoint-every", str(CHECKPOINT_EVERY))
+        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                                   env=worker_env("cpu"), start_new_session=True)
+        assert process.stdout is not None
+        for line in process.stdout:
+            event = parse(line)
+            if isinstance(event, StartEvent):
+                timeline.start(event.world_size)
+            elif isinstance(event, StepEvent):
+                timeline.step(event.step, event.step_s, event.loss)
+                position = event.step
+                if kill_at is not None and event.step == kill_at:
+                    os.killpg(process.pid, signal.SIGKILL)  # a worker (and with it the job) is gone
+                    break
+        process.wait()
+        if after == 0:
+            break
+        devices = devices - 1 if after is None else after
+    figures = timeline.figures(steps)
+    figures["final_step"] = position
+    return figures
+
+
+def static_losses(store: Path, steps: int) -> dict[int, float]:
+    from specs.plan import Plan
+    from trainer.launch import launch_workers
+
+    result = launch_workers(job_spec("trace-static", store, steps), Plan.data_parallel(START_DEVICES))
+    return {e.step: e.loss for e in result.steps}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=24)
+    args = parser.parse_args()
+    rounds: dict[str, list[dict[str, Any]]] = {"relaunch": [], "stop_restart": []}
+    equal = True
+    with tempfile.TemporaryDirectory(prefix="parashift-trace-") as tmp:
+        env = {**os.environ, "PREFECT_HOME": str(Path(tmp, "server-home")), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+        server, url = start_prefect_server(env)
+        try:
+            os.environ.update({"PREFECT_API_URL": url, "PREFECT_HOME": str(Path(tmp, "client-home")),
+                               "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+                               "PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL": "WARNING"})
+            static = static_losses(Path(tmp, "static"), args.steps)
+            for i in range(args.rounds):  # alternating, so machine drift hits both alike
+                figures, losses = relaunch_round(Path(tmp, f"relaunch{i}"), args.steps, i)
+                equal = equal and sorted(losses) == sorted(static) and all(
+                    abs(losses[s] - static[s]) <= 1e-5 * abs(static[s]) for s in static)
+                rounds["relaunch"].append(figures)
+                print("relaunch", json.dumps(figures), file=sys.stderr, flush=True)
+                figures = stop_restart_round(Path(tmp, f"dcp{i}"), args.steps, i)
+                rounds["stop_restart"].append(figures)
+                print("stop_restart", json.dumps(figures), file=sys.stderr, flush=True)
+        finally:
+            stop_group(server)
+
+    def summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
+        changes = len(runs[0]["downtimes_s"])
+        return {
+            "wall_s": round(statistics.median(r["wall_s"] for r in runs), 3),
+            "downtimes_s": [round(statistics.median(r["downtimes_s"][k] for r in runs), 3) for k in range(changes)],
+            "median_downtime_s": round(statistics.median(d for r in runs for d in r["downtimes_s"]), 3),
+            "retrained_steps": statistics.median(r["retrained_steps"] for r in runs),
+            "goodput": round(statistics.median(r["goodput"] for r in runs), 4),
+            "rounds": runs,
+        }
+
+    systems = {name: summary(runs) for name, runs in rounds.items()}
+    print(json.dumps({
+        "bench": "trace",
+        "machine": f"{platform.machine()} {os.cpu_count()} cores",
+        "systems": {"parashift": None, **systems},
+        "losses_equal_static": equal,
+        "trace": [{"at_step": at, "devices": devices, "reason": reason} for at, devices, reason in TRACE],
+        "start_devices": START_DEVICES, "steps": args.steps, "checkpoint_every": CHECKPOINT_EVERY,
+    }))
+
+
+if __name__ == "__main__":
+    main()
