@@ -259,3 +259,26 @@ def test_workers_train_within_documents_alike_on_any_device_count(tmp_path: Path
                          resources={"devices": devices})
         losses.append([e.loss for e in run(spec, Plan.data_parallel(devices)).steps])
     assert len(losses[0]) == 4 and losses[0] == pytest.approx(losses[1], rel=1e-5)
+
+
+def test_a_damaged_shard_stops_training_in_one_line_when_a_worker_reads_it(tmp_path: Path) -> None:
+    """Opening a dataset reads no shard; the first worker to read a damaged chunk says which,
+    once, and the job ends (fatal: no retry reads other bytes), never training on it."""
+    from jobs import tiny_spec
+
+    from specs.plan import Plan
+    from trainer.launch import launch_workers
+
+    corpus = write_corpus(tmp_path / "corpus", files=1)
+    manifest = prepare_dataset(f"file://{corpus}", f"file://{tmp_path}/ds", BYTES_TOKENIZER)
+    path = tmp_path / "ds" / manifest.shards[0].tokens_key
+    raw = bytearray(path.read_bytes())
+    for i in range(0, len(raw), 4096):  # every chunk: whatever the order reads first is damaged
+        raw[i] ^= 0x55
+    path.write_bytes(bytes(raw))
+    spec = tiny_spec("damaged", f"file://{tmp_path}/store", data={"url": f"file://{tmp_path}/ds", "format": "prepared"},
+                     training={"steps": 4})
+    result = launch_workers(spec, Plan.data_parallel(2))
+    assert result.returncode != 0 and not result.steps
+    assert result.fatal is not None and "fails its checksum" in result.fatal.message
+    assert result.fatal.message.startswith(f"data: file://{tmp_path}/ds/shards/{manifest.shards[0].id}.tokens: chunk ")
