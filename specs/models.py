@@ -295,7 +295,23 @@ class ParallelismSpec(_Section):
                           "axis (FSDP) where its cost model says it pays; false: data parallelism replicates them.",
     )
     precision: Literal["fp32", "bf16"] = Field("fp32", description="Compute precision.")
+    memory_reserve: float = Field(
+        0.08, ge=0.0, lt=1.0,
+        description="Fraction of each device's memory the planner leaves free for what its cost model does not "
+                    "count (allocator fragmentation, communication buffers, the largest temporary).",
+    )
+    memory_reserve_gb: float = Field(
+        1.0, ge=0.0, le=1e6, description="The least memory left free per device, in GiB (the larger of the two counts).",
+    )
     compile: bool = Field(False, description="torch.compile the model.")
+
+    def plan_memory_bytes(self, device_bytes: int | None) -> int | None:
+        """What the planner may fill of a device of `device_bytes` (None: unknown, unlimited):
+        the device less the reserve, the larger of its fraction and its floor."""
+        if device_bytes is None:
+            return None
+        reserve = max(self.memory_reserve * device_bytes, self.memory_reserve_gb * 2**30)
+        return max(int(device_bytes - reserve), 0)
 
 
 class StorageSpec(_Section):

@@ -77,18 +77,23 @@ def plan_parallelism(spec: JobSpec, model: ModelSummary, devices: int, step: int
     logger = get_run_logger()
     profile = load_profile(spec, model.profile_key)
     par, train = spec.parallelism, spec.training
+    limit = par.plan_memory_bytes(profile.device.memory_bytes)  # the device less the reserve for transients
+    if limit is not None:
+        logger.info("planning within %.2f GiB of each device's %.2f GiB (%.2f GiB reserved for transient buffers)",
+                    limit / 2**30, profile.device.memory_bytes / 2**30, (profile.device.memory_bytes - limit) / 2**30)
     if isinstance(profile, MeasuredProfile):  # no op graph: the data axis's options, measured
-        searched = plan_measured(profile, devices, train.global_batch, train.micro_batch, shard_dp=par.shard_data_parallel)
+        searched = plan_measured(profile, devices, train.global_batch, train.micro_batch, limit,
+                                 shard_dp=par.shard_data_parallel)
     else:
-        searched = plan_model(profile, devices, None, par.max_tp, par.max_pp, device_kind=spec.resources.kind,
+        searched = plan_model(profile, devices, limit, par.max_tp, par.max_pp, device_kind=spec.resources.kind,
                               shard_dp=par.shard_data_parallel)
     plan = choose_plan(spec, searched, devices)
     if spec.parallelism.strategy == "auto" and step > 0:
         if isinstance(profile, MeasuredProfile):
-            candidates = measured_options(profile, devices, train.global_batch, train.micro_batch,
+            candidates = measured_options(profile, devices, train.global_batch, train.micro_batch, limit,
                                           shard_dp=par.shard_data_parallel)
         else:
-            candidates = plan_options(profile, devices, None, par.max_tp, par.max_pp, device_kind=spec.resources.kind,
+            candidates = plan_options(profile, devices, limit, par.max_tp, par.max_pp, device_kind=spec.resources.kind,
                                       shard_dp=par.shard_data_parallel, searched=searched)
         options = [p for p in candidates if not executable_reasons(spec, p)]
         with environment(storage_environment(spec)):

@@ -334,7 +334,8 @@ def test_the_spec_can_forbid_sharding_data_parallelism(tmp_path: Path) -> None:
     data["resources"] = {**data["resources"], "kind": "cuda", "memory_gb": 0.2}
     plans = {}
     for allowed in (True, False):
-        data["parallelism"] = {**data["parallelism"], "max_tp": 1, "max_pp": 1, "shard_data_parallel": allowed}
+        data["parallelism"] = {**data["parallelism"], "max_tp": 1, "max_pp": 1, "shard_data_parallel": allowed,
+                               "memory_reserve": 0, "memory_reserve_gb": 0}  # the whole toy device
         spec = tmp_path / f"spec-{allowed}.yaml"
         spec.write_text(yaml.safe_dump(data))
         out = CliRunner().invoke(app, ["plan", str(spec), "--devices", "8", "--json"])
@@ -342,3 +343,38 @@ def test_the_spec_can_forbid_sharding_data_parallelism(tmp_path: Path) -> None:
         plans[allowed] = Plan.model_validate_json(out.output)
     assert plans[False].dp_shard == 1 and not plans[False].feasible
     assert plans[True].dp_shard == 8 and plans[True].feasible, (plans[True].mesh, plans[True].dp_shard)
+
+
+def test_the_planner_leaves_the_spec_s_reserve_of_each_device_free(tmp_path: Path) -> None:
+    """A device whose memory the data-parallel plan fills to 96%: planned to the brim without a
+    reserve, and within the device less its reserve (8% by default) with one: another layout."""
+    import yaml
+    from typer.testing import CliRunner
+
+    from parashift.cli import app
+    from specs.models import ParallelismSpec
+
+    assert ParallelismSpec().plan_memory_bytes(None) is None
+    assert ParallelismSpec().plan_memory_bytes(141 * 2**30) == int(141 * 2**30 * 0.92)
+    assert ParallelismSpec().plan_memory_bytes(4 * 2**30) == 3 * 2**30  # the 1 GiB floor
+    data = yaml.safe_load((REPO / "specs" / "default.yaml").read_text())
+    data["model"] = {**data["model"], "n_layers": 4, "d_model": 512, "n_heads": 8, "vocab_size": 8192, "seq_len": 64}
+
+    base = dict(data["parallelism"])
+
+    def plan(memory_gb: float, **reserve: float) -> Plan:
+        data["resources"] = {**data["resources"], "kind": "cuda", "memory_gb": memory_gb}
+        data["parallelism"] = {**base, "max_pp": 1, "strategy": "auto", **reserve}
+        spec = tmp_path / "spec.yaml"
+        spec.write_text(yaml.safe_dump(data))
+        out = CliRunner().invoke(app, ["plan", str(spec), "--devices", "4", "--json"])
+        assert out.exit_code == 0, out.output
+        return Plan.model_validate_json(out.output)
+
+    roomy = plan(100.0, memory_reserve=0, memory_reserve_gb=0)
+    device_gb = roomy.memory_per_device_bytes / 0.96 / 2**30
+    brim = plan(device_gb, memory_reserve=0, memory_reserve_gb=0)
+    assert brim.feasible and brim.memory_per_device_bytes > 0.92 * device_gb * 2**30
+    reserved = plan(device_gb, memory_reserve_gb=0)
+    assert reserved.feasible and reserved.memory_per_device_bytes <= 0.92 * device_gb * 2**30
+    assert reserved.memory_per_device_bytes < brim.memory_per_device_bytes  # another layout: less kept per device

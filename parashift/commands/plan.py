@@ -62,7 +62,8 @@ def _solve(search: Callable[..., Plan], profile: ModelProfile, n: int, par: Para
     """The search's Plan; any failure of it one line and exit 1, never a traceback: a ValueError
     it raises to explain itself, a MemoryError on a graph too wide, or a bug."""
     try:
-        return search(profile, n, None, par.max_tp, par.max_pp, shard_dp=par.shard_data_parallel)
+        limit = par.plan_memory_bytes(profile.device.memory_bytes)  # the device less the reserve for transients
+        return search(profile, n, limit, par.max_tp, par.max_pp, shard_dp=par.shard_data_parallel)
     except Exception as error:
         typer.echo(f"{label}: cannot plan it{' exhaustively' if exhaustive else ''}: {_one_line(error)}", err=True)
         raise typer.Exit(1) from None
@@ -104,7 +105,8 @@ def plan(
         train = job.training
         measured = profile_from_measurements(model.tag, measure_model(model, train.micro_batch, par.precision), kind,
                                              res.devices_per_node or n, res.memory_gb, None, res.devices_per_node)
-        result = plan_measured(measured, n, train.global_batch, train.micro_batch, shard_dp=par.shard_data_parallel)
+        result = plan_measured(measured, n, train.global_batch, train.micro_batch,
+                               par.plan_memory_bytes(measured.device.memory_bytes), shard_dp=par.shard_data_parallel)
         typer.echo(result.model_dump_json(indent=2) if json_out else "\n".join(
             [f"{model.tag} on {n} {kind} devices: dp {n}, state sharded over {result.dp_shard} "
              f"({result.estimated_step_s or 0:.4g} s per step, {(result.memory_per_device_bytes or 0) / 2**30:.2f} GiB "
