@@ -41,7 +41,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from parashift.commands.serve import deploy_all, start_node_worker, start_prefect_server, stop_group
+from bench.prefect_server import bench_prefect_server
+from parashift.commands.serve import deploy_all, start_node_worker, stop_group
 
 MODEL = {"n_layers": 3, "d_model": 768, "n_heads": 12, "vocab_size": 2048, "seq_len": 24, "dropout": 0.0}
 EVENT_AT_STEP = 3  # steps into the first segment
@@ -170,13 +171,8 @@ def main() -> None:
     parser.add_argument("--node-leave", action="store_true", help="2 nodes x 2 workers; node b's worker is killed")
     args = parser.parse_args()
     workers: dict[str, Any] = {}
-    with tempfile.TemporaryDirectory(prefix="parashift-rescale-") as tmp:
-        env = {**os.environ, "PREFECT_HOME": str(Path(tmp, "server-home")), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
-        server, url = start_prefect_server(env)
+    with tempfile.TemporaryDirectory(prefix="parashift-rescale-") as tmp, bench_prefect_server(Path(tmp)):
         try:
-            os.environ.update({"PREFECT_API_URL": url, "PREFECT_HOME": str(Path(tmp, "client-home")),
-                               "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-                               "PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL": "WARNING"})
             if args.node_leave:
                 node_env = {**os.environ, "PARASHIFT_NODE_ADDR": "127.0.0.1", "PREFECT_WORKER_QUERY_SECONDS": "1"}
                 deploy_all(node_env)
@@ -192,7 +188,6 @@ def main() -> None:
         finally:
             for process in workers.values():
                 stop_group(process)
-            stop_group(server)
     keys = ("stop_s", "plan_s", "reshard_data_s", "relaunch_s", "total_s")
     result = {
         "bench": "rescale_latency",

@@ -40,8 +40,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench.prefect_server import bench_prefect_server
 from bench.rescale_latency import MODEL
-from parashift.commands.serve import start_prefect_server, stop_group
 
 # (at step, devices after, reason); devices None: rank 1 is killed (the job goes on with one fewer)
 TRACE: list[tuple[int, int | None, str]] = [(6, 2, "scale-down"), (12, 4, "scale-up"), (16, None, "failure")]
@@ -192,25 +192,17 @@ def main() -> None:
     args = parser.parse_args()
     rounds: dict[str, list[dict[str, Any]]] = {"relaunch": [], "stop_restart": []}
     equal = True
-    with tempfile.TemporaryDirectory(prefix="parashift-trace-") as tmp:
-        env = {**os.environ, "PREFECT_HOME": str(Path(tmp, "server-home")), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
-        server, url = start_prefect_server(env)
-        try:
-            os.environ.update({"PREFECT_API_URL": url, "PREFECT_HOME": str(Path(tmp, "client-home")),
-                               "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-                               "PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL": "WARNING"})
-            static = static_losses(Path(tmp, "static"), args.steps)
-            for i in range(args.rounds):  # alternating, so machine drift hits both alike
-                figures, losses = relaunch_round(Path(tmp, f"relaunch{i}"), args.steps, i)
-                equal = equal and sorted(losses) == sorted(static) and all(
-                    abs(losses[s] - static[s]) <= 1e-5 * abs(static[s]) for s in static)
-                rounds["relaunch"].append(figures)
-                print("relaunch", json.dumps(figures), file=sys.stderr, flush=True)
-                figures = stop_restart_round(Path(tmp, f"dcp{i}"), args.steps, i)
-                rounds["stop_restart"].append(figures)
-                print("stop_restart", json.dumps(figures), file=sys.stderr, flush=True)
-        finally:
-            stop_group(server)
+    with tempfile.TemporaryDirectory(prefix="parashift-trace-") as tmp, bench_prefect_server(Path(tmp)):
+        static = static_losses(Path(tmp, "static"), args.steps)
+        for i in range(args.rounds):  # alternating, so machine drift hits both alike
+            figures, losses = relaunch_round(Path(tmp, f"relaunch{i}"), args.steps, i)
+            equal = equal and sorted(losses) == sorted(static) and all(
+                abs(losses[s] - static[s]) <= 1e-5 * abs(static[s]) for s in static)
+            rounds["relaunch"].append(figures)
+            print("relaunch", json.dumps(figures), file=sys.stderr, flush=True)
+            figures = stop_restart_round(Path(tmp, f"dcp{i}"), args.steps, i)
+            rounds["stop_restart"].append(figures)
+            print("stop_restart", json.dumps(figures), file=sys.stderr, flush=True)
 
     def summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
         changes = len(runs[0]["downtimes_s"])
