@@ -23,7 +23,7 @@ from tasks.artifacts import TrainingProgress, job_tags, tag_devices, tag_this_ru
 from tasks.credentials import environment, storage_environment
 from tasks.events import ResourceWatcher, follow_resources
 from tasks.exclusive import one_run_per_job, one_writer_per_job
-from tasks.launch import launch_training, segment_of, signals_stop_training
+from tasks.launch import launch_training, segment_of, signals_stop_training, warm_workers
 from tasks.node_watch import follow_nodes
 from tasks.plan import plan_parallelism
 from tasks.preflight import preflight_job
@@ -47,7 +47,7 @@ def train_job(spec: JobSpec) -> TrainSummary:
     # One writer at a time (it prunes): the job's lease in storage first, whatever Prefect server
     # started this run; then the Prefect slot, freed if a dead run still holds it.
     with one_writer_per_job(spec) as lease, one_run_per_job(spec.job_id, storage_lease=True), \
-            signals_stop_training():
+            signals_stop_training(), warm_workers(spec):
         summary = _train(spec, lease)
     if summary.segments and summary.segments[-1].stopped:
         return Completed(data=summary, name="Stopped",  # type: ignore[return-value]

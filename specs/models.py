@@ -220,6 +220,14 @@ class ResourcesSpec(_Section):
     devices_per_node: int | None = Field(
         None, ge=1, le=1024, description="Devices per node, for the planner's communication model (null: one node)."
     )
+    warm_workers: bool = Field(
+        False,
+        description=(
+            "Keep the worker processes (torch and the trainer imported) alive across the device changes of a run "
+            "on one node: a change costs a new process group, not new interpreters (docs/elastic.md). Jobs across "
+            "nodes relaunch as before."
+        ),
+    )
     nodes: list[str] | None = Field(
         None,
         max_length=4096,

@@ -31,6 +31,8 @@ from tasks.records import SegmentResult
 from tasks.worker_log import WorkerLog
 from trainer.events import StartEvent, StepEvent, WorkerEvent
 from trainer.launch import LaunchResult, RunningWorkers, launch_workers
+from trainer.warm_launch import launch_warm
+from trainer.warm_pool import WarmPool
 
 # torchrun's summary of a failed worker: "rank : 1 (local_rank: 1)" and "exitcode : -9 (pid: 123)"
 _FAILED_RANK = re.compile(r"^\s*rank\s*:\s*(\d+)")
@@ -42,6 +44,10 @@ def failure_reason(result: LaunchResult, lines: list[str]) -> str:
     ranks it lists were stopped by torchrun itself)."""
     if result.hung_s is not None:
         return f"workers reported nothing for {result.hung_s:.0f} s (hung; stopped by the launcher)"
+    if result.failed_rank is not None:  # warm workers: the launcher saw the rank die itself
+        rank, code = result.failed_rank
+        how = f"killed by signal {-code}" if code < 0 else f"exited with code {code}"
+        return f"rank {rank} {how} (a warm worker; a fresh process takes its place)"
     roots = [i for i, line in enumerate(lines) if "Root Cause" in line]
     lines = lines[roots[-1]:] if roots else lines
     ranks = [int(m.group(1)) for line in lines if (m := _FAILED_RANK.match(line))]
@@ -51,6 +57,32 @@ def failure_reason(result: LaunchResult, lines: list[str]) -> str:
         how = f"killed by signal {-code}" if code < 0 else f"exited with code {code}"
         return f"rank {ranks[0]} {how} (torchrun exited with {result.returncode})"
     return f"workers exited with code {result.returncode}"
+
+
+# Warm workers of the jobs this process trains (resources.warm_workers), by job id: they outlive
+# each segment and are ended with the job's flow run (`close_warm_workers`).
+_warm_pools: dict[str, WarmPool] = {}
+_warm_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def warm_workers(spec: JobSpec) -> Iterator[None]:
+    """For the duration: the job's segments on one node run on warm workers, started at the
+    first launch and ended here (where the spec asks for them)."""
+    try:
+        yield
+    finally:
+        with _warm_lock:
+            pool = _warm_pools.pop(spec.job_id, None)
+        if pool is not None:
+            pool.close()
+
+
+def _warm_pool(spec: JobSpec, devices: int) -> WarmPool:
+    with _warm_lock:
+        if spec.job_id not in _warm_pools:
+            _warm_pools[spec.job_id] = WarmPool(devices, spec.resources.kind)
+        return _warm_pools[spec.job_id]
 
 
 # Launches in progress in this process, by the function that stops each at a step boundary; and
@@ -175,7 +207,10 @@ def launch_training(spec: JobSpec, plan: Plan, until_step: int | None = None,
         stop("interrupted before the launch")
     left: list[str] = []
     try:
-        if nodes is None:
+        if nodes is None and spec.resources.warm_workers:
+            result = launch_warm(_warm_pool(spec, plan.devices), spec, plan, on_line=on_line, on_event=on_event,
+                                 until_step=until_step, extra_env=credentials, workers=workers)
+        elif nodes is None:
             result = launch_workers(spec, plan, on_line=on_line, on_event=on_event, until_step=until_step,
                                     extra_env=credentials, workers=workers)
         else:  # one launcher per node, each on its node's Prefect worker

@@ -290,3 +290,46 @@ def test_a_job_that_cannot_make_progress_fails_with_the_reason(prefect_server: N
     state = run_flow(spec, SignalRank(rank=0, step=2, sig=signal.SIGKILL, every_segment=True))
     assert state.is_failed()
     assert "cannot make progress: two failures in a row without a new checkpoint" in (state.message or "")
+
+
+def test_warm_workers_outlive_a_change_and_replace_a_killed_rank(prefect_server: None, tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """resources.warm_workers: an event takes the job from 2 to 3 devices on the same two
+    processes plus one; a SIGKILL of one rank is a failure the job recovers from on 2 devices
+    (that process replaced). Every step's loss equals the static run's; every sample of each
+    epoch is trained once."""
+    from tasks.events import ResourceEvent, emit_resource_change
+
+    static = run_flow(tiny_spec("static-warm", f"file://{tmp_path}/static", training=LONG), lambda e: None).result()
+    monkeypatch.setenv("PARASHIFT_SAMPLE_LOG", str(tmp_path / "samples"))
+    spec = tiny_spec("warm", f"file://{tmp_path}/warm", training={**LONG, "checkpoint_every": 5},
+                     resources={"warm_workers": True})
+    starts: list[StartEvent] = []
+    killed: list[int] = []
+
+    def react(event: WorkerEvent) -> None:
+        if isinstance(event, StartEvent):
+            starts.append(event)
+        if not isinstance(event, StepEvent) or event.step != starts[-1].step + 3:
+            return
+        if len(starts) == 1:
+            emit_resource_change(spec.job_id, ResourceEvent(devices=3, epoch=10))
+        elif len(starts) == 2 and not killed:
+            killed.append(starts[-1].pids[1])
+            os.kill(killed[0], signal.SIGKILL)
+
+    state = run_flow(spec, WorkerEvents(react))
+    summary = state.result()
+    assert [(s.devices, s.outcome) for s in summary.segments] == [(2, "rescaled"), (3, "failed"), (2, "finished")]
+    first, second, third = (set(s.pids) for s in starts)
+    assert first < second, "the 2 -> 3 change kept both processes and added one"
+    assert killed[0] in second and killed[0] not in third
+    assert len(third & second) == 1, "rank 0 survived its peer's death (gloo failed its collective) and trains on"
+    assert "rank 1 killed by signal 9 (a warm worker" in (summary.segments[1].reason or "")
+    static_losses = dict(static.segments[0].losses)
+    warm_losses = dict(loss for seg in summary.segments for loss in seg.losses)
+    assert sorted(warm_losses) == list(range(1, LONG["steps"] + 1))
+    for step, loss in static_losses.items():
+        assert warm_losses[step] == pytest.approx(loss, rel=1e-5), f"step {step}"
+    windows = (200_000 - 1) // spec.model.seq_len
+    assert_each_sample_once(tmp_path / "samples", summary.segments, LONG["steps"], windows, spec.training.global_batch)

@@ -48,6 +48,7 @@ class LaunchResult:
     returncode: int
     events: list[WorkerEvent] = field(default_factory=list)
     hung_s: float | None = None  # set when the watchdog killed workers that reported nothing this long
+    failed_rank: tuple[int, int] | None = None  # (rank, exit code; -signal) of the first rank that died, where known
 
     def of(self, kind: type[E]) -> list[E]:
         """The events of one kind, in order: `result.of(RestoringEvent)`."""
@@ -98,10 +99,14 @@ class RunningWorkers:
         self._lock = threading.Lock()
         self._launcher: int | None = None
         self._pids: list[int] = []
+        self._kill: Callable[[], None] | None = None
 
-    def _attach(self, launcher: int | None, pids: list[int] | None = None) -> None:
+    def _attach(self, launcher: int | None, pids: list[int] | None = None,
+                kill: Callable[[], None] | None = None) -> None:
+        """`launcher`: the workers' parent; `kill`: how to end them where that is not killing
+        the launcher's tree (warm workers are children of this very process)."""
         with self._lock:
-            self._launcher, self._pids = launcher, list(pids or [])
+            self._launcher, self._pids, self._kill = launcher, list(pids or []), kill
 
     def _started(self, pids: list[int]) -> None:
         with self._lock:
@@ -111,8 +116,10 @@ class RunningWorkers:
         """End this launch's torchrun and every worker below it at once (the node is leaving,
         or the launch was aborted)."""
         with self._lock:
-            launcher = self._launcher
-        if launcher is not None:
+            launcher, kill = self._launcher, self._kill
+        if kill is not None:
+            kill()
+        elif launcher is not None:
             kill_tree(launcher)
 
     def request_stop(self) -> int:

@@ -33,6 +33,7 @@ import subprocess
 import sys
 import tempfile
 import traceback
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -64,10 +65,37 @@ class WarmPool:
         self._procs: list[subprocess.Popen[str]] = []
         self._start()
 
-    def _start(self) -> None:
+    def _spawn(self) -> subprocess.Popen[str]:
         command = [sys.executable, "-m", "trainer.warm_pool", "--serve"]
-        self._procs = [subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1,
-                                        env=worker_env(self.kind), start_new_session=True) for _ in range(self.size)]
+        return subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1,
+                                env=worker_env(self.kind), start_new_session=True)
+
+    def _start(self) -> None:
+        self._procs = [self._spawn() for _ in range(self.size)]
+
+    def ensure(self, size: int) -> int:
+        """At least `size` live workers: the dead replaced, more started where a job needs
+        more (each a fresh interpreter, once). Returns how many processes were started."""
+        started = 0
+        for i, proc in enumerate(self._procs):
+            if proc.poll() is not None:
+                self._procs[i] = self._spawn()
+                started += 1
+        while len(self._procs) < size:
+            self._procs.append(self._spawn())
+            started += 1
+        self.size = max(self.size, size)
+        return started
+
+    def pids(self, count: int) -> list[int]:
+        return [proc.pid for proc in self._procs[:count]]
+
+    def kill(self, ranks: Iterable[int]) -> None:
+        """SIGKILL these workers (a job's ranks that must not wait on a dead peer); `ensure`
+        replaces them before the next job."""
+        for proc in (self._procs[r] for r in ranks):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, 9)
 
     def close(self) -> None:
         for proc in self._procs:
@@ -89,10 +117,9 @@ class WarmPool:
             proc.wait()
         self._start()
 
-    def run(self, spec: JobSpec, plan: Plan, until_step: int | None = None,
-            extra_env: dict[str, str] | None = None, timeout_s: float = JOB_TIMEOUT_S) -> LaunchResult:
-        """Run the job on the first `plan.devices` warm workers until they return; the events
-        rank 0 reported, as a launch through torchrun returns them."""
+    def _submit(self, spec: JobSpec, plan: Plan, until_step: int | None,
+                extra_env: dict[str, str] | None) -> tuple[Path, list[subprocess.Popen[str]]]:
+        """Hand the job to the first `plan.devices` workers: its folder, and those workers."""
         spec = resolve_model(spec)
         refusals = job_plan_refusals(plan, spec)
         if refusals:
@@ -113,6 +140,13 @@ class WarmPool:
         for rank, proc in enumerate(ranks):
             proc.stdin.write(json.dumps({**request, "rank": rank}) + "\n")  # type: ignore[union-attr]
             proc.stdin.flush()  # type: ignore[union-attr]
+        return folder, ranks
+
+    def run(self, spec: JobSpec, plan: Plan, until_step: int | None = None,
+            extra_env: dict[str, str] | None = None, timeout_s: float = JOB_TIMEOUT_S) -> LaunchResult:
+        """Run the job on the first `plan.devices` warm workers until they return; the events
+        rank 0 reported, as a launch through torchrun returns them."""
+        folder, ranks = self._submit(spec, plan, until_step, extra_env)
         codes = [self._answer(proc, timeout_s) for proc in ranks]
         result = LaunchResult(returncode=max(codes, key=abs))
         out = folder / "rank0.out"
