@@ -5,21 +5,22 @@ The trace (default: 4 devices; at step 6 down to 2; at step 12 up to 4; at step 
 is killed, so 3; the job ends at step 24) is replayed on CPU workers with a GPT of ~293 MB of
 state (bench.rescale_latency's), for:
 
-- `relaunch`: parashift today: the `train-job` flow against a real Prefect server (started
-  here), planned changes sent as resource events when the trace's step is reported, the
-  failure a SIGKILL of rank 1; each change stops the workers at a step boundary, re-plans,
-  and a fresh torchrun resumes from the checkpoint resharded out of storage;
+- `parashift`: the `train-job` flow against a real Prefect server (started here) with
+  `resources.warm_workers` (trainer/warm_launch.py): planned changes sent as resource events
+  when the trace's step is reported, the failure a SIGKILL of rank 1; each change stops the
+  workers at a step boundary, re-plans, and the same processes (plus or minus some) resume
+  from the checkpoint resharded out of storage;
+- `relaunch`: the same flow with the warm path off: a fresh torchrun for every segment;
 - `stop_restart`: what a torchtitan user does (bench/dcp_restart.py): torchrun on the count,
   FSDP2, a DCP checkpoint every `--checkpoint-every` steps and at each planned stop, restarted
   on the new count with DCP's reshard-on-load;
-- `parashift` (the warm path of issue 25) is not built yet and is reported as null.
 
 Per system: `wall_s` (first step started -> last step done), `downtimes_s` (one per change:
 the last step done under the old layout -> the first step done under the new one, as rank 0
 reported them), `retrained_steps`, and `goodput`: the time a static run on the same devices
 over time would need (each kept step at the median step time of its device count, measured in
 this run) / `wall_s`. `losses_equal_static`: parashift's every step within 1e-5 of a static
-run on 4 workers. Last line: one JSON object.
+run on 4 workers (both parashift systems). Last line: one JSON object.
 
     OMP_NUM_THREADS=1 python -m bench.trace [--rounds 3] [--steps 24]
 """
@@ -49,7 +50,7 @@ START_DEVICES = 4
 CHECKPOINT_EVERY = 6
 
 
-def job_spec(name: str, store: Path, steps: int) -> Any:
+def job_spec(name: str, store: Path, steps: int, warm: bool = False) -> Any:
     from specs import JobSpec
 
     return JobSpec.model_validate({
@@ -58,7 +59,7 @@ def job_spec(name: str, store: Path, steps: int) -> Any:
         "data": {"url": "builtin://python-stdlib", "max_bytes": 200_000},
         "training": {"global_batch": 12, "micro_batch": 3, "steps": steps, "checkpoint_every": CHECKPOINT_EVERY,
                      "log_every": 1},
-        "resources": {"devices": START_DEVICES, "kind": "cpu"},
+        "resources": {"devices": START_DEVICES, "kind": "cpu", "warm_workers": warm},
         "storage": {"url": f"file://{store}"},
     })
 
@@ -103,13 +104,13 @@ class Timeline:
                 "steps": len(kept) == total_steps}
 
 
-def relaunch_round(store: Path, steps: int, round_no: int) -> tuple[dict[str, Any], dict[int, float]]:
+def relaunch_round(store: Path, steps: int, round_no: int, warm: bool = False) -> tuple[dict[str, Any], dict[int, float]]:
     from flows.train import train_job
     from tasks import progress
     from tasks.events import ResourceEvent, emit_resource_change, now_epoch
     from trainer.events import StartEvent, StepEvent, WorkerEvent
 
-    spec = job_spec(f"trace-relaunch-{round_no}", store, steps)
+    spec = job_spec(f"trace-{'warm' if warm else 'relaunch'}-{round_no}", store, steps, warm)
     timeline, pids, done = Timeline(), [], set()
     losses: dict[int, float] = {}
 
@@ -190,16 +191,17 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=24)
     args = parser.parse_args()
-    rounds: dict[str, list[dict[str, Any]]] = {"relaunch": [], "stop_restart": []}
+    rounds: dict[str, list[dict[str, Any]]] = {"parashift": [], "relaunch": [], "stop_restart": []}
     equal = True
     with tempfile.TemporaryDirectory(prefix="parashift-trace-") as tmp, bench_prefect_server(Path(tmp)):
         static = static_losses(Path(tmp, "static"), args.steps)
         for i in range(args.rounds):  # alternating, so machine drift hits both alike
-            figures, losses = relaunch_round(Path(tmp, f"relaunch{i}"), args.steps, i)
-            equal = equal and sorted(losses) == sorted(static) and all(
-                abs(losses[s] - static[s]) <= 1e-5 * abs(static[s]) for s in static)
-            rounds["relaunch"].append(figures)
-            print("relaunch", json.dumps(figures), file=sys.stderr, flush=True)
+            for name, warm in (("parashift", True), ("relaunch", False)):
+                figures, losses = relaunch_round(Path(tmp, f"{name}{i}"), args.steps, i, warm)
+                equal = equal and sorted(losses) == sorted(static) and all(
+                    abs(losses[s] - static[s]) <= 1e-5 * abs(static[s]) for s in static)
+                rounds[name].append(figures)
+                print(name, json.dumps(figures), file=sys.stderr, flush=True)
             figures = stop_restart_round(Path(tmp, f"dcp{i}"), args.steps, i)
             rounds["stop_restart"].append(figures)
             print("stop_restart", json.dumps(figures), file=sys.stderr, flush=True)
@@ -219,7 +221,7 @@ def main() -> None:
     print(json.dumps({
         "bench": "trace",
         "machine": f"{platform.machine()} {os.cpu_count()} cores",
-        "systems": {"parashift": None, **systems},
+        "systems": systems,
         "losses_equal_static": equal,
         "trace": [{"at_step": at, "devices": devices, "reason": reason} for at, devices, reason in TRACE],
         "start_devices": START_DEVICES, "steps": args.steps, "checkpoint_every": CHECKPOINT_EVERY,
