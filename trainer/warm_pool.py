@@ -184,7 +184,8 @@ def _run_job(request: dict[str, Any]) -> int:
 
     rank, world = request["rank"], request["world"]
     env = {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world),
-           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(request["port"]), **request["env"]}
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(request["port"]), "PARASHIFT_WARM_WORKER": "1",
+           **request["env"]}
     saved = {key: os.environ.get(key) for key in env}
     folder = Path(request["folder"])
     root = logging.getLogger()
@@ -212,6 +213,10 @@ def _run_job(request: dict[str, Any]) -> int:
                 dist.destroy_process_group()
             gc.unfreeze()  # the worker froze what it built: this job's objects must be collectable
             gc.collect()
+            import torch
+
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()  # the next job's model may be laid out otherwise
 
 
 def serve() -> None:

@@ -148,7 +148,9 @@ class Phases:
     start and imports first (the largest part on a small machine), then each phase of `main`."""
 
     def __init__(self) -> None:
-        self.seconds: dict[str, float | None] = {"boot_s": seconds_since_process_start()}
+        # A warm worker (trainer.warm_pool) booted long before this job: nothing of it is this launch's.
+        warm = os.environ.get("PARASHIFT_WARM_WORKER") == "1"
+        self.seconds: dict[str, float | None] = {"boot_s": 0.0 if warm else seconds_since_process_start()}
         self._mark = time.perf_counter()
 
     def done(self, name: str) -> None:
