@@ -70,9 +70,36 @@ class Timeline:
     def __init__(self) -> None:
         self.steps: list[tuple[float, int, int, float, float]] = []
         self.devices: list[int] = []  # per segment
+        self.started: list[tuple[float, dict[str, float | None]]] = []  # per segment: when heard, its start phases
+        self.ended: list[float] = []  # when each segment's workers reported stopping (a planned change)
 
-    def start(self, world_size: int) -> None:
+    def start(self, world_size: int, phases: dict[str, float | None] | None = None) -> None:
         self.devices.append(world_size)
+        self.started.append((time.time(), dict(phases or {})))
+
+    def stop(self) -> None:
+        self.ended.append(time.time())
+
+    def breakdown(self) -> list[dict[str, float]]:
+        """Per change: the old workers' stop after their last step (planned changes), the flow's
+        and the launcher's time until the new workers start, their start-up phases (process
+        group, data, model build, layout, restore), and the first step itself."""
+        out = []
+        for seg in range(1, len(self.devices)):
+            last_old = max(t for t, s, *_ in self.steps if s == seg - 1)
+            heard, phases = self.started[seg]
+            startup = sum(v for k, v in phases.items() if v is not None and k != "boot_s")
+            first_new = min((t, st_s) for t, s, _, st_s, _ in self.steps if s == seg)
+            stopped = next((t for t in self.ended if last_old <= t <= heard), None)
+            out.append({
+                "stop_s": round(stopped - last_old, 3) if stopped is not None else None,
+                "between_s": round(heard - startup - (stopped if stopped is not None else last_old), 3),
+                "startup_s": round(startup, 3),
+                **{k: v for k, v in phases.items() if v is not None},
+                "first_step_s": round(first_new[1], 3),
+                "rest_s": round(first_new[0] - heard - first_new[1], 3),
+            })
+        return out
 
     def step(self, step: int, step_s: float, loss: float) -> None:
         self.steps.append((time.time(), len(self.devices) - 1, step, step_s, loss))
@@ -108,7 +135,7 @@ def relaunch_round(store: Path, steps: int, round_no: int, warm: bool = False) -
     from flows.train import train_job
     from tasks import progress
     from tasks.events import ResourceEvent, emit_resource_change, now_epoch
-    from trainer.events import StartEvent, StepEvent, WorkerEvent
+    from trainer.events import StartEvent, StepEvent, StoppedEvent, WorkerEvent
 
     spec = job_spec(f"trace-{'warm' if warm else 'relaunch'}-{round_no}", store, steps, warm)
     timeline, pids, done = Timeline(), [], set()
@@ -116,8 +143,10 @@ def relaunch_round(store: Path, steps: int, round_no: int, warm: bool = False) -
 
     def listen(event: WorkerEvent) -> None:
         if isinstance(event, StartEvent):
-            timeline.start(event.world_size)
+            timeline.start(event.world_size, event.phases)
             pids[:] = event.pids
+        if isinstance(event, StoppedEvent):
+            timeline.stop()
         if not isinstance(event, StepEvent):
             return
         timeline.step(event.step, event.step_s, event.loss)
@@ -138,6 +167,7 @@ def relaunch_round(store: Path, steps: int, round_no: int, warm: bool = False) -
         progress.remove_listener(listen)
     figures = timeline.figures(steps)
     figures["segments"] = [(s.devices, s.start_step, s.final_step, s.outcome) for s in summary.segments]
+    figures["breakdown"] = timeline.breakdown()
     return figures, losses
 
 
@@ -190,21 +220,26 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=24)
+    parser.add_argument("--systems", default="parashift,relaunch,stop_restart", help="which to run, comma-separated")
     args = parser.parse_args()
-    rounds: dict[str, list[dict[str, Any]]] = {"parashift": [], "relaunch": [], "stop_restart": []}
+    chosen = set(args.systems.split(","))
+    rounds: dict[str, list[dict[str, Any]]] = {k: [] for k in ("parashift", "relaunch", "stop_restart") if k in chosen}
     equal = True
     with tempfile.TemporaryDirectory(prefix="parashift-trace-") as tmp, bench_prefect_server(Path(tmp)):
         static = static_losses(Path(tmp, "static"), args.steps)
         for i in range(args.rounds):  # alternating, so machine drift hits both alike
             for name, warm in (("parashift", True), ("relaunch", False)):
+                if name not in chosen:
+                    continue
                 figures, losses = relaunch_round(Path(tmp, f"{name}{i}"), args.steps, i, warm)
                 equal = equal and sorted(losses) == sorted(static) and all(
                     abs(losses[s] - static[s]) <= 1e-5 * abs(static[s]) for s in static)
                 rounds[name].append(figures)
                 print(name, json.dumps(figures), file=sys.stderr, flush=True)
-            figures = stop_restart_round(Path(tmp, f"dcp{i}"), args.steps, i)
-            rounds["stop_restart"].append(figures)
-            print("stop_restart", json.dumps(figures), file=sys.stderr, flush=True)
+            if "stop_restart" in chosen:
+                figures = stop_restart_round(Path(tmp, f"dcp{i}"), args.steps, i)
+                rounds["stop_restart"].append(figures)
+                print("stop_restart", json.dumps(figures), file=sys.stderr, flush=True)
 
     def summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
         changes = len(runs[0]["downtimes_s"])
