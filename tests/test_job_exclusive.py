@@ -110,10 +110,10 @@ def test_a_run_on_another_server_holding_the_storage_lease_refuses_this_one(pref
 def test_two_prefect_databases_sharing_one_store_train_the_job_once(where: str, tmp_path: Path,
                                                                    request: pytest.FixtureRequest) -> None:
     """`parashift run` of one job twice at once, each against its own Prefect database, so no
-    Prefect slot can see the other: on file:// two embedded APIs, on s3:// (moto) the session's
-    real server and an embedded API. The storage lease decides: one is refused in one line
-    naming the other; the other trains, stops when asked, and its final state is, bit for bit,
-    a single run's at the same step."""
+    Prefect slot can see the other: on file:// two embedded APIs, on s3:// (moto) two real
+    servers (the session's and one started here). The storage lease decides: one is refused in
+    one line naming the other; the other trains, stops when asked, and its final state is, bit
+    for bit, a single run's at the same step."""
     import os
     import subprocess
     import sys
@@ -138,11 +138,16 @@ def test_two_prefect_databases_sharing_one_store_train_the_job_once(where: str, 
     spec = load_spec(path)
     embedded = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API")}
     envs = [{**embedded, "PREFECT_HOME": str(tmp_path / "home-a")}, {**embedded, "PREFECT_HOME": str(tmp_path / "home-b")}]
+    second_server = None
     if where == "s3":
         from prefect.settings import PREFECT_API_URL
 
+        from parashift.commands.serve import start_prefect_server
+
         request.getfixturevalue("prefect_server")
         envs[0] = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value(), "PREFECT_HOME": str(tmp_path / "home-a")}
+        second_server, url = start_prefect_server({**embedded, "PREFECT_HOME": str(tmp_path / "server-b")})
+        envs[1] = {**envs[1], "PREFECT_API_URL": url}
     parashift = str(Path(sys.executable).with_name("parashift"))
     runs = [subprocess.Popen([parashift, "run", str(path)], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
                              stderr=subprocess.STDOUT, text=True, start_new_session=True) for env in envs]
@@ -165,6 +170,10 @@ def test_two_prefect_databases_sharing_one_store_train_the_job_once(where: str, 
             if r.poll() is None:
                 kill_tree(r.pid)
                 r.wait()
+        if second_server is not None:
+            from parashift.commands.serve import stop_group
+
+            stop_group(second_server)
     assert trains.returncode == 0, out[-3000:]
     manifest = store.latest()
     assert manifest is not None and manifest.writer is not None and manifest.writer.generation == 1
