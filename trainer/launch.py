@@ -259,6 +259,31 @@ def worker_env(kind: str) -> dict[str, str]:
 STOP_GRACE_S = 60.0
 
 
+class WorkerOutput:
+    """Where each output line of a launch's workers goes: to `on_line`; an event also into the
+    result, the running workers' pids and `on_event`, and it resets the hang clock (armed by
+    the first report: starting up is the launcher's to time out)."""
+
+    def __init__(self, result: LaunchResult, workers: RunningWorkers, on_line: Callable[[str], None],
+                 on_event: Callable[[WorkerEvent], None]) -> None:
+        self.result, self.workers, self.on_line, self.on_event = result, workers, on_line, on_event
+        self.last_report: float | None = None
+
+    def __call__(self, line: str) -> None:
+        self.on_line(line)
+        event = parse(line)
+        if event is not None:
+            self.last_report = time.monotonic()
+            self.result.events.append(event)
+            if isinstance(event, StartEvent):
+                self.workers._started(event.pids)
+            self.on_event(event)
+
+    def silent_s(self) -> float:
+        """Seconds since the last report (0 before the first)."""
+        return time.monotonic() - self.last_report if self.last_report is not None else 0.0
+
+
 def launch_workers(
     spec: JobSpec,
     plan: Plan,
@@ -296,13 +321,13 @@ def launch_workers(
         assert process.stdout is not None
         workers = workers if workers is not None else RunningWorkers()
         workers._attach(process.pid)
-        last_report: list[float] = []  # armed by the first report: starting up is torchrun's to time out
+        output = WorkerOutput(result, workers, on_line, on_event)
         done = threading.Event()
 
         def watchdog(timeout_s: float) -> None:
             """Workers stuck in a collective never exit by themselves (gloo waits 30 min)."""
             while not done.wait(min(timeout_s, 5.0) / 5):
-                silent = time.monotonic() - last_report[0] if last_report else 0.0
+                silent = output.silent_s()
                 if silent > timeout_s:
                     result.hung_s = round(silent, 1)
                     kill_tree(process.pid)
@@ -312,15 +337,7 @@ def launch_workers(
             threading.Thread(target=watchdog, args=(spec.training.hang_timeout_s,), daemon=True).start()
         try:
             for raw in process.stdout:
-                line = raw.rstrip("\n")
-                on_line(line)
-                event = parse(line)
-                if event is not None:
-                    last_report[:] = [time.monotonic()]
-                    result.events.append(event)
-                    if isinstance(event, StartEvent):
-                        workers._started(event.pids)
-                    on_event(event)
+                output(raw.rstrip("\n"))
         except KeyboardInterrupt:  # asked to stop at once: nothing of this launch outlives it
             kill_tree(process.pid)
             raise

@@ -27,8 +27,8 @@ from pathlib import Path
 
 from specs import JobSpec
 from specs.plan import Plan
-from trainer.events import StartEvent, WorkerEvent, parse
-from trainer.launch import STOP_GRACE_S, LaunchResult, RunningWorkers
+from trainer.events import WorkerEvent
+from trainer.launch import STOP_GRACE_S, LaunchResult, RunningWorkers, WorkerOutput
 from trainer.warm_pool import WarmPool
 
 POLL_S = 0.05
@@ -78,23 +78,17 @@ def launch_warm(pool: WarmPool, spec: JobSpec, plan: Plan,
     workers._attach(os.getpid(), kill=lambda: pool.kill(range(plan.devices)))
     tails = [_Tail(folder / f"rank{r}.{kind}") for r in range(plan.devices) for kind in ("out", "err")]
     codes: dict[int, int] = {}
-    last_report: list[float] = []
     failed_at: list[float] = []  # when a rank returned an error
     hang_s = spec.training.hang_timeout_s
 
     def end_pending() -> None:
         pool.kill([r for r in range(len(ranks)) if r not in codes])
 
+    output = WorkerOutput(result, workers, on_line, on_event)
+
     def drain(lines: list[str]) -> None:
         for line in lines:
-            on_line(line)
-            event = parse(line)
-            if event is not None:
-                last_report[:] = [time.monotonic()]
-                result.events.append(event)
-                if isinstance(event, StartEvent):
-                    workers._started(event.pids)
-                on_event(event)
+            output(line)
 
     def answer(rank: int, proc: subprocess.Popen[str]) -> None:
         line = proc.stdout.readline()  # type: ignore[union-attr]
@@ -124,7 +118,7 @@ def launch_warm(pool: WarmPool, spec: JobSpec, plan: Plan,
                     answer(key.data, ranks[key.data])
                 for tail in tails:
                     drain(tail.lines())
-                silent = time.monotonic() - last_report[0] if last_report else 0.0
+                silent = output.silent_s()
                 if hang_s is not None and silent > hang_s and result.hung_s is None:
                     result.hung_s = round(silent, 1)
                     end_pending()
