@@ -14,7 +14,7 @@ from planner.configs import dtensor_placements, named_mesh
 from planner.costs import CostModel
 from planner.graph import Graph, graph_to_json, load_graph_json
 from planner.profile import profile_gpt, profile_graph
-from planner.search import exhaustive_search, plan_model
+from planner.search import CLOSE_TO_LEAST_MEMORY, candidates, exhaustive_search, plan_model, spaces
 from specs.plan import Plan
 
 REPO = Path(__file__).resolve().parents[1]
@@ -168,6 +168,24 @@ def test_nothing_fits_returns_the_layout_closest_to_fitting() -> None:
     assert floor <= gib < 1.1 * 175e9 * (16 + 2) / 8 / 2**30, gib
     assert all(plan.memory_per_device_bytes <= m for m in plan.baseline_memory_bytes.values())
     assert any("closest to fitting" in note and f"{gib:.1f} GiB" in note for note in plan.notes)
+
+
+def test_nothing_fits_keeps_tensor_parallelism_within_nodes_when_that_is_as_close() -> None:
+    """GPT-3 175B on 16 H200s (two nodes of 8): tp 16 across both nodes needs the least memory
+    (206 GiB), pp 2 x tp 8 within 2.3% of it and steps several times faster; neither fits, and
+    the plan reported is the one an expert would start from, tensor parallelism inside a node."""
+    from planner.builders import gpt3_175b_graph
+
+    prof = profile_graph(gpt3_175b_graph(), "cuda", memory_gb=141)
+    plan = plan_model(prof, 16)
+    assert not plan.feasible
+    assert plan.mesh.get("tp", 1) <= 8, plan.mesh
+    pool = [c for space in spaces(prof, True)
+            for c in candidates(space, 16, prof.device.memory_bytes, None, None, "dp", prune=False, skip_unfit=False)]
+    least = min(pool, key=lambda c: c.memory_bytes)
+    assert least.tp == 16  # what the rule overrides: the least memory alone crosses nodes
+    assert plan.memory_per_device_bytes <= least.memory_bytes * (1 + CLOSE_TO_LEAST_MEMORY)
+    assert plan.estimated_step_s < least.time_s
 
 
 GOOD_GRAPH = {"ops": [{"name": "a", "dims": {"b": 4, "f": 8}, "inputs": [["b", "f"]], "output": ["b", "f"],
