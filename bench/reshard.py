@@ -5,6 +5,11 @@ asynchronous checkpoint; DCP's synchronous save), then restored under the new pl
 and by DCP, whose results must agree element for element.
 
     python -m bench.reshard [--storage file,s3] [--cases dp2xtp2-tp3,dp2xtp2-dp3,pp2xdp2-dp4]
+                            [--fencing on|off|both]
+
+Saves are fenced as a job's are (`--fencing on`): the bench holds the job's storage lease and its
+workers commit under its token. `--fencing both` alternates fenced and unfenced rounds in the same
+run and reports each, and the ratio: what the lease itself costs.
 
 Progress goes to stderr; the last line on stdout is one JSON object with a list `cases`.
 On s3 (moto's server on 127.0.0.1, started here) judge by bytes and requests: moto reads the
@@ -14,6 +19,7 @@ whole object for every ranged GET, so its times say little.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -22,6 +28,7 @@ import subprocess
 import sys
 import tempfile
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -107,8 +114,10 @@ def start_moto() -> tuple[Any, str]:
     return server, f"http://{host}:{port}"
 
 
-def one_round(storage: str, old: str, new: str, endpoint: str | None, env: dict[str, str]) -> dict[str, Any]:
-    """Save under `old`, restore under `new`, both ways, in fresh storage."""
+def one_round(storage: str, old: str, new: str, endpoint: str | None, env: dict[str, str],
+              fenced: bool = True) -> dict[str, Any]:
+    """Save under `old`, restore under `new`, both ways, in fresh storage (`fenced`: under the
+    job's storage lease)."""
     with tempfile.TemporaryDirectory(prefix="parashift-bench-", dir=os.environ.get("BENCH_TMP")) as tmp:
         job = f"bench-{uuid.uuid4().hex[:8]}"
         if storage == "s3":
@@ -122,9 +131,23 @@ def one_round(storage: str, old: str, new: str, endpoint: str | None, env: dict[
             options = {}
             url, dcp_url, raw_url = f"file://{tmp}/parashift", f"{tmp}/dcp", f"{tmp}/raw"
         spec = spec_for(job, url, options)
-        saved = run_phase("save", plan_of(old), spec, dcp_url, raw_url, Path(tmp), env)
-        loaded = run_phase("load", plan_of(new), spec, dcp_url, raw_url, Path(tmp), env)
+        with fenced_env(spec, env, fenced) as phase_env:
+            saved = run_phase("save", plan_of(old), spec, dcp_url, raw_url, Path(tmp), phase_env)
+            loaded = run_phase("load", plan_of(new), spec, dcp_url, raw_url, Path(tmp), phase_env)
     return {**saved, **loaded}
+
+
+@contextlib.contextmanager
+def fenced_env(spec: JobSpec, env: dict[str, str], fenced: bool) -> Iterator[dict[str, str]]:
+    """The workers' environment, holding the job's storage lease (renewed in the background) and
+    carrying its token when `fenced`, as `parashift run` does; `env` unchanged otherwise."""
+    if not fenced:
+        yield env
+        return
+    from storage import LEASE_ENV, JobLease, open_store
+
+    with JobLease(open_store(spec.storage), spec.job_id).hold() as token:
+        yield {**env, LEASE_ENV: str(token)}
 
 
 def summarize(storage: str, old: str, new: str, rounds: list[dict[str, Any]], stalls: list[float]) -> dict[str, Any]:
@@ -170,10 +193,13 @@ def main() -> None:
     parser.add_argument("--storage", default="file,s3")
     parser.add_argument("--cases", default=",".join(CASES))
     parser.add_argument("--rounds", type=int, default=3, help="save + restore rounds per case (medians reported)")
+    parser.add_argument("--fencing", choices=("on", "off", "both"), default="on",
+                        help="save under the job's storage lease (on), without (off), or alternate the two")
     args = parser.parse_args()
     env = worker_env("cpu")
     env.update(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing", AWS_DEFAULT_REGION="us-east-1")
     os.environ.update({k: env[k] for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION")})
+    modes = {"on": [True], "off": [False], "both": [True, False]}[args.fencing]
     server = endpoint = None
     cases = []
     try:
@@ -182,14 +208,24 @@ def main() -> None:
                 server, endpoint = start_moto()
             for case in args.cases.split(","):
                 old, new = case.split("-")
-                rounds = []
+                rounds: dict[bool, list[dict[str, Any]]] = {m: [] for m in modes}
                 for i in range(args.rounds):
-                    print(f"[{storage}] {old} -> {new}: round {i + 1}/{args.rounds}", file=sys.stderr, flush=True)
-                    rounds.append(one_round(storage, old, new, endpoint, env))
+                    for fenced in modes if i % 2 == 0 else modes[::-1]:  # alternate which goes first
+                        print(f"[{storage}] {old} -> {new}: round {i + 1}/{args.rounds}"
+                              f"{' fenced' if fenced else ' unfenced'}", file=sys.stderr, flush=True)
+                        rounds[fenced].append(one_round(storage, old, new, endpoint, env, fenced))
                 print(f"[{storage}] {old}: training with a checkpoint every step", file=sys.stderr, flush=True)
                 spec = spec_for(f"bench-{uuid.uuid4().hex[:8]}", f"file://{tempfile.mkdtemp(prefix='parashift-bench-')}/store", {})
-                stalls = measure_stalls(plan_of(old), spec, env)
-                row = summarize(storage, old, new, rounds, stalls)
+                with fenced_env(spec, env, modes[0]) as train_env:
+                    stalls = measure_stalls(plan_of(old), spec, train_env)
+                row = summarize(storage, old, new, rounds[modes[0]], stalls)
+                row["fenced"] = modes[0]
+                if len(modes) == 2:
+                    pairs = list(zip(rounds[True], rounds[False], strict=True))
+                    row["unfenced"] = {k: round(statistics.median(r[k] for r in rounds[False]), 3)
+                                       for k in ("save_s", "restore_s")}
+                    row["fenced_over_unfenced"] = {
+                        k: round(statistics.median(f[k] / u[k] for f, u in pairs), 3) for k in ("save_s", "restore_s")}
                 print(json.dumps(row), file=sys.stderr, flush=True)
                 cases.append(row)
     finally:

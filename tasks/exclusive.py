@@ -33,6 +33,9 @@ LEASE_S = 60.0
 WAIT_S = 10.0
 # With the storage lease held, a slot still held is a dead run's: waited for this long only.
 WAIT_WITH_LEASE_S = 1.0
+# Taking a slot just freed: not a wait for another run, only for the API to answer (a loaded
+# server took over 0.5 s), so never shorter than this.
+WAIT_AFTER_FREEING_S = 10.0
 
 
 class JobAlreadyRunning(RuntimeError):
@@ -95,7 +98,7 @@ def one_run_per_job(job_id: str, wait_s: float = WAIT_S, storage_lease: bool = F
             _logger().warning("the concurrency limit %r was held by a run that no longer holds the job's storage lease "
                               "(it crashed, or its Prefect API went with its process): slot freed for this run", name)
             try:
-                take(wait_s)
+                take(max(wait_s, WAIT_AFTER_FREEING_S))
             except TimeoutError:
                 raise JobAlreadyRunning(f"job {job_id}: the concurrency limit {name!r} was taken again at once after "
                                         "it was freed; this run trains nothing") from None

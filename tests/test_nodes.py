@@ -133,13 +133,21 @@ def test_a_node_leaves_the_job_goes_on_and_a_node_joins_at_a_step_boundary(nodes
                                                                           tmp_path: Path) -> None:
     """Node b's worker dies at step >= 10: the job resumes from its last checkpoint on node a
     alone; node b's worker comes back: the job hears it and takes b in at the next step
-    boundary. Every step's loss equals the static run's (600 steps: node b's worker takes a few
-    seconds to start and be heard from, and the job must still be training then)."""
+    boundary. Once the job on both nodes has committed a checkpoint, it is asked to stop.
+    Every step's loss equals the static run's to the same step (a constant learning rate after
+    warm-up: a step's loss does not depend on how many steps the job was given; up to 600, as
+    node b's worker takes a few seconds to start and be heard from and the job must still be
+    training then)."""
     from flows.train import train_job
+    from storage import JobPaths, open_store
 
     spec = node_spec("node-leaves", tmp_path, steps=600, checkpoint_every=5)
+    spec = spec.model_copy(update={"optimizer": spec.optimizer.model_copy(update={"schedule": "constant"})})
     root = tmp_path / "store/jobs/node-leaves"
     seen: dict[str, Any] = {}
+
+    def launches() -> int:
+        return len(list((root / "launches").iterdir())) if (root / "launches").exists() else 0
 
     def drive() -> None:
         deadline = time.monotonic() + 400
@@ -148,28 +156,36 @@ def test_a_node_leaves_the_job_goes_on_and_a_node_joins_at_a_step_boundary(nodes
         seen["killed_after"] = latest_step(root)
         nodes["b"].kill()
         # the job goes on alone on node a: a second launch, and a checkpoint past the kill
-        while time.monotonic() < deadline and not (
-                len(list((root / "launches").iterdir())) >= 2 and latest_step(root) >= seen["killed_after"] + 5):
+        while time.monotonic() < deadline and not (launches() >= 2 and latest_step(root) >= seen["killed_after"] + 5):
             time.sleep(0.2)
         seen["joined_after"] = latest_step(root)
         nodes["b"].start()
+        # node b is taken in: a third launch, then a checkpoint it committed; then the job stops
+        while time.monotonic() < deadline and launches() < 3:
+            time.sleep(0.2)
+        third = latest_step(root)
+        while time.monotonic() < deadline and latest_step(root) < third + 5:
+            time.sleep(0.2)
+        open_store(spec.storage).put_json(JobPaths(spec.job_id).stop(), {"reason": "the test has seen the join"})
 
     driver = threading.Thread(target=drive, daemon=True)
     driver.start()
     summary = train_job(spec)
     driver.join(timeout=60)
     assert [(s.nodes, s.outcome) for s in summary.segments] == [
-        (["a", "b"], "failed"), (["a"], "rescaled"), (["a", "b"], "finished")], summary.segments
+        (["a", "b"], "failed"), (["a"], "rescaled"), (["a", "b"], "stopped")], summary.segments
     left, alone, joined = summary.segments
     assert left.left_nodes == ["b"] and "node b left" in (left.reason or "")
     assert "node-joined" in (alone.reason or "")  # its worker was heard from again: no event needed
     assert alone.devices == 2 and alone.start_step == left.final_step
     assert joined.devices == 4 and joined.start_step == alone.final_step >= seen["joined_after"]
+    assert joined.final_step >= joined.start_step + 5
     # node a alone: its ranks held every box (data parallel), so its tier serves the whole restore;
     # node b rejoins with a tier of an older step: its ranks read from the store
     assert alone.restore_bytes and alone.restore_bytes["store"] == 0 and alone.restore_bytes["local"] > 0
     assert joined.restore_bytes and joined.restore_bytes["store"] > 0 and joined.restore_bytes["local"] > 0
-    assert_same_losses(segment_losses(summary), static_losses(spec))
+    reference = spec.model_copy(update={"training": spec.training.model_copy(update={"steps": joined.final_step})})
+    assert_same_losses(segment_losses(summary), static_losses(reference))
 
 
 def test_the_planner_times_collectives_within_and_across_the_job_s_nodes(nodes: dict[str, NodeWorker],
