@@ -34,8 +34,12 @@ $(VENV)/.setup-stamp: pyproject.toml Makefile
 run: setup
 	$(BIN)/parashift run $(SPEC)
 
+# Two pytest-xdist workers, a file at a time (tests/conftest.py says why and in which order);
+# TEST_WORKERS=0 runs everything in this process.
+TEST_WORKERS ?= 2
+
 test: setup
-	$(BIN)/python -m pytest -q --durations=15
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15
 
 # A local Prefect server + the `parashift` process pool + every deployment + a worker (Ctrl-C stops them).
 serve: setup

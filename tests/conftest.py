@@ -24,6 +24,20 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
+# `make test` runs the suite on two pytest-xdist workers, a file at a time (`--dist loadfile`:
+# a file's module fixtures, such as test_nodes' two Prefect workers, start once). Files start in
+# collection order, so the longest ones (by `--durations`) are collected first: otherwise one
+# starts last and the other worker idles while it runs.
+RUN_FIRST = ("test_nodes.py", "test_flow.py", "test_elastic_events.py", "test_planner_outer.py",
+             "test_train_resume.py", "test_job_exclusive.py", "test_parallel_plans.py", "test_serve.py",
+             "test_checkpoint_faults.py", "test_git_submission.py", "test_deployments.py", "test_llama.py")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The longest files first (RUN_FIRST), the rest in their usual order."""
+    rank = {name: i for i, name in enumerate(RUN_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(RUN_FIRST)))
+
 
 @pytest.fixture(scope="session")
 def s3_endpoint() -> Iterator[str]:
