@@ -89,15 +89,17 @@ def run_phase(phase: str, plan: Plan, spec: JobSpec, dcp_url: str, raw_url: str,
     return json.loads(lines[-1].split("RESHARD ", 1)[1])
 
 
-def measure_stalls(plan: Plan, spec: JobSpec, env: dict[str, str]) -> list[float]:
+def measure_stalls(plan: Plan, spec: JobSpec, env: dict[str, str], fenced: bool = True) -> list[float]:
     """How long the trainer's loop waits for each save (capture + `before_update`, slowest
-    rank), in real training with a checkpoint after every step."""
+    rank), in real training with a checkpoint after every step (`fenced`: under the job's
+    storage lease)."""
     from trainer.launch import launch_workers
 
     training = spec.training.model_copy(update={"steps": 5, "checkpoint_every": 1, "log_every": 1})
     spec = spec.model_copy(update={"training": training, "name": spec.name + "-train"})
     lines: list[str] = []
-    result = launch_workers(spec, plan, on_line=lines.append, extra_env=env)
+    with fenced_env(spec, env, fenced) as train_env:
+        result = launch_workers(spec, plan, on_line=lines.append, extra_env=train_env)
     if result.returncode != 0:
         raise RuntimeError("training for stalls failed:\n" + "\n".join(lines[-40:]))
     from trainer.events import CheckpointStallEvent
@@ -216,8 +218,7 @@ def main() -> None:
                         rounds[fenced].append(one_round(storage, old, new, endpoint, env, fenced))
                 print(f"[{storage}] {old}: training with a checkpoint every step", file=sys.stderr, flush=True)
                 spec = spec_for(f"bench-{uuid.uuid4().hex[:8]}", f"file://{tempfile.mkdtemp(prefix='parashift-bench-')}/store", {})
-                with fenced_env(spec, env, modes[0]) as train_env:
-                    stalls = measure_stalls(plan_of(old), spec, train_env)
+                stalls = measure_stalls(plan_of(old), spec, env, modes[0])
                 row = summarize(storage, old, new, rounds[modes[0]], stalls)
                 row["fenced"] = modes[0]
                 if len(modes) == 2:

@@ -11,8 +11,10 @@ are stopped at once and the report says so.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
+from collections.abc import Callable
 
 from prefect import flow
 from prefect.logging import get_run_logger
@@ -30,11 +32,13 @@ from trainer.launch import LaunchResult, RunningWorkers, launch_workers, run_mea
 @flow(name="node-launcher", flow_run_name="{spec.name}-{node}")
 def node_launcher(spec: JobSpec, plan: Plan, launch_id: str, nodes: list[str], node: str,
                   until_step: int | None = None, measure_comm: bool = False,
-                  lease_token: str | None = None) -> NodeReport:
+                  lease_token: str | None = None, job_run_id: str | None = None) -> NodeReport:
     """Run this node's workers of the segment `launch_id` until they exit; report to the job.
     `measure_comm`: time collectives within and across the nodes instead of training (what the
-    planner's communication model is fitted to)."""
+    planner's communication model is fitted to). `job_run_id`: the job's flow run, whose log
+    gets this node's worker lines too."""
     logger = get_run_logger()
+    job_log = job_run_logger(job_run_id)
     credentials = storage_environment(spec)
     with environment(credentials):
         store = open_store(spec.storage)
@@ -42,7 +46,12 @@ def node_launcher(spec: JobSpec, plan: Plan, launch_id: str, nodes: list[str], n
     logger.info("node %s (%d of %d): rendezvous at %s:%d", node, rendezvous.node_rank, len(nodes),
                 rendezvous.master_addr, rendezvous.master_port)
     tail: list[str] = []
-    relay = WorkerLog(lambda level, message: logger.log(level, "[%s] %s", node, message), spec.training.steps)
+
+    def log(level: int, message: str) -> None:
+        logger.log(level, "[%s] %s", node, message)
+        job_log(level, f"[{node}] {message}")
+
+    relay = WorkerLog(log, spec.training.steps)
 
     def on_line(line: str) -> None:
         tail.append(f"[{node}] {line}")
@@ -73,3 +82,23 @@ def node_launcher(spec: JobSpec, plan: Plan, launch_id: str, nodes: list[str], n
     with environment(credentials):
         store.put_json(JobPaths(spec.job_id).launch(launch_id, f"node-{node}"), report.model_dump(mode="json"))
     return report
+
+
+def job_run_logger(job_run_id: str | None) -> Callable[[int, str], None]:
+    """Log a record on the job's flow run from this one: Prefect's API handler files a record
+    under the `flow_run_id` it carries (nothing happens without one)."""
+    if not job_run_id:
+        return lambda level, message: None
+    from prefect.logging.handlers import APILogHandler
+
+    api_logger = logging.getLogger("parashift.node.job_run")  # to the API only: the console has them once
+    api_logger.propagate = False
+    if not api_logger.handlers:
+        api_logger.addHandler(APILogHandler())
+    api_logger.setLevel(logging.INFO)
+
+    def log(level: int, message: str) -> None:
+        api_logger.log(level, message, extra={"flow_run_id": job_run_id})
+
+    return log
+

@@ -28,6 +28,7 @@ from pydantic import BaseModel, Field
 from specs import JobSpec
 from specs.plan import Plan
 from storage import JobPaths, LeaseToken, ObjectStore, StorageError
+from tasks.artifacts import job_tags
 from trainer.events import WorkerEvent
 from trainer.launch import LaunchResult, NodeRendezvous, RunningWorkers
 
@@ -239,15 +240,19 @@ def node_launch(spec: JobSpec, plan: Plan, until_step: int | None, store: Object
     # The job's lease token (tasks.exclusive) travels to every node: the node's rank 0 commits
     # checkpoints, and a commit without the token would be unfenced.
     fence = LeaseToken.from_env()
+    job_run = job_run_id()
 
     def start(node: str, launch_id: str) -> Any:
         run = run_deployment(
             spec.resources.node_deployment, timeout=0, work_queue_name=node, flow_run_name=f"{spec.job_id}-{node}",
+            # found by the job's filters in the UI, and by node
+            tags=[*job_tags(spec.job_id, spec.model.tag, plan.devices), node_tag(node)],
             # for work pools whose job template places runs by node (docs/nodes.md: Kubernetes)
             job_variables={"parashift_node": node},
             parameters={"spec": spec.model_dump(mode="json"), "plan": plan.model_dump(mode="json"),
                         "launch_id": launch_id, "nodes": nodes, "node": node, "until_step": until_step,
-                        "measure_comm": measure_comm, "lease_token": str(fence) if fence else None})
+                        "measure_comm": measure_comm, "lease_token": str(fence) if fence else None,
+                        "job_run_id": job_run})
         log(f"node {node}: launcher run {run.id} queued on work queue {node!r}")
         return run.id
 
@@ -261,3 +266,20 @@ def node_launch(spec: JobSpec, plan: Plan, until_step: int | None, store: Object
             client.set_flow_run_state(run_id, Cancelled(message="its node never started it"), force=True)
 
     return NodeLaunch(spec, plan, nodes, store, start, state, cancel, log)
+
+
+def node_tag(node: str) -> str:
+    return f"node:{node}"
+
+
+def job_run_id() -> str | None:
+    """The flow run of the job calling (from a flow or a task of it): where the node launchers'
+    worker lines are logged too, so the job's run tells its whole story."""
+    from prefect.context import FlowRunContext, TaskRunContext
+
+    flow_context = FlowRunContext.get()
+    if flow_context is not None and flow_context.flow_run is not None:
+        return str(flow_context.flow_run.id)
+    task_context = TaskRunContext.get()
+    return str(task_context.task_run.flow_run_id) if task_context is not None else None
+

@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 from jobs import descendants, kill_tree, tiny_spec
 from test_deployments import prefect_cli
+from test_elastic_events import run_log
 
 from parashift.commands.serve import NODE_POOL, start_node_worker
 from specs import JobSpec
@@ -99,13 +100,30 @@ def segment_losses(summary: Any) -> dict[int, float]:
     return {step: loss for seg in summary.segments for step, loss in seg.losses}
 
 
+def launcher_tags(names: list[str]) -> list[set[str]]:
+    """The tags of the node launcher runs of these names, by name."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
+
+    with get_client(sync_client=True) as client:
+        runs = client.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=names)))
+    return [set(next(r for r in runs if r.name == name).tags) for name in names]
+
+
 def test_two_nodes_of_two_train_as_one_node_of_four(nodes: dict[str, NodeWorker], tmp_path: Path) -> None:
     from flows.train import train_job
 
     spec = node_spec("two-nodes", tmp_path, steps=12, checkpoint_every=4)
-    summary = train_job(spec)
+    state = train_job(spec, return_state=True)
+    summary = state.result()
     assert [(s.nodes, s.outcome) for s in summary.segments] == [(["a", "b"], "finished")]
     assert_same_losses(segment_losses(summary), static_losses(spec))
+    # the job's run tells the nodes' story: each node's step lines are on it, and the node
+    # launcher runs carry the job's tags and their node's
+    messages = run_log(state, "[b] step 12/12")
+    assert any(m.startswith("[a] step 12/12") for m in messages), messages[-20:]
+    assert launcher_tags(["two-nodes-a", "two-nodes-b"]) == [
+        {"job:two-nodes", f"model:{spec.model.tag}", "devices:4", f"node:{n}"} for n in "ab"]
     # each node's tier holds what its ranks held (ranks 0-1 on a, 2-3 on b), the store none of it
     for node, ranks in (("a", {"hold00000.bin", "hold00001.bin"}), ("b", {"hold00002.bin", "hold00003.bin"})):
         assert {p.name for p in (tmp_path / f"tier-{node}").rglob("hold*.bin")} == ranks, node
