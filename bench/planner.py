@@ -10,7 +10,8 @@ level before the search starts). The last line printed is one JSON object:
 Families: PaSE's Transformer (p = 4 .. 512), GPT-3 175B (p = 8 .. 1024, the whole planner with
 the H200 memory limit), skip-heavy stacks of 50 and 5,000 ops (PaSE's space, p = 64) and a
 20,000-op chain (the whole planner, p = 64 and 512; 1024 wide at p = 64, where the memory limit
-binds). `proven_optimal` / `lower_bound`: whether
+binds), and random dense 40-op DAGs, each op reading up to 8 earlier ones (the whole planner,
+p = 8 and 64, seeds 0-2; `--only dense`). `proven_optimal` / `lower_bound`: whether
 the search proved its answer or stopped at a bound (planner/dp.py solve_bounded,
 planner/constrained.py).
 """
@@ -118,8 +119,28 @@ def _chain_case(p: int, d_model: int = 256) -> dict[str, Any]:
             "memory_limit_gb": H200_GB}
 
 
+def _dense_case(p: int, seed: int) -> dict[str, Any]:
+    """The whole planner on a random dense 40-op DAG (planner.builders.dense_dag_graph), no limit."""
+    from planner.builders import dense_dag_graph
+    from planner.profile import profile_graph
+    from planner.search import plan_model
+
+    g = dense_dag_graph(40, fan_in=8, seed=seed)
+    prof = profile_graph(g, "cuda")
+    base_mb = _rss_mb()
+    t0 = time.perf_counter()
+    plan = plan_model(prof, p)
+    search_s = time.perf_counter() - t0
+    return {"graph": g.name, "ops": len(g.ops), "devices": p, "search_s": round(search_s, 3), "peak_mb": round(_rss_mb(), 1),
+            "base_mb": round(base_mb, 1), "cost": plan.estimated_step_s, "mesh": plan.mesh,
+            "proven_optimal": plan.proven_optimal, "lower_bound": plan.lower_bound_s,
+            "dp_baseline_cost": plan.baselines.get("data-parallel"), "megatron_baseline_cost": plan.baselines.get("megatron")}
+
+
 def _child(kind: str, p: int, queue: mp.Queue) -> None:
-    if kind == "gpt3":
+    if kind.startswith("dense"):
+        queue.put(_dense_case(p, int(kind[5:])))
+    elif kind == "gpt3":
         queue.put(_gpt3_case(p))
     elif kind == "chain":
         queue.put(_chain_case(p))
@@ -143,11 +164,16 @@ def run_case(kind: str, p: int) -> dict[str, Any]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="PaSE p=4,8 and GPT-3 p=8 only")
+    parser.add_argument("--only", choices=("pase", "gpt3", "stress", "dense"), help="one family of cases")
     args = parser.parse_args()
     cases = [("pase", p) for p in (PASE_P[:2] if args.quick else PASE_P)]
     cases += [("gpt3", p) for p in (GPT3_P[:1] if args.quick else GPT3_P)]
     if not args.quick:
         cases += [("skip50", 64), ("skip5000", 64), ("chain", 64), ("chain", 512), ("chain-wide", 64)]
+        cases += [(f"dense{seed}", p) for p in (8, 64) for seed in range(3)]
+    if args.only:
+        family = {"stress": ("skip", "chain")}.get(args.only, (args.only,))
+        cases = [c for c in cases if c[0].startswith(family)]
     results = []
     for kind, p in cases:
         row = run_case(kind, p)

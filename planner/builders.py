@@ -308,3 +308,28 @@ def chain_graph(n_ops: int = 20_000, batch: int = 64, d_model: int = 256) -> Gra
         prev = g.add(f"op{i}", {"b": batch, a: d_model, c: d_model}, ("b", c), srcs=(prev,), inputs=(("b", a),),
                      kind="matmul", reduce=(a,), params=((a, c),), flops=2.0 * batch * d_model * d_model, tp_dim=c)
     return g.build()
+
+
+def dense_dag_graph(n_ops: int = 40, fan_in: int = 8, seed: int = 0) -> Graph:
+    """A random dense DAG (a stress test of the search on a user's graph, no blocks): op i reads
+    op i-1 and up to `fan_in` - 1 other earlier ops chosen at random, over dims drawn from five,
+    a matmul or elementwise op, with parameters on 60% of them. Deterministic in `seed`."""
+    import numpy as np
+
+    sizes = {"b": 64, "m": 512, "n": 1024, "k": 256, "j": 2048}
+    rng = np.random.default_rng(seed)
+    ops: list[Op] = []
+    edges: list[Edge] = []
+    for i in range(n_ops):
+        others = rng.choice(i, size=min(i, fan_in) - 1, replace=False).tolist() if i > 1 else []
+        preds = sorted({i - 1, *others}) if i else []
+        inputs = [ops[p].output for p in preds] or [("b", "m")]
+        dims = sorted({d for t in inputs for d in t} | {str(rng.choice(["m", "n", "k", "j"]))})
+        out = tuple(sorted(rng.choice(dims, size=min(2, len(dims)), replace=False).tolist()))
+        out = out if "b" in out else ("b", out[0])
+        params = (tuple(d for d in dims if d != "b")[:2],) if rng.random() < 0.6 else ()
+        ops.append(Op(name=f"op{i}", kind=str(rng.choice(["matmul", "elementwise"])), dims={d: sizes[d] for d in dims},
+                      reduce=tuple(d for d in dims if d not in out), inputs=tuple(inputs), output=out, params=params,
+                      flops=float(rng.integers(10**8, 10**11)), tp_dim=dims[-1]))
+        edges += [Edge(src=f"op{p}", dst=f"op{i}", slot=s) for s, p in enumerate(preds)]
+    return Graph(name=f"dense{fan_in}-{n_ops}-{seed}", ops=ops, edges=edges)

@@ -396,3 +396,17 @@ def test_the_planner_leaves_the_spec_s_reserve_of_each_device_free(tmp_path: Pat
     reserved = plan(device_gb, memory_reserve_gb=0)
     assert reserved.feasible and reserved.memory_per_device_bytes <= 0.92 * device_gb * 2**30
     assert reserved.memory_per_device_bytes < brim.memory_per_device_bytes  # another layout: less kept per device
+
+
+def test_a_dense_dag_plans_with_its_bound_and_round_trips_as_json(tmp_path: Path) -> None:
+    """bench.planner's dense DAGs (op i reads up to fan_in earlier ops): a valid user graph
+    (it survives the JSON a user would write), planned with a lower bound not above its step."""
+    from planner.builders import dense_dag_graph
+
+    g = dense_dag_graph(12, fan_in=4, seed=1)
+    assert max(sum(e.dst == op.name for e in g.edges) for op in g.ops) == 4
+    path = tmp_path / "dense.json"
+    path.write_text(graph_to_json(g))
+    assert load_graph_json(path) == g
+    plan = plan_model(profile_graph(g, "cuda"), 8)
+    assert plan.feasible and plan.lower_bound_s <= plan.estimated_step_s * (1 + 1e-9)
