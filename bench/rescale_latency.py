@@ -15,6 +15,12 @@ The time from that event to the first step of the new segment is split into:
 
     OMP_NUM_THREADS=1 python -m bench.rescale_latency [--from 4] [--to 3] [--rounds 3]
     OMP_NUM_THREADS=1 python -m bench.rescale_latency --node-leave [--rounds 3]
+    OMP_NUM_THREADS=1 python -m bench.rescale_latency --strategy auto --profiled both [--rounds 3]
+
+`--strategy auto`: the planner chooses, from a profile with collectives measured on the job's own
+workers. `--profiled yes`: the new count's profile is built before the job starts (as after an
+earlier change to it); `no`: the change is the first to that count; `both`: each round runs
+both, one after the other, and the medians of each are reported (`profiled` / `unprofiled`).
 
 `--node-leave`: the same job across two nodes of two workers (two Prefect node workers on this
 machine, rendezvous on 127.0.0.1, node-local tiers); once its checkpoint at step 2 is committed,
@@ -48,7 +54,8 @@ MODEL = {"n_layers": 3, "d_model": 768, "n_heads": 12, "vocab_size": 2048, "seq_
 EVENT_AT_STEP = 3  # steps into the first segment
 
 
-def one_round(store: Path, devices_from: int, devices_to: int, steps: int, round_no: int) -> dict[str, Any]:
+def one_round(store: Path, devices_from: int, devices_to: int, steps: int, round_no: int,
+              strategy: str = "data-parallel", profiled: bool = False) -> dict[str, Any]:
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 
@@ -64,8 +71,13 @@ def one_round(store: Path, devices_from: int, devices_to: int, steps: int, round
         "data": {"url": "builtin://python-stdlib", "max_bytes": 200_000},
         "training": {"global_batch": 12, "micro_batch": 2, "steps": steps, "checkpoint_every": 1000},
         "resources": {"devices": devices_from, "kind": "cpu"},
+        "parallelism": {"strategy": strategy},
         "storage": {"url": f"file://{store}"},
     })
+    if profiled:  # the new count's profile exists before the change, as after an earlier change to it
+        from tasks.profile import profile_model
+
+        profile_model(spec.model_copy(update={"resources": spec.resources.model_copy(update={"devices": devices_to})}))
     seen: list[tuple[float, WorkerEvent]] = []
     emitted: list[float] = []
 
@@ -102,6 +114,8 @@ def one_round(store: Path, devices_from: int, devices_to: int, steps: int, round
         "stopped_event_s": next(t for t, e in seen if isinstance(e, StoppedEvent)) - emitted[0],
         "worker_phases": new_start_event.phases,
         "event_at_step": EVENT_AT_STEP,
+        "strategy": strategy,
+        "profiled": profiled,
     }
     print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in out.items()}), file=sys.stderr, flush=True)
     return out
@@ -169,7 +183,11 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--node-leave", action="store_true", help="2 nodes x 2 workers; node b's worker is killed")
+    parser.add_argument("--strategy", default="data-parallel", help="the job's parallelism.strategy (auto: the planner's)")
+    parser.add_argument("--profiled", choices=("yes", "no", "both"), default="no",
+                        help="whether the new count's profile exists before the change (both: each round, both ways)")
     args = parser.parse_args()
+    variants = {"yes": [True], "no": [False], "both": [True, False]}[args.profiled]
     workers: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="parashift-rescale-") as tmp, bench_prefect_server(Path(tmp)):
         try:
@@ -183,8 +201,9 @@ def main() -> None:
                             workers[node] = start_node_worker(node, {**node_env, "PREFECT_HOME": str(Path(tmp, node))})
                     rounds.append(node_leave_round(Path(tmp, f"store{i}"), args.steps, i, workers))
             else:
-                rounds = [one_round(Path(tmp, f"store{i}"), args.devices_from, args.devices_to, args.steps, i)
-                          for i in range(args.rounds)]
+                rounds = [one_round(Path(tmp, f"store{i}-{int(profiled)}"), args.devices_from, args.devices_to, args.steps,
+                                    2 * i + int(profiled), args.strategy, profiled)
+                          for i in range(args.rounds) for profiled in (variants if i % 2 == 0 else variants[::-1])]
         finally:
             for process in workers.values():
                 stop_group(process)
@@ -199,6 +218,11 @@ def main() -> None:
         "all_but_data_s": round(statistics.median(r["total_s"] - r["reshard_data_s"] for r in rounds), 3),
         "rounds": [{k: round(v, 3) if isinstance(v, float) else v for k, v in r.items()} for r in rounds],
     }
+    if len(variants) == 2 and not args.node_leave:  # the change to a count profiled before, and to one never
+        for name, want in (("profiled", True), ("unprofiled", False)):
+            result[name] = {k: round(statistics.median(r[k] for r in rounds if r["profiled"] is want), 3) for k in keys}
+        result["unprofiled_minus_profiled_s"] = {
+            k: round(result["unprofiled"][k] - result["profiled"][k], 3) for k in ("plan_s", "total_s")}
     print(json.dumps(result))
 
 
