@@ -218,7 +218,7 @@ def main() -> None:
         "all_but_data_s": round(statistics.median(r["total_s"] - r["reshard_data_s"] for r in rounds), 3),
         "rounds": [{k: round(v, 3) if isinstance(v, float) else v for k, v in r.items()} for r in rounds],
     }
-    if len(variants) == 2 and not args.node_leave:  # the change to a count profiled before, and to one never
+    if len(variants) == 2 and not args.node_leave:  # a count profiled before vs one never profiled
         for name, want in (("profiled", True), ("unprofiled", False)):
             result[name] = {k: round(statistics.median(r[k] for r in rounds if r["profiled"] is want), 3) for k in keys}
         result["unprofiled_minus_profiled_s"] = {
