@@ -75,9 +75,12 @@ def one_round(store: Path, devices_from: int, devices_to: int, steps: int, round
         "storage": {"url": f"file://{store}"},
     })
     if profiled:  # the new count's profile exists before the change, as after an earlier change to it
+        from prefect import flow
+
         from tasks.profile import profile_model
 
-        profile_model(spec.model_copy(update={"resources": spec.resources.model_copy(update={"devices": devices_to})}))
+        flow(name="profile-ahead")(profile_model)(
+            spec.model_copy(update={"resources": spec.resources.model_copy(update={"devices": devices_to})}))
     seen: list[tuple[float, WorkerEvent]] = []
     emitted: list[float] = []
 
