@@ -11,10 +11,8 @@ are stopped at once and the report says so.
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
-from collections.abc import Callable
 
 from prefect import flow
 from prefect.logging import get_run_logger
@@ -24,7 +22,7 @@ from specs.plan import Plan
 from storage import LEASE_ENV, JobPaths, LeaseToken, open_store
 from tasks.credentials import environment, storage_environment
 from tasks.nodes import NodeReport, meet, stop_workers_when
-from tasks.worker_log import WorkerLog
+from tasks.worker_log import WorkerLog, job_run_logger
 from trainer.events import WorkerEvent
 from trainer.launch import LaunchResult, RunningWorkers, launch_workers, run_measure_comm
 
@@ -82,23 +80,3 @@ def node_launcher(spec: JobSpec, plan: Plan, launch_id: str, nodes: list[str], n
     with environment(credentials):
         store.put_json(JobPaths(spec.job_id).launch(launch_id, f"node-{node}"), report.model_dump(mode="json"))
     return report
-
-
-def job_run_logger(job_run_id: str | None) -> Callable[[int, str], None]:
-    """Log a record on the job's flow run from this one: Prefect's API handler files a record
-    under the `flow_run_id` it carries (nothing happens without one)."""
-    if not job_run_id:
-        return lambda level, message: None
-    from prefect.logging.handlers import APILogHandler
-
-    api_logger = logging.getLogger("parashift.node.job_run")  # to the API only: the console has them once
-    api_logger.propagate = False
-    if not api_logger.handlers:
-        api_logger.addHandler(APILogHandler())
-    api_logger.setLevel(logging.INFO)
-
-    def log(level: int, message: str) -> None:
-        api_logger.log(level, message, extra={"flow_run_id": job_run_id})
-
-    return log
-

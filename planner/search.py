@@ -184,7 +184,6 @@ def plan_model(source: ModelProfile | Graph, devices: int, memory_limit_bytes: i
     return to_plan(best, devices, base, limit, profile.graph)
 
 
-
 # Why a tolerance: with nothing fitting, a few percent of activation memory is not what a user
 # acts on (they add devices or shrink the model), while tensor parallelism across nodes steps
 # several times slower than the same split within nodes (GPT-3 175B on 16 H200s: tp 16 needs
@@ -207,6 +206,7 @@ def closest_to_fitting(pool: list[Candidate]) -> Candidate:
         return best
     close = [c for c in pool if tp_within_node(c) and c.memory_bytes <= best.memory_bytes * (1 + CLOSE_TO_LEAST_MEMORY)]
     return min(close, key=lambda c: (c.memory_bytes, c.time_s)) if close else best
+
 
 def spaces(profile: ModelProfile, shard_dp: bool) -> list[ModelProfile]:
     """The search spaces: replicated dp and, where allowed, sharded dp (FSDP) freeing gathered

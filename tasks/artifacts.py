@@ -47,6 +47,11 @@ def device_tag(devices: int) -> str:
     return f"devices:{devices}"
 
 
+def node_tag(node: str) -> str:
+    """The tag of a node launcher run: which node it ran on."""
+    return f"node:{node}"
+
+
 def tag_this_run(tags: list[str]) -> None:
     """Add `tags` to the flow run in progress (a run's tags are otherwise fixed by whoever
     started it: the form, a schedule, a parent flow). Merged with the tags the run has now on

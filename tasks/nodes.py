@@ -28,7 +28,7 @@ from pydantic import BaseModel, Field
 from specs import JobSpec
 from specs.plan import Plan
 from storage import JobPaths, LeaseToken, ObjectStore, StorageError
-from tasks.artifacts import job_tags
+from tasks.artifacts import job_tags, node_tag
 from trainer.events import WorkerEvent
 from trainer.launch import LaunchResult, NodeRendezvous, RunningWorkers
 
@@ -268,10 +268,6 @@ def node_launch(spec: JobSpec, plan: Plan, until_step: int | None, store: Object
     return NodeLaunch(spec, plan, nodes, store, start, state, cancel, log)
 
 
-def node_tag(node: str) -> str:
-    return f"node:{node}"
-
-
 def job_run_id() -> str | None:
     """The flow run of the job calling (from a flow or a task of it): where the node launchers'
     worker lines are logged too, so the job's run tells its whole story."""
@@ -282,4 +278,3 @@ def job_run_id() -> str | None:
         return str(flow_context.flow_run.id)
     task_context = TaskRunContext.get()
     return str(task_context.task_run.flow_run_id) if task_context is not None else None
-

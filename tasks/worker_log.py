@@ -186,3 +186,22 @@ class WorkerLog:
     def _emit(self, source: str) -> None:
         failure = self._open.pop(source)
         self.emit(logging.ERROR, "\n".join(failure.lines).rstrip())
+
+
+def job_run_logger(job_run_id: str | None) -> Callable[[int, str], None]:
+    """Log a record on the job's flow run from this one: Prefect's API handler files a record
+    under the `flow_run_id` it carries (nothing happens without one)."""
+    if not job_run_id:
+        return lambda level, message: None
+    from prefect.logging.handlers import APILogHandler
+
+    api_logger = logging.getLogger("parashift.node.job_run")  # to the API only: the console has them once
+    api_logger.propagate = False
+    if not api_logger.handlers:
+        api_logger.addHandler(APILogHandler())
+    api_logger.setLevel(logging.INFO)
+
+    def log(level: int, message: str) -> None:
+        api_logger.log(level, message, extra={"flow_run_id": job_run_id})
+
+    return log
