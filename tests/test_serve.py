@@ -25,6 +25,7 @@ pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[1]
 SCREENSHOTS = REPO / "test-outputs" / "ui"
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+RUNS_TAB = "**/deployments/deployment/*?tab=Runs"
 
 
 def api_post(api: str, path: str, body: dict[str, Any]) -> Any:
@@ -69,8 +70,10 @@ def use_the_ui(base: str, api: str, deployment: str, store: Path) -> None:
         field(page, "Url (Optional)", 1).fill(f"file://{store}")  # storage.url (data.url comes first)
         page.screenshot(path=str(SCREENSHOTS / "custom-run-form.png"), full_page=True)
         page.get_by_role("button", name="Submit").click()
-        page.wait_for_url("**/deployments/deployment/*?tab=Runs", timeout=30_000)
         run = wait_for_run(api, deployment, "from-the-form")
+        # The UI moves to the deployment's runs once the server has created the run: on a loaded
+        # machine that took longer than 30 s (CI), so it is checked after the run has ended.
+        page.wait_for_url(RUNS_TAB, timeout=60_000)
         assert run["state"]["type"] == "COMPLETED", run["state"]
         assert run["name"] == "train-from-the-form" and run["parameters"]["spec"]["training"]["steps"] == 6
         assert (store / "jobs/from-the-form/ckpt/00000006/manifest.json").exists()
@@ -84,8 +87,8 @@ def use_the_ui(base: str, api: str, deployment: str, store: Path) -> None:
         field(page, "Name").fill("bad-heads")
         field(page, "N Heads (Optional)").fill("3")
         page.get_by_role("button", name="Submit").click()
-        page.wait_for_url("**/deployments/deployment/*?tab=Runs", timeout=30_000)
-        bad = wait_for_run(api, deployment, "bad-heads", timeout_s=120)
+        bad = wait_for_run(api, deployment, "bad-heads", timeout_s=180)
+        page.wait_for_url(RUNS_TAB, timeout=60_000)
         assert bad["state"]["type"] == "FAILED"
         assert "d_model: must be divisible by model.n_heads (64 % 3 != 0)" in bad["state"]["message"]
         assert bad["total_run_time"] < 30, "refused before any worker starts"
