@@ -17,12 +17,11 @@ import argparse
 import json
 
 import torch
-
-from models.gpt.model import GPT, GPTConfig
-from models.layers import token_loss_sum
-from planner.builders import gpt_graph
-from planner.costs import data_parallel_activation_bytes
-from trainer.memory import kept_for_backward
+from parashift.models.gpt.model import GPT, GPTConfig
+from parashift.models.layers import token_loss_sum
+from parashift.planner.builders import gpt_graph
+from parashift.planner.costs import data_parallel_activation_bytes
+from parashift.trainer.memory import kept_for_backward
 
 
 def main() -> None:

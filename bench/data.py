@@ -30,9 +30,8 @@ import time
 from pathlib import Path
 
 import numpy as np
-
-from corpus import open_dataset, prepare_dataset, train_bpe
-from corpus.dataset import (
+from parashift.corpus import open_dataset, prepare_dataset, train_bpe
+from parashift.corpus.dataset import (
     CHUNK_BYTES,
     MANIFEST_KEY,
     DatasetManifest,
@@ -41,12 +40,12 @@ from corpus.dataset import (
     chunk_checksums,
     encode_dataset_manifest,
 )
-from specs import JobSpec
-from specs.plan import Plan
-from storage import ObjectStore
-from trainer.data import SampleStream
-from trainer.events import StartEvent, StepEvent, WorkerEvent
-from trainer.launch import launch_workers
+from parashift.specs import JobSpec
+from parashift.specs.plan import Plan
+from parashift.storage import ObjectStore
+from parashift.trainer.data import SampleStream
+from parashift.trainer.events import StartEvent, StepEvent, WorkerEvent
+from parashift.trainer.launch import launch_workers
 
 VOCAB = 128_256  # Llama 3's: ids need uint32
 SHARD_TOKENS = 64 * 2**20  # 256 MB of uint32 per shard

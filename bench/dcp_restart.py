@@ -19,16 +19,15 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from parashift.models import family_of
+from parashift.models.layers import token_loss_sum
+from parashift.specs import JobSpec
+from parashift.trainer import metrics
+from parashift.trainer.data import SampleStream, rank_share, token_source
+from parashift.trainer.events import StartEvent, StepEvent
+from parashift.trainer.schedule import learning_rate
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.fsdp import fully_shard
-
-from models import family_of
-from models.layers import token_loss_sum
-from specs import JobSpec
-from trainer import metrics
-from trainer.data import SampleStream, rank_share, token_source
-from trainer.events import StartEvent, StepEvent
-from trainer.schedule import learning_rate
 
 
 def latest(folder: Path) -> int | None:

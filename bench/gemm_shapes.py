@@ -23,8 +23,7 @@ import statistics
 import time
 
 import torch
-
-from planner.profile import measure_device
+from parashift.planner.profile import measure_device
 
 SHAPES = {
     "cpu": [(m, k, n) for m in (16, 64, 256, 1024, 4096) for k, n in ((128, 128), (128, 512), (512, 128), (1024, 1024))],

@@ -21,17 +21,16 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
+from parashift.models.gpt.model import GPT, GPTConfig
+from parashift.specs import JobSpec, example_path, load_spec
+from parashift.specs.plan import Plan
+from parashift.storage import CheckpointStore, ObjectStore
+from parashift.trainer.checkpoint import Checkpointer, restore_latest
+from parashift.trainer.launch import launch_workers
+from parashift.trainer.layout import state_layout
+from parashift.trainer.optim import LocalShardAdamW
+from parashift.trainer.state import apply_state, collect_state, rng_state_bytes
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
-
-from models.gpt.model import GPT, GPTConfig
-from specs import JobSpec, example_path, load_spec
-from specs.plan import Plan
-from storage import CheckpointStore, ObjectStore
-from trainer.checkpoint import Checkpointer, restore_latest
-from trainer.launch import launch_workers
-from trainer.layout import state_layout
-from trainer.optim import LocalShardAdamW
-from trainer.state import apply_state, collect_state, rng_state_bytes
 
 
 def job_spec(device: str, tiny: bool, store: str) -> JobSpec:

@@ -17,13 +17,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from parashift.models import family_of
+from parashift.specs import JobSpec
+from parashift.trainer import metrics
+from parashift.trainer.data import load_tokens
+from parashift.trainer.events import StepEvent
 from torch.nn.parallel import DistributedDataParallel
-
-from models import family_of
-from specs import JobSpec
-from trainer import metrics
-from trainer.data import load_tokens
-from trainer.events import StepEvent
 
 
 def main() -> None:

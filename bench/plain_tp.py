@@ -16,14 +16,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from parashift.models import family_of
+from parashift.models.base import ModelFamily
+from parashift.specs import JobSpec
+from parashift.trainer import metrics
+from parashift.trainer.data import load_tokens
+from parashift.trainer.events import StepEvent
 from torch import nn
-
-from models import family_of
-from models.base import ModelFamily
-from specs import JobSpec
-from trainer import metrics
-from trainer.data import load_tokens
-from trainer.events import StepEvent
 
 
 class _CopyToRegion(torch.autograd.Function):

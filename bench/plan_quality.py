@@ -25,7 +25,7 @@ import json
 import platform
 import tempfile
 
-from bench.cost_model_fidelity import (
+from parashift.bench.cost_model_fidelity import (
     DEVICES,
     GLOBAL_BATCH,
     MODEL,
@@ -35,12 +35,12 @@ from bench.cost_model_fidelity import (
     plan_name,
     planner_plans,
 )
-from models import family_of
-from planner.comm import comm_model_from_timings
-from planner.profile import profile_graph, share_cores
-from planner.search import plan_model
-from tasks.plan import choose_plan
-from trainer.launch import measure_comm_timings
+from parashift.models import family_of
+from parashift.planner.comm import comm_model_from_timings
+from parashift.planner.profile import profile_graph, share_cores
+from parashift.planner.search import plan_model
+from parashift.tasks.plan import choose_plan
+from parashift.trainer.launch import measure_comm_timings
 
 MODELS = {
     "gpt": MODEL,

@@ -38,10 +38,10 @@ def _rss_mb() -> float:
 def _pase_case(p: int, family: str = "pase") -> dict[str, Any]:
     """PaSE's space (per-dim split counts, aligned layouts, no memory limit), as in its paper;
     `family` "skip50"/"skip5000": a stack of matmuls each reading the 4 ops before it."""
-    from planner.builders import pase_transformer_graph, skip_graph
-    from planner.configs import counts_mesh, op_configs
-    from planner.profile import profile_graph
-    from planner.search import baselines, search_counts
+    from parashift.planner.builders import pase_transformer_graph, skip_graph
+    from parashift.planner.configs import counts_mesh, op_configs
+    from parashift.planner.profile import profile_graph
+    from parashift.planner.search import baselines, search_counts
 
     g = pase_transformer_graph() if family == "pase" else skip_graph(int(family[4:]))
     prof = profile_graph(g, "cuda")
@@ -65,9 +65,9 @@ def _pase_case(p: int, family: str = "pase") -> dict[str, Any]:
 
 def _gpt3_case(p: int) -> dict[str, Any]:
     """The whole planner (meshes, pipelines, per-op DP, memory limit) on GPT-3 175B."""
-    from planner.builders import gpt3_175b_graph
-    from planner.profile import profile_graph
-    from planner.search import plan_model
+    from parashift.planner.builders import gpt3_175b_graph
+    from parashift.planner.profile import profile_graph
+    from parashift.planner.search import plan_model
 
     g = gpt3_175b_graph()
     prof = profile_graph(g, "cuda", memory_gb=H200_GB)
@@ -102,9 +102,9 @@ def _chain_case(p: int, d_model: int = 256) -> dict[str, Any]:
     """The whole planner on a 20,000-op chain of matmuls (no blocks: the elimination order's
     scaling), H200 memory limit. `d_model` 1024: the weights (335 GB) must be sharded, some
     ops more than others, so the constrained search runs on every mesh."""
-    from planner.builders import chain_graph
-    from planner.profile import profile_graph
-    from planner.search import plan_model
+    from parashift.planner.builders import chain_graph
+    from parashift.planner.profile import profile_graph
+    from parashift.planner.search import plan_model
 
     g = chain_graph(20_000, d_model=d_model)
     prof = profile_graph(g, "cuda", memory_gb=H200_GB)
@@ -121,9 +121,9 @@ def _chain_case(p: int, d_model: int = 256) -> dict[str, Any]:
 
 def _dense_case(p: int, seed: int) -> dict[str, Any]:
     """The whole planner on a random dense 40-op DAG (planner.builders.dense_dag_graph), no limit."""
-    from planner.builders import dense_dag_graph
-    from planner.profile import profile_graph
-    from planner.search import plan_model
+    from parashift.planner.builders import dense_dag_graph
+    from parashift.planner.profile import profile_graph
+    from parashift.planner.search import plan_model
 
     g = dense_dag_graph(40, fan_in=8, seed=seed)
     prof = profile_graph(g, "cuda")

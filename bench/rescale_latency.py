@@ -47,7 +47,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.prefect_server import bench_prefect_server
+from parashift.bench.prefect_server import bench_prefect_server
+
 from parashift.commands.serve import deploy_all, start_node_worker, stop_group
 
 MODEL = {"n_layers": 3, "d_model": 768, "n_heads": 12, "vocab_size": 2048, "seq_len": 24, "dropout": 0.0}
@@ -56,14 +57,13 @@ EVENT_AT_STEP = 3  # steps into the first segment
 
 def one_round(store: Path, devices_from: int, devices_to: int, steps: int, round_no: int,
               strategy: str = "data-parallel", profiled: bool = False) -> dict[str, Any]:
+    from parashift.flows.train import train_job
+    from parashift.specs import JobSpec
+    from parashift.tasks import progress
+    from parashift.tasks.events import ResourceEvent, emit_resource_change, now_epoch
+    from parashift.trainer.events import StartEvent, StepEvent, StoppedEvent, WorkerEvent
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
-
-    from flows.train import train_job
-    from specs import JobSpec
-    from tasks import progress
-    from tasks.events import ResourceEvent, emit_resource_change, now_epoch
-    from trainer.events import StartEvent, StepEvent, StoppedEvent, WorkerEvent
 
     spec = JobSpec.model_validate({
         "name": f"rescale-latency-{round_no}",
@@ -75,9 +75,8 @@ def one_round(store: Path, devices_from: int, devices_to: int, steps: int, round
         "storage": {"url": f"file://{store}"},
     })
     if profiled:  # the new count's profile exists before the change, as after an earlier change to it
+        from parashift.tasks.profile import profile_model
         from prefect import flow
-
-        from tasks.profile import profile_model
 
         flow(name="profile-ahead")(profile_model)(
             spec.model_copy(update={"resources": spec.resources.model_copy(update={"devices": devices_to})}))
@@ -125,13 +124,12 @@ def one_round(store: Path, devices_from: int, devices_to: int, steps: int, round
 
 
 def node_leave_round(store: Path, steps: int, round_no: int, workers: dict[str, Any]) -> dict[str, Any]:
+    from parashift.flows.train import train_job
+    from parashift.specs import JobSpec
+    from parashift.tasks.nodes import NodeReport
+    from parashift.trainer.events import StartEvent, StepEvent
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
-
-    from flows.train import train_job
-    from specs import JobSpec
-    from tasks.nodes import NodeReport
-    from trainer.events import StartEvent, StepEvent
 
     spec = JobSpec.model_validate({
         "name": f"node-leave-{round_no}",

@@ -32,9 +32,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from specs import JobSpec
-from specs.plan import Plan
-from trainer.launch import torchrun_command, worker_env
+from parashift.specs import JobSpec
+from parashift.specs.plan import Plan
+from parashift.trainer.launch import torchrun_command, worker_env
 
 # d 768 and 12 heads split over tp 2, 3 and 4; 3 layers + vocab 2048: 24.4M parameters, so
 # parameters + AdamW moments (+ steps and RNG) are ~293 MB.
@@ -80,7 +80,7 @@ def run_phase(phase: str, plan: Plan, spec: JobSpec, dcp_url: str, raw_url: str,
     plan_file, spec_file = tmp / f"{phase}-plan.json", tmp / f"{phase}-spec.json"
     plan_file.write_text(plan.model_dump_json())
     spec_file.write_text(spec.model_dump_json())
-    command = torchrun_command(plan.devices, "bench.reshard_worker", "--phase", phase, "--plan", str(plan_file),
+    command = torchrun_command(plan.devices, "parashift.bench.reshard_worker", "--phase", phase, "--plan", str(plan_file),
                                "--spec", str(spec_file), "--dcp", dcp_url, "--raw", raw_url)
     done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=1200)
     lines = [line for line in done.stdout.splitlines() if "RESHARD " in line]
@@ -93,7 +93,7 @@ def measure_stalls(plan: Plan, spec: JobSpec, env: dict[str, str], fenced: bool 
     """How long the trainer's loop waits for each save (capture + `before_update`, slowest
     rank), in real training with a checkpoint after every step (`fenced`: under the job's
     storage lease)."""
-    from trainer.launch import launch_workers
+    from parashift.trainer.launch import launch_workers
 
     training = spec.training.model_copy(update={"steps": 5, "checkpoint_every": 1, "log_every": 1})
     spec = spec.model_copy(update={"training": training, "name": spec.name + "-train"})
@@ -102,7 +102,7 @@ def measure_stalls(plan: Plan, spec: JobSpec, env: dict[str, str], fenced: bool 
         result = launch_workers(spec, plan, on_line=lines.append, extra_env=train_env)
     if result.returncode != 0:
         raise RuntimeError("training for stalls failed:\n" + "\n".join(lines[-40:]))
-    from trainer.events import CheckpointStallEvent
+    from parashift.trainer.events import CheckpointStallEvent
 
     return [e.stall_s for e in result.of(CheckpointStallEvent)]
 
@@ -146,7 +146,7 @@ def fenced_env(spec: JobSpec, env: dict[str, str], fenced: bool) -> Iterator[dic
     if not fenced:
         yield env
         return
-    from storage import LEASE_ENV, JobLease, open_store
+    from parashift.storage import LEASE_ENV, JobLease, open_store
 
     with JobLease(open_store(spec.storage), spec.job_id).hold() as token:
         yield {**env, LEASE_ENV: str(token)}

@@ -18,21 +18,20 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from parashift.models import family_of
+from parashift.ptc.dtensor import local_data
+from parashift.specs import JobSpec
+from parashift.specs.plan import Plan
+from parashift.storage import ObjectStore, job_store
+from parashift.trainer.checkpoint import Checkpointer, restore_latest
+from parashift.trainer.layout import layout_mismatches, state_layout
+from parashift.trainer.mesh import Coordinates, ParallelDims
+from parashift.trainer.optim import LocalShardAdamW
+from parashift.trainer.parallel import materialize, parallelize
+from parashift.trainer.pipeline import build_stage
+from parashift.trainer.state import apply_state, collect_state, restore_destinations
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
-
-from models import family_of
-from ptc.dtensor import local_data
-from specs import JobSpec
-from specs.plan import Plan
-from storage import ObjectStore, job_store
-from trainer.checkpoint import Checkpointer, restore_latest
-from trainer.layout import layout_mismatches, state_layout
-from trainer.mesh import Coordinates, ParallelDims
-from trainer.optim import LocalShardAdamW
-from trainer.parallel import materialize, parallelize
-from trainer.pipeline import build_stage
-from trainer.state import apply_state, collect_state, restore_destinations
 
 
 def build(plan: Plan, spec: JobSpec) -> tuple[torch.nn.Module, LocalShardAdamW]:

@@ -21,10 +21,9 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from parashift.trainer.tp_styles import local_shard
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
-
-from trainer.tp_styles import local_shard
 
 
 def step_ms(params: list[torch.nn.Parameter], to_plain: Callable[[torch.Tensor], torch.Tensor], steps: int) -> float:

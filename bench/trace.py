@@ -41,8 +41,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.prefect_server import bench_prefect_server
-from bench.rescale_latency import MODEL
+from parashift.bench.prefect_server import bench_prefect_server
+from parashift.bench.rescale_latency import MODEL
 
 # (at step, devices after, reason); devices None: rank 1 is killed (the job goes on with one fewer)
 TRACE: list[tuple[int, int | None, str]] = [(6, 2, "scale-down"), (12, 4, "scale-up"), (16, None, "failure")]
@@ -51,7 +51,7 @@ CHECKPOINT_EVERY = 6
 
 
 def job_spec(name: str, store: Path, steps: int, warm: bool = False) -> Any:
-    from specs import JobSpec
+    from parashift.specs import JobSpec
 
     return JobSpec.model_validate({
         "name": name,
@@ -132,10 +132,10 @@ class Timeline:
 
 
 def relaunch_round(store: Path, steps: int, round_no: int, warm: bool = False) -> tuple[dict[str, Any], dict[int, float]]:
-    from flows.train import train_job
-    from tasks import progress
-    from tasks.events import ResourceEvent, emit_resource_change, now_epoch
-    from trainer.events import StartEvent, StepEvent, StoppedEvent, WorkerEvent
+    from parashift.flows.train import train_job
+    from parashift.tasks import progress
+    from parashift.tasks.events import ResourceEvent, emit_resource_change, now_epoch
+    from parashift.trainer.events import StartEvent, StepEvent, StoppedEvent, WorkerEvent
 
     spec = job_spec(f"trace-{'warm' if warm else 'relaunch'}-{round_no}", store, steps, warm)
     timeline, pids, done = Timeline(), [], set()
@@ -172,8 +172,8 @@ def relaunch_round(store: Path, steps: int, round_no: int, warm: bool = False) -
 
 
 def stop_restart_round(store: Path, steps: int, round_no: int) -> dict[str, Any]:
-    from trainer.events import StartEvent, StepEvent, parse
-    from trainer.launch import torchrun_command, worker_env
+    from parashift.trainer.events import StartEvent, StepEvent, parse
+    from parashift.trainer.launch import torchrun_command, worker_env
 
     spec = job_spec(f"trace-dcp-{round_no}", store, steps)
     spec_file = store / "spec.json"
@@ -184,7 +184,7 @@ def stop_restart_round(store: Path, steps: int, round_no: int) -> dict[str, Any]
     for at, after, _ in plan:
         kill_at = at if after is None else None
         until = steps if after is None else at  # a failure is not announced: the job runs on until killed
-        command = torchrun_command(devices, "bench.dcp_restart", "--spec", str(spec_file), "--ckpt", str(store / "dcp"),
+        command = torchrun_command(devices, "parashift.bench.dcp_restart", "--spec", str(spec_file), "--ckpt", str(store / "dcp"),
                                    "--until-step", str(until), "--checkpoint-every", str(CHECKPOINT_EVERY))
         process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                                    env=worker_env("cpu"), start_new_session=True)
@@ -209,8 +209,8 @@ def stop_restart_round(store: Path, steps: int, round_no: int) -> dict[str, Any]
 
 
 def static_losses(store: Path, steps: int) -> dict[int, float]:
-    from specs.plan import Plan
-    from trainer.launch import launch_workers
+    from parashift.specs.plan import Plan
+    from parashift.trainer.launch import launch_workers
 
     result = launch_workers(job_spec("trace-static", store, steps), Plan.data_parallel(START_DEVICES))
     return {e.step: e.loss for e in result.steps}

@@ -28,10 +28,10 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from specs import JobSpec
-from specs.plan import Plan, TensorParallel
-from trainer.events import StepEvent, WorkerEvent, parse
-from trainer.launch import launch_workers, torchrun_command, worker_env
+from parashift.specs import JobSpec
+from parashift.specs.plan import Plan, TensorParallel
+from parashift.trainer.events import StepEvent, WorkerEvent, parse
+from parashift.trainer.launch import launch_workers, torchrun_command, worker_env
 
 WARMUP_STEPS = 3  # the first steps pay for allocator growth and gradient bucket building
 
@@ -49,9 +49,9 @@ def megatron_plan(devices: int) -> Plan:
 
 # mode -> (the trainer's plan, the plain program and its arguments, whether each rank takes a share of the batch)
 MODES = {
-    "ddp": (Plan.data_parallel, ("bench.plain_ddp",), True),
-    "tp": (megatron_plan, ("bench.plain_tp",), False),
-    "fsdp": (Plan.fully_sharded, ("bench.plain_ddp", "--fsdp"), True),
+    "ddp": (Plan.data_parallel, ("parashift.bench.plain_ddp",), True),
+    "tp": (megatron_plan, ("parashift.bench.plain_tp",), False),
+    "fsdp": (Plan.fully_sharded, ("parashift.bench.plain_ddp", "--fsdp"), True),
 }
 
 # The reference size measured before (6 layers, d 256, T 128), in each family's terms.

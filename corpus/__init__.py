@@ -5,9 +5,9 @@ Engine room: numpy, fsspec, tokenizers and storage; no torch, no Prefect. The sa
 turns tokens into training batches lives in `trainer.data`.
 """
 
-from corpus.dataset import DatasetError, DatasetManifest, PreparedTokens, open_dataset
-from corpus.prepare import PrepareOptions, prepare_dataset
-from corpus.tokenizer import BYTES_TOKENIZER, Tokenizer, TokenizerError, load_tokenizer, train_bpe
+from parashift.corpus.dataset import DatasetError, DatasetManifest, PreparedTokens, open_dataset
+from parashift.corpus.prepare import PrepareOptions, prepare_dataset
+from parashift.corpus.tokenizer import BYTES_TOKENIZER, Tokenizer, TokenizerError, load_tokenizer, train_bpe
 
 __all__ = [
     "BYTES_TOKENIZER",

@@ -26,9 +26,8 @@ from typing import Any, Literal
 
 import crc32c
 import numpy as np
+from parashift.storage import ObjectStore, StorageError
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
-
-from storage import ObjectStore, StorageError
 
 FORMAT_VERSION = 1
 MANIFEST_KEY = "dataset.json"

@@ -23,8 +23,7 @@ from typing import Any
 import crc32c
 import fsspec
 import numpy as np
-
-from corpus.dataset import (
+from parashift.corpus.dataset import (
     CHUNK_BYTES,
     DTYPES,
     MANIFEST_KEY,
@@ -37,9 +36,9 @@ from corpus.dataset import (
     dtype_for,
     encode_dataset_manifest,
 )
-from corpus.documents import documents, expand_inputs, format_of, read_input
-from corpus.tokenizer import Tokenizer
-from storage import ObjectStore
+from parashift.corpus.documents import documents, expand_inputs, format_of, read_input
+from parashift.corpus.tokenizer import Tokenizer
+from parashift.storage import ObjectStore
 
 # Input bytes per shard: big enough that a 2 GB corpus is a few dozen objects, small enough
 # that a group's tokens fit a worker's memory while it is prepared.

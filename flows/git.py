@@ -14,16 +14,15 @@ import json
 import os
 from pathlib import Path
 
+from parashift.flows.train import train_job
+from parashift.specs import parse_spec
+from parashift.tasks.artifacts import artifact_key
+from parashift.tasks.credentials import environment, storage_environment
+from parashift.tasks.git import content_hash, read_specs_from_git, record_trained, trained_before
 from prefect import flow, tags
 from prefect.artifacts import create_table_artifact
 from prefect.logging import get_run_logger
 from pydantic import BaseModel
-
-from flows.train import train_job
-from specs import parse_spec
-from tasks.artifacts import artifact_key
-from tasks.credentials import environment, storage_environment
-from tasks.git import content_hash, read_specs_from_git, record_trained, trained_before
 
 # Where relative storage URLs of specs from git resolve when no storage_root is given.
 STORAGE_ROOT_ENV = "PARASHIFT_STORAGE_ROOT"

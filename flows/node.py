@@ -14,17 +14,16 @@ from __future__ import annotations
 import threading
 import time
 
+from parashift.specs import JobSpec
+from parashift.specs.plan import Plan
+from parashift.storage import LEASE_ENV, JobPaths, LeaseToken, open_store
+from parashift.tasks.credentials import environment, storage_environment
+from parashift.tasks.nodes import NodeReport, meet, stop_workers_when
+from parashift.tasks.worker_log import WorkerLog, job_run_logger
+from parashift.trainer.events import WorkerEvent
+from parashift.trainer.launch import LaunchResult, RunningWorkers, launch_workers, run_measure_comm
 from prefect import flow
 from prefect.logging import get_run_logger
-
-from specs import JobSpec
-from specs.plan import Plan
-from storage import LEASE_ENV, JobPaths, LeaseToken, open_store
-from tasks.credentials import environment, storage_environment
-from tasks.nodes import NodeReport, meet, stop_workers_when
-from tasks.worker_log import WorkerLog, job_run_logger
-from trainer.events import WorkerEvent
-from trainer.launch import LaunchResult, RunningWorkers, launch_workers, run_measure_comm
 
 
 @flow(name="node-launcher", flow_run_name="{spec.name}-{node}")

@@ -19,17 +19,16 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
+from parashift.corpus import DatasetManifest, PrepareOptions, load_tokenizer
+from parashift.corpus.dataset import MANIFEST_KEY, ShardRecord
+from parashift.corpus.prepare import plan_groups, prepare_group, write_manifest
+from parashift.storage import ObjectStore
+from parashift.tasks.retry import retry_if_it_may_help
 from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
 from prefect.futures import as_completed
 from prefect.logging import get_run_logger
 from prefect.task_runners import ThreadPoolTaskRunner
-
-from corpus import DatasetManifest, PrepareOptions, load_tokenizer
-from corpus.dataset import MANIFEST_KEY, ShardRecord
-from corpus.prepare import plan_groups, prepare_group, write_manifest
-from storage import ObjectStore
-from tasks.retry import retry_if_it_may_help
 
 # Groups prepared at once: each holds up to a few times its input bytes in memory.
 CONCURRENT_GROUPS = 4

@@ -12,27 +12,26 @@ the elastic policy's (`specs.elastic.decide`); this flow asks it and acts.
 
 from __future__ import annotations
 
+from parashift.specs import JobSpec
+from parashift.specs.elastic import Decision, Fail, Ignore, JobState, Replan, SegmentEnded, Stop, decide
+from parashift.storage import JobLease
+from parashift.tasks.artifacts import TrainingProgress, job_tags, tag_devices, tag_this_run
+from parashift.tasks.credentials import environment, storage_environment
+from parashift.tasks.events import ResourceWatcher, follow_resources
+from parashift.tasks.exclusive import one_run_per_job, one_writer_per_job
+from parashift.tasks.launch import launch_training, segment_of, signals_stop_training, warm_workers
+from parashift.tasks.node_watch import follow_nodes
+from parashift.tasks.plan import plan_parallelism
+from parashift.tasks.preflight import preflight_job
+from parashift.tasks.profile import profile_model
+from parashift.tasks.records import SegmentResult, TrainSummary, failed_segments
+from parashift.tasks.recovery import TrainingFailed, announce_change
+from parashift.tasks.report import publish_report
+from parashift.tasks.reshard import plan_reshard
+from parashift.tasks.validate import validate_spec
 from prefect import flow
 from prefect.logging import get_run_logger
 from prefect.states import Completed
-
-from specs import JobSpec
-from specs.elastic import Decision, Fail, Ignore, JobState, Replan, SegmentEnded, Stop, decide
-from storage import JobLease
-from tasks.artifacts import TrainingProgress, job_tags, tag_devices, tag_this_run
-from tasks.credentials import environment, storage_environment
-from tasks.events import ResourceWatcher, follow_resources
-from tasks.exclusive import one_run_per_job, one_writer_per_job
-from tasks.launch import launch_training, segment_of, signals_stop_training, warm_workers
-from tasks.node_watch import follow_nodes
-from tasks.plan import plan_parallelism
-from tasks.preflight import preflight_job
-from tasks.profile import profile_model
-from tasks.records import SegmentResult, TrainSummary, failed_segments
-from tasks.recovery import TrainingFailed, announce_change
-from tasks.report import publish_report
-from tasks.reshard import plan_reshard
-from tasks.validate import validate_spec
 
 
 @flow(name="train-job", flow_run_name="train-{spec.name}")

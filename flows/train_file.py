@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
+from parashift.flows.train import train_job
+from parashift.specs import load_spec
+from parashift.tasks.records import TrainSummary
 from prefect import flow
-
-from flows.train import train_job
-from specs import load_spec
-from tasks.records import TrainSummary
 
 
 @flow(name="train-spec-file")

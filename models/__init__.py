@@ -15,13 +15,13 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from models.base import ModelFamily
+    from parashift.models.base import ModelFamily
 
 # family name -> the package holding it
 FAMILIES: dict[str, str] = {
-    "gpt": "models.gpt",
-    "llama": "models.llama",
-    "hf": "models.hf",
+    "gpt": "parashift.models.gpt",
+    "llama": "parashift.models.llama",
+    "hf": "parashift.models.hf",
 }
 
 # A spec whose `model:` names no family trains the GPT (every spec before families existed).

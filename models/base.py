@@ -11,10 +11,9 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+from parashift.models.layers import box_index
+from parashift.models.sharding import ShardingTable
 from torch import nn
-
-from models.layers import box_index
-from models.sharding import ShardingTable
 
 
 class ModelFamily:

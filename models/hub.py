@@ -16,7 +16,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-from specs.base import FieldIssues
+from parashift.specs.base import FieldIssues
 
 CONFIG_NAME = "config.json"
 INDEX_NAME = "model.safetensors.index.json"

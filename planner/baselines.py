@@ -9,9 +9,9 @@ Both are points of the DP's space on their mesh, so the DP's optimum can never c
 
 from __future__ import annotations
 
-from planner.configs import Mesh, named_mesh
-from planner.costs import CostModel
-from planner.graph import Graph
+from parashift.planner.configs import Mesh, named_mesh
+from parashift.planner.costs import CostModel
+from parashift.planner.graph import Graph
 
 
 def baseline_assign(graph: Graph, costs: CostModel) -> list[int] | None:

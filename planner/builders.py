@@ -9,7 +9,7 @@ blocks and stay linear in depth.
 
 from __future__ import annotations
 
-from planner.graph import Dims, Edge, Graph, Op, Saved
+from parashift.planner.graph import Dims, Edge, Graph, Op, Saved
 
 
 class GraphBuilder:

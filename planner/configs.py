@@ -25,7 +25,7 @@ from functools import cached_property
 from itertools import product
 from math import prod
 
-from planner.graph import Op
+from parashift.planner.graph import Op
 
 # The mesh axis that op-level tp restrictions (`Op.tp_dims`, tie groups) speak about.
 TP = "tp"

@@ -26,8 +26,7 @@ from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
 
 import numpy as np
-
-from planner.dp import Domains
+from parashift.planner.dp import Domains
 
 # Relative slack for comparing sums taken in different orders.
 EPS = 1e-9

@@ -37,11 +37,10 @@ from dataclasses import dataclass
 from math import prod
 
 import numpy as np
-
-from planner.comm import CommModel, default_comm
-from planner.configs import Config, Mesh, named_mesh, op_configs
-from planner.graph import Edge, Graph, Op, Saved
-from planner.profile import DEFAULT_DEVICES, DeviceModel
+from parashift.planner.comm import CommModel, default_comm
+from parashift.planner.configs import Config, Mesh, named_mesh, op_configs
+from parashift.planner.graph import Edge, Graph, Op, Saved
+from parashift.planner.profile import DEFAULT_DEVICES, DeviceModel
 
 # Ops that run at the GEMM rate; the rest are bandwidth-bound.
 GEMM_KINDS = frozenset({"matmul", "conv", "attention"})

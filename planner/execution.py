@@ -20,8 +20,8 @@ becomes that mesh. Splits over "dp" of anything but the batch are not executed.
 
 from __future__ import annotations
 
-from planner.graph import Graph, Op
-from specs.plan import Plan, TensorParallel
+from parashift.planner.graph import Graph, Op
+from parashift.specs.plan import Plan, TensorParallel
 
 # The iteration dim each part splits over "tp".
 TP_DIM = {"embed": "v", "sequence": "s", "attention": "h", "mlp": "f", "head": "v", "loss": "v"}

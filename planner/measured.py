@@ -23,11 +23,10 @@ lists every option.
 
 from __future__ import annotations
 
+from parashift.planner.comm import CommModel, default_comm
+from parashift.planner.profile import DEFAULT_DEVICES, DeviceModel, share_cores
+from parashift.specs.plan import Plan
 from pydantic import BaseModel, ConfigDict, Field
-
-from planner.comm import CommModel, default_comm
-from planner.profile import DEFAULT_DEVICES, DeviceModel, share_cores
-from specs.plan import Plan
 
 # fp32 weight, gradient and AdamW's two moments: what the state holds per parameter.
 STATE_BYTES = 16

@@ -33,13 +33,13 @@ import heapq
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
-from planner.configs import TP, mesh_configs, named_mesh
-from planner.costs import CostModel
-from planner.graph import Graph, Op
-from planner.pipeline import block_order, boundary_s, stage_ops, stage_splits, step_time
-from planner.problem import Weights
-from planner.profile import ModelProfile
-from planner.stage import (
+from parashift.planner.configs import TP, mesh_configs, named_mesh
+from parashift.planner.costs import CostModel
+from parashift.planner.graph import Graph, Op
+from parashift.planner.pipeline import block_order, boundary_s, stage_ops, stage_splits, step_time
+from parashift.planner.problem import Weights
+from parashift.planner.profile import ModelProfile
+from parashift.planner.stage import (
     Candidate,
     Method,
     StageResult,

@@ -19,8 +19,8 @@ worker (GPUs, or CPU workers <= cores) this is the slowest stage, as before.
 
 from __future__ import annotations
 
-from planner.comm import CommModel
-from planner.graph import Graph
+from parashift.planner.comm import CommModel
+from parashift.planner.graph import Graph
 
 
 def block_order(graph: Graph) -> list[str]:

@@ -18,11 +18,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-
-from planner.configs import TP, splits_on
-from planner.costs import CostModel, OpCost
-from planner.dp import Factor, Problem
-from planner.graph import Graph
+from parashift.planner.configs import TP, splits_on
+from parashift.planner.costs import CostModel, OpCost
+from parashift.planner.dp import Factor, Problem
+from parashift.planner.graph import Graph
 
 
 @dataclass(frozen=True)

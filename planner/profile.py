@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import time
 
+from parashift.planner.builders import gpt_graph
+from parashift.planner.comm import CommModel, default_comm
+from parashift.planner.graph import Graph
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt
-
-from planner.builders import gpt_graph
-from planner.comm import CommModel, default_comm
-from planner.graph import Graph
 
 
 class DeviceModel(BaseModel):

@@ -18,8 +18,7 @@ import math
 from collections.abc import Sequence
 
 import numpy as np
-
-from planner.dp import Problem
+from parashift.planner.dp import Problem
 
 
 def repair(problem: Problem, memory: Sequence[np.ndarray], fast: Sequence[int], fitting: Sequence[int],

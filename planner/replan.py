@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from specs.plan import Plan
+from parashift.specs.plan import Plan
 
 
 @dataclass(frozen=True)

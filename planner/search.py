@@ -22,23 +22,23 @@ from __future__ import annotations
 
 import math
 
-from planner import dp
-from planner.baselines import baseline_assign, baseline_meshes
-from planner.configs import counts_mesh, dtensor_placements
-from planner.costs import CostModel
-from planner.execution import executable
-from planner.graph import Graph
-from planner.outer import branch_and_bound, enumerate_specs, evaluate_all
-from planner.problem import UNPIPELINED, tie_factors
-from planner.profile import ModelProfile, profile_graph
-from planner.stage import (
+from parashift.planner import dp
+from parashift.planner.baselines import baseline_assign, baseline_meshes
+from parashift.planner.configs import counts_mesh, dtensor_placements
+from parashift.planner.costs import CostModel
+from parashift.planner.execution import executable
+from parashift.planner.graph import Graph
+from parashift.planner.outer import branch_and_bound, enumerate_specs, evaluate_all
+from parashift.planner.problem import UNPIPELINED, tie_factors
+from parashift.planner.profile import ModelProfile, profile_graph
+from parashift.planner.stage import (
     Candidate,
     Method,
     StageResult,
     solve_stage,
     stage_result,
 )
-from specs.plan import OpPlacement, Plan
+from parashift.specs.plan import OpPlacement, Plan
 
 
 def _as_profile(source: ModelProfile | Graph, device_kind: str, devices_per_node: int | None) -> ModelProfile:

@@ -16,16 +16,15 @@ from itertools import product
 from typing import Literal
 
 import numpy as np
-
-from planner import dp
-from planner.configs import Mesh, mesh_configs, named_mesh
-from planner.constrained import MAX_SOLVES, LagrangianSearch
-from planner.costs import CostModel
-from planner.dp import Domains, restrict, unrestrict
-from planner.graph import Graph, Op
-from planner.problem import UNPIPELINED, OpBreakdown, Weights, breakdown, build_problem, tie_factors
-from planner.profile import ModelProfile
-from planner.repair import repair
+from parashift.planner import dp
+from parashift.planner.configs import Mesh, mesh_configs, named_mesh
+from parashift.planner.constrained import MAX_SOLVES, LagrangianSearch
+from parashift.planner.costs import CostModel
+from parashift.planner.dp import Domains, restrict, unrestrict
+from parashift.planner.graph import Graph, Op
+from parashift.planner.problem import UNPIPELINED, OpBreakdown, Weights, breakdown, build_problem, tie_factors
+from parashift.planner.profile import ModelProfile
+from parashift.planner.repair import repair
 
 Method = Literal["dp", "exhaustive"]
 

@@ -3,10 +3,10 @@ as a named global tensor, which slice of it each rank holds under a plan, how sl
 stored, and what a new plan's ranks read from a checkpoint (`reshard_plan`, from its manifest
 alone)."""
 
-from ptc.codec import dtype_name
-from ptc.layout import Layout, Slice, TensorLayout, data_parallel_layout, mesh_layout
-from ptc.regions import intersect
-from ptc.reshard import check_usable, reshard_plan
+from parashift.ptc.codec import dtype_name
+from parashift.ptc.layout import Layout, Slice, TensorLayout, data_parallel_layout, mesh_layout
+from parashift.ptc.regions import intersect
+from parashift.ptc.reshard import check_usable, reshard_plan
 
 __all__ = [
     "Layout",

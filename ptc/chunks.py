@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from math import prod
 
-from ptc.layout import Slice, shard_extent
+from parashift.ptc.layout import Slice, shard_extent
 
 # Split points of every degree up to 8 (the devices of one node on the common GPU servers) are
 # chunk edges. A dim of n elements has at most 1+2+...+7 = 28 of them inside, so this adds few

@@ -10,11 +10,10 @@ that its live tensors hold the boxes that Layout says.
 from __future__ import annotations
 
 import torch
+from parashift.ptc.codec import dtype_name
+from parashift.ptc.layout import Slice
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-from ptc.codec import dtype_name
-from ptc.layout import Slice
 
 # tensor name -> (global shape, dtype name, this rank's box)
 Holdings = dict[str, tuple[tuple[int, ...], str, Slice]]

@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from math import prod
 
-from ptc.codec import torch_dtype
+from parashift.ptc.codec import torch_dtype
 
 # Mesh axes, outermost first, in the order torch's DeviceMesh numbers ranks (row-major).
 MESH_AXES = ("pp", "dp", "tp")

@@ -15,12 +15,11 @@ from dataclasses import dataclass, field
 from itertools import accumulate
 
 import torch
-
-from ptc.chunks import row_bytes, stored_lengths
-from ptc.codec import tensor_bytes, torch_dtype
-from ptc.layout import Layout, Slice
-from ptc.regions import intersect
-from ptc.transpose import copy_across_transpose
+from parashift.ptc.chunks import row_bytes, stored_lengths
+from parashift.ptc.codec import tensor_bytes, torch_dtype
+from parashift.ptc.layout import Layout, Slice
+from parashift.ptc.regions import intersect
+from parashift.ptc.transpose import copy_across_transpose
 
 LOCAL, REMOTE = "local", "remote"
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ptc.layout import Slice
+from parashift.ptc.layout import Slice
 
 
 def intersect(a: Slice, b: Slice) -> Slice | None:

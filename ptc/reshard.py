@@ -17,11 +17,11 @@ from __future__ import annotations
 import logging
 from math import prod
 
-from ptc.chunks import row_bytes
-from ptc.codec import torch_dtype
-from ptc.layout import Layout, Slice
-from ptc.reconfig import RankReads, ReconfigPlan, StoredBox, rank_reads, reconfig_plan
-from storage import (
+from parashift.ptc.chunks import row_bytes
+from parashift.ptc.codec import torch_dtype
+from parashift.ptc.layout import Layout, Slice
+from parashift.ptc.reconfig import RankReads, ReconfigPlan, StoredBox, rank_reads, reconfig_plan
+from parashift.storage import (
     CheckpointNotFound,
     CheckpointStore,
     Manifest,

@@ -15,13 +15,13 @@ from typing import Any
 EXAMPLES_DIR = Path(__file__).resolve().parent
 
 _WHERE = {
-    "CREDENTIAL_KEYS": "specs.base",
-    "SpecError": "specs.loader",
-    "SpecIssue": "specs.loader",
-    "json_schema": "specs.loader",
-    "load_spec": "specs.loader",
-    "parse_spec": "specs.loader",
-    **{name: "specs.models" for name in ("DataSpec", "JobSpec", "ModelSpec", "OptimizerSpec", "ParallelismSpec",
+    "CREDENTIAL_KEYS": "parashift.specs.base",
+    "SpecError": "parashift.specs.loader",
+    "SpecIssue": "parashift.specs.loader",
+    "json_schema": "parashift.specs.loader",
+    "load_spec": "parashift.specs.loader",
+    "parse_spec": "parashift.specs.loader",
+    **{name: "parashift.specs.models" for name in ("DataSpec", "JobSpec", "ModelSpec", "OptimizerSpec", "ParallelismSpec",
                                          "ResourceChange", "ResourcesSpec", "StorageSpec", "TrainingSpec")},
 }
 

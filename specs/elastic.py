@@ -38,9 +38,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Literal, Protocol
 
+from parashift.specs.models import REASONS, JobSpec, Reason, ResourceChange
 from pydantic import BaseModel, Field, model_validator
-
-from specs.models import REASONS, JobSpec, Reason, ResourceChange
 
 # How a segment (one launch of the workers) ended.
 Outcome = Literal["finished", "stopped", "rescaled", "failed", "fatal"]

@@ -22,11 +22,10 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from parashift.models import resolve_section
+from parashift.specs.base import FieldIssues, Loc
+from parashift.specs.models import MODEL_SECTIONS, JobSpec
 from pydantic import BaseModel, ValidationError
-
-from models import resolve_section
-from specs.base import FieldIssues, Loc
-from specs.models import MODEL_SECTIONS, JobSpec
 
 ROOT = "(root)"
 JSON_SCHEMA_DIALECT = "https://json-schema.org/draft/2020-12/schema"

@@ -11,10 +11,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Any, Literal, Self, Union, get_args
 
-from pydantic import Discriminator, Field, Tag, field_validator, model_validator
-
-from models import DEFAULT_FAMILY, spec_sections
-from specs.base import (
+from parashift.models import DEFAULT_FAMILY, spec_sections
+from parashift.specs.base import (
     _BLOCK_NAME,
     _JOB_NAME,
     Loc,
@@ -22,7 +20,8 @@ from specs.base import (
     _raise_if,
     _Section,
 )
-from specs.urls import DATA_SCHEMES, STORAGE_SCHEMES, check_url
+from parashift.specs.urls import DATA_SCHEMES, STORAGE_SCHEMES, check_url
+from pydantic import Discriminator, Field, Tag, field_validator, model_validator
 
 
 def _family_of(value: Any) -> str:

@@ -5,7 +5,7 @@ per job (a lease in storage that every commit is fenced by), and one error table
 Engines deal in bytes here; tensor <-> bytes encoding lives in `ptc/`.
 """
 
-from storage.checkpoints import (
+from parashift.storage.checkpoints import (
     MANIFEST_NAME,
     CheckpointStore,
     JobPaths,
@@ -15,7 +15,7 @@ from storage.checkpoints import (
     job_key,
     rank_object_name,
 )
-from storage.errors import (
+from parashift.storage.errors import (
     CheckpointNotFound,
     ChecksumMismatch,
     MalformedManifest,
@@ -29,8 +29,8 @@ from storage.errors import (
     is_transient,
     translate_error,
 )
-from storage.lease import LEASE_ENV, JobLease, JobLeaseHeld, LeaseLost, LeaseToken
-from storage.manifest import (
+from parashift.storage.lease import LEASE_ENV, JobLease, JobLeaseHeld, LeaseLost, LeaseToken
+from parashift.storage.manifest import (
     FORMAT_VERSION,
     Manifest,
     ObjectRecord,
@@ -41,8 +41,8 @@ from storage.manifest import (
     decode_manifest,
     encode_manifest,
 )
-from storage.objects import ObjectStore, StoreStats
-from storage.stores import job_store, node_tier, open_store
+from parashift.storage.objects import ObjectStore, StoreStats
+from parashift.storage.stores import job_store, node_tier, open_store
 
 __all__ = [
     "FORMAT_VERSION",

@@ -30,8 +30,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any, ClassVar, Protocol
 
 import fsspec
-
-from storage.errors import ObjectNotFound, StorageError, WriteConflict
+from parashift.storage.errors import ObjectNotFound, StorageError, WriteConflict
 
 # Suffix of the temporary files that local writes rename into place; listings hide them.
 TMP_SUFFIX = ".parashift-tmp"

@@ -26,9 +26,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
 from crc32c import crc32c
-from pydantic import ValidationError
-
-from storage.errors import (
+from parashift.storage.errors import (
     CheckpointNotFound,
     ChecksumMismatch,
     MalformedManifest,
@@ -37,8 +35,8 @@ from storage.errors import (
     StorageError,
     TierUnusable,
 )
-from storage.lease import LeaseToken, check_fence, lease_key
-from storage.manifest import (
+from parashift.storage.lease import LeaseToken, check_fence, lease_key
+from parashift.storage.manifest import (
     Manifest,
     ManifestRefused,
     ObjectRecord,
@@ -48,7 +46,8 @@ from storage.manifest import (
     decode_manifest,
     encode_manifest,
 )
-from storage.objects import ObjectStore
+from parashift.storage.objects import ObjectStore
+from pydantic import ValidationError
 
 logger = logging.getLogger("parashift.storage")
 

@@ -49,8 +49,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-from storage.errors import ObjectNotFound, StorageError, WriteConflict
-from storage.objects import ObjectStore
+from parashift.storage.errors import ObjectNotFound, StorageError, WriteConflict
+from parashift.storage.objects import ObjectStore
 
 logger = logging.getLogger("parashift.storage")
 

@@ -18,8 +18,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, fields
 from typing import Any, TypeVar
 
-from storage.backends import TMP_SUFFIX, Backend, LocalFiles, open_backend, tag_of
-from storage.errors import StorageError, is_transient, translate_error
+from parashift.storage.backends import TMP_SUFFIX, Backend, LocalFiles, open_backend, tag_of
+from parashift.storage.errors import StorageError, is_transient, translate_error
 
 logger = logging.getLogger("parashift.storage")
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Protocol
 
-from storage.checkpoints import CheckpointStore
-from storage.objects import MAX_TRIES, ObjectStore
+from parashift.storage.checkpoints import CheckpointStore
+from parashift.storage.objects import MAX_TRIES, ObjectStore
 
 
 class StorageSettings(Protocol):

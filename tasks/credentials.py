@@ -14,7 +14,7 @@ import os
 import re
 from collections.abc import Iterator
 
-from specs import JobSpec
+from parashift.specs import JobSpec
 
 _ENV_NAME = re.compile(r"^[A-Z_][A-Z0-9_]*$")
 

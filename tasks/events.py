@@ -24,11 +24,10 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from parashift.specs import JobSpec
+from parashift.specs.elastic import ResourceEvent, admit, apply_change
+from parashift.storage import JobPaths, ObjectStore, StorageError, open_store
 from pydantic import ValidationError
-
-from specs import JobSpec
-from specs.elastic import ResourceEvent, admit, apply_change
-from storage import JobPaths, ObjectStore, StorageError, open_store
 
 EVENT = "parashift.resources.changed"
 log = logging.getLogger("parashift.events")

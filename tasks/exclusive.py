@@ -22,12 +22,11 @@ import contextlib
 import logging
 from collections.abc import Iterator
 
+from parashift.specs import JobSpec
+from parashift.storage import LEASE_ENV, JobLease, open_store
+from parashift.tasks.credentials import environment, storage_environment
 from prefect.client.orchestration import get_client
 from prefect.concurrency.sync import concurrency
-
-from specs import JobSpec
-from storage import LEASE_ENV, JobLease, open_store
-from tasks.credentials import environment, storage_environment
 
 LEASE_S = 60.0
 WAIT_S = 10.0

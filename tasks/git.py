@@ -9,13 +9,12 @@ import tempfile
 from datetime import UTC, datetime
 from pathlib import Path
 
+from parashift.specs import JobSpec
+from parashift.storage import JobPaths, open_store
+from parashift.tasks.retry import retry_if_it_may_help
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 from pydantic import BaseModel
-
-from specs import JobSpec
-from storage import JobPaths, open_store
-from tasks.retry import retry_if_it_may_help
 
 GIT_TIMEOUT_S = 120
 

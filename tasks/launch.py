@@ -13,26 +13,25 @@ import threading
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
 
+from parashift.specs import JobSpec
+from parashift.specs.elastic import JobState, Replan, ResourceEvent, decide, segment_outcome
+from parashift.specs.plan import Plan
+from parashift.storage import JobPaths, open_store
+from parashift.tasks import progress
+from parashift.tasks.artifacts import TrainingProgress
+from parashift.tasks.credentials import environment, storage_environment
+from parashift.tasks.events import ResourceWatcher
+from parashift.tasks.nodes import node_launch
+from parashift.tasks.records import SegmentResult
+from parashift.tasks.worker_log import WorkerLog
+from parashift.trainer.events import StartEvent, StepEvent, WorkerEvent
+from parashift.trainer.launch import LaunchResult, RunningWorkers, launch_workers
+from parashift.trainer.warm_launch import launch_warm
+from parashift.trainer.warm_pool import WarmPool
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 from prefect.logging import get_run_logger
 from prefect.states import Failed, State
-
-from specs import JobSpec
-from specs.elastic import JobState, Replan, ResourceEvent, decide, segment_outcome
-from specs.plan import Plan
-from storage import JobPaths, open_store
-from tasks import progress
-from tasks.artifacts import TrainingProgress
-from tasks.credentials import environment, storage_environment
-from tasks.events import ResourceWatcher
-from tasks.nodes import node_launch
-from tasks.records import SegmentResult
-from tasks.worker_log import WorkerLog
-from trainer.events import StartEvent, StepEvent, WorkerEvent
-from trainer.launch import LaunchResult, RunningWorkers, launch_workers
-from trainer.warm_launch import launch_warm
-from trainer.warm_pool import WarmPool
 
 # torchrun's summary of a failed worker: "rank : 1 (local_rank: 1)" and "exitcode : -9 (pid: 123)"
 _FAILED_RANK = re.compile(r"^\s*rank\s*:\s*(\d+)")

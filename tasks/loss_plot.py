@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import io
 
-from tasks.records import SegmentResult
+from parashift.tasks.records import SegmentResult
 
 
 def loss_curve_png(job_id: str, segments: list[SegmentResult]) -> bytes:

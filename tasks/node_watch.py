@@ -15,9 +15,9 @@ import threading
 import time
 from collections.abc import Iterator
 
-from specs import JobSpec
-from specs.elastic import ResourceEvent, rejoined_nodes
-from tasks.events import ResourceWatcher, api_url, emit_resource_change
+from parashift.specs import JobSpec
+from parashift.specs.elastic import ResourceEvent, rejoined_nodes
+from parashift.tasks.events import ResourceWatcher, api_url, emit_resource_change
 
 log = logging.getLogger("parashift.nodes")
 

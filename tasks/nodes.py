@@ -23,14 +23,13 @@ import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from parashift.specs import JobSpec
+from parashift.specs.plan import Plan
+from parashift.storage import JobPaths, LeaseToken, ObjectStore, StorageError
+from parashift.tasks.artifacts import job_tags, node_tag
+from parashift.trainer.events import WorkerEvent
+from parashift.trainer.launch import LaunchResult, NodeRendezvous, RunningWorkers
 from pydantic import BaseModel, Field
-
-from specs import JobSpec
-from specs.plan import Plan
-from storage import JobPaths, LeaseToken, ObjectStore, StorageError
-from tasks.artifacts import job_tags, node_tag
-from trainer.events import WorkerEvent
-from trainer.launch import LaunchResult, NodeRendezvous, RunningWorkers
 
 # How long the other nodes wait for node 0's endpoint, and the job for a node's launcher to start.
 RENDEZVOUS_WAIT_S = 180.0

@@ -2,25 +2,24 @@
 
 from __future__ import annotations
 
+from parashift.planner.measured import MeasuredProfile, measured_options, plan_measured
+from parashift.planner.replan import Option, comparison, pick
+from parashift.planner.search import plan_model, plan_options
+from parashift.specs import JobSpec
+from parashift.specs.plan import Plan
+from parashift.tasks.artifacts import artifact_key
+from parashift.tasks.credentials import environment, storage_environment
+from parashift.tasks.profile import load_profile
+from parashift.tasks.records import ModelSummary
+from parashift.tasks.reshard import job_reshard_plan
 from prefect import task
 from prefect.artifacts import create_table_artifact
 from prefect.logging import get_run_logger
 
-from planner.measured import MeasuredProfile, measured_options, plan_measured
-from planner.replan import Option, comparison, pick
-from planner.search import plan_model, plan_options
-from specs import JobSpec
-from specs.plan import Plan
-from tasks.artifacts import artifact_key
-from tasks.credentials import environment, storage_environment
-from tasks.profile import load_profile
-from tasks.records import ModelSummary
-from tasks.reshard import job_reshard_plan
-
 
 def executable_reasons(spec: JobSpec, plan: Plan) -> list[str]:
     """Why the trainer cannot run `plan` on this model and batch (empty when it can)."""
-    from trainer.mesh import job_plan_refusals
+    from parashift.trainer.mesh import job_plan_refusals
 
     return job_plan_refusals(plan, spec)
 

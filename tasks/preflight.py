@@ -15,11 +15,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
+from parashift.specs import JobSpec
+from parashift.tasks.profile import exact_parameter_count
 from prefect import task
 from prefect.cache_policies import NO_CACHE
-
-from specs import JobSpec
-from tasks.profile import exact_parameter_count
 
 T = TypeVar("T")
 
@@ -98,7 +97,7 @@ def _first_line(error: BaseException) -> str:
 
 
 def _describe_storage_error(error: BaseException) -> str:
-    from storage import ObjectNotFound, StoragePermissionError
+    from parashift.storage import ObjectNotFound, StoragePermissionError
 
     text = _first_line(error)
     if "credential" in text.lower():
@@ -115,7 +114,7 @@ def _describe_storage_error(error: BaseException) -> str:
 def check_storage(spec: JobSpec, timeout_s: float = PROBE_TIMEOUT_S) -> list[Problem]:
     """Storage every process of the job can share: a write, read and delete of a probe object
     under the job's folder; the node-local tier writable."""
-    from storage import JobPaths, open_store
+    from parashift.storage import JobPaths, open_store
 
     url = spec.storage.url
     if _protocol(url) == "memory":
@@ -157,8 +156,7 @@ def check_storage(spec: JobSpec, timeout_s: float = PROBE_TIMEOUT_S) -> list[Pro
 def check_data(spec: JobSpec, timeout_s: float = PROBE_TIMEOUT_S) -> list[Problem]:
     """A corpus that resolves to at least one non-empty file and holds one whole sample."""
     import fsspec
-
-    from trainer.data import BUILTIN_STDLIB, builtin_corpus_files
+    from parashift.trainer.data import BUILTIN_STDLIB, builtin_corpus_files
 
     data = spec.data
     if _protocol(data.url) == "memory":
@@ -213,7 +211,7 @@ def _vocab_problem(spec: JobSpec, vocab_size: int, whose: str) -> list[Problem]:
 
 def check_tokenizer(spec: JobSpec, timeout_s: float = PROBE_TIMEOUT_S) -> list[Problem]:
     """The spec's tokenizer loads, and the model's vocabulary holds every id it makes."""
-    from corpus import load_tokenizer
+    from parashift.corpus import load_tokenizer
 
     data = spec.data
     try:
@@ -227,7 +225,7 @@ def check_prepared(spec: JobSpec, timeout_s: float = PROBE_TIMEOUT_S) -> list[Pr
     """A prepared dataset: its manifest under its digest, every shard there at its size, a
     dtype that holds its vocabulary, the tokenizer the spec names (if it names one), a model
     vocabulary that holds its ids, and at least one sample. No shard is read."""
-    from corpus import DatasetError, load_tokenizer, open_dataset
+    from parashift.corpus import DatasetError, load_tokenizer, open_dataset
 
     data = spec.data
     try:

@@ -9,18 +9,17 @@ from __future__ import annotations
 import hashlib
 import json
 
+from parashift.models import family_of
+from parashift.planner.comm import CommModel, comm_model_from_timings
+from parashift.planner.measured import MeasuredProfile, profile_from_measurements
+from parashift.planner.profile import ModelProfile, profile_graph, share_cores
+from parashift.specs import JobSpec
+from parashift.storage import JobPaths, open_store
+from parashift.tasks.credentials import environment, storage_environment
+from parashift.tasks.records import ModelSummary
+from parashift.tasks.retry import retry_if_it_may_help
 from prefect import task
 from prefect.logging import get_run_logger
-
-from models import family_of
-from planner.comm import CommModel, comm_model_from_timings
-from planner.measured import MeasuredProfile, profile_from_measurements
-from planner.profile import ModelProfile, profile_graph, share_cores
-from specs import JobSpec
-from storage import JobPaths, open_store
-from tasks.credentials import environment, storage_environment
-from tasks.records import ModelSummary
-from tasks.retry import retry_if_it_may_help
 
 
 def needs_measurement(spec: JobSpec) -> bool:
@@ -64,7 +63,7 @@ def exact_parameter_count(spec: JobSpec) -> tuple[int, int]:
 def build_profile(spec: JobSpec, comm: CommModel | None = None) -> ModelProfile | MeasuredProfile:
     """The planner's profile: GEMM rates timed here and collectives timed on the job's own
     workers when the planner will choose; the defaults for the device kind otherwise."""
-    from trainer.launch import measure_comm_timings
+    from parashift.trainer.launch import measure_comm_timings
 
     measure = needs_measurement(spec)
     res, m = spec.resources, spec.model
@@ -86,7 +85,7 @@ def build_profile(spec: JobSpec, comm: CommModel | None = None) -> ModelProfile 
 def measured_profile(spec: JobSpec, comm: CommModel | None) -> MeasuredProfile:
     """A model without an op graph (the hf family) measured here: one sequence's forward and
     backward, what autograd keeps, its parameters (planner/measured.py)."""
-    from trainer.measure_model import measure_model
+    from parashift.trainer.measure_model import measure_model
 
     res, train = spec.resources, spec.training
     measured = measure_model(spec.model, train.micro_batch, spec.parallelism.precision, train.seed)
@@ -97,9 +96,9 @@ def measured_profile(spec: JobSpec, comm: CommModel | None) -> MeasuredProfile:
 def measure_on_nodes(spec: JobSpec) -> dict:
     """Collectives timed on the job's own nodes, within a node and across nodes: one launcher
     per node running `trainer.measure_comm` (tasks/nodes.py)."""
-    from specs.plan import Plan
-    from tasks.nodes import node_launch
-    from trainer.events import CommTimingsEvent
+    from parashift.specs.plan import Plan
+    from parashift.tasks.nodes import node_launch
+    from parashift.trainer.events import CommTimingsEvent
 
     with environment(storage_environment(spec)):
         store = open_store(spec.storage)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from trainer.events import WorkerEvent
+from parashift.trainer.events import WorkerEvent
 
 Listener = Callable[[WorkerEvent], None]
 _listeners: list[Listener] = []

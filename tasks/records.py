@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
+from parashift.specs.elastic import Outcome
 from pydantic import BaseModel, Field
-
-from specs.elastic import Outcome
 
 
 class ModelSummary(BaseModel):

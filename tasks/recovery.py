@@ -4,13 +4,12 @@ change is, and when there is none to make, is the elastic policy's (`specs.elast
 
 from __future__ import annotations
 
+from parashift.specs import JobSpec
+from parashift.specs.elastic import Replan, ResourceEvent
+from parashift.tasks.events import ResourceWatcher, api_url, emit_resource_change
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 from prefect.logging import get_run_logger
-
-from specs import JobSpec
-from specs.elastic import Replan, ResourceEvent
-from tasks.events import ResourceWatcher, api_url, emit_resource_change
 
 
 class TrainingFailed(RuntimeError):

@@ -5,16 +5,15 @@ from __future__ import annotations
 
 import base64
 
+from parashift.specs import JobSpec
+from parashift.storage import JobPaths, StorageError, open_store
+from parashift.tasks.artifacts import artifact_key
+from parashift.tasks.credentials import environment, storage_environment
+from parashift.tasks.loss_plot import loss_curve_png
+from parashift.tasks.records import ModelSummary, SegmentResult, TrainSummary
 from prefect import task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.logging import get_run_logger
-
-from specs import JobSpec
-from storage import JobPaths, StorageError, open_store
-from tasks.artifacts import artifact_key
-from tasks.credentials import environment, storage_environment
-from tasks.loss_plot import loss_curve_png
-from tasks.records import ModelSummary, SegmentResult, TrainSummary
 
 _SPARKS = "▁▂▃▄▅▆▇█"
 

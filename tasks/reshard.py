@@ -6,20 +6,19 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from parashift.specs import JobSpec
+from parashift.specs.plan import Plan
+from parashift.storage import job_store, node_tier
+from parashift.tasks.artifacts import artifact_key
+from parashift.tasks.credentials import environment, storage_environment
+from parashift.tasks.records import ReshardSummary
+from parashift.tasks.retry import retry_if_it_may_help
 from prefect import task
 from prefect.artifacts import create_table_artifact
 from prefect.logging import get_run_logger
 
-from specs import JobSpec
-from specs.plan import Plan
-from storage import job_store, node_tier
-from tasks.artifacts import artifact_key
-from tasks.credentials import environment, storage_environment
-from tasks.records import ReshardSummary
-from tasks.retry import retry_if_it_may_help
-
 if TYPE_CHECKING:
-    from ptc.reconfig import ReconfigPlan
+    from parashift.ptc.reconfig import ReconfigPlan
 
 
 def job_reshard_plan(spec: JobSpec, plan: Plan) -> ReconfigPlan | None:
@@ -28,9 +27,8 @@ def job_reshard_plan(spec: JobSpec, plan: Plan) -> ReconfigPlan | None:
     comes from the trainer (a model on the meta device); the reads from its manifest alone
     (`ptc.reshard_plan`: no process group, no torch.distributed runtime)."""
     import torch
-
-    from ptc import reshard_plan
-    from trainer.layout import rng_state_bytes, state_layout
+    from parashift.ptc import reshard_plan
+    from parashift.trainer.layout import rng_state_bytes, state_layout
 
     nodes = spec.resources.nodes
     tier = node_tier(spec.storage.local_tier, "local") if nodes is None or spec.storage.local_tier else None

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from storage import StorageError, is_transient
+from parashift.storage import StorageError, is_transient
 
 # Failures of the input: retrying them repeats them.
 PERMANENT = (ValueError, TypeError, KeyError, FileNotFoundError, PermissionError, ImportError, NotImplementedError)

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from parashift.specs import JobSpec, load_spec
+from parashift.specs.loader import resolve_model
 from prefect import task
-
-from specs import JobSpec, load_spec
-from specs.loader import resolve_model
 
 
 @task(name="validate-spec")

@@ -10,7 +10,7 @@ import re
 from collections.abc import Callable
 from typing import Literal
 
-from trainer.events import (
+from parashift.trainer.events import (
     CheckpointEvent,
     CheckpointStallEvent,
     FatalEvent,

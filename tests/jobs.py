@@ -8,13 +8,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
-from specs import JobSpec
-from specs.plan import Plan
-from storage import CheckpointStore, job_store
-from trainer.checkpoint import load_tensors
-from trainer.launch import LaunchResult, descendants, kill_tree
-from trainer.warm_pool import WarmPool
+from parashift.specs import JobSpec
+from parashift.specs.plan import Plan
+from parashift.storage import CheckpointStore, job_store
+from parashift.trainer.checkpoint import load_tensors
+from parashift.trainer.launch import LaunchResult, descendants, kill_tree
+from parashift.trainer.warm_pool import WarmPool
 
 __all__ = ["descendants", "kill_tree"]  # tests kill what they started, by PID tree
 

@@ -4,11 +4,10 @@ saved as each rank of the layout would save its boxes."""
 from __future__ import annotations
 
 import torch
-
-from ptc import Layout
-from ptc.layout import Slice
-from storage import CheckpointStore
-from trainer.checkpoint import Checkpointer, build_manifest
+from parashift.ptc import Layout
+from parashift.ptc.layout import Slice
+from parashift.storage import CheckpointStore
+from parashift.trainer.checkpoint import Checkpointer, build_manifest
 
 
 def global_state(layout: Layout) -> dict[str, torch.Tensor]:

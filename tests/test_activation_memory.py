@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from models.gpt.model import GPT, GPTConfig
-from planner.builders import gpt_graph
-from planner.costs import data_parallel_activation_bytes
-from trainer.memory import kept_for_backward
+from parashift.models.gpt.model import GPT, GPTConfig
+from parashift.planner.builders import gpt_graph
+from parashift.planner.costs import data_parallel_activation_bytes
+from parashift.trainer.memory import kept_for_backward
 
 CONFIG = GPTConfig(n_layers=2, d_model=64, n_heads=4, vocab_size=256, seq_len=32)
 

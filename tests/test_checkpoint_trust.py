@@ -10,14 +10,13 @@ from pathlib import Path
 import pytest
 import torch
 from jobs import tiny_spec
-
-from models.gpt.model import GPT, GPTConfig
-from specs.plan import Plan
-from storage import job_store
-from trainer.checkpoint import Checkpointer, CheckpointsUnusable, restore_latest
-from trainer.layout import state_layout
-from trainer.optim import LocalShardAdamW
-from trainer.state import apply_state, collect_state, restore_destinations, rng_state_bytes
+from parashift.models.gpt.model import GPT, GPTConfig
+from parashift.specs.plan import Plan
+from parashift.storage import job_store
+from parashift.trainer.checkpoint import Checkpointer, CheckpointsUnusable, restore_latest
+from parashift.trainer.layout import state_layout
+from parashift.trainer.optim import LocalShardAdamW
+from parashift.trainer.state import apply_state, collect_state, restore_destinations, rng_state_bytes
 
 CPU = torch.device("cpu")
 

@@ -9,15 +9,22 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from parashift.corpus import (
+    DatasetError,
+    PrepareOptions,
+    Tokenizer,
+    load_tokenizer,
+    open_dataset,
+    prepare_dataset,
+)
+from parashift.corpus.dataset import MANIFEST_KEY, DatasetManifest, encode_dataset_manifest
+from parashift.corpus.tokenizer import BYTES_TOKENIZER
+from parashift.specs import JobSpec
+from parashift.tasks.preflight import check_data
+from parashift.trainer.data import InMemoryTokens, SampleStream
 from typer.testing import CliRunner
 
-from corpus import DatasetError, PrepareOptions, Tokenizer, load_tokenizer, open_dataset, prepare_dataset
-from corpus.dataset import MANIFEST_KEY, DatasetManifest, encode_dataset_manifest
-from corpus.tokenizer import BYTES_TOKENIZER
 from parashift.cli import app
-from specs import JobSpec
-from tasks.preflight import check_data
-from trainer.data import InMemoryTokens, SampleStream
 
 SAMPLE = "def greet(name):\n    return f'hello, {name}!'  # ünïcode too\n"
 
@@ -222,7 +229,7 @@ def test_a_tokenizer_that_is_not_one_is_refused(tmp_path: Path) -> None:
 
 
 def test_windows_within_documents_never_cross_an_end(tmp_path: Path) -> None:
-    from trainer.data import windows_within
+    from parashift.trainer.data import windows_within
 
     rng = np.random.default_rng(0)
     ends = np.cumsum(rng.integers(1, 60, 200))
@@ -247,8 +254,7 @@ def test_workers_train_within_documents_alike_on_any_device_count(tmp_path: Path
     """A job on a prepared dataset with `samples: documents`: the same losses on 1 and 3
     workers (the global order does not depend on the device count)."""
     from jobs import run, tiny_spec
-
-    from specs.plan import Plan
+    from parashift.specs.plan import Plan
 
     corpus = write_corpus(tmp_path / "corpus")
     prepare_dataset(f"file://{corpus}", f"file://{tmp_path}/ds", BYTES_TOKENIZER, group_bytes=1)
@@ -265,9 +271,8 @@ def test_a_damaged_shard_stops_training_in_one_line_when_a_worker_reads_it(tmp_p
     """Opening a dataset reads no shard; the first worker to read a damaged chunk says which,
     once, and the job ends (fatal: no retry reads other bytes), never training on it."""
     from jobs import tiny_spec
-
-    from specs.plan import Plan
-    from trainer.launch import launch_workers
+    from parashift.specs.plan import Plan
+    from parashift.trainer.launch import launch_workers
 
     corpus = write_corpus(tmp_path / "corpus", files=1)
     manifest = prepare_dataset(f"file://{corpus}", f"file://{tmp_path}/ds", BYTES_TOKENIZER)

@@ -5,9 +5,8 @@ from __future__ import annotations
 import numpy as np
 from hypothesis import given
 from hypothesis import strategies as st
-
-from specs import DataSpec
-from trainer.data import SampleStream, load_tokens, micro_batches, rank_share
+from parashift.specs import DataSpec
+from parashift.trainer.data import SampleStream, load_tokens, micro_batches, rank_share
 
 
 @given(global_batch=st.integers(1, 64), world=st.integers(1, 8))

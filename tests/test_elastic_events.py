@@ -20,11 +20,10 @@ from typing import Any
 
 import pytest
 from jobs import assert_each_sample_once, tiny_spec
+from parashift.corpus import open_dataset
+from parashift.specs import JobSpec
+from parashift.trainer.events import StartEvent, StepEvent, WorkerEvent
 from test_flow import read_artifact
-
-from corpus import open_dataset
-from specs import JobSpec
-from trainer.events import StartEvent, StepEvent, WorkerEvent
 
 # A job long enough that an event emitted at its 3rd step arrives long before its end.
 LONG = {"steps": 400, "checkpoint_every": 50, "log_every": 1}
@@ -82,8 +81,8 @@ class SignalRank:
 
 def run_flow(spec: JobSpec, listener: Callable[[WorkerEvent], None]) -> Any:
     """The flow run's final state (its result is the TrainSummary)."""
-    from flows.train import train_job
-    from tasks import progress
+    from parashift.flows.train import train_job
+    from parashift.tasks import progress
 
     progress.add_listener(listener)
     try:
@@ -143,10 +142,9 @@ def run_tags(state: Any) -> list[str]:
 def test_events_are_ordered_by_epoch_and_scoped_to_their_job(prefect_server: None, tmp_path: Path) -> None:
     """`parashift scale` reaches a watcher through the server; a lower epoch arriving after a
     higher one, a malformed payload and another job's event change nothing."""
+    from parashift.storage import ObjectStore
+    from parashift.tasks.events import EventLog, ResourceEvent, ResourceWatcher, emit_resource_change
     from prefect.settings import PREFECT_API_URL
-
-    from storage import ObjectStore
-    from tasks.events import EventLog, ResourceEvent, ResourceWatcher, emit_resource_change
 
     store = ObjectStore(f"file://{tmp_path}/store")
     watcher = ResourceWatcher("watched", EventLog(store, "watched"))
@@ -177,8 +175,8 @@ def prepared_corpus(tmp_path: Path) -> tuple[dict[str, Any], int]:
     byte-level BPE trained on them: the `data` section and the model vocabulary it needs."""
     import sysconfig
 
-    from corpus import prepare_dataset, train_bpe
-    from corpus.documents import expand_inputs
+    from parashift.corpus import prepare_dataset, train_bpe
+    from parashift.corpus.documents import expand_inputs
 
     inputs = f"file://{sysconfig.get_paths()['stdlib']}/a[bs]*.py"
     tokenizer = train_bpe((Path(u.removeprefix("file://")).read_text() for u in expand_inputs(inputs)), 512)
@@ -191,7 +189,7 @@ def test_events_rescale_a_running_job_and_losses_match_a_static_run(prefect_serv
     """2 -> 3 -> 1 devices by events sent while the job trains on a prepared (streamed)
     dataset; every step's loss equals the static run's, and every sample of each epoch is
     trained exactly once (the workers' sample log)."""
-    from tasks.events import ResourceEvent, emit_resource_change
+    from parashift.tasks.events import ResourceEvent, emit_resource_change
 
     data, vocab = prepared_corpus(tmp_path)
     static = run_flow(tiny_spec("static-events", f"file://{tmp_path}/static", training=LONG, data=data,
@@ -301,7 +299,7 @@ def test_warm_workers_outlive_a_change_and_replace_a_killed_rank(prefect_server:
     processes plus one; a SIGKILL of one rank is a failure the job recovers from on 2 devices
     (that process replaced). Every step's loss equals the static run's; every sample of each
     epoch is trained once."""
-    from tasks.events import ResourceEvent, emit_resource_change
+    from parashift.tasks.events import ResourceEvent, emit_resource_change
 
     static = run_flow(tiny_spec("static-warm", f"file://{tmp_path}/static", training=LONG), lambda e: None).result()
     monkeypatch.setenv("PARASHIFT_SAMPLE_LOG", str(tmp_path / "samples"))

@@ -7,10 +7,8 @@ import logging
 from typing import Any
 
 import pytest
-from pydantic import ValidationError
-
-from specs import JobSpec
-from specs.elastic import (
+from parashift.specs import JobSpec
+from parashift.specs.elastic import (
     REASONS,
     Fail,
     Ignore,
@@ -25,7 +23,8 @@ from specs.elastic import (
     rejoined_nodes,
     segment_outcome,
 )
-from tasks.records import SegmentResult
+from parashift.tasks.records import SegmentResult
+from pydantic import ValidationError
 
 
 def job_spec(**sections: Any) -> JobSpec:
@@ -67,7 +66,7 @@ def test_another_jobs_event_is_ignored() -> None:
 
 
 def test_ignored_events_are_logged_with_the_reason(caplog: pytest.LogCaptureFixture) -> None:
-    from tasks.events import ResourceWatcher
+    from parashift.tasks.events import ResourceWatcher
 
     watcher = ResourceWatcher("policy", logger=logging.getLogger("test.policy"))
     with caplog.at_level(logging.INFO, logger="test.policy"):

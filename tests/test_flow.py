@@ -31,7 +31,7 @@ def read_artifact(key: str):
 
 
 def test_train_job_flow_trains_checkpoints_and_publishes(prefect_server: None, tmp_path: Path) -> None:
-    from flows.train import train_job
+    from parashift.flows.train import train_job
 
     spec = tiny_spec("flow-job", f"file://{tmp_path}/store", training={"steps": 8})
     summary = train_job(spec)
@@ -62,7 +62,7 @@ async def tags_of_run(state: Any) -> list[str]:
 def test_scripted_elasticity_matches_a_static_run(prefect_server: None, tmp_path: Path) -> None:
     """2 -> 3 -> 1 devices with the same global batch gives the static run's loss at every step:
     uneven shares (3, 3, 2) included, and the data position carries across every change."""
-    from flows.train import train_job
+    from parashift.flows.train import train_job
 
     static = train_job(tiny_spec("static", f"file://{tmp_path}/static"))
     state = train_job(
@@ -112,13 +112,44 @@ def test_readme_run_command_trains_the_default_spec(tmp_path: Path) -> None:
     assert committed == ["00000040", "00000060"]
 
 
+def test_the_embedded_api_may_start_slower_than_prefects_default(tmp_path: Path) -> None:
+    """On a busy machine Prefect's ephemeral API took over its default 20 s to answer, and the
+    first `parashift run` failed "Timed out while attempting to connect". Simulated here: the API
+    server's process (the one Prefect marks PREFECT__SERVER_EPHEMERAL) sleeps 25 s before it
+    starts, no startup timeout in the environment; the run gets through to its flow, which
+    refuses the job at once (this test holds the job's storage lease), not a timeout."""
+    from parashift.storage import ObjectStore
+    from parashift.storage.lease import JobLease
+
+    hooks = tmp_path / "hooks"
+    hooks.mkdir()
+    (hooks / "sitecustomize.py").write_text(
+        "import os, time\nif os.environ.get('PREFECT__SERVER_EPHEMERAL') == '1':\n    time.sleep(25)\n")
+    spec = tmp_path / "job.yaml"
+    spec.write_text("name: slow-api\nmodel: {n_layers: 1, d_model: 32, n_heads: 2, seq_len: 32}\n"
+                    f"data: {{max_bytes: 100000}}\nstorage: {{url: 'file://{tmp_path}/store'}}\n")
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("PREFECT_API") and k != "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"}
+    env["PREFECT_HOME"] = str(tmp_path / "prefect-home")
+    env["PYTHONPATH"] = os.pathsep.join([str(hooks), *filter(None, [env.get("PYTHONPATH")])])
+    lease = JobLease(ObjectStore(f"file://{tmp_path}/store"), "slow-api", ttl_s=600)
+    lease.acquire()
+    try:
+        done = subprocess.run([str(Path(sys.executable).with_name("parashift")), "run", str(spec)], cwd=tmp_path,
+                              env=env, capture_output=True, text=True, timeout=400)
+    finally:
+        lease.release()
+    output = done.stdout + done.stderr
+    assert "Timed out" not in output, output[-3000:]
+    assert done.returncode == 1 and "job slow-api is already running" in output, output[-3000:]
+
+
 def test_s3_credentials_come_from_a_prefect_secret_block(
     prefect_server: None, s3_endpoint: str, s3_bucket: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """No AWS variables in the environment: the flow and its workers get them from the block."""
+    from parashift.flows.train import train_job
     from prefect.blocks.system import Secret
-
-    from flows.train import train_job
 
     creds = {key: os.environ[key] for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION")}
     Secret(value=creds).save("parashift-test-s3", overwrite=True)
@@ -228,8 +259,8 @@ def test_a_killed_parashift_run_does_not_block_the_next(tmp_path: Path) -> None:
 
 
 def test_a_stopped_job_ends_in_a_state_named_stopped(prefect_server: None, tmp_path: Path) -> None:
-    from flows.train import train_job
-    from tasks import launch
+    from parashift.flows.train import train_job
+    from parashift.tasks import launch
 
     spec = tiny_spec("stop-state", f"file://{tmp_path}/store", training={"steps": 200})
     launch.interrupt("a test asked")  # before the launch: the workers stop at their first boundary
@@ -245,10 +276,10 @@ def test_a_stopped_job_ends_in_a_state_named_stopped(prefect_server: None, tmp_p
 
 def test_parashift_stop_asks_the_job_to_stop(tmp_path: Path) -> None:
     """`parashift stop SPEC` leaves the stop object the workers poll (honoured in test_train_resume)."""
+    from parashift.storage import JobPaths, ObjectStore
     from typer.testing import CliRunner
 
     from parashift.cli import app
-    from storage import JobPaths, ObjectStore
 
     spec = tmp_path / "job.yaml"
     spec.write_text(f"name: some-job\nstorage: {{url: 'file://{tmp_path}/store'}}\n")
@@ -260,9 +291,9 @@ def test_parashift_stop_asks_the_job_to_stop(tmp_path: Path) -> None:
 def test_auto_strategy_measures_on_real_workers_and_plans(prefect_server: None, tmp_path: Path) -> None:
     """strategy auto: GEMM rates timed here, collectives timed on the job's own 2 workers, the
     profile cached in storage, the planner's plan published as an artifact and executed."""
-    from flows.train import train_job
-    from planner.profile import ModelProfile
-    from storage import open_store
+    from parashift.flows.train import train_job
+    from parashift.planner.profile import ModelProfile
+    from parashift.storage import open_store
 
     spec = tiny_spec("auto-plan", f"file://{tmp_path}/store", training={"steps": 4}, parallelism={"strategy": "auto"})
     summary = train_job(spec)

@@ -11,8 +11,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-
-from storage import CheckpointStore, ObjectStore
+from parashift.storage import CheckpointStore, ObjectStore
 
 pytestmark = pytest.mark.slow
 
@@ -51,7 +50,7 @@ def commit(work: Path, files: dict[str, str], message: str) -> str:
 
 
 def test_each_new_or_changed_spec_trains_once(prefect_server: None, tmp_path: Path) -> None:
-    from flows.git import SubmissionsFailed, submit_from_git
+    from parashift.flows.git import SubmissionsFailed, submit_from_git
 
     remote, work, root = tmp_path / "remote.git", tmp_path / "work", tmp_path / "durable"
     git("init", "-q", "--bare", "-b", "main", str(remote), cwd=tmp_path)

@@ -14,11 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 from jobs import assert_losses_match, descendants, final_state, mesh_plan, run, tiny_spec
-
-from specs import JobSpec
-from specs.plan import Plan
-from trainer.events import CheckpointEvent
-from trainer.launch import launch_workers
+from parashift.specs import JobSpec
+from parashift.specs.plan import Plan
+from parashift.trainer.events import CheckpointEvent
+from parashift.trainer.launch import launch_workers
 
 pytestmark = pytest.mark.slow
 
@@ -51,9 +50,8 @@ def test_dp_fsdp_hsdp_on_2_and_4_workers_move_exactly(reference: list[float], tm
         result = run(spec, plan, until_step=3 * (i + 1))
         assert result.start.step == 3 * i
         assert_losses_match(result, reference)
+    from parashift.trainer.export import export_hf
     from transformers import AutoModelForCausalLM
-
-    from trainer.export import export_hf
 
     export_hf(spec, str(tmp_path / "hf"))
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", torch_dtype=torch.float32)
@@ -71,7 +69,7 @@ def test_a_killed_worker_resumes_on_the_rest(reference: list[float], tmp_path: P
     def on_event(event: object) -> None:
         if isinstance(event, CheckpointEvent) and not killed:
             workers = [p for p in descendants(os.getpid())
-                       if b"trainer.worker" in Path(f"/proc/{p}/cmdline").read_bytes()]
+                       if b"parashift.trainer.worker" in Path(f"/proc/{p}/cmdline").read_bytes()]
             victim = workers[-1]
             killed.append(victim)
             os.kill(victim, signal.SIGKILL)

@@ -23,15 +23,24 @@ def modules() -> dict[str, Path]:
     return found
 
 
+def room_name(module: str) -> str:
+    """`parashift.trainer.worker` -> `trainer.worker`: a room's modules by their folder's names."""
+    rest = module.removeprefix("parashift.")
+    return rest if rest != module and rest.split(".")[0] in PACKAGES else module
+
+
 def imports_of(path: Path, known: dict[str, Path]) -> set[str]:
     """Every module `path` imports, at any depth of its code (absolute imports only)."""
     out: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
-            out.update(alias.name for alias in node.names)
+            out.update(room_name(alias.name) for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            out.add(node.module)
-            out.update(f"{node.module}.{alias.name}" for alias in node.names if f"{node.module}.{alias.name}" in known)
+            module = room_name(node.module)
+            out.add(module)
+            out.update(f"{module}.{alias.name}" for alias in node.names if f"{module}.{alias.name}" in known)
+            if node.module == "parashift":  # `from parashift import ptc`
+                out.update(alias.name for alias in node.names if alias.name in known)
     return out
 
 
@@ -107,8 +116,8 @@ def test_validating_any_familys_spec_imports_no_torch(tmp_path: Path) -> None:
         "intermediate_size": 64, "vocab_size": 256}))
     spec = tmp_path / "job.yaml"
     spec.write_text(f"name: job\nmodel: {{family: llama, init_from: {tmp_path / 'ckpt'}}}\n")
-    code = ("import sys; from specs import load_spec; s = load_spec(sys.argv[1]); assert s.model.d_model == 32; "
-            "from specs import JobSpec; JobSpec.model_validate({'name': 'x', 'model': {'family': 'hf', "
+    code = ("import sys; from parashift.specs import load_spec; s = load_spec(sys.argv[1]); assert s.model.d_model == 32; "
+            "from parashift.specs import JobSpec; JobSpec.model_validate({'name': 'x', 'model': {'family': 'hf', "
             "'config': {'model_type': 'gpt2'}}}); print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))")
     out = subprocess.run([sys.executable, "-c", code, str(spec)], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
@@ -137,22 +146,53 @@ def test_only_family_folders_name_model_parameters() -> None:
     assert found == []
 
 
-def test_workers_import_parashift_not_the_users_folders(tmp_path: Path) -> None:
-    """A user keeps specs in a `specs/` folder (or has `models/`, `tasks/`): workers started
-    from there with `python -m` import parashift's packages all the same."""
+def test_every_module_imports_the_rooms_by_their_installed_name() -> None:
+    """`from parashift.specs import ...`, never `from specs import ...`: a bare room name would
+    import a user's folder of that name, or a second copy of parashift's own module."""
+    rooms = (*PACKAGES[:-1], "bench")
+    bare = [f"{path.relative_to(ROOT)}:{node.lineno}" for folder in (*PACKAGES, "bench", "tests")
+            for path in (ROOT / folder).rglob("*.py") for node in ast.walk(ast.parse(path.read_text()))
+            if (isinstance(node, ast.ImportFrom) and node.level == 0 and node.module and node.module.split(".")[0] in rooms)
+            or (isinstance(node, ast.Import) and any(a.name.split(".")[0] in rooms for a in node.names))]
+    assert bare == []
+
+
+def test_installing_adds_one_name_and_the_users_folders_never_shadow_it(tmp_path: Path) -> None:
+    """The wheel holds `parashift/` (the rooms inside it) and its metadata, nothing else; from
+    a working directory with `specs/`, `tasks/`, `storage/` ... folders of the user's own, the
+    CLI and the workers import parashift's (workers: `trainer.launch.worker_env`)."""
+    import shutil
     import subprocess
     import sys
+    import zipfile
 
-    from trainer.launch import worker_env
+    from parashift.trainer.launch import worker_env
 
-    for name in ("specs", "models", "trainer"):
-        (tmp_path / name).mkdir()
-        (tmp_path / name / "__init__.py").write_text("raise ImportError('the user folder was imported')\n")
-    code = "import specs, models, trainer.worker; print(specs.__file__)"
-    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=worker_env("cpu"), capture_output=True,
-                         text=True)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == str(ROOT / "specs" / "__init__.py")
+    source = tmp_path / "source"
+    for name in [*PACKAGES, "bench"]:
+        shutil.copytree(ROOT / name, source / name, ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, source / name)
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w",
+                    str(tmp_path / "wheel"), str(source)], check=True, capture_output=True)
+    names = zipfile.ZipFile(next((tmp_path / "wheel").glob("*.whl"))).namelist()
+    assert {name.split("/")[0] for name in names} == {"parashift", "parashift-0.1.0.dist-info"}
+    for room in [*PACKAGES[:-1], "bench"]:  # every module of every room is in it
+        assert {f"parashift/{p.relative_to(ROOT)}" for p in (ROOT / room).rglob("*.py")} <= set(names), room
+    assert "parashift/specs/default.yaml" in names
+
+    user = tmp_path / "user"
+    for name in [*PACKAGES[:-1], "bench"]:
+        (user / name).mkdir(parents=True)
+        (user / name / "__init__.py").write_text("raise ImportError('the user folder was imported')\n")
+    code = "import parashift.specs, parashift.trainer.worker, parashift.tasks.plan; print(parashift.specs.__file__)"
+    for env in (worker_env("cpu"), None):
+        out = subprocess.run([sys.executable, "-c", code], cwd=user, env=env, capture_output=True, text=True)
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.strip() == str(ROOT / "specs" / "__init__.py")
+    cli = subprocess.run([str(Path(sys.executable).with_name("parashift")), "validate", str(ROOT / "specs/default.yaml")],
+                         cwd=user, capture_output=True, text=True)
+    assert cli.returncode == 0, cli.stdout + cli.stderr
 
 
 def test_gpt_and_llama_workers_never_import_transformers() -> None:
@@ -161,7 +201,8 @@ def test_gpt_and_llama_workers_never_import_transformers() -> None:
     import subprocess
     import sys
 
-    code = ("import sys, trainer.worker, trainer.layout, models.gpt.family, models.llama.family, models.llama.hf; "
+    code = ("import sys, parashift.trainer.worker, parashift.trainer.layout, parashift.models.gpt.family, "
+            "parashift.models.llama.family, parashift.models.llama.hf; "
             "print([m for m in sys.modules if m.split('.')[0] in ('transformers', 'safetensors')])")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr

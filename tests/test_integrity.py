@@ -20,10 +20,9 @@ from typing import Any
 
 import pytest
 import torch
-
-from ptc import Layout
-from ptc.layout import Slice, TensorLayout
-from storage import (
+from parashift.ptc import Layout
+from parashift.ptc.layout import Slice, TensorLayout
+from parashift.storage import (
     LEASE_ENV,
     CheckpointStore,
     JobLease,
@@ -38,8 +37,8 @@ from storage import (
     WriteConflict,
     encode_manifest,
 )
-from storage.lease import read_lease
-from trainer.checkpoint import Checkpointer, reshard_plan, restore_latest
+from parashift.storage.lease import read_lease
+from parashift.trainer.checkpoint import Checkpointer, reshard_plan, restore_latest
 
 JOB = "integrity"
 FIXTURE = Path(__file__).parent / "fixtures" / "format2"
@@ -214,7 +213,7 @@ def test_a_holder_gone_from_this_machine_is_taken_over_at_once(tmp_path: Path) -
     import sys
 
     store = file_store(tmp_path)
-    code = ("import sys; from storage import ObjectStore; from storage.lease import JobLease; "
+    code = ("import sys; from parashift.storage import ObjectStore; from parashift.storage.lease import JobLease; "
             f"JobLease(ObjectStore(sys.argv[1]), {JOB!r}).acquire()")
     subprocess.run([sys.executable, "-c", code, store.url], check=True, cwd=Path(__file__).parents[1])
     record, _ = read_lease(store, JOB)
@@ -480,15 +479,14 @@ def test_a_paused_writer_whose_lease_was_taken_cannot_commit(tmp_path: Path) -> 
     import sys
 
     from jobs import tiny_spec
-
-    from specs.plan import Plan
-    from trainer.events import CheckpointEvent, StartEvent
-    from trainer.launch import launch_workers
+    from parashift.specs.plan import Plan
+    from parashift.trainer.events import CheckpointEvent, StartEvent
+    from parashift.trainer.launch import launch_workers
 
     spec = tiny_spec("paused", f"file://{tmp_path}/store", training={"steps": 400, "checkpoint_every": 4})
     store = file_store(tmp_path)
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time; from storage import ObjectStore; from storage.lease import JobLease\n"
+        [sys.executable, "-c", "import sys, time; from parashift.storage import ObjectStore; from parashift.storage.lease import JobLease\n"
          "lease = JobLease(ObjectStore(sys.argv[1]), 'paused', ttl_s=1.5)\n"
          "with lease.hold() as token:\n    print(token, flush=True); time.sleep(600)", store.url],
         stdout=subprocess.PIPE, text=True, cwd=Path(__file__).parents[1])
@@ -531,9 +529,8 @@ def test_a_damaged_newest_checkpoint_is_passed_over_and_the_job_ends_as_an_undam
     the launch and the workers both take 8, the job trains to the end past the refused steps,
     and its final state is, bit for bit, that of the same job never damaged."""
     from jobs import assert_bitwise_equal, final_state, run, tiny_spec
-
-    from specs.plan import Plan
-    from tasks.reshard import job_reshard_plan
+    from parashift.specs.plan import Plan
+    from parashift.tasks.reshard import job_reshard_plan
 
     training = {"steps": 20, "checkpoint_every": 4, "keep_checkpoints": 5}
     spec = tiny_spec("damaged", f"file://{tmp_path}/store", training=training)

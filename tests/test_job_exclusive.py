@@ -12,15 +12,14 @@ from typing import Any
 
 import pytest
 from jobs import tiny_spec
+from parashift.trainer.events import StepEvent, WorkerEvent
 from test_elastic_events import LONG, wait_for
-
-from trainer.events import StepEvent, WorkerEvent
 
 
 def test_a_second_run_of_a_running_job_is_refused(prefect_server: None, tmp_path: Path, monkeypatch: Any) -> None:
-    from flows.train import train_job
-    from storage import JobPaths, open_store
-    from tasks import progress
+    from parashift.flows.train import train_job
+    from parashift.storage import JobPaths, open_store
+    from parashift.tasks import progress
 
     monkeypatch.setenv("PARASHIFT_STOP_POLL_SECONDS", "0")
     spec = tiny_spec("exclusive", f"file://{tmp_path}/store", training={**LONG, "steps": 100_000})
@@ -58,16 +57,15 @@ def test_a_second_run_of_a_running_job_is_refused(prefect_server: None, tmp_path
 
 
 def checkpoints_of(spec: Any) -> Any:
-    from storage import job_store
+    from parashift.storage import job_store
 
     return job_store(spec)
 
 
 def test_the_prefect_slot_refuses_and_a_dead_runs_slot_is_freed(prefect_server: None) -> None:
+    from parashift.tasks.exclusive import JobAlreadyRunning, one_run_per_job, slot_name
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.actions import GlobalConcurrencyLimitUpdate
-
-    from tasks.exclusive import JobAlreadyRunning, one_run_per_job, slot_name
 
     job = f"slot-{uuid.uuid4().hex[:8]}"
     with one_run_per_job(job, wait_s=0.5), \
@@ -91,8 +89,8 @@ def test_a_run_on_another_server_holding_the_storage_lease_refuses_this_one(pref
                                                                              tmp_path: Path) -> None:
     """The Prefect slot here is free (the other run's server is another one): storage refuses,
     at once, in one line that names the holder; nothing is written."""
-    from flows.train import train_job
-    from storage import JobLease, open_store
+    from parashift.flows.train import train_job
+    from parashift.storage import JobLease, open_store
 
     spec = tiny_spec("elsewhere", f"file://{tmp_path}/store")
     elsewhere = JobLease(open_store(spec.storage), spec.job_id)
@@ -120,11 +118,11 @@ def test_two_prefect_databases_sharing_one_store_train_the_job_once(where: str, 
     import time
 
     from jobs import assert_bitwise_equal, checkpoint_store, final_state, kill_tree, run
+    from parashift.specs import load_spec
+    from parashift.specs.plan import Plan
     from typer.testing import CliRunner
 
     from parashift.cli import app
-    from specs import load_spec
-    from specs.plan import Plan
 
     if where == "s3":
         endpoint, bucket = request.getfixturevalue("s3_endpoint"), request.getfixturevalue("s3_bucket")

@@ -61,10 +61,9 @@ def test_the_job_sets_the_variable_the_template_places_pods_by(monkeypatch: pyte
     """Every launcher run the job starts carries `parashift_node`, the variable the template reads."""
     import prefect.deployments
     from jobs import tiny_spec
-
-    from specs.plan import Plan
-    from storage import open_store
-    from tasks.nodes import node_launch
+    from parashift.specs.plan import Plan
+    from parashift.storage import open_store
+    from parashift.tasks.nodes import node_launch
 
     asked: list[dict[str, Any]] = []
 

@@ -19,12 +19,11 @@ from pathlib import Path
 import pytest
 import torch
 from jobs import assert_losses_match, assert_state_matches, final_state, mesh_plan, run, tiny_spec
-
-from models import family
-from models.llama.spec import LlamaSpec
-from specs import JobSpec, load_spec
-from specs.loader import resolve_model
-from specs.plan import Plan
+from parashift.models import family
+from parashift.models.llama.spec import LlamaSpec
+from parashift.specs import JobSpec, load_spec
+from parashift.specs.loader import resolve_model
+from parashift.specs.plan import Plan
 
 # 8 query heads in 4 groups (grouped-query attention that tp 2 and 4 split), head width 6.
 MODEL = {"family": "llama", "n_layers": 2, "d_model": 48, "n_heads": 8, "n_kv_heads": 4, "ffn_dim": 80,
@@ -156,7 +155,7 @@ def test_plan_matches_single_process(name: str, reference, tmp_path: Path) -> No
 
 
 def test_unexecutable_llama_plans_are_refused_with_reasons(tmp_path: Path) -> None:
-    from trainer.mesh import job_plan_refusals
+    from parashift.trainer.mesh import job_plan_refusals
 
     spec = llama_spec("refusals", tmp_path)
     assert job_plan_refusals(mesh_plan({"tp": 4}), spec) == []
@@ -171,11 +170,10 @@ def test_checkpoints_move_exactly_between_llama_plans(tmp_path: Path) -> None:
     """Under every pair of plans (no processes: the layouts the workers would have), each new
     rank's boxes read from the old plan's checkpoint equal the slices of the saved tensors, bit
     for bit, reading exactly the bytes needed."""
+    from parashift.storage import CheckpointStore, ObjectStore
+    from parashift.trainer.checkpoint import execute_reads, reshard_plan
+    from parashift.trainer.layout import state_layout
     from states import box_of, global_state, save_all_ranks
-
-    from storage import CheckpointStore, ObjectStore
-    from trainer.checkpoint import execute_reads, reshard_plan
-    from trainer.layout import state_layout
 
     spec = llama_spec("moves", tmp_path, tie_embeddings=False)
     plans = {name: make() for name, make in PLANS.items()} | {"dp1": Plan.data_parallel(1), "dp3": Plan.data_parallel(3)}
@@ -219,7 +217,7 @@ def test_elastic_two_three_one_equals_the_static_run(reference, tmp_path: Path) 
 def test_a_qwen2_checkpoint_trains_under_tp_and_exports_to_transformers(tmp_path: Path) -> None:
     """Qwen2 (q/k/v biases, tied embeddings) from a transformers folder, 20 steps under
     tp 2 x dp 2, exported: transformers computes parashift's logits from the export."""
-    from trainer.export import export_hf
+    from parashift.trainer.export import export_hf
 
     folder = transformers_folder(tmp_path, "qwen2")
     spec = tiny_spec("qwen", f"file://{tmp_path}/store", training=TRAINING)

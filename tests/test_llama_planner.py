@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from parashift.models import family
+from parashift.models.llama.graph import build
+from parashift.models.llama.spec import LlamaSpec
+from parashift.planner.costs import data_parallel_activation_bytes
+from parashift.trainer.memory import kept_for_backward
 from torch.utils.flop_counter import FlopCounterMode, register_flop_formula
-
-from models import family
-from models.llama.graph import build
-from models.llama.spec import LlamaSpec
-from planner.costs import data_parallel_activation_bytes
-from trainer.memory import kept_for_backward
 
 LLAMA = family("llama")
 SPECS = {

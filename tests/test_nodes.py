@@ -16,13 +16,13 @@ from typing import Any
 
 import pytest
 from jobs import descendants, kill_tree, tiny_spec
+from parashift.specs import JobSpec
+from parashift.specs.plan import Plan
+from parashift.trainer.launch import launch_workers
 from test_deployments import prefect_cli
 from test_elastic_events import run_log
 
 from parashift.commands.serve import NODE_POOL, start_node_worker
-from specs import JobSpec
-from specs.plan import Plan
-from trainer.launch import launch_workers
 
 pytestmark = pytest.mark.slow
 
@@ -111,7 +111,7 @@ def launcher_tags(names: list[str]) -> list[set[str]]:
 
 
 def test_two_nodes_of_two_train_as_one_node_of_four(nodes: dict[str, NodeWorker], tmp_path: Path) -> None:
-    from flows.train import train_job
+    from parashift.flows.train import train_job
 
     spec = node_spec("two-nodes", tmp_path, steps=12, checkpoint_every=4)
     state = train_job(spec, return_state=True)
@@ -155,8 +155,8 @@ def test_a_node_leaves_the_job_goes_on_and_a_node_joins_at_a_step_boundary(nodes
     warm-up: a step's loss does not depend on how many steps the job was given; up to 600, as
     node b's worker takes a few seconds to start and be heard from and the job must still be
     training then)."""
-    from flows.train import train_job
-    from storage import JobPaths, open_store
+    from parashift.flows.train import train_job
+    from parashift.storage import JobPaths, open_store
 
     spec = node_spec("node-leaves", tmp_path, steps=600, checkpoint_every=5)
     spec = spec.model_copy(update={"optimizer": spec.optimizer.model_copy(update={"schedule": "constant"})})
@@ -209,7 +209,7 @@ def test_the_planner_times_collectives_within_and_across_the_job_s_nodes(nodes: 
                                                                          tmp_path: Path) -> None:
     """A job whose planner chooses (strategy auto) fits its communication model to collectives
     timed on its own nodes: within a node and between nodes, each level on its own."""
-    from tasks.profile import build_profile
+    from parashift.tasks.profile import build_profile
 
     spec = node_spec("timed-nodes", tmp_path)
     spec = spec.model_copy(update={"parallelism": spec.parallelism.model_copy(update={"strategy": "auto"})})
@@ -222,7 +222,7 @@ def test_the_planner_times_collectives_within_and_across_the_job_s_nodes(nodes: 
 def test_node_changes_apply_to_the_node_set() -> None:
     """What an event does to a job across nodes (no processes): a node list replaces the set, a
     device count keeps the first nodes that hold it, anything else is refused."""
-    from tasks.events import ResourceEvent, apply_change
+    from parashift.tasks.events import ResourceEvent, apply_change
 
     spec = tiny_spec("sets", "file:///tmp/unused", resources={"devices": 6, "nodes": ["a", "b", "c"]})
     now = (6, ["a", "b", "c"])

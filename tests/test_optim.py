@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import torch
-
-from models.gpt.model import GPT, GPTConfig
-from specs import JobSpec
-from trainer.optim import LocalShardAdamW
+from parashift.models.gpt.model import GPT, GPTConfig
+from parashift.specs import JobSpec
+from parashift.trainer.optim import LocalShardAdamW
 
 SPEC = JobSpec.model_validate({"name": "optim", "model": {"n_layers": 2, "d_model": 32, "n_heads": 2, "vocab_size": 256, "seq_len": 16},
                                "optimizer": {"lr": 1e-2, "weight_decay": 0.1}})

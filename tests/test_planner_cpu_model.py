@@ -4,15 +4,14 @@ workers that outnumber the cores (planner/comm.py, planner/profile.py, planner/p
 from __future__ import annotations
 
 import pytest
-
-from planner import search
-from planner.comm import CommModel, Link
-from planner.outer import enumerate_specs, evaluate
-from planner.pipeline import step_time
-from planner.problem import OpBreakdown, Weights
-from planner.profile import DEFAULT_DEVICES, ModelProfile, profile_gpt, share_cores
-from planner.search import plan_model
-from planner.stage import Candidate, StageResult
+from parashift.planner import search
+from parashift.planner.comm import CommModel, Link
+from parashift.planner.outer import enumerate_specs, evaluate
+from parashift.planner.pipeline import step_time
+from parashift.planner.problem import OpBreakdown, Weights
+from parashift.planner.profile import DEFAULT_DEVICES, ModelProfile, profile_gpt, share_cores
+from parashift.planner.search import plan_model
+from parashift.planner.stage import Candidate, StageResult
 
 COLLECTIVE = Link(latency_s=3e-3, bandwidth_Bps=1e9)
 P2P = Link(latency_s=2e-4, bandwidth_Bps=1e9)

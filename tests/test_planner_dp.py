@@ -6,14 +6,13 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
-
-from planner import dp
-from planner.comm import default_comm
-from planner.configs import counts_mesh, named_mesh
-from planner.costs import CostModel
-from planner.graph import Edge, Graph, Op
-from planner.problem import Weights, build_problem
-from planner.profile import DEFAULT_DEVICES
+from parashift.planner import dp
+from parashift.planner.comm import default_comm
+from parashift.planner.configs import counts_mesh, named_mesh
+from parashift.planner.costs import CostModel
+from parashift.planner.graph import Edge, Graph, Op
+from parashift.planner.problem import Weights, build_problem
+from parashift.planner.profile import DEFAULT_DEVICES
 
 SIZES = {"b": 8, "m": 4, "n": 8, "k": 2, "j": 16}
 SHAPES = ["chain", "diamond", "skip", "fanout", "random"]
@@ -146,7 +145,7 @@ def test_memoised_blocks_are_exact(problem: dp.Problem) -> None:
 
 def test_identical_blocks_are_solved_once(monkeypatch: pytest.MonkeyPatch) -> None:
     """Depth must not multiply the work: 24 identical layers cost the block eliminations of ~2."""
-    from planner.builders import gpt_graph
+    from parashift.planner.builders import gpt_graph
 
     calls = []
     real = dp.eliminate
@@ -198,8 +197,8 @@ def test_a_skip_heavy_graph_is_planned_with_a_stated_bound() -> None:
     """PaSE's space at p = 64 on a 50-op stack with skips over 4 ops: the exact elimination is
     over the work budget (it once ran for minutes), so the solve is narrowed and relaxed, and
     its answer, valued on the whole problem, lies within its stated bound."""
-    from planner.builders import skip_graph
-    from planner.profile import profile_graph
+    from parashift.planner.builders import skip_graph
+    from parashift.planner.profile import profile_graph
 
     g = skip_graph(50)
     prof = profile_graph(g, "cuda")

@@ -4,12 +4,11 @@ contract's own checks (specs/plan.py): no processes."""
 from __future__ import annotations
 
 import pytest
+from parashift.planner.builders import gpt_graph, inception_graph
+from parashift.planner.execution import executable
+from parashift.planner.graph import Graph
+from parashift.specs.plan import OpPlacement, Plan, TensorParallel
 from pydantic import ValidationError
-
-from planner.builders import gpt_graph, inception_graph
-from planner.execution import executable
-from planner.graph import Graph
-from specs.plan import OpPlacement, Plan, TensorParallel
 
 GRAPH = gpt_graph(2, 48, 4, 256, 24, 8)
 LAYER_OPS = ("ln1", "qkv", "attn", "proj", "add1", "ln2", "fc1", "fc2", "add2")
@@ -81,7 +80,7 @@ def test_a_graph_the_trainer_does_not_run() -> None:
 
 
 def test_planner_plans_for_gpt_carry_the_contract() -> None:
-    from planner.search import plan_model
+    from parashift.planner.search import plan_model
 
     for devices in (2, 4):
         for kw in ({"max_pp": 1}, {"max_tp": 1}, {}):

@@ -7,14 +7,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
-from planner.builders import gpt_graph
-from planner.comm import default_comm
-from planner.configs import named_mesh
-from planner.costs import CostModel
-from planner.problem import Weights
-from planner.profile import DEFAULT_DEVICES, profile_graph
-from planner.search import exhaustive_search, plan_model
+from parashift.planner.builders import gpt_graph
+from parashift.planner.comm import default_comm
+from parashift.planner.configs import named_mesh
+from parashift.planner.costs import CostModel
+from parashift.planner.problem import Weights
+from parashift.planner.profile import DEFAULT_DEVICES, profile_graph
+from parashift.planner.search import exhaustive_search, plan_model
 
 
 @pytest.mark.parametrize(("pp", "m", "reshard", "gathers", "holds_weights", "holds_grads"), [

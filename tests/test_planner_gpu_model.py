@@ -5,13 +5,12 @@ large kernels but not behind small ones. Together they make micro-batches cost w
 from __future__ import annotations
 
 import pytest
-
-from planner.builders import gpt_graph
-from planner.comm import default_comm
-from planner.configs import named_mesh
-from planner.costs import CostModel, gemm_output_dims
-from planner.profile import DEFAULT_DEVICES, profile_gpt
-from planner.search import plan_model
+from parashift.planner.builders import gpt_graph
+from parashift.planner.comm import default_comm
+from parashift.planner.configs import named_mesh
+from parashift.planner.costs import CostModel, gemm_output_dims
+from parashift.planner.profile import DEFAULT_DEVICES, profile_gpt
+from parashift.planner.search import plan_model
 
 CUDA, CPU = DEFAULT_DEVICES["cuda"], DEFAULT_DEVICES["cpu"]
 

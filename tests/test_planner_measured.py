@@ -3,15 +3,15 @@ option of the data axis (replicated, HSDP, FSDP) costed, the fastest that fits c
 
 from __future__ import annotations
 
-from planner.comm import default_comm
-from planner.measured import (
+from parashift.planner.comm import default_comm
+from parashift.planner.measured import (
     MeasuredProfile,
     measured_options,
     option_cost,
     plan_measured,
     profile_from_measurements,
 )
-from planner.profile import DEFAULT_DEVICES
+from parashift.planner.profile import DEFAULT_DEVICES
 
 PROFILE = MeasuredProfile(name="hf-llama", n_params=100_000_000, flops_per_token=6e8, layer_params=10_000_000,
                           root_params=20_000_000, sequence_s=0.01, activation_bytes=50e6,
@@ -39,8 +39,8 @@ def test_options_are_every_fitting_dp_shard_fastest_first() -> None:
 
 
 def test_a_transformers_model_is_measured() -> None:
-    from models.hf.spec import HFSpec
-    from trainer.measure_model import measure_model
+    from parashift.models.hf.spec import HFSpec
+    from parashift.trainer.measure_model import measure_model
 
     spec = HFSpec(family="hf", seq_len=16, config={"model_type": "llama", "num_hidden_layers": 2, "hidden_size": 32,
                                                    "num_attention_heads": 4, "intermediate_size": 64, "vocab_size": 256})

@@ -11,21 +11,20 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from parashift.planner import dp
+from parashift.planner.builders import chain_graph
+from parashift.planner.comm import default_comm
+from parashift.planner.constrained import LagrangianSearch
+from parashift.planner.costs import CostModel
+from parashift.planner.dp import restrict, unrestrict
+from parashift.planner.graph import Edge, Graph, Op
+from parashift.planner.problem import Weights, build_problem
+from parashift.planner.profile import DEFAULT_DEVICES, profile_graph
+from parashift.planner.repair import repair
+from parashift.planner.search import exhaustive_search, plan_model
+from parashift.planner.stage import StageSolver
 from test_planner_dp import _meshes, graphs
 from test_planner_ties import _random_ties, _ties_hold
-
-from planner import dp
-from planner.builders import chain_graph
-from planner.comm import default_comm
-from planner.constrained import LagrangianSearch
-from planner.costs import CostModel
-from planner.dp import restrict, unrestrict
-from planner.graph import Edge, Graph, Op
-from planner.problem import Weights, build_problem
-from planner.profile import DEFAULT_DEVICES, profile_graph
-from planner.repair import repair
-from planner.search import exhaustive_search, plan_model
-from planner.stage import StageSolver
 
 DEVICE, COMM = DEFAULT_DEVICES["cuda"], default_comm("cuda", devices_per_node=4)
 W = Weights(weight=2.0, inflight=2.0)

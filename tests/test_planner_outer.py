@@ -9,12 +9,11 @@ tensor or pipeline parallelism and the memory bisection, and one nothing fits).
 from __future__ import annotations
 
 import pytest
-
-from planner import search
-from planner.builders import gpt_graph
-from planner.outer import enumerate_specs
-from planner.profile import profile_graph
-from planner.search import candidates, plan_model
+from parashift.planner import search
+from parashift.planner.builders import gpt_graph
+from parashift.planner.outer import enumerate_specs
+from parashift.planner.profile import profile_graph
+from parashift.planner.search import candidates, plan_model
 
 
 def _plans(prof, p: int, limit: int | None, monkeypatch: pytest.MonkeyPatch, **kw):

@@ -8,14 +8,13 @@ from pathlib import Path
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from planner.builders import gpt_graph, inception_graph, pase_transformer_graph
-from planner.configs import dtensor_placements, named_mesh
-from planner.costs import CostModel
-from planner.graph import Graph, graph_to_json, load_graph_json
-from planner.profile import profile_gpt, profile_graph
-from planner.search import CLOSE_TO_LEAST_MEMORY, candidates, exhaustive_search, plan_model, spaces
-from specs.plan import Plan
+from parashift.planner.builders import gpt_graph, inception_graph, pase_transformer_graph
+from parashift.planner.configs import dtensor_placements, named_mesh
+from parashift.planner.costs import CostModel
+from parashift.planner.graph import Graph, graph_to_json, load_graph_json
+from parashift.planner.profile import profile_gpt, profile_graph
+from parashift.planner.search import CLOSE_TO_LEAST_MEMORY, candidates, exhaustive_search, plan_model, spaces
+from parashift.specs.plan import Plan
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -145,7 +144,7 @@ def test_mesh_degrees_are_bounded_in_the_device_count() -> None:
     agrees with the plain loop."""
     import time
 
-    from planner.stage import divisors, mesh_degrees
+    from parashift.planner.stage import divisors, mesh_degrees
 
     for n in range(1, 300):
         assert divisors(n) == [d for d in range(1, n + 1) if n % d == 0]
@@ -158,7 +157,7 @@ def test_mesh_degrees_are_bounded_in_the_device_count() -> None:
 def test_nothing_fits_returns_the_layout_closest_to_fitting() -> None:
     """GPT-3 175B on 8 H200s: no layout fits, and the plan is the least-memory one with what it
     needs, not the fastest one ignoring memory (data parallelism at 14.8 TB per device)."""
-    from planner.builders import gpt3_175b_graph
+    from parashift.planner.builders import gpt3_175b_graph
 
     plan = plan_model(profile_graph(gpt3_175b_graph(), "cuda", memory_gb=141), 8)
     assert not plan.feasible
@@ -174,7 +173,7 @@ def test_nothing_fits_keeps_tensor_parallelism_within_nodes_when_that_is_as_clos
     """GPT-3 175B on 16 H200s (two nodes of 8): tp 16 across both nodes needs the least memory
     (206 GiB), pp 2 x tp 8 within 2.3% of it and steps several times faster; neither fits, and
     the plan reported is the one an expert would start from, tensor parallelism inside a node."""
-    from planner.builders import gpt3_175b_graph
+    from parashift.planner.builders import gpt3_175b_graph
 
     prof = profile_graph(gpt3_175b_graph(), "cuda", memory_gb=141)
     plan = plan_model(prof, 16)
@@ -287,15 +286,15 @@ def test_a_required_tp_split_that_cannot_divide_leaves_the_other_meshes(tmp_path
                                    ValueError("brute force over 9 assignments exceeds 8")])
 def test_a_failed_search_is_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, error: Exception) -> None:
     """Whatever the search raises, `parashift plan` says it in one line and exits 1."""
+    import parashift.planner.search
     from typer.testing import CliRunner
 
-    import planner.search
     from parashift.cli import app
 
     def fail(*args: object, **kwargs: object) -> Plan:
         raise error
 
-    monkeypatch.setattr(planner.search, "plan_model", fail)
+    monkeypatch.setattr(parashift.planner.search, "plan_model", fail)
     path = tmp_path / "g.json"
     path.write_text(json.dumps(GOOD_GRAPH))
     done = CliRunner().invoke(app, ["plan", "specs/default.yaml", "--graph", str(path)])
@@ -316,10 +315,10 @@ def _chain(ops: int) -> dict:
 def test_exhaustive_refuses_graphs_past_its_limit_up_front(tmp_path: Path) -> None:
     """Brute force holds one array axis per op (numpy allows 64): 64 ops plan, 65 are refused
     in one line that gives the limit and points at the DP, which plans them."""
+    from parashift.planner.dp import BRUTE_FORCE_MAX_OPS
     from typer.testing import CliRunner
 
     from parashift.cli import app
-    from planner.dp import BRUTE_FORCE_MAX_OPS
 
     runner = CliRunner()
     for ops in (BRUTE_FORCE_MAX_OPS, BRUTE_FORCE_MAX_OPS + 1):
@@ -367,10 +366,10 @@ def test_the_planner_leaves_the_spec_s_reserve_of_each_device_free(tmp_path: Pat
     """A device whose memory the data-parallel plan fills to 96%: planned to the brim without a
     reserve, and within the device less its reserve (8% by default) with one: another layout."""
     import yaml
+    from parashift.specs.models import ParallelismSpec
     from typer.testing import CliRunner
 
     from parashift.cli import app
-    from specs.models import ParallelismSpec
 
     assert ParallelismSpec().plan_memory_bytes(None) is None
     assert ParallelismSpec().plan_memory_bytes(141 * 2**30) == int(141 * 2**30 * 0.92)
@@ -401,7 +400,7 @@ def test_the_planner_leaves_the_spec_s_reserve_of_each_device_free(tmp_path: Pat
 def test_a_dense_dag_plans_with_its_bound_and_round_trips_as_json(tmp_path: Path) -> None:
     """bench.planner's dense DAGs (op i reads up to fan_in earlier ops): a valid user graph
     (it survives the JSON a user would write), planned with a lower bound not above its step."""
-    from planner.builders import dense_dag_graph
+    from parashift.planner.builders import dense_dag_graph
 
     g = dense_dag_graph(12, fan_in=4, seed=1)
     assert max(sum(e.dst == op.name for e in g.edges) for op in g.ops) == 4

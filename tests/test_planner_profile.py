@@ -7,9 +7,8 @@ import time
 
 import pytest
 import torch.multiprocessing as mp
-
-from planner.comm import CommModel, default_comm
-from planner.profile import profile_gpt
+from parashift.planner.comm import CommModel, default_comm
+from parashift.planner.profile import profile_gpt
 
 
 def test_profile_gpt_measures_this_device_quickly() -> None:
@@ -29,9 +28,8 @@ def test_comm_model_costs() -> None:
 
 def _worker(rank: int, world: int, path: str, out: dict) -> None:
     import torch.distributed as dist
-
-    from planner.comm import comm_model_from_timings
-    from trainer.measure_comm import time_collectives
+    from parashift.planner.comm import comm_model_from_timings
+    from parashift.trainer.measure_comm import time_collectives
 
     os.environ["OMP_NUM_THREADS"] = "1"
     dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=world)
@@ -59,7 +57,7 @@ def test_measure_collectives_on_gloo_workers(tmp_path) -> None:
 def test_timings_across_nodes_give_each_level_its_own_link() -> None:
     """trainer.measure_comm across nodes reports a group within a node and one across nodes;
     the fit keeps them apart (exact on noiseless timings: t = latency + bytes / bandwidth)."""
-    from planner.comm import comm_model_from_timings
+    from parashift.planner.comm import comm_model_from_timings
 
     def level(g: int, latency: float, bandwidth: float) -> dict:
         sizes = (1 << 12, 1 << 16, 1 << 20)

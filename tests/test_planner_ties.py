@@ -10,22 +10,21 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from parashift.planner import dp
+from parashift.planner.builders import gpt_graph, inception_graph, pase_transformer_graph
+from parashift.planner.comm import default_comm
+from parashift.planner.configs import Config, Mesh, mesh_configs, named_mesh, splits_on
+from parashift.planner.costs import CostModel
+from parashift.planner.execution import executable
+from parashift.planner.graph import Graph, graph_to_json
+from parashift.planner.pipeline import block_order, stage_ops, stage_splits
+from parashift.planner.problem import Weights, build_problem, tie_factors
+from parashift.planner.profile import DEFAULT_DEVICES, profile_gpt, profile_graph
+from parashift.planner.search import exhaustive_search, plan_model
+from parashift.planner.stage import TieVariants, solve_stage
+from parashift.specs.plan import OpPlacement, Plan
+from parashift.trainer.mesh import plan_refusals
 from test_planner_dp import _meshes, graphs
-
-from planner import dp
-from planner.builders import gpt_graph, inception_graph, pase_transformer_graph
-from planner.comm import default_comm
-from planner.configs import Config, Mesh, mesh_configs, named_mesh, splits_on
-from planner.costs import CostModel
-from planner.execution import executable
-from planner.graph import Graph, graph_to_json
-from planner.pipeline import block_order, stage_ops, stage_splits
-from planner.problem import Weights, build_problem, tie_factors
-from planner.profile import DEFAULT_DEVICES, profile_gpt, profile_graph
-from planner.search import exhaustive_search, plan_model
-from planner.stage import TieVariants, solve_stage
-from specs.plan import OpPlacement, Plan
-from trainer.mesh import plan_refusals
 
 # The trainer's per-op rule over "tp" (planner/execution.py), written out here to check the
 # declarations against it.
@@ -280,7 +279,7 @@ def test_dp_with_ties_matches_brute_force_on_random_dags(graph: Graph, p: int, d
 def test_least_memory_keeps_ties() -> None:
     """When each op's least-memory configuration breaks a tie, the floor is the exact least
     memory over the assignments that keep them (the bisection's fit test relies on it)."""
-    from planner.graph import Edge, Op
+    from parashift.planner.graph import Edge, Op
 
     ops = [Op(name="a", dims={"b": 4, "f": 8}, inputs=(("b", "f"),), output=("b", "f"), params=(("f",),),
               tp_dims=("f",), tp_group="g"),
@@ -299,9 +298,8 @@ def test_least_memory_keeps_ties() -> None:
 
 def test_choose_plan_keeps_planner_plans_and_falls_back_only_on_refusal(tmp_path) -> None:
     from jobs import tiny_spec
-
-    from tasks import profile as profile_task
-    from tasks.plan import choose_plan
+    from parashift.tasks import profile as profile_task
+    from parashift.tasks.plan import choose_plan
 
     spec = tiny_spec("ties", f"file://{tmp_path}/store", parallelism={"strategy": "auto"},
                      model={"n_layers": 2, "d_model": 48, "n_heads": 4, "vocab_size": 256, "seq_len": 24})
@@ -333,8 +331,8 @@ def test_choose_plan_keeps_planner_plans_and_falls_back_only_on_refusal(tmp_path
 def test_no_plan_breaks_a_tie_not_even_a_baseline() -> None:
     """Two tied ops, one of which cannot split over tp on 2 devices: Megatron's layout would
     split one and not the other, which the trainer refuses; it is no candidate."""
-    from planner.graph import Edge, Op
-    from planner.search import baselines
+    from parashift.planner.graph import Edge, Op
+    from parashift.planner.search import baselines
 
     ops = [Op(name="a", dims={"b": 4, "f": 8}, inputs=(("b", "f"),), output=("b", "f"), params=(("f",),),
               tp_dims=("f",), tp_dim="f", tp_group="g"),

@@ -11,10 +11,16 @@ from typing import Any
 
 import pytest
 from jobs import tiny_spec
-
-from storage import StorageError, StoragePermissionError, TransientStorageError
-from tasks.preflight import PreflightFailed, Problem, check_data, check_devices, check_storage, preflight
-from tasks.retry import may_fix
+from parashift.storage import StorageError, StoragePermissionError, TransientStorageError
+from parashift.tasks.preflight import (
+    PreflightFailed,
+    Problem,
+    check_data,
+    check_devices,
+    check_storage,
+    preflight,
+)
+from parashift.tasks.retry import may_fix
 
 
 def spec_with(tmp_path: Path, **sections: dict[str, Any]):

@@ -40,8 +40,8 @@ def run_log(state: Any, last: str, timeout_s: float = 30) -> list[str]:
 
 
 def test_prepare_data_flow_matches_the_plain_function_and_resumes(prefect_server: None, tmp_path: Path) -> None:
-    from corpus import BYTES_TOKENIZER, PrepareOptions, open_dataset, prepare_dataset
-    from flows.prepare_data import prepare_data
+    from parashift.corpus import BYTES_TOKENIZER, PrepareOptions, open_dataset, prepare_dataset
+    from parashift.flows.prepare_data import prepare_data
 
     write_corpus(tmp_path / "in")
     inputs, output = f"file://{tmp_path}/in/*", f"file://{tmp_path}/flow"

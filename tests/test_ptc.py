@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import torch
-
-from ptc import Layout, Slice, TensorLayout, data_parallel_layout, dtype_name, intersect
-from ptc.codec import torch_dtype
-from ptc.layout import TensorPlacement, mesh_coordinates, mesh_layout, shard_extent
+from parashift.ptc import Layout, Slice, TensorLayout, data_parallel_layout, dtype_name, intersect
+from parashift.ptc.codec import torch_dtype
+from parashift.ptc.layout import TensorPlacement, mesh_coordinates, mesh_layout, shard_extent
 
 
 def test_dtype_names_round_trip_and_unknown_ones_are_refused() -> None:

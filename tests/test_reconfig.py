@@ -11,17 +11,16 @@ import pytest
 import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
+from parashift.models.gpt.spec import GPTSpec
+from parashift.ptc import Layout
+from parashift.ptc.chunks import chunk_rows, split_points, storage_order
+from parashift.ptc.layout import Slice
+from parashift.specs.plan import Plan
+from parashift.storage import CheckpointStore, ObjectStore
+from parashift.storage.manifest import manifest_digest
+from parashift.trainer.checkpoint import execute_reads, reads_for, reshard_plan
+from parashift.trainer.layout import state_layout
 from states import box_of, global_state, save_all_ranks
-
-from models.gpt.spec import GPTSpec
-from ptc import Layout
-from ptc.chunks import chunk_rows, split_points, storage_order
-from ptc.layout import Slice
-from specs.plan import Plan
-from storage import CheckpointStore, ObjectStore
-from storage.manifest import manifest_digest
-from trainer.checkpoint import execute_reads, reads_for, reshard_plan
-from trainer.layout import state_layout
 
 # Uneven on purpose: vocab 250 and d_model 60 do not split evenly 3, 4 or 8 ways.
 CONFIG = GPTSpec(n_layers=2, d_model=60, n_heads=6, vocab_size=250, seq_len=24)
@@ -94,7 +93,7 @@ def test_chunk_edges_include_every_split_point() -> None:
 def test_a_corrupted_chunk_is_detected_and_never_loaded(saved, tmp_path) -> None:
     import shutil
 
-    from storage import ChecksumMismatch
+    from parashift.storage import ChecksumMismatch
 
     store, _, _ = saved["tp2"]
     root = store.store.url.removeprefix("file://")
@@ -173,7 +172,7 @@ def test_a_wrong_manifest_never_loads(saved, tmp_path_factory, data: st.DataObje
     unless asked for."""
     import logging
 
-    from trainer.checkpoint import CheckpointsUnusable, restore_latest
+    from parashift.trainer.checkpoint import CheckpointsUnusable, restore_latest
 
     store, layout, _ = saved["dp2"]
     manifest = store.latest()
@@ -255,9 +254,9 @@ def test_a_wrong_manifest_never_loads(saved, tmp_path_factory, data: st.DataObje
 PLAN_WITHOUT_THE_RUNTIME = """
 import json, sys
 from pathlib import Path
-import ptc
-from ptc.layout import TensorPlacement
-from storage import CheckpointStore, ObjectStore, decode_manifest
+from parashift import ptc
+from parashift.ptc.layout import TensorPlacement
+from parashift.storage import CheckpointStore, ObjectStore, decode_manifest
 
 root = sys.argv[1]
 layout = ptc.mesh_layout({"tp": 2}, {
@@ -270,7 +269,7 @@ newest = ptc.reshard_plan(store, layout)
 manifest = decode_manifest(Path(root, "jobs/format2/ckpt/00000004/manifest.json").read_bytes())
 given = ptc.reshard_plan(store, layout, manifest=manifest)
 print(json.dumps({"step": newest.step, "totals": newest.totals(), "same": given.summary() == newest.summary(),
-                  "loaded": sorted(m for m in sys.modules if m.split(".")[0] in ("trainer", "tasks", "flows")
+                  "loaded": sorted(m for m in sys.modules if m.split(".")[:2] in (["parashift", "trainer"], ["parashift", "tasks"], ["parashift", "flows"])
                                    or m.startswith("torch.distributed.tensor"))}))
 """
 

@@ -7,13 +7,12 @@ from pathlib import Path
 
 import pytest
 from jobs import tiny_spec
-
-from planner.profile import profile_gpt
-from planner.replan import Option, pick
-from planner.search import plan_options
-from specs.plan import Plan
-from tasks.plan import cheapest_to_continue, executable_reasons
-from trainer.launch import launch_workers
+from parashift.planner.profile import profile_gpt
+from parashift.planner.replan import Option, pick
+from parashift.planner.search import plan_options
+from parashift.specs.plan import Plan
+from parashift.tasks.plan import cheapest_to_continue, executable_reasons
+from parashift.trainer.launch import launch_workers
 
 MODEL = {"n_layers": 2, "d_model": 48, "n_heads": 4, "vocab_size": 256, "seq_len": 24, "dropout": 0.0}
 
@@ -55,16 +54,16 @@ def test_a_resumed_job_picks_a_different_plan_than_step_time_alone(tmp_path: Pat
 def test_the_options_of_a_resumed_job_reuse_the_search_already_run(monkeypatch: pytest.MonkeyPatch) -> None:
     """A resumed job's plan choice weighs the search's pick against the baselines: given the
     pick, `plan_options` does not search again (it ran twice on every resumed segment)."""
-    import planner.search
+    import parashift.planner.search
 
     profile = profile_gpt(2, 48, 4, 256, 24, 8, device_kind="cpu")
-    searched = planner.search.plan_model(profile, 2, device_kind="cpu", shard_dp=False)
+    searched = parashift.planner.search.plan_model(profile, 2, device_kind="cpu", shard_dp=False)
     fresh = plan_options(profile, 2, device_kind="cpu", shard_dp=False)
 
     def no_second_search(*args: object, **kwargs: object) -> Plan:
         raise AssertionError("the search ran again")
 
-    monkeypatch.setattr(planner.search, "plan_model", no_second_search)
+    monkeypatch.setattr(parashift.planner.search, "plan_model", no_second_search)
     reused = plan_options(profile, 2, device_kind="cpu", shard_dp=False, searched=searched)
     assert [p.model_dump() for p in reused] == [p.model_dump() for p in fresh]
 
@@ -72,14 +71,14 @@ def test_the_options_of_a_resumed_job_reuse_the_search_already_run(monkeypatch: 
 def test_a_new_device_count_reuses_the_measured_collectives(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Re-planning onto another device count measures no collectives again: the comm model
     fitted on the first count (latency and bandwidth per link) is the profile's for any."""
-    import trainer.launch
-    from planner.comm import CommModel, Link
-    from tasks.profile import build_profile
+    import parashift.trainer.launch
+    from parashift.planner.comm import CommModel, Link
+    from parashift.tasks.profile import build_profile
 
     def measuring(*args: object) -> None:
         raise AssertionError("collectives measured again")
 
-    monkeypatch.setattr(trainer.launch, "measure_comm_timings", measuring)
+    monkeypatch.setattr(parashift.trainer.launch, "measure_comm_timings", measuring)
     spec = tiny_spec("reuse", f"file://{tmp_path}/store", resources={"devices": 3, "kind": "cpu"},
                      parallelism={"strategy": "auto"})
     link = Link(latency_s=1e-4, bandwidth_Bps=1e9)

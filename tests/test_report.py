@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from tasks.records import ModelSummary, SegmentResult, TrainSummary
-from tasks.report import summary_markdown
+from parashift.tasks.records import ModelSummary, SegmentResult, TrainSummary
+from parashift.tasks.report import summary_markdown
 
 MODEL = ModelSummary(params=1000, flops_per_token=6000, device_kind="cpu", profile_key="p")
 

@@ -10,10 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from pydantic import ValidationError
-
-import specs
-from specs import (
+from parashift.specs import (
     JobSpec,
     ResourceChange,
     SpecError,
@@ -22,6 +19,9 @@ from specs import (
     load_spec,
     parse_spec,
 )
+from pydantic import ValidationError
+
+from parashift import specs
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = sorted((REPO_ROOT / "specs").glob("*.yaml"))

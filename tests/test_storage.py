@@ -13,9 +13,7 @@ import uuid
 from collections.abc import Iterator
 
 import pytest
-from pydantic import ValidationError
-
-from storage import (
+from parashift.storage import (
     CheckpointNotFound,
     CheckpointStore,
     ChecksumMismatch,
@@ -35,7 +33,8 @@ from storage import (
     job_key,
     translate_error,
 )
-from storage.backends import Backend, FsspecObjects, LocalFiles, MemoryObjects, S3Objects
+from parashift.storage.backends import Backend, FsspecObjects, LocalFiles, MemoryObjects, S3Objects
+from pydantic import ValidationError
 
 # Each URL scheme of the suite, and the backend implementation that serves it.
 BACKENDS = {"file": LocalFiles, "memory": MemoryObjects, "s3": S3Objects}

@@ -10,11 +10,10 @@ from typing import Any
 
 import pytest
 from jobs import assert_bitwise_equal, checkpoint_store, final_state, kill_tree, tiny_spec
-
-from specs.plan import Plan
-from storage import JobPaths, open_store
-from trainer.events import CheckpointEvent, FatalEvent, StepEvent, WorkerEvent, parse
-from trainer.launch import LaunchResult, launch_workers
+from parashift.specs.plan import Plan
+from parashift.storage import JobPaths, open_store
+from parashift.trainer.events import CheckpointEvent, FatalEvent, StepEvent, WorkerEvent, parse
+from parashift.trainer.launch import LaunchResult, launch_workers
 
 pytestmark = pytest.mark.slow
 
@@ -76,7 +75,7 @@ def test_killed_workers_resume_from_last_commit_bitwise_equal(reference, tmp_pat
     spec = tiny_spec("killed", f"file://{tmp_path}/store", training={"checkpoint_every": 3})
     import subprocess
 
-    from trainer import launch
+    from parashift.trainer import launch
 
     spec_file, plan_file = tmp_path / "spec.json", tmp_path / "plan.json"
     spec_file.write_text(spec.model_dump_json())
@@ -125,7 +124,7 @@ def test_another_models_checkpoints_end_the_run_with_one_line(reference, tmp_pat
     the launch ends with the reason as a `fatal` event and the exit status no retry repeats."""
     import shutil
 
-    from trainer.metrics import EXIT_FATAL
+    from parashift.trainer.metrics import EXIT_FATAL
 
     spec, _, _ = reference
     shutil.copytree(spec.storage.url.removeprefix("file://"), tmp_path / "store")

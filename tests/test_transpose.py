@@ -2,8 +2,7 @@
 
 import pytest
 import torch
-
-from ptc.transpose import BAND, copy_across_transpose
+from parashift.ptc.transpose import BAND, copy_across_transpose
 
 
 @pytest.mark.parametrize("rows, cols", [(1, 1), (3, 5), (BAND, BAND), (257, BAND * 3 + 7), (2048, 96), (96, 2048)])

@@ -8,9 +8,8 @@ import json
 import math
 
 import pytest
-
-from trainer import metrics
-from trainer.events import (
+from parashift.trainer import metrics
+from parashift.trainer.events import (
     PREFIX,
     CheckpointEvent,
     CheckpointStallEvent,
@@ -24,7 +23,7 @@ from trainer.events import (
     encode,
     parse,
 )
-from trainer.launch import LaunchResult
+from parashift.trainer.launch import LaunchResult
 
 EVERY_KIND = [
     StartEvent(step=4, world_size=2, end_step=12, resumed=True, pids=[5, 6], nodes=["a", "a"], params=1000,

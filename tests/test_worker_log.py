@@ -2,8 +2,8 @@
 
 import logging
 
-from tasks.worker_log import WorkerLog, present
-from trainer import events
+from parashift.tasks.worker_log import WorkerLog, present
+from parashift.trainer import events
 
 
 def test_events_read_as_sentences() -> None:

@@ -9,7 +9,7 @@ import os
 import signal
 import time
 
-from storage import JobPaths, ObjectStore
+from parashift.storage import JobPaths, ObjectStore
 
 # The launcher's "stop at the next step boundary" (a rescale): SIGUSR1 is free in torch and
 # torchrun, and unlike SIGTERM it does not make torchrun tear the workers down itself.

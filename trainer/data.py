@@ -27,9 +27,8 @@ from typing import Protocol
 import fsspec
 import numpy as np
 import torch
-
-from corpus import load_tokenizer, open_dataset
-from specs import DataSpec
+from parashift.corpus import load_tokenizer, open_dataset
+from parashift.specs import DataSpec
 
 BUILTIN_STDLIB = "builtin://python-stdlib"
 

@@ -14,13 +14,12 @@ import json
 from dataclasses import dataclass, field
 from math import prod
 
+from parashift.models import family_of
+from parashift.ptc.codec import torch_dtype
+from parashift.specs import JobSpec
+from parashift.storage import ObjectStore, job_store
+from parashift.trainer.checkpoint import load_tensors
 from safetensors.torch import save as safetensors_bytes
-
-from models import family_of
-from ptc.codec import torch_dtype
-from specs import JobSpec
-from storage import ObjectStore, job_store
-from trainer.checkpoint import load_tensors
 
 # transformers' default shard size for save_pretrained ("5GB").
 DEFAULT_SHARD_BYTES = 5 * 10**9

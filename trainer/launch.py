@@ -19,10 +19,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from specs import JobSpec
-from specs.loader import resolve_model
-from specs.plan import Plan
-from trainer.events import (
+from parashift.specs import JobSpec
+from parashift.specs.loader import resolve_model
+from parashift.specs.plan import Plan
+from parashift.trainer.events import (
     CheckpointEvent,
     CommTimingsEvent,
     FatalEvent,
@@ -34,7 +34,9 @@ from trainer.events import (
     WorkerEvent,
     parse,
 )
-from trainer.mesh import job_plan_refusals
+from parashift.trainer.mesh import job_plan_refusals
+
+import parashift
 
 E = TypeVar("E", bound=WorkerEvent)
 
@@ -125,7 +127,7 @@ class RunningWorkers:
     def request_stop(self) -> int:
         """Ask every worker to stop at its next step boundary; returns how many were signalled
         (0 before the workers reported their pids: then only the stop object reaches them)."""
-        from trainer.control import STOP_SIGNAL
+        from parashift.trainer.control import STOP_SIGNAL
 
         with self._lock:
             launcher, pids = self._launcher, list(self._pids)
@@ -210,7 +212,7 @@ def torchrun_command(devices: int, module: str, *args: str, node: NodeRendezvous
 
 def worker_command(devices: int, spec_file: Path, plan_file: Path, until_step: int | None,
                    node: NodeRendezvous | None = None) -> list[str]:
-    command = torchrun_command(devices, "trainer.worker", "--spec", str(spec_file), "--plan", str(plan_file), node=node)
+    command = torchrun_command(devices, "parashift.trainer.worker", "--spec", str(spec_file), "--plan", str(plan_file), node=node)
     if until_step is not None:
         command += ["--until-step", str(until_step)]
     return command
@@ -220,7 +222,7 @@ def run_measure_comm(devices: int, kind: str, node: NodeRendezvous | None = None
     """Run `trainer.measure_comm` on `devices` workers (with `node`: this node's share of
     them); its exit code, its events (rank 0's `comm_timings`) and the end of its stderr."""
     here = devices if node is None else devices // len(node.nodes)
-    command = torchrun_command(here, "trainer.measure_comm", "--kind", kind, node=node)
+    command = torchrun_command(here, "parashift.trainer.measure_comm", "--kind", kind, node=node)
     env = {**worker_env(kind), **(node.env() if node else {})}
     done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
     events = [e for line in done.stdout.splitlines() if (e := parse(line)) is not None]
@@ -237,9 +239,9 @@ def measure_comm_timings(devices: int, kind: str) -> dict[str, Any]:
     return timings[-1]
 
 
-# The folder holding this parashift's packages: workers import these, never folders of the same
-# names (specs/, models/, tasks/ ...) in the user's working directory.
-CODE_ROOT = str(Path(__file__).resolve().parents[1])
+# The folder holding the `parashift` package that launched them (a source tree or site-packages):
+# workers import that one, never a `parashift/` folder in the user's working directory.
+CODE_ROOT = str(Path(parashift.__file__).resolve().parents[1])
 
 
 def worker_env(kind: str) -> dict[str, str]:

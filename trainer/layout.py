@@ -15,13 +15,12 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-
-from models import family_of
-from ptc import Layout, dtype_name
-from ptc.dtensor import holdings
-from ptc.layout import TensorPlacement, mesh_layout
-from specs.plan import Plan
-from trainer.state import STATE_KINDS, rng_state_bytes
+from parashift.models import family_of
+from parashift.ptc import Layout, dtype_name
+from parashift.ptc.dtensor import holdings
+from parashift.ptc.layout import TensorPlacement, mesh_layout
+from parashift.specs.plan import Plan
+from parashift.trainer.state import STATE_KINDS, rng_state_bytes
 
 __all__ = ["layout_mismatches", "parameter_placements", "rng_state_bytes", "state_layout"]
 

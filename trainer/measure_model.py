@@ -7,10 +7,9 @@ import time
 from typing import Any
 
 import torch
-
-from models import family_of
-from models.layers import token_loss_sum
-from trainer.memory import kept_for_backward
+from parashift.models import family_of
+from parashift.models.layers import token_loss_sum
+from parashift.trainer.memory import kept_for_backward
 
 
 def measure_model(model_spec: Any, micro_batch: int, precision: str, seed: int = 0, repeats: int = 3) -> dict[str, float]:

@@ -12,8 +12,7 @@ from __future__ import annotations
 import contextlib
 
 import torch
-
-from models.layers import token_loss_sum
+from parashift.models.layers import token_loss_sum
 
 
 def kept_for_backward(model: torch.nn.Module, tokens: torch.Tensor, targets: torch.Tensor, precision: str) -> int:

@@ -16,11 +16,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch.distributed as dist
+from parashift.models import family_of
+from parashift.specs import JobSpec
+from parashift.specs.plan import Plan
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-
-from models import family_of
-from specs import JobSpec
-from specs.plan import Plan
 
 # The mesh as built: dp split into its replicate and shard parts (rank order is unchanged:
 # dp = dp_replicate * dp_shard + dp_shard index, as the Plan's ("pp", "dp", "tp") order reads it).

@@ -6,7 +6,7 @@ from __future__ import annotations
 import sys
 import threading
 
-from trainer.events import WorkerEvent, encode
+from parashift.trainer.events import WorkerEvent, encode
 
 # A worker's exit status for an error no retry can fix (it emits a `FatalEvent` saying what).
 EXIT_FATAL = 3

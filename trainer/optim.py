@@ -19,11 +19,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from parashift.ptc.dtensor import local_data
+from parashift.specs import JobSpec
 from torch import nn
 from torch.distributed.tensor import DTensor
-
-from ptc.dtensor import local_data
-from specs import JobSpec
 
 
 class LocalShardAdamW:

@@ -21,6 +21,11 @@ from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
+from parashift.models.base import ModelFamily
+from parashift.ptc import Slice
+from parashift.ptc.dtensor import local_box, local_data
+from parashift.specs.plan import Plan, TensorParallel
+from parashift.trainer.tp_styles import LocalColwiseParallel, LocalRowwiseParallel, RegionEntry
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -34,12 +39,6 @@ from torch.distributed.tensor.parallel import (
     loss_parallel,
     parallelize_module,
 )
-
-from models.base import ModelFamily
-from ptc import Slice
-from ptc.dtensor import local_box, local_data
-from specs.plan import Plan, TensorParallel
-from trainer.tp_styles import LocalColwiseParallel, LocalRowwiseParallel, RegionEntry
 
 
 def _at(model: nn.Module, path: str) -> nn.Module | None:

@@ -11,11 +11,10 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+from parashift.models.base import ModelFamily
+from parashift.specs.plan import Plan
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-
-from models.base import ModelFamily
-from specs.plan import Plan
 
 # Names of torch.distributed.pipelining's schedules. The package is imported only by a pipeline
 # stage: it pulls in torch._dynamo (0.85 s per process here), which every worker of a plan without

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from specs import OptimizerSpec
+from parashift.specs import OptimizerSpec
 
 
 def learning_rate(step: int, total_steps: int, opt: OptimizerSpec) -> float:

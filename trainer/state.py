@@ -19,15 +19,14 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
+from parashift.ptc.dtensor import local_data
+from parashift.ptc.layout import TensorPlacement
+from parashift.ptc.transpose import copy_across_transpose
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from ptc.dtensor import local_data
-from ptc.layout import TensorPlacement
-from ptc.transpose import copy_across_transpose
-
 if TYPE_CHECKING:
-    from trainer.optim import LocalShardAdamW
+    from parashift.trainer.optim import LocalShardAdamW
 
 # AdamW's per-parameter state: two moments shaped and placed like the parameter, and a scalar
 # float32 step count (torch.optim.AdamW without `capturable`).

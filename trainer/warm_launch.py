@@ -25,11 +25,11 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from specs import JobSpec
-from specs.plan import Plan
-from trainer.events import WorkerEvent
-from trainer.launch import STOP_GRACE_S, LaunchResult, RunningWorkers, WorkerOutput
-from trainer.warm_pool import WarmPool
+from parashift.specs import JobSpec
+from parashift.specs.plan import Plan
+from parashift.trainer.events import WorkerEvent
+from parashift.trainer.launch import STOP_GRACE_S, LaunchResult, RunningWorkers, WorkerOutput
+from parashift.trainer.warm_pool import WarmPool
 
 POLL_S = 0.05
 # After a rank fails, how long its peers get to return by themselves (gloo fails their pending

@@ -37,12 +37,12 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from specs import JobSpec
-from specs.loader import resolve_model
-from specs.plan import Plan
-from trainer import events as worker_events
-from trainer.launch import LaunchResult, PlanNotExecutable, worker_env
-from trainer.mesh import job_plan_refusals
+from parashift.specs import JobSpec
+from parashift.specs.loader import resolve_model
+from parashift.specs.plan import Plan
+from parashift.trainer import events as worker_events
+from parashift.trainer.launch import LaunchResult, PlanNotExecutable, worker_env
+from parashift.trainer.mesh import job_plan_refusals
 
 # How long one job may run before the pool is presumed stuck (a collective waiting for a rank
 # that failed) and started afresh.
@@ -66,7 +66,7 @@ class WarmPool:
         self._start()
 
     def _spawn(self) -> subprocess.Popen[str]:
-        command = [sys.executable, "-m", "trainer.warm_pool", "--serve"]
+        command = [sys.executable, "-m", "parashift.trainer.warm_pool", "--serve"]
         return subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1,
                                 env=worker_env(self.kind), start_new_session=True)
 
@@ -179,8 +179,7 @@ class WarmPool:
 def _run_job(request: dict[str, Any]) -> int:
     """One job in this process, with torchrun's environment for its rank."""
     import torch.distributed as dist
-
-    from trainer import worker
+    from parashift.trainer import worker
 
     rank, world = request["rank"], request["world"]
     env = {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world),
@@ -222,7 +221,7 @@ def _run_job(request: dict[str, Any]) -> int:
 def serve() -> None:
     """Answer job requests (one JSON line each on stdin) with their exit status (on stdout)."""
     answers = os.fdopen(os.dup(sys.stdout.fileno()), "w", buffering=1)
-    import trainer.worker  # noqa: F401 - the imports a warm worker exists to have done
+    import parashift.trainer.worker  # noqa: F401 - the imports a warm worker exists to have done
 
     for line in sys.stdin:
         rc = _run_job(json.loads(line))

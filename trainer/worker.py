@@ -29,18 +29,17 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-
-from corpus import DatasetError, TokenizerError
-from models import family_of
-from models.base import ModelFamily
-from models.layers import token_loss_sum
-from ptc import Slice
-from ptc.reconfig import LOCAL, RankReads
-from specs import JobSpec
-from specs.plan import Plan
-from storage import JobPaths, job_store
-from trainer import metrics
-from trainer.checkpoint import (
+from parashift.corpus import DatasetError, TokenizerError
+from parashift.models import family_of
+from parashift.models.base import ModelFamily
+from parashift.models.layers import token_loss_sum
+from parashift.ptc import Slice
+from parashift.ptc.reconfig import LOCAL, RankReads
+from parashift.specs import JobSpec
+from parashift.specs.plan import Plan
+from parashift.storage import JobPaths, job_store
+from parashift.trainer import metrics
+from parashift.trainer.checkpoint import (
     Checkpointer,
     CheckpointsUnusable,
     Restored,
@@ -49,8 +48,8 @@ from trainer.checkpoint import (
     restore_latest,
     restore_totals,
 )
-from trainer.control import StopRequests
-from trainer.data import (
+from parashift.trainer.control import StopRequests
+from parashift.trainer.data import (
     DataPosition,
     Prefetcher,
     SampleLog,
@@ -59,7 +58,7 @@ from trainer.data import (
     rank_share,
     token_source,
 )
-from trainer.events import (
+from parashift.trainer.events import (
     CheckpointEvent,
     CheckpointStallEvent,
     FatalEvent,
@@ -69,10 +68,10 @@ from trainer.events import (
     StepEvent,
     StoppedEvent,
 )
-from trainer.layout import layout_mismatches, state_layout
-from trainer.mesh import Coordinates, ParallelDims, job_plan_refusals
-from trainer.optim import LocalShardAdamW
-from trainer.parallel import (
+from parashift.trainer.layout import layout_mismatches, state_layout
+from parashift.trainer.mesh import Coordinates, ParallelDims, job_plan_refusals
+from parashift.trainer.optim import LocalShardAdamW
+from parashift.trainer.parallel import (
     clip_grad_norm_,
     gradient_sync,
     initialize,
@@ -82,9 +81,9 @@ from trainer.parallel import (
     plain,
     settle_gradients,
 )
-from trainer.pipeline import DEFAULT_SCHEDULE, PipelineRunner, build_stage
-from trainer.schedule import learning_rate
-from trainer.state import apply_state, collect_state, restore_destinations, rng_state_bytes
+from parashift.trainer.pipeline import DEFAULT_SCHEDULE, PipelineRunner, build_stage
+from parashift.trainer.schedule import learning_rate
+from parashift.trainer.state import apply_state, collect_state, restore_destinations, rng_state_bytes
 
 log = logging.getLogger("parashift.worker")
 

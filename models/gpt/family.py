@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import torch
+from parashift.models.base import ModelFamily
+from parashift.models.gpt.model import GPT, GPTConfig, initial_value
+from parashift.models.gpt.spec import GPTSpec
+from parashift.models.sharding import Region, ShardingTable
 from torch import nn
-
-from models.base import ModelFamily
-from models.gpt.model import GPT, GPTConfig, initial_value
-from models.gpt.spec import GPTSpec
-from models.sharding import Region, ShardingTable
 
 SHARDING = ShardingTable(
     regions=(
@@ -23,7 +22,7 @@ SHARDING = ShardingTable(
 class GPTFamily(ModelFamily):
     name = "gpt"
     sharding = SHARDING
-    graph_builder = "models.gpt.graph:build"
+    graph_builder = "parashift.models.gpt.graph:build"
 
     def build(self, spec: GPTSpec) -> nn.Module:
         return GPT(GPTConfig.of(spec))

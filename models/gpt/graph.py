@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from models.gpt.spec import GPTSpec
-from planner.builders import gpt_graph
-from planner.graph import Graph
+from parashift.models.gpt.spec import GPTSpec
+from parashift.planner.builders import gpt_graph
+from parashift.planner.graph import Graph
 
 
 def build(spec: GPTSpec, batch: int, precision: str) -> Graph:

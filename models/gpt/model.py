@@ -9,9 +9,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from parashift.models.layers import InputMajorLinear, seeded_normal
 from torch import nn
-
-from models.layers import InputMajorLinear, seeded_normal
 
 
 @dataclass(frozen=True)

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 from typing import Literal, Self
 
+from parashift.specs.base import Section, raise_if
 from pydantic import Field, model_validator
-
-from specs.base import Section, raise_if
 
 
 class GPTSpec(Section):

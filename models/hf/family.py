@@ -14,12 +14,11 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+from parashift.models.base import ModelFamily
+from parashift.models.hf.spec import HFSpec
+from parashift.models.hub import checkpoint_weights
+from parashift.models.layers import box_index, seeded_normal
 from torch import nn
-
-from models.base import ModelFamily
-from models.hf.spec import HFSpec
-from models.hub import checkpoint_weights
-from models.layers import box_index, seeded_normal
 
 
 def transformers_config(spec: HFSpec) -> Any:

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from models.hf.spec import HFSpec
-from models.hub import CONFIG_NAME, read_config
-from specs.base import FieldIssues
+from parashift.models.hf.spec import HFSpec
+from parashift.models.hub import CONFIG_NAME, read_config
+from parashift.specs.base import FieldIssues
 
 
 def resolve(spec: HFSpec) -> HFSpec:

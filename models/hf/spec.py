@@ -4,9 +4,8 @@ from __future__ import annotations
 
 from typing import Any, Literal, Self
 
+from parashift.specs.base import Section, raise_if
 from pydantic import Field, model_validator
-
-from specs.base import Section, raise_if
 
 
 class HFSpec(Section):
@@ -59,4 +58,4 @@ class HFSpec(Section):
 
 SECTION = HFSpec
 # What reads an `init_from` folder's config into the section ("module:function", no torch).
-RESOLVER = "models.hf.resolve:resolve"
+RESOLVER = "parashift.models.hf.resolve:resolve"

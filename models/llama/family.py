@@ -5,14 +5,13 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from parashift.models.base import ModelFamily
+from parashift.models.layers import box_index
+from parashift.models.llama import hf
+from parashift.models.llama.model import Llama, initial_value
+from parashift.models.llama.spec import LlamaSpec
+from parashift.models.sharding import Region, ShardingTable
 from torch import nn
-
-from models.base import ModelFamily
-from models.layers import box_index
-from models.llama import hf
-from models.llama.model import Llama, initial_value
-from models.llama.spec import LlamaSpec
-from models.sharding import Region, ShardingTable
 
 SHARDING = ShardingTable(
     regions=(
@@ -28,7 +27,7 @@ SHARDING = ShardingTable(
 class LlamaFamily(ModelFamily):
     name = "llama"
     sharding = SHARDING
-    graph_builder = "models.llama.graph:build"
+    graph_builder = "parashift.models.llama.graph:build"
 
     def build(self, spec: LlamaSpec) -> nn.Module:
         return Llama(spec)

@@ -16,9 +16,9 @@ cast (autocast keeps no bf16 copy of a bias for backward; the cost model casts p
 
 from __future__ import annotations
 
-from models.llama.spec import LlamaSpec
-from planner.builders import FP32, INT64, SEQUENCE, GraphBuilder, keep, residual_add
-from planner.graph import Graph
+from parashift.models.llama.spec import LlamaSpec
+from parashift.planner.builders import FP32, INT64, SEQUENCE, GraphBuilder, keep, residual_add
+from parashift.planner.graph import Graph
 
 
 def _rms_norm(g: GraphBuilder, name: str, src: str, b: int, s: int, d: int, block: str | None, **tp: object) -> str:

@@ -23,9 +23,9 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from models.hub import CONFIG_NAME, checkpoint_weights, read_config
-from models.llama.spec import Llama3RopeScaling, LlamaSpec
-from specs.base import FieldIssues
+from parashift.models.hub import CONFIG_NAME, checkpoint_weights, read_config
+from parashift.models.llama.spec import Llama3RopeScaling, LlamaSpec
+from parashift.specs.base import FieldIssues
 
 # Architectures whose math is the Llama family's (checked against `transformers` by tests).
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "MistralForCausalLM": "mistral"}

@@ -15,10 +15,9 @@ import math
 
 import torch
 import torch.nn.functional as F
+from parashift.models.layers import InputMajorLinear, seeded_normal
+from parashift.models.llama.spec import LlamaSpec
 from torch import nn
-
-from models.layers import InputMajorLinear, seeded_normal
-from models.llama.spec import LlamaSpec
 
 
 class Rotary:

@@ -10,9 +10,8 @@ from __future__ import annotations
 
 from typing import Literal, Self
 
+from parashift.specs.base import Section, raise_if
 from pydantic import Field, model_validator
-
-from specs.base import Section, raise_if
 
 # Llama's feed-forward width when none is given: 2/3 of 4 d (SwiGLU has three matrices where
 # GPT's MLP has two), rounded up to a multiple of 256 (Meta's reference and torchtitan).
@@ -99,4 +98,4 @@ class LlamaSpec(Section):
 
 SECTION = LlamaSpec
 # What reads an `init_from` folder's config into the section ("module:function", no torch).
-RESOLVER = "models.llama.hf:resolve"
+RESOLVER = "parashift.models.llama.hf:resolve"

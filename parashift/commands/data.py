@@ -21,8 +21,8 @@ def prepare_data(
 ) -> None:
     """Tokenize the inputs into token shards with checksums and a manifest. Idempotent: shards
     already prepared from the same inputs with the same tokenizer are kept, not redone."""
-    from corpus import DatasetError, PrepareOptions, TokenizerError, load_tokenizer, prepare_dataset
-    from corpus.documents import FORMATS, InputError
+    from parashift.corpus import DatasetError, PrepareOptions, TokenizerError, load_tokenizer, prepare_dataset
+    from parashift.corpus.documents import FORMATS, InputError
 
     if text_format not in FORMATS:
         typer.echo(f"--format {text_format!r}: one of {', '.join(FORMATS)}", err=True)
@@ -57,9 +57,9 @@ def train_tokenizer(
 ) -> None:
     """Train a byte-level BPE (GPT-2's pre-tokenization, <|endoftext|> as end of document) on
     the corpus; nothing is downloaded. It loads in `tokenizers` and `transformers`."""
-    from corpus import TokenizerError, train_bpe
-    from corpus.documents import InputError, documents, expand_inputs, format_of, read_input
-    from corpus.tokenizer import save_tokenizer
+    from parashift.corpus import TokenizerError, train_bpe
+    from parashift.corpus.documents import InputError, documents, expand_inputs, format_of, read_input
+    from parashift.corpus.tokenizer import save_tokenizer
 
     def texts():  # noqa: ANN202 - a generator of the corpus's documents
         for url in expand_inputs(corpus):

@@ -23,8 +23,8 @@ def export(
         typer.echo(f"unknown format {format!r}: the only one is hf", err=True)
         raise typer.Exit(1)
     spec = load_spec_or_exit(spec_file)
-    from storage import StorageError
-    from trainer.export import export_hf
+    from parashift.storage import StorageError
+    from parashift.trainer.export import export_hf
 
     try:
         report = export_hf(spec, to, step, max_shard_bytes=max(1, int(max_shard_gb * 1e9)))

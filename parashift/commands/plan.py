@@ -9,9 +9,9 @@ from typing import TYPE_CHECKING
 import typer
 
 if TYPE_CHECKING:
-    from planner.profile import ModelProfile
-    from specs.models import ParallelismSpec
-    from specs.plan import Plan
+    from parashift.planner.profile import ModelProfile
+    from parashift.specs.models import ParallelismSpec
+    from parashift.specs.plan import Plan
 
 MAX_DEVICES = 65536
 
@@ -48,7 +48,7 @@ def _one_line(error: BaseException) -> str:
 def _refuse_oversized_exhaustive(profile: ModelProfile, label: str) -> None:
     """Brute force holds one array axis per op: a larger graph is refused before any search,
     with the limit and the way that plans it (the DP, the default)."""
-    from planner.dp import BRUTE_FORCE_MAX_OPS
+    from parashift.planner.dp import BRUTE_FORCE_MAX_OPS
 
     ops = len(profile.graph.ops)
     if ops > BRUTE_FORCE_MAX_OPS:
@@ -79,11 +79,11 @@ def plan(
     measure: bool = typer.Option(False, "--measure", help="time GEMMs on this machine for compute rates"),
 ) -> None:
     """Plan the parallelization of a job: per-op placements, step time, memory, baselines."""
-    from models import family_of
     from parashift.commands.spec import load_spec_or_exit
-    from planner.graph import GraphError, load_graph_json
-    from planner.profile import profile_graph
-    from planner.search import exhaustive_search, plan_model
+    from parashift.models import family_of
+    from parashift.planner.graph import GraphError, load_graph_json
+    from parashift.planner.profile import profile_graph
+    from parashift.planner.search import exhaustive_search, plan_model
 
     count = _device_count(devices)
     job = load_spec_or_exit(spec)
@@ -99,8 +99,8 @@ def plan(
             raise typer.Exit(1) from None
         profile = profile_graph(op_graph, kind, measure, memory_gb=res.memory_gb, devices_per_node=res.devices_per_node)
     elif family_of(model).graph_builder is None:  # no op graph: the data axis's options, measured here
-        from planner.measured import plan_measured, profile_from_measurements
-        from trainer.measure_model import measure_model
+        from parashift.planner.measured import plan_measured, profile_from_measurements
+        from parashift.trainer.measure_model import measure_model
 
         train = job.training
         measured = profile_from_measurements(model.tag, measure_model(model, train.micro_batch, par.precision), kind,

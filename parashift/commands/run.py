@@ -40,10 +40,10 @@ def run(
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from flows.train import train_job
-    from tasks import progress as progress_events
-    from tasks.launch import stop_on_signals
-    from trainer.events import StartEvent, StepEvent, WorkerEvent
+    from parashift.flows.train import train_job
+    from parashift.tasks import progress as progress_events
+    from parashift.tasks.launch import stop_on_signals
+    from parashift.trainer.events import StartEvent, StepEvent, WorkerEvent
 
     console = Console(soft_wrap=True)
     stop_on_signals(lambda name: console.print(f"[bold yellow]{name}[/]: stopping at the next step boundary "

@@ -23,7 +23,7 @@ def scale(
     boundary, re-plans for the new devices (or nodes), reshards its checkpoint and continues.
     Needs the Prefect server the job runs against (PREFECT_API_URL). Given a spec file, a change
     the job would ignore (docs/elastic.md) is refused here."""
-    from specs.elastic import REASONS, check_change
+    from parashift.specs.elastic import REASONS, check_change
 
     if (devices is None) == (nodes is None):
         typer.echo("parashift scale: give --devices or --nodes (one of them)", err=True)
@@ -35,7 +35,14 @@ def scale(
     spec = load_spec_or_exit(Path(job)) if job.endswith((".yaml", ".yml")) or Path(job).is_file() else None
     job_id = spec.job_id if spec is not None else job
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-    from tasks.events import EVENT, ResourceEvent, api_url, emit_resource_change, now_epoch, resource_id
+    from parashift.tasks.events import (
+        EVENT,
+        ResourceEvent,
+        api_url,
+        emit_resource_change,
+        now_epoch,
+        resource_id,
+    )
 
     if api_url() is None:
         typer.echo("parashift scale: PREFECT_API_URL is not set. Resource events travel through a Prefect server; "

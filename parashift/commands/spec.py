@@ -9,12 +9,12 @@ from typing import TYPE_CHECKING
 import typer
 
 if TYPE_CHECKING:
-    from specs import JobSpec
+    from parashift.specs import JobSpec
 
 
 def load_spec_or_exit(spec_file: Path) -> JobSpec:
     """The validated spec, or its `FILE:LINE:COL` errors on stderr and exit status 1."""
-    from specs import SpecError, load_spec
+    from parashift.specs import SpecError, load_spec
 
     try:
         return load_spec(spec_file)
@@ -27,7 +27,7 @@ def load_spec_or_exit(spec_file: Path) -> JobSpec:
 def preflight_lines(spec_file: Path, spec: JobSpec, *, storage: bool = True) -> list[str]:
     """`FILE: field: message` for each reason the job cannot run on this machine (storage,
     data, devices), checked in seconds; [] when it can."""
-    from tasks.preflight import preflight
+    from parashift.tasks.preflight import preflight
 
     return [f"{spec_file}: {problem}" for problem in preflight(spec, storage=storage)]
 
@@ -37,7 +37,7 @@ def validate(
     check: bool = typer.Option(False, "--check", help="also check storage, data and devices from this machine"),
 ) -> None:
     """Check job specs; print one `FILE:LINE:COL: field.path: message` line per error."""
-    from specs import SpecError, load_spec
+    from parashift.specs import SpecError, load_spec
 
     failed = False
     for file in files:
@@ -59,6 +59,6 @@ def validate(
 
 def schema() -> None:
     """Print the JSON Schema of a job spec."""
-    from specs import json_schema
+    from parashift.specs import json_schema
 
     typer.echo(json.dumps(json_schema(), indent=2))

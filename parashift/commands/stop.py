@@ -15,7 +15,7 @@ def stop(
     reason: str = typer.Option("manual", help="recorded in the stop request"),
 ) -> None:
     """Write the job's stop request; its workers checkpoint and exit within a few seconds."""
-    from storage import JobPaths, open_store
+    from parashift.storage import JobPaths, open_store
 
     spec = load_spec_or_exit(spec_file)
     store = open_store(spec.storage)

@@ -11,9 +11,16 @@ not from the live tensors, so nothing is exchanged to know who writes what. Spli
 - planning a reshard before a launch needs no processes and lives in `ptc.reshard`.
 """
 
-from ptc.reshard import check_matches, check_usable, node_objects, reads_for, reshard_plan, stored_boxes
-from storage import node_tier
-from trainer.checkpoint.restore import (
+from parashift.ptc.reshard import (
+    check_matches,
+    check_usable,
+    node_objects,
+    reads_for,
+    reshard_plan,
+    stored_boxes,
+)
+from parashift.storage import node_tier
+from parashift.trainer.checkpoint.restore import (
     CheckpointsUnusable,
     Restored,
     execute_reads,
@@ -21,7 +28,7 @@ from trainer.checkpoint.restore import (
     restore_latest,
     restore_totals,
 )
-from trainer.checkpoint.saver import Checkpointer, SaveReport, build_manifest
+from parashift.trainer.checkpoint.saver import Checkpointer, SaveReport, build_manifest
 
 __all__ = [
     "Checkpointer",

@@ -15,16 +15,15 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-
-from ptc import Layout, Slice
-from ptc.reconfig import LOCAL, Assembly, RankReads
-from ptc.reshard import (
+from parashift.ptc import Layout, Slice
+from parashift.ptc.reconfig import LOCAL, Assembly, RankReads
+from parashift.ptc.reshard import (
     REFUSALS,
     check_usable,
     node_objects,
     reads_for,
 )
-from storage import (
+from parashift.storage import (
     CheckpointStore,
     Manifest,
     ObjectStore,
@@ -33,7 +32,7 @@ from storage import (
     TierUnusable,
     TransientStorageError,
 )
-from trainer.checkpoint.group import Group, agree_lowest, broadcast
+from parashift.trainer.checkpoint.group import Group, agree_lowest, broadcast
 
 log = logging.getLogger("parashift.checkpoint")
 

@@ -23,13 +23,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-
-from ptc import Layout, Slice
-from ptc.chunks import chunk_rows, row_bytes, storage_order
-from ptc.codec import tensor_bytes
-from ptc.dtensor import local_data
-from ptc.transpose import copy_across_transpose
-from storage import (
+from parashift.ptc import Layout, Slice
+from parashift.ptc.chunks import chunk_rows, row_bytes, storage_order
+from parashift.ptc.codec import tensor_bytes
+from parashift.ptc.dtensor import local_data
+from parashift.ptc.transpose import copy_across_transpose
+from parashift.storage import (
     CheckpointStore,
     LeaseToken,
     Manifest,
@@ -42,7 +41,7 @@ from storage import (
     TensorRecord,
     holding_object_name,
 )
-from trainer.checkpoint.group import Group, broadcast
+from parashift.trainer.checkpoint.group import Group, broadcast
 
 log = logging.getLogger("parashift.checkpoint")
 
