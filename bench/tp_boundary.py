@@ -3,7 +3,7 @@ parameter's local shard, torch's `DTensor.to_local` against `trainer.tp_styles.l
 with a plain-tensor loop as the floor. Tiny (8 x 8) weights, so the matmuls cost next to
 nothing and what is left is the conversion; one process, a 1-rank "tp" mesh (gloo).
 
-    OMP_NUM_THREADS=1 python -m bench.tp_boundary [--params 48] [--steps 200] [--rounds 5]
+    OMP_NUM_THREADS=1 python -m bench.tp_boundary [--params 72] [--steps 200] [--rounds 5]
 
 Last line: one JSON object, milliseconds per step (all `--params` conversions and their
 backwards), medians over rounds, and the per-round values.
