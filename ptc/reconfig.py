@@ -6,6 +6,11 @@ overlap it, and the byte ranges of those stored boxes that cover the overlap, wi
 checksum chunks so that every byte read is verified. Ranges that touch in one object become one
 request. The restore executes exactly this plan; its totals (bytes needed, bytes read,
 requests, bytes from the node-local tier) are what a user sees before a job is resharded.
+
+Where a request is served from: object storage (REMOTE), the reader's node-local tier (LOCAL),
+or the memory of a live worker that holds the same box from the segment before (LIVE, sent
+over the process group: `with_live_copies`). Every source serves a stored box's exact bytes in
+its stored dim order, so one plan and one set of chunk checksums serve all three.
 """
 
 from __future__ import annotations
@@ -21,7 +26,20 @@ from parashift.ptc.layout import Layout, Slice
 from parashift.ptc.regions import intersect
 from parashift.ptc.transpose import copy_across_transpose
 
-LOCAL, REMOTE = "local", "remote"
+LOCAL, REMOTE, LIVE = "local", "remote", "live"
+LIVE_PREFIX = "live:"
+
+
+def live_object(rank: int, index: int) -> str:
+    """The name a plan gives box `index` of what live rank `rank` holds (never a stored key:
+    stored object names have no colon)."""
+    return f"{LIVE_PREFIX}{rank}:{index}"
+
+
+def live_holder(obj: str) -> tuple[int, int]:
+    """(rank, index) of a `live_object` name."""
+    rank, index = obj[len(LIVE_PREFIX):].split(":")
+    return int(rank), int(index)
 
 
 @dataclass(frozen=True)
@@ -112,6 +130,7 @@ class ReconfigPlan:
             "requests": sum(len(r.requests) for r in self.ranks),
             "bytes_local": sum(r.bytes_from(LOCAL) for r in self.ranks),
             "bytes_remote": sum(r.bytes_from(REMOTE) for r in self.ranks),
+            "bytes_live": sum(r.bytes_from(LIVE) for r in self.ranks),
         }
 
     def summary(self) -> list[dict[str, int]]:
@@ -145,9 +164,17 @@ def _cover(stored: StoredBox, cut: Slice, itemsize: int) -> tuple[int, int, list
     return lo, hi, checks
 
 
+def _source(obj: str, local_objects: frozenset[str]) -> str:
+    if obj.startswith(LIVE_PREFIX):
+        return LIVE
+    return LOCAL if obj in local_objects else REMOTE
+
+
 def rank_reads(stored: dict[str, list[StoredBox]], dtypes: dict[str, str], wanted: dict[str, Slice], rank: int,
                local_objects: frozenset[str] = frozenset()) -> RankReads:
-    """The requests one rank issues to assemble `wanted` (tensor -> its box) from `stored`."""
+    """The requests one rank issues to assemble `wanted` (tensor -> its box) from `stored`.
+    A box is read from its first copy in `local_objects` (live copies included), else from the
+    stored object."""
     ranges: list[tuple[str, int, int, Piece | None, list[tuple[int, int, int]]]] = []
     for name, box in sorted(wanted.items()):
         itemsize = torch_dtype(dtypes[name]).itemsize
@@ -170,7 +197,7 @@ def rank_reads(stored: dict[str, list[StoredBox]], dtypes: dict[str, str], wante
     for obj, start, end, piece, checks in sorted(ranges, key=lambda r: (r[0], r[1])):
         last = requests[-1] if requests else None
         if last is None or last.object != obj or start > last.end:
-            last = Request(obj, start, end, LOCAL if obj in local_objects else REMOTE)
+            last = Request(obj, start, end, _source(obj, local_objects))
             requests.append(last)
             known = set()
         base = start - last.start
@@ -194,6 +221,37 @@ def reconfig_plan(step: int, stored: dict[str, list[StoredBox]], dtypes: dict[st
         wanted = {n: b for n, b in layout.boxes_of(rank).items() if n in stored}
         ranks.append(rank_reads(stored, dtypes, wanted, rank, local_objects.get(rank, frozenset())))
     return ReconfigPlan(step, ranks)
+
+
+def with_live_copies(stored: dict[str, list[StoredBox]], holdings: dict[int, list[tuple[str, Slice, tuple[int, ...]]]],
+                     reader: int) -> tuple[dict[str, list[StoredBox]], frozenset[str]]:
+    """`stored` with a copy in every live rank's memory that holds a stored box exactly (same
+    tensor, box and dim order: the same bytes, under the same checksums), and the names of
+    those copies. `holdings`: live rank -> the boxes it holds, in its own order. The reader's
+    own memory comes first; where other ranks hold a box too (data-parallel replicas), the
+    first of them turns from box to box and from reader to reader, so that the bytes a
+    reader takes over the network come from all of its holders."""
+    held: dict[tuple[str, Slice, tuple[int, ...]], list[str]] = {}
+    for rank in sorted(holdings):
+        for index, key in enumerate(holdings[rank]):
+            held.setdefault(key, []).append(live_object(rank, index))
+    mine = f"{LIVE_PREFIX}{reader}:"
+    out: dict[str, list[StoredBox]] = {}
+    objects: set[str] = set()
+    turn = reader
+    for name, boxes in sorted(stored.items()):
+        out[name] = []
+        for box in boxes:
+            live = held.get((name, box.box, box.order), [])
+            own = [obj for obj in live if obj.startswith(mine)]
+            others = [obj for obj in live if not obj.startswith(mine)]
+            if others:
+                turn += 1
+                others = others[turn % len(others):] + others[: turn % len(others)]
+            objects.update(live)
+            copies = tuple((obj, 0) for obj in own + others) + box.copies
+            out[name].append(StoredBox(box.tensor, box.box, box.order, box.object, box.byte_offset, box.chunks, copies))
+    return out, frozenset(objects)
 
 
 class Assembly:

@@ -20,7 +20,14 @@ from math import prod
 from parashift.ptc.chunks import row_bytes
 from parashift.ptc.codec import torch_dtype
 from parashift.ptc.layout import Layout, Slice
-from parashift.ptc.reconfig import RankReads, ReconfigPlan, StoredBox, rank_reads, reconfig_plan
+from parashift.ptc.reconfig import (
+    RankReads,
+    ReconfigPlan,
+    StoredBox,
+    rank_reads,
+    reconfig_plan,
+    with_live_copies,
+)
 from parashift.storage import (
     CheckpointNotFound,
     CheckpointStore,
@@ -128,10 +135,15 @@ def node_objects(tier: ObjectStore | None, store: CheckpointStore, step: int) ->
     return frozenset(key[len(folder) + 1 :] for key in tier.list(folder))
 
 
-def reads_for(manifest: Manifest, wanted: dict[str, Slice], rank: int, local: frozenset[str] = frozenset()) -> RankReads:
+def reads_for(manifest: Manifest, wanted: dict[str, Slice], rank: int, local: frozenset[str] = frozenset(),
+              live: dict[int, list[tuple[str, Slice, tuple[int, ...]]]] | None = None) -> RankReads:
     """One rank's reads of the boxes it `wanted` (tensor -> box) from the checkpoint `manifest`
-    describes; objects in `local` are read from the node's tier."""
+    describes; objects in `local` are read from the node's tier, boxes that `live` ranks hold
+    (rank -> its boxes) from their memory."""
     boxes, dtypes = stored_boxes(manifest)
+    if live:
+        boxes, held = with_live_copies(boxes, live, rank)
+        local = local | held
     return rank_reads(boxes, dtypes, wanted, rank, local)
 
 

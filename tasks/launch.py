@@ -226,7 +226,9 @@ def launch_training(spec: JobSpec, plan: Plan, until_step: int | None = None,
         if resources is not None:
             resources.on_change = None
     start = result.start
-    start_step = start.step if start is not None else 0
+    # Workers that failed before they started training were resuming the step they read, or
+    # else the job's last committed one.
+    start_step = start.step if start is not None else result.restoring.step if result.restoring else job.step
     committed = [(e.step, e.url) for e in result.checkpoints if e.url]
     fatal = result.fatal
     pending = resources.newest_after(job.epoch) if resources is not None and result.stopped else None

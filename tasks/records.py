@@ -36,7 +36,7 @@ class SegmentResult(BaseModel):
     )
     restore_bytes: dict[str, int] | None = Field(
         default=None, description="the restore's bytes over all ranks: needed, read, and where from (local: the "
-        "readers' node-local tiers; store: object storage)"
+        "readers' node-local tiers; live: warm workers' memory, of which network: another rank's; store: object storage)"
     )
     nodes: list[str] | None = Field(default=None, description="a job across nodes: the nodes of this segment")
     left_nodes: list[str] = Field(default_factory=list, description="nodes that left during this segment")

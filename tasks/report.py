@@ -68,13 +68,15 @@ def summary_markdown(summary: TrainSummary, model: ModelSummary) -> str:
     ]
     restores = [s for s in summary.segments if s.restore_bytes and s.restore_bytes.get("read")]
     if restores:  # where each resume read its state from
-        lines += ["", "| segment | nodes | restored at step | MB read | MB from node-local tiers | MB from object storage |",
-                  "|---|---|---|---|---|---|"]
+        lines += ["", "| segment | nodes | restored at step | MB read | MB from node-local tiers | "
+                  "MB from live workers (over the network) | MB from object storage |",
+                  "|---|---|---|---|---|---|---|"]
         for i, s in enumerate(summary.segments):
             if s in restores:
                 b = s.restore_bytes or {}
                 lines.append(f"| {i + 1} | {', '.join(s.nodes) if s.nodes else 'this machine'} | {s.start_step} | "
-                             f"{b['read'] / 1e6:,.2f} | {b['local'] / 1e6:,.2f} | {b['store'] / 1e6:,.2f} |")
+                             f"{b['read'] / 1e6:,.2f} | {b['local'] / 1e6:,.2f} | {b.get('live', 0) / 1e6:,.2f} "
+                             f"({b.get('network', 0) / 1e6:,.2f}) | {b['store'] / 1e6:,.2f} |")
     return "\n".join(lines)
 
 

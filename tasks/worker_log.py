@@ -44,7 +44,8 @@ def describe(event: WorkerEvent, total_steps: int | None = None) -> str:
             return f"{event.world_size} workers (pids {event.pids}) {where}, training to step {event.end_step}"
         case RestoringEvent():
             return (f"restoring step {event.step}: {event.bytes_read / 1e6:,.1f} MB in {event.requests} reads "
-                    f"({event.bytes_needed / 1e6:,.1f} MB needed, {event.bytes_local / 1e6:,.1f} MB from the node)")
+                    f"({event.bytes_needed / 1e6:,.1f} MB needed, {event.bytes_local / 1e6:,.1f} MB from the node, "
+                    f"{event.bytes_live / 1e6:,.1f} MB from live workers)")
         case CheckpointEvent():
             return (f"checkpoint step {event.step} committed: {event.bytes_written / 1e6:,.1f} MB, "
                     f"written in {event.write_s:.2f} s, training waited {event.stall_s:.3f} s")

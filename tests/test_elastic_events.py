@@ -293,16 +293,50 @@ def test_a_job_that_cannot_make_progress_fails_with_the_reason(prefect_server: N
     assert "cannot make progress: two failures in a row without a new checkpoint" in (state.message or "")
 
 
+@pytest.fixture(scope="module")
+def static_warm(prefect_server: None, tmp_path_factory: pytest.TempPathFactory) -> dict[int, float]:
+    """The losses of LONG on 2 devices, unchanged: the warm tests' reference."""
+    store = tmp_path_factory.mktemp("static-warm")
+    static = run_flow(tiny_spec("static-warm", f"file://{store}", training=LONG), lambda e: None).result()
+    return dict(static.segments[0].losses)
+
+
+# Loaded by every warm worker of the test below (on PYTHONPATH): rank 1 is killed at its first
+# point-to-point send of live state, once (the marker file), while its peers wait for its bytes.
+KILL_WHILE_STATE_MOVES = """
+import os, signal, sys
+if "--serve" in sys.argv:
+    import torch.distributed as dist
+    _isend = dist.isend
+    def isend(*args, **kwargs):
+        marker = os.environ["LIVE_FAULT_MARKER"]
+        if os.environ.get("RANK") == "1" and not os.path.exists(marker):
+            open(marker, "w").close()
+            os.kill(os.getpid(), signal.SIGKILL)
+        return _isend(*args, **kwargs)
+    dist.isend = isend
+"""
+
+
+@pytest.mark.parametrize("kill", ["training", "state-moving"])
 def test_warm_workers_outlive_a_change_and_replace_a_killed_rank(prefect_server: None, tmp_path: Path,
-                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+                                                                 monkeypatch: pytest.MonkeyPatch,
+                                                                 static_warm: dict[int, float], kill: str) -> None:
     """resources.warm_workers: an event takes the job from 2 to 3 devices on the same two
-    processes plus one; a SIGKILL of one rank is a failure the job recovers from on 2 devices
-    (that process replaced). Every step's loss equals the static run's; every sample of each
-    epoch is trained once."""
+    processes plus one, the state taken from the live workers' memory; a SIGKILL of one rank
+    (three steps into that segment, or while live state moves to the new rank) is a failure
+    the job recovers from on 2 devices (that process replaced). Every step's loss equals the
+    static run's; every sample of each epoch is trained once."""
     from parashift.tasks.events import ResourceEvent, emit_resource_change
 
-    static = run_flow(tiny_spec("static-warm", f"file://{tmp_path}/static", training=LONG), lambda e: None).result()
+    static_losses = static_warm
     monkeypatch.setenv("PARASHIFT_SAMPLE_LOG", str(tmp_path / "samples"))
+    if kill == "state-moving":
+        hooks = tmp_path / "hooks"
+        hooks.mkdir()
+        (hooks / "sitecustomize.py").write_text(KILL_WHILE_STATE_MOVES)
+        monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(hooks), *filter(None, [os.environ.get("PYTHONPATH")])]))
+        monkeypatch.setenv("LIVE_FAULT_MARKER", str(tmp_path / "killed"))
     spec = tiny_spec("warm", f"file://{tmp_path}/warm", training={**LONG, "checkpoint_every": 5},
                      resources={"warm_workers": True})
     starts: list[StartEvent] = []
@@ -315,19 +349,33 @@ def test_warm_workers_outlive_a_change_and_replace_a_killed_rank(prefect_server:
             return
         if len(starts) == 1:
             emit_resource_change(spec.job_id, ResourceEvent(devices=3, epoch=10))
-        elif len(starts) == 2 and not killed:
+        elif len(starts) == 2 and not killed and kill == "training":
             killed.append(starts[-1].pids[1])
             os.kill(killed[0], signal.SIGKILL)
 
     state = run_flow(spec, WorkerEvents(react))
     summary = state.result()
     assert [(s.devices, s.outcome) for s in summary.segments] == [(2, "rescaled"), (3, "failed"), (2, "finished")]
-    first, second, third = (set(s.pids) for s in starts)
-    assert first < second, "the 2 -> 3 change kept both processes and added one"
-    assert killed[0] in second and killed[0] not in third
-    assert len(third & second) == 1, "rank 0 survived its peer's death (gloo failed its collective) and trains on"
     assert "rank 1 killed by signal 9 (a warm worker" in (summary.segments[1].reason or "")
-    static_losses = dict(static.segments[0].losses)
+    if kill == "training":
+        first, second, third = (set(s.pids) for s in starts)
+        assert first < second, "the 2 -> 3 change kept both processes and added one"
+        assert killed[0] in second and killed[0] not in third
+        assert len(third & second) == 1, "rank 0 survived its peer's death (gloo failed its collective) and trains on"
+        # The change's state came from the live workers' memory (the new rank's over the group);
+        # after the failure, from storage (what survived had moved past the committed step).
+        moved = summary.segments[1].restore_bytes or {}
+        assert moved["network"] > 0 and moved["live"] == moved["read"] and moved["store"] == 0, moved
+        recovered = summary.segments[2].restore_bytes or {}
+        assert recovered["live"] == 0 and recovered["store"] == recovered["read"] > 0, recovered
+    else:  # the 3-device segment never started training; rank 0 still holds the committed state
+        assert (tmp_path / "killed").exists() and len(starts) == 2
+        assert summary.segments[1].start_step == summary.segments[1].final_step == summary.segments[2].start_step
+        # Rank 0's memory serves both ranks; only the dead rank's own generator state, held by
+        # nobody alive, comes from storage.
+        recovered = summary.segments[2].restore_bytes or {}
+        assert recovered["network"] > 0 and recovered["live"] + recovered["store"] == recovered["read"], recovered
+        assert 0 < recovered["store"] < recovered["live"] / 50, recovered
     warm_losses = dict(loss for seg in summary.segments for loss in seg.losses)
     assert sorted(warm_losses) == list(range(1, LONG["steps"] + 1))
     for step, loss in static_losses.items():

@@ -40,7 +40,8 @@ class StartEvent(_Event):
     checkpoint_url: str | None = Field(None, description="the manifest restored")
     checkpoint_loss: float | None = Field(None, description="the loss recorded in that checkpoint")
     restore_s: float | None = None
-    restore_bytes: dict[str, int] | None = Field(None, description="over all ranks: needed, read, local, store")
+    restore_bytes: dict[str, int] | None = Field(
+        None, description="over all ranks: needed, read, and where from: local (node tiers), live (workers' memory), store")
     phases: dict[str, float | None] = Field(default_factory=dict, description="seconds of each start-up phase")
 
 
@@ -53,6 +54,7 @@ class RestoringEvent(_Event):
     bytes_read: int
     requests: int
     bytes_local: int = 0
+    bytes_live: int = Field(0, description="from live workers' memory (its own or a peer's, over the process group)")
 
 
 class StepEvent(_Event):

@@ -34,7 +34,7 @@ from parashift.models import family_of
 from parashift.models.base import ModelFamily
 from parashift.models.layers import token_loss_sum
 from parashift.ptc import Slice
-from parashift.ptc.reconfig import LOCAL, RankReads
+from parashift.ptc.reconfig import LIVE, LOCAL, RankReads
 from parashift.specs import JobSpec
 from parashift.specs.plan import Plan
 from parashift.storage import JobPaths, job_store
@@ -48,6 +48,7 @@ from parashift.trainer.checkpoint import (
     restore_latest,
     restore_totals,
 )
+from parashift.trainer.checkpoint import live as live_state
 from parashift.trainer.control import StopRequests
 from parashift.trainer.data import (
     DataPosition,
@@ -232,9 +233,10 @@ class Resumed:
 
 
 def restore(spec: JobSpec, built: Built, layout: Any, checkpoints: Any, tier: Any, rank: int, group: Any,
-            device: torch.device) -> Resumed:
+            device: torch.device, live: live_state.LivePeers | None = None) -> Resumed:
     """This rank's boxes under this plan, from whatever plan saved the newest usable
     checkpoint; raises CheckpointsUnusable when none is and the spec does not start over.
+    `live`: what warm workers hold from the segment before, taken from their memory.
 
     Parameters are read in place (just initialised: nothing is lost if a checkpoint is refused
     half-way, they are initialised again); optimizer state into new tensors."""
@@ -244,11 +246,12 @@ def restore(spec: JobSpec, built: Built, layout: Any, checkpoints: Any, tier: An
         my_reads[:] = [reads]
         if rank == 0:
             metrics.emit(RestoringEvent(step=at_step, bytes_needed=reads.bytes_needed, bytes_read=reads.bytes_read,
-                                        requests=len(reads.requests), bytes_local=reads.bytes_from(LOCAL)))
+                                        requests=len(reads.requests), bytes_local=reads.bytes_from(LOCAL),
+                                        bytes_live=reads.bytes_from(LIVE)))
 
     restored = restore_latest(checkpoints, layout, rank, group, tier, on_reads=restoring,
                               destinations=restore_destinations(built.optimizer, in_place=True),
-                              start_over=spec.training.if_checkpoints_unusable == "start-over")
+                              start_over=spec.training.if_checkpoints_unusable == "start-over", live=live)
     if restored is None:
         if checkpoints.manifest_steps():  # every checkpoint refused: start over from step 0
             initialize(built.module, built.initial_part)
@@ -431,11 +434,19 @@ def main(argv: list[str] | None = None) -> int:
     checkpoints = job_store(spec)
     node = os.environ.get("PARASHIFT_NODE", "local")  # set by a launcher of a job across nodes
     tier = node_tier(spec.storage.local_tier, node)
+    # A warm worker may hold the job's newest committed state from the segment before: what
+    # every rank holds is said once, and the restore takes those boxes from memory.
+    warm = os.environ.get("PARASHIFT_WARM_WORKER") == "1"
+    if live_state.held(spec.job_id) is None:
+        live_state.release()  # another job's state: not this one's to serve
+    live = live_state.LivePeers.gather(spec.job_id, rank, ckpt_group) if warm else None
     phases.done("layout_s")
     try:
-        resumed, unusable = restore(spec, built, layout, checkpoints, tier, rank, ckpt_group, device), None
+        resumed, unusable = restore(spec, built, layout, checkpoints, tier, rank, ckpt_group, device, live), None
     except CheckpointsUnusable as error:
         unusable = str(error)  # outside the handler: its traceback's frames hold the model
+    live = None
+    live_state.release()  # restored (or refused): the old state's memory goes back
     if unusable is not None:  # no retry can fix it: said once, and the run ends
         if rank == 0:
             metrics.emit(FatalEvent(message=unusable))
@@ -486,6 +497,8 @@ def main(argv: list[str] | None = None) -> int:
         os._exit(metrics.EXIT_FATAL)  # the other ranks wait in a collective; torchrun ends them
 
     checkpointer.close()  # the last save is committed before anyone reports or exits
+    if warm:  # the committed state stays in this process for the job's next segment
+        live_state.hold(spec.job_id, step, layout, rank, collect_state(built.module, built.optimizer, rank, device, local=True))
     if rank == 0:
         end = StoppedEvent if stopped else FinishedEvent
         metrics.emit(end(step=step, samples_consumed=position.samples_consumed))

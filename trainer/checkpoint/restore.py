@@ -3,7 +3,8 @@
 Rank 0 lists the committed steps once, reads the newest manifest and sends it to the others;
 every rank computes its reads (`ptc.reconfig`: exact byte ranges, coalesced) and executes
 exactly those, verifying every chunk. A checkpoint that fails anywhere is skipped for an older
-one, by agreement of all ranks.
+one, by agreement of all ranks. Boxes that live ranks hold from the segment before (warm
+workers: `live`) come from their memory over the process group, under the same checksums.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from parashift.ptc import Layout, Slice
-from parashift.ptc.reconfig import LOCAL, Assembly, RankReads
+from parashift.ptc.codec import tensor_bytes
+from parashift.ptc.reconfig import LIVE, LOCAL, Assembly, RankReads, live_holder
 from parashift.ptc.reshard import (
     REFUSALS,
     check_usable,
@@ -33,6 +35,7 @@ from parashift.storage import (
     TransientStorageError,
 )
 from parashift.trainer.checkpoint.group import Group, agree_lowest, broadcast
+from parashift.trainer.checkpoint.live import LivePeers, LiveVerificationFailed
 
 log = logging.getLogger("parashift.checkpoint")
 
@@ -47,23 +50,49 @@ class Restored:
 
 def restore_totals(reads: RankReads | None, group: Group = None) -> dict[str, int]:
     """Bytes every rank of the job needed and read for its restore, and where the reads came
-    from (`local`: the reader's node-local tier; `store`: object storage), summed over ranks."""
-    mine = [0, 0, 0] if reads is None else [reads.bytes_needed, reads.bytes_read, reads.bytes_from(LOCAL)]
+    from (`local`: the reader's node-local tier; `live`: live ranks' memory, its own or, of
+    that, `network`: another rank's over the process group; `store`: object storage), summed
+    over ranks."""
+    mine = [0] * 5
+    if reads is not None:
+        own = sum(r.nbytes for r in reads.requests if r.source == LIVE and live_holder(r.object)[0] == reads.rank)
+        mine = [reads.bytes_needed, reads.bytes_read, reads.bytes_from(LOCAL), reads.bytes_from(LIVE), own]
     totals = torch.tensor(mine, dtype=torch.int64)
     if group is not None:
         dist.all_reduce(totals, group=group)
-    needed, read, local = (int(x) for x in totals.tolist())
-    return {"needed": needed, "read": read, "local": local, "store": read - local}
+    needed, read, local, live, own = (int(x) for x in totals.tolist())
+    return {"needed": needed, "read": read, "local": local, "live": live, "network": live - own,
+            "store": read - local - live}
 
 
 def execute_reads(store: CheckpointStore, step: int, reads: RankReads, tier: ObjectStore | None = None,
-                  destinations: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+                  destinations: dict[str, torch.Tensor] | None = None,
+                  arrived: dict[int, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """Exactly `reads`' requests, every chunk verified, assembled into this rank's boxes (into
-    `destinations` where given)."""
-    requests = [ReadRequest(r.object, r.start, r.end, tuple(r.checks), r.source == LOCAL) for r in reads.requests]
+    `destinations` where given). `arrived`: the bytes of its live requests, by request index,
+    already verified (`LivePeers.exchange`); the others are read from storage."""
+    arrived = arrived or {}
     assembly = Assembly(reads, destinations)
-    store.read_verified(step, requests, assembly.targets, tier)
+    rest = []
+    for i, r in enumerate(reads.requests):
+        if i in arrived:
+            _scatter(arrived[i], assembly.targets[i])
+        elif r.source == LIVE:
+            raise ValueError(f"{r.object}: a live request whose bytes did not arrive")
+        else:
+            rest.append(i)
+    requests = [ReadRequest(r.object, r.start, r.end, tuple(r.checks), r.source == LOCAL)
+                for r in (reads.requests[i] for i in rest)]
+    store.read_verified(step, requests, [assembly.targets[i] for i in rest], tier)
     return assembly.finish()
+
+
+def _scatter(data: torch.Tensor, targets: list[memoryview]) -> None:
+    """A request's bytes into the buffers that tile it, in order."""
+    source, at = tensor_bytes(data), 0
+    for target in targets:
+        target[:] = source[at : at + len(target)]
+        at += len(target)
 
 
 def load_tensors(store: CheckpointStore, manifest: Manifest, names: list[str]) -> dict[str, torch.Tensor]:
@@ -98,7 +127,7 @@ def restore_latest(store: CheckpointStore, layout: Layout, rank: int, group: Gro
                    tier: ObjectStore | None = None,
                    on_reads: Callable[[int, RankReads], None] | None = None,
                    destinations: dict[str, torch.Tensor] | None = None,
-                   start_over: bool = False) -> Restored | None:
+                   start_over: bool = False, live: LivePeers | None = None) -> Restored | None:
     """The newest committed checkpoint that every rank reads intact and that holds exactly this
     job's state, as this rank's boxes under `layout`; None when there is none to restore.
 
@@ -109,7 +138,8 @@ def restore_latest(store: CheckpointStore, layout: Layout, rank: int, group: Gro
     unreachable through its retries raises (a later attempt may read the same checkpoint).
     `on_reads(step, reads)` hears this rank's reads before they start. `destinations`: fresh
     tensors to read into (not live ones: a checkpoint refused half-way must leave the live
-    state as it was)."""
+    state as it was). `live`: what the ranks hold from the job's segment before (every rank
+    passes it or None alike): boxes of its step held exactly are taken from their holders."""
     lead = rank == 0 or group is None  # the rank that lists and reads manifests for all
     steps = None
     if lead:
@@ -129,16 +159,34 @@ def restore_latest(store: CheckpointStore, layout: Layout, rank: int, group: Gro
                 verdict = _UNREACHABLE if isinstance(error, TransientStorageError) else _REFUSED
         raw = broadcast(raw, group)
         restored = None
+        from_peers = live is not None and live.step == step and raw is not None  # alike on every rank
+        manifest, wanted, reads, arrived = None, {}, None, {}
         if raw is not None:
             try:
                 manifest = store.parse_manifest(step, raw)
                 check_usable(manifest, layout, store if lead else None)
                 wanted = {n: b for n, b in layout.boxes_of(rank).items() if n in manifest.tensors}
+                reads = reads_for(manifest, wanted, rank, node_objects(tier, store, step),
+                                  live.holdings if from_peers and live is not None else None)
+                if on_reads is not None:
+                    on_reads(step, reads)
+            except TransientStorageError as error:
+                verdict, reason = _UNREACHABLE, str(error)
+            except REFUSALS as error:
+                verdict, reason = _REFUSED, str(error) or type(error).__name__
+        if from_peers and live is not None:  # a collective: ranks that refused still serve their peers
+            try:
+                arrived = live.exchange(reads, rank)
+            except LiveVerificationFailed as error:
+                log.warning("rank %d: state from live workers refused (%s); reading storage", rank, error)
+                assert manifest is not None
                 reads = reads_for(manifest, wanted, rank, node_objects(tier, store, step))
                 if on_reads is not None:
                     on_reads(step, reads)
+        if reads is not None and manifest is not None:
+            try:
                 try:
-                    tensors = execute_reads(store, step, reads, tier, destinations)
+                    tensors = execute_reads(store, step, reads, tier, destinations, arrived)
                 except TierUnusable as error:  # a cache: read everything from the store instead
                     log.warning("rank %d: %s; reading object storage", rank, error)
                     reads = reads_for(manifest, wanted, rank)

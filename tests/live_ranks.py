@@ -1,0 +1,77 @@
+"""One rank of tests/test_live_restore.py: for each case, save a checkpoint under the old plan
+with the real saver on a real gloo group and keep the state (`live.hold`), tear the group
+down, then restore under the new plan twice, from live workers and from storage alone, and
+write both results' comparison as one JSON line.
+
+    python tests/live_ranks.py RANK OUT_DIR STORE_ROOT CASES_JSON
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from parashift.ptc.reconfig import LIVE, live_holder
+from parashift.storage import CheckpointStore, ObjectStore
+from parashift.trainer.checkpoint import Checkpointer, restore_latest, restore_totals
+from parashift.trainer.checkpoint import live as live_state
+from parashift.trainer.layout import state_layout
+
+sys.path.insert(0, str(Path(__file__).parent))
+from states import box_of, global_state  # noqa: E402
+from test_reconfig import CONFIG, PLANS  # noqa: E402
+
+
+def group_of(port: int, rank: int, world: int) -> dist.ProcessGroup:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    return dist.new_group(backend="gloo")
+
+
+def main() -> None:
+    rank, out, root = int(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
+    cases = json.loads(sys.argv[4])
+    results = []
+    for case in cases:
+        old, new = state_layout(PLANS[case["old"]], CONFIG), state_layout(PLANS[case["new"]], CONFIG)
+        store = CheckpointStore(ObjectStore(f"file://{root}/{case['job']}"), case["job"])
+        state = global_state(old)
+        if rank < old.world_size:
+            group = group_of(case["ports"][0], rank, old.world_size)
+            mine = {name: box_of(state[name], box).clone() for name, box in old.boxes_of(rank).items()}
+            saver = Checkpointer(store, old, rank, group)
+            saver.save(3, mine, {"samples_consumed": 24}, {}, {}, blocking=True)
+            saver.close()
+            kept = live_state.hold(case["job"], 3, old, rank, mine)
+            if rank == case.get("corrupt"):  # this rank's memory is no longer the committed bytes
+                kept.data[0][0] ^= 0xFF
+            dist.destroy_process_group()
+        if rank >= new.world_size:
+            continue
+        group = group_of(case["ports"][1], rank, new.world_size)
+        peers = live_state.LivePeers.gather(case["job"], rank, group)
+        seen = []
+        live = restore_latest(store, new, rank, group, live=peers, on_reads=lambda step, reads, seen=seen: seen.append(reads))
+        totals = restore_totals(seen[-1], group)
+        stored = restore_latest(store, new, rank, group)
+        assert live is not None and stored is not None
+        wanted = new.boxes_of(rank)
+        results.append({
+            "case": case["job"],
+            "rank": rank,
+            "same_keys": sorted(live.tensors) == sorted(stored.tensors),
+            "bitwise": all(torch.equal(live.tensors[n], stored.tensors[n]) for n in stored.tensors),
+            "slices": all(torch.equal(t, box_of(state[n], wanted[n])) for n, t in live.tensors.items()),
+            "holders": sorted({live_holder(r.object)[0] for r in seen[-1].requests if r.source == LIVE}),
+            "totals": totals,
+            "peers": None if peers is None else sorted(peers.holdings),
+        })
+        live_state.release()
+        dist.destroy_process_group()
+    (out / f"rank{rank}.json").write_text(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,170 @@
+"""State that live workers hold from the segment before: served to the next segment's ranks
+over the process group instead of read back from storage (warm workers, `trainer.warm_pool`).
+
+A warm worker that ends a segment at a committed checkpoint keeps its boxes of that step
+(`hold`): the tensors themselves, no copy, in the stored dim order the checkpoint wrote them
+in (a permuted box is copied once into that order). The next segment's ranks say what they
+hold (`LivePeers.gather`); each rank's reads of the checkpoint then take a box from a live
+rank's memory wherever one holds it exactly (`ptc.reconfig.with_live_copies`: its own memory
+first), and from the node-local tier or object storage only what no live rank holds. The bytes
+travel point to point on the checkpoint's gloo group and are checked against the manifest's
+CRC-32C chunks like any read: a holder whose memory is not the committed checkpoint's bytes is
+caught, and the reader reads those boxes from storage instead. A rank that dies while bytes
+move fails the collective: the segment fails and recovers from the committed checkpoint.
+
+Why not torch.distributed.checkpoint: its reshard-on-load reads storage; nothing in it moves a
+live rank's shards to the ranks of another world size.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from crc32c import crc32c
+from parashift.ptc import Layout, Slice
+from parashift.ptc.chunks import storage_order
+from parashift.ptc.codec import tensor_bytes
+from parashift.ptc.dtensor import local_data
+from parashift.ptc.reconfig import LIVE, RankReads, Request, live_holder
+from parashift.ptc.transpose import copy_across_transpose
+from parashift.storage import ChecksumMismatch
+from parashift.trainer.checkpoint.group import Group
+
+log = logging.getLogger("parashift.checkpoint")
+
+HeldBox = tuple[str, Slice, tuple[int, ...]]  # tensor, box, stored dim order
+
+
+@dataclass
+class HeldState:
+    """One rank's boxes of the committed checkpoint at `step` of `job_id`, as stored bytes."""
+
+    job_id: str
+    step: int
+    boxes: list[HeldBox]
+    data: list[torch.Tensor]  # uint8, each box's bytes in its stored dim order
+
+    @property
+    def nbytes(self) -> int:
+        return sum(d.numel() for d in self.data)
+
+
+_held: HeldState | None = None
+
+
+def hold(job_id: str, step: int, layout: Layout, rank: int, state: dict[str, torch.Tensor]) -> HeldState:
+    """Keep this rank's boxes of `state` (the training state as committed at `step`) for the
+    job's next segment in this process. Host tensors in natural order are kept as they are;
+    device tensors are copied to the host, permuted ones into their stored order."""
+    global _held
+    boxes, data = [], []
+    for name, box in sorted(layout.boxes_of(rank).items()):
+        tensor = layout.tensors[name]
+        order = storage_order(len(tensor.shape), tensor.split_dim)
+        local = local_data(state[name]).detach()
+        if tuple(local.shape) != box.lengths:
+            raise ValueError(f"{name}: this rank holds {list(local.shape)}, its layout box is {list(box.lengths)}")
+        if local.device.type != "cpu":  # sent over the gloo group: host memory
+            local = local.cpu()
+        if order != tuple(range(len(order))) or not local.is_contiguous():
+            stored = torch.empty([box.lengths[d] for d in order], dtype=local.dtype)
+            copy_across_transpose(stored, local.permute(order) if order else local)
+            local = stored
+        boxes.append((name, box, order))
+        data.append(local.reshape(-1).view(torch.uint8))
+    _held = HeldState(job_id, step, boxes, data)
+    return _held
+
+
+def release() -> None:
+    """Drop what this process holds (after the next segment has restored, or on a failure)."""
+    global _held
+    _held = None
+
+
+def held(job_id: str) -> HeldState | None:
+    return _held if _held is not None and _held.job_id == job_id else None
+
+
+class LiveVerificationFailed(RuntimeError):
+    """Bytes a live rank sent do not match the checkpoint's checksums: read them from storage."""
+
+
+@dataclass
+class LivePeers:
+    """What every rank of this segment holds of the job's committed `step` (rank -> boxes)."""
+
+    step: int
+    holdings: dict[int, list[HeldBox]]
+    group: Group
+    mine: HeldState | None
+
+    @classmethod
+    def gather(cls, job_id: str, rank: int, group: Group) -> LivePeers | None:
+        """Every rank's holdings of the newest step any of them holds (one collective, on every
+        rank; `group` None: a job of one rank); None, on every rank, when no rank holds
+        anything of this job."""
+        mine = held(job_id)
+        said = (mine.step, mine.boxes) if mine is not None else None
+        everyone: list[tuple[int, list[HeldBox]] | None] = [said]
+        if group is not None:
+            everyone = [None] * dist.get_world_size(group)
+            dist.all_gather_object(everyone, said, group=group)
+        steps = [s[0] for s in everyone if s is not None]
+        if not steps:
+            return None
+        step = max(steps)
+        holdings = {r: s[1] for r, s in enumerate(everyone) if s is not None and s[0] == step}
+        return cls(step, holdings, group, mine if mine is not None and mine.step == step else None)
+
+    def exchange(self, reads: RankReads | None, rank: int) -> dict[int, torch.Tensor]:
+        """Every rank's live requests served (a collective: every rank calls it, with its reads
+        or None when it has none); returns this rank's, by request index, checked against the
+        chunks' checksums. Raises LiveVerificationFailed (after every transfer has finished)
+        when a request's bytes do not match."""
+        wanted = [] if reads is None else [
+            (i, *live_holder(r.object), r.start, r.end) for i, r in enumerate(reads.requests) if r.source == LIVE]
+        everyone: list[list[tuple[int, int, int, int, int]]] = [wanted]
+        if self.group is not None:
+            everyone = [[] for _ in range(dist.get_world_size(self.group))]
+            dist.all_gather_object(everyone, wanted, group=self.group)
+        received: dict[int, torch.Tensor] = {}
+        pending = []
+        tag = 0
+        for reader, asks in enumerate(everyone):
+            for i, holder, index, start, end in asks:
+                tag += 1
+                if reader == rank and holder == rank:  # its own memory: read in place, copied into the target
+                    received[i] = self._bytes(index, start, end)
+                elif holder == rank:
+                    pending.append(dist.isend(self._bytes(index, start, end), dst=reader, group=self.group, tag=tag))
+                elif reader == rank:
+                    received[i] = torch.empty(end - start, dtype=torch.uint8)
+                    pending.append(dist.irecv(received[i], src=holder, group=self.group, tag=tag))
+        for work in pending:
+            work.wait()
+        if reads is not None:
+            for i, data in received.items():
+                _verify(reads.requests[i], data)
+        return received
+
+    def _bytes(self, index: int, start: int, end: int) -> torch.Tensor:
+        """Held bytes [start, end) of box `index`; zeros where this rank does not hold them (the
+        holdings every rank planned with came from this rank, so only a bug gets here): raising
+        here would leave the reader waiting, its checksums refuse zeros."""
+        if self.mine is None or index >= len(self.mine.data) or end > self.mine.data[index].numel():
+            return torch.zeros(end - start, dtype=torch.uint8)
+        return self.mine.data[index][start:end]
+
+
+def _verify(request: Request, data: torch.Tensor) -> None:
+    view = tensor_bytes(data)
+    for offset, n, expected in request.checks:
+        actual = crc32c(view[offset : offset + n])
+        if actual != expected:
+            raise LiveVerificationFailed(str(ChecksumMismatch(request.object, request.start + offset,
+                                                              request.start + offset + n, f"{expected:08x}",
+                                                              f"{actual:08x}")))
