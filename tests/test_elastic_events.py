@@ -337,7 +337,7 @@ def test_warm_workers_outlive_a_change_and_replace_a_killed_rank(prefect_server:
         (hooks / "sitecustomize.py").write_text(KILL_WHILE_STATE_MOVES)
         monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(hooks), *filter(None, [os.environ.get("PYTHONPATH")])]))
         monkeypatch.setenv("LIVE_FAULT_MARKER", str(tmp_path / "killed"))
-    spec = tiny_spec("warm", f"file://{tmp_path}/warm", training={**LONG, "checkpoint_every": 5},
+    spec = tiny_spec(f"warm-{kill}", f"file://{tmp_path}/warm", training={**LONG, "checkpoint_every": 5},
                      resources={"warm_workers": True})
     starts: list[StartEvent] = []
     killed: list[int] = []

@@ -120,11 +120,14 @@ class LivePeers:
         holdings = {r: s[1] for r, s in enumerate(everyone) if s is not None and s[0] == step}
         return cls(step, holdings, group, mine if mine is not None and mine.step == step else None)
 
-    def exchange(self, reads: RankReads | None, rank: int) -> dict[int, torch.Tensor]:
+    def exchange(self, reads: RankReads | None, rank: int,
+                 targets: list[list[memoryview]] | None = None) -> dict[int, torch.Tensor | None]:
         """Every rank's live requests served (a collective: every rank calls it, with its reads
         or None when it has none); returns this rank's, by request index, checked against the
-        chunks' checksums. Raises LiveVerificationFailed (after every transfer has finished)
-        when a request's bytes do not match."""
+        chunks' checksums: the bytes, or None where they were received straight into the
+        request's one target buffer (`targets`: the buffers that tile each request, as
+        `ptc.reconfig.Assembly` lays them out). Raises LiveVerificationFailed (after every
+        transfer has finished) when a request's bytes do not match."""
         wanted = [] if reads is None else [
             (i, *live_holder(r.object), r.start, r.end) for i, r in enumerate(reads.requests) if r.source == LIVE]
         everyone: list[list[tuple[int, int, int, int, int]]] = [wanted]
@@ -132,6 +135,7 @@ class LivePeers:
             everyone = [[] for _ in range(dist.get_world_size(self.group))]
             dist.all_gather_object(everyone, wanted, group=self.group)
         received: dict[int, torch.Tensor] = {}
+        landed: set[int] = set()
         pending = []
         tag = 0
         for reader, asks in enumerate(everyone):
@@ -142,14 +146,19 @@ class LivePeers:
                 elif holder == rank:
                     pending.append(dist.isend(self._bytes(index, start, end), dst=reader, group=self.group, tag=tag))
                 elif reader == rank:
-                    received[i] = torch.empty(end - start, dtype=torch.uint8)
+                    whole = targets[i] if targets is not None and len(targets[i]) == 1 else None
+                    if whole is not None and len(whole[0]) == end - start:  # into place: no copy after
+                        received[i] = torch.frombuffer(whole[0], dtype=torch.uint8)
+                        landed.add(i)
+                    else:
+                        received[i] = torch.empty(end - start, dtype=torch.uint8)
                     pending.append(dist.irecv(received[i], src=holder, group=self.group, tag=tag))
         for work in pending:
             work.wait()
         if reads is not None:
             for i, data in received.items():
                 _verify(reads.requests[i], data)
-        return received
+        return {i: None if i in landed else data for i, data in received.items()}
 
     def _bytes(self, index: int, start: int, end: int) -> torch.Tensor:
         """Held bytes [start, end) of box `index`; zeros where this rank does not hold them (the

@@ -67,16 +67,20 @@ def restore_totals(reads: RankReads | None, group: Group = None) -> dict[str, in
 
 def execute_reads(store: CheckpointStore, step: int, reads: RankReads, tier: ObjectStore | None = None,
                   destinations: dict[str, torch.Tensor] | None = None,
-                  arrived: dict[int, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+                  arrived: dict[int, torch.Tensor | None] | None = None,
+                  assembly: Assembly | None = None) -> dict[str, torch.Tensor]:
     """Exactly `reads`' requests, every chunk verified, assembled into this rank's boxes (into
-    `destinations` where given). `arrived`: the bytes of its live requests, by request index,
-    already verified (`LivePeers.exchange`); the others are read from storage."""
+    `destinations` where given). `arrived`: its live requests, by request index, already
+    verified (`LivePeers.exchange`: the bytes, or None where they landed in `assembly`'s
+    targets); the others are read from storage."""
     arrived = arrived or {}
-    assembly = Assembly(reads, destinations)
+    assembly = assembly if assembly is not None else Assembly(reads, destinations)
     rest = []
     for i, r in enumerate(reads.requests):
         if i in arrived:
-            _scatter(arrived[i], assembly.targets[i])
+            data = arrived[i]
+            if data is not None:
+                _scatter(data, assembly.targets[i])
         elif r.source == LIVE:
             raise ValueError(f"{r.object}: a live request whose bytes did not arrive")
         else:
@@ -159,46 +163,9 @@ def restore_latest(store: CheckpointStore, layout: Layout, rank: int, group: Gro
                 verdict = _UNREACHABLE if isinstance(error, TransientStorageError) else _REFUSED
         raw = broadcast(raw, group)
         restored = None
-        from_peers = live is not None and live.step == step and raw is not None  # alike on every rank
-        manifest, wanted, reads, arrived = None, {}, None, {}
         if raw is not None:
-            try:
-                manifest = store.parse_manifest(step, raw)
-                check_usable(manifest, layout, store if lead else None)
-                wanted = {n: b for n, b in layout.boxes_of(rank).items() if n in manifest.tensors}
-                reads = reads_for(manifest, wanted, rank, node_objects(tier, store, step),
-                                  live.holdings if from_peers and live is not None else None)
-                if on_reads is not None:
-                    on_reads(step, reads)
-            except TransientStorageError as error:
-                verdict, reason = _UNREACHABLE, str(error)
-            except REFUSALS as error:
-                verdict, reason = _REFUSED, str(error) or type(error).__name__
-        if from_peers and live is not None:  # a collective: ranks that refused still serve their peers
-            try:
-                arrived = live.exchange(reads, rank)
-            except LiveVerificationFailed as error:
-                log.warning("rank %d: state from live workers refused (%s); reading storage", rank, error)
-                assert manifest is not None
-                reads = reads_for(manifest, wanted, rank, node_objects(tier, store, step))
-                if on_reads is not None:
-                    on_reads(step, reads)
-        if reads is not None and manifest is not None:
-            try:
-                try:
-                    tensors = execute_reads(store, step, reads, tier, destinations, arrived)
-                except TierUnusable as error:  # a cache: read everything from the store instead
-                    log.warning("rank %d: %s; reading object storage", rank, error)
-                    reads = reads_for(manifest, wanted, rank)
-                    if on_reads is not None:
-                        on_reads(step, reads)
-                    tensors = execute_reads(store, step, reads, None, destinations)
-                restored = Restored(step, dict(manifest.data_position), tensors, manifest)
-                verdict = _RESTORED
-            except TransientStorageError as error:
-                verdict, reason = _UNREACHABLE, str(error)
-            except REFUSALS as error:
-                verdict, reason = _REFUSED, str(error) or type(error).__name__
+            verdict, reason, restored = _read_step(store, step, raw, layout, rank, lead, tier, on_reads, destinations,
+                                                   live if live is not None and live.step == step else None)
         verdict = agree_lowest(verdict, group)
         if verdict == _RESTORED:
             return restored
@@ -216,3 +183,53 @@ def restore_latest(store: CheckpointStore, layout: Layout, rank: int, group: Gro
     if refused:
         log.warning("starting over from step 0: no committed checkpoint can be restored (%d refused)", len(refused))
     return None
+
+
+def _read_step(store: CheckpointStore, step: int, raw: bytes, layout: Layout, rank: int, lead: bool,
+               tier: ObjectStore | None, on_reads: Callable[[int, RankReads], None] | None,
+               destinations: dict[str, torch.Tensor] | None,
+               live: LivePeers | None) -> tuple[int, str, Restored | None]:
+    """This rank's verdict on the checkpoint at `step` (its manifest `raw`), its reason, and its
+    boxes if it read them. With `live` (the same on every rank): the exchange with the live
+    ranks is a collective, so a rank that refused the checkpoint still serves its peers."""
+    verdict, reason = _REFUSED, _BY_ANOTHER
+    manifest, wanted, reads, arrived, assembly = None, {}, None, {}, None
+    try:
+        manifest = store.parse_manifest(step, raw)
+        check_usable(manifest, layout, store if lead else None)
+        wanted = {n: b for n, b in layout.boxes_of(rank).items() if n in manifest.tensors}
+        reads = reads_for(manifest, wanted, rank, node_objects(tier, store, step),
+                          live.holdings if live is not None else None)
+        if on_reads is not None:
+            on_reads(step, reads)
+        if live is not None:
+            assembly = Assembly(reads, destinations)
+    except TransientStorageError as error:
+        reads, verdict, reason = None, _UNREACHABLE, str(error)
+    except REFUSALS as error:
+        reads, verdict, reason = None, _REFUSED, str(error) or type(error).__name__
+    if live is not None:
+        try:
+            arrived = live.exchange(reads, rank, assembly.targets if assembly is not None else None)
+        except LiveVerificationFailed as error:
+            log.warning("rank %d: state from live workers refused (%s); reading storage", rank, error)
+            assert manifest is not None
+            reads, assembly, arrived = reads_for(manifest, wanted, rank, node_objects(tier, store, step)), None, {}
+            if on_reads is not None:
+                on_reads(step, reads)
+    if reads is None or manifest is None:
+        return verdict, reason, None
+    try:
+        try:
+            tensors = execute_reads(store, step, reads, tier, destinations, arrived, assembly)
+        except TierUnusable as error:  # a cache: read everything from the store instead
+            log.warning("rank %d: %s; reading object storage", rank, error)
+            reads = reads_for(manifest, wanted, rank)
+            if on_reads is not None:
+                on_reads(step, reads)
+            tensors = execute_reads(store, step, reads, None, destinations)
+    except TransientStorageError as error:
+        return _UNREACHABLE, str(error), None
+    except REFUSALS as error:
+        return _REFUSED, str(error) or type(error).__name__, None
+    return _RESTORED, reason, Restored(step, dict(manifest.data_position), tensors, manifest)
