@@ -19,7 +19,7 @@ def bench_prefect_server(tmp: Path) -> Iterator[str]:
     try:
         os.environ.update({"PREFECT_API_URL": url, "PREFECT_HOME": str(tmp / "client-home"),
                            "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-                           "PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL": "WARNING"})
+                           "PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL": os.environ.get("BENCH_LOG_LEVEL", "WARNING")})
         yield url
     finally:
         stop_group(server)

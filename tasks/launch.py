@@ -10,6 +10,7 @@ import re
 import signal
 import statistics
 import threading
+import time
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
 
@@ -178,7 +179,12 @@ def launch_training(spec: JobSpec, plan: Plan, until_step: int | None = None,
                        change.reason, change.epoch, plan.devices, change.describe())
         stop(f"rescale to {change.describe()} ({change.reason})")
 
+    stepped: list[float] = []  # when the first and the newest step were heard, as they were reported
+
     def on_event(event: WorkerEvent) -> None:
+        if isinstance(event, StepEvent) and nodes is None:  # across nodes the events arrive at the end
+            now = time.time()
+            stepped[:] = [stepped[0] if stepped else now, now]
         progress.publish(event)
         if progress_bar is not None and isinstance(event, StepEvent | StartEvent):
             try:
@@ -261,6 +267,9 @@ def launch_training(spec: JobSpec, plan: Plan, until_step: int | None = None,
         restore_bytes=start.restore_bytes if start else None,
         nodes=nodes,
         left_nodes=left,
+        mesh=dict(plan.mesh),
+        first_step_at=stepped[0] if stepped else None,
+        last_step_at=stepped[-1] if stepped else None,
     ))
 
 

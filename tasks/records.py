@@ -39,6 +39,11 @@ class SegmentResult(BaseModel):
         "readers' node-local tiers; live: warm workers' memory, of which network: another rank's; store: object storage)"
     )
     nodes: list[str] | None = Field(default=None, description="a job across nodes: the nodes of this segment")
+    mesh: dict[str, int] = Field(default_factory=dict, description="the plan's mesh ({} on one device)")
+    first_step_at: float | None = Field(default=None, description="when the flow heard this segment's first step "
+                                        "done (Unix time; a change's downtime ends here)")
+    last_step_at: float | None = Field(default=None, description="when the flow heard its last step done (Unix "
+                                       "time; a change's downtime starts here)")
     left_nodes: list[str] = Field(default_factory=list, description="nodes that left during this segment")
 
     @property

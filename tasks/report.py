@@ -4,6 +4,7 @@ also kept in the job's storage (`jobs/{job}/reports/loss-curve.png`)."""
 from __future__ import annotations
 
 import base64
+import itertools
 
 from parashift.specs import JobSpec
 from parashift.storage import JobPaths, StorageError, open_store
@@ -65,6 +66,7 @@ def summary_markdown(summary: TrainSummary, model: ModelSummary) -> str:
         f"loss: `{sparkline(curve)}`",
         "",
         *segments_table(summary.segments),
+        *changes_table(summary.segments),
     ]
     restores = [s for s in summary.segments if s.restore_bytes and s.restore_bytes.get("read")]
     if restores:  # where each resume read its state from
@@ -78,6 +80,25 @@ def summary_markdown(summary: TrainSummary, model: ModelSummary) -> str:
                              f"{b['read'] / 1e6:,.2f} | {b['local'] / 1e6:,.2f} | {b.get('live', 0) / 1e6:,.2f} "
                              f"({b.get('network', 0) / 1e6:,.2f}) | {b['store'] / 1e6:,.2f} |")
     return "\n".join(lines)
+
+
+def changes_table(segments: list[SegmentResult]) -> list[str]:
+    """One row per change between segments: why, the plan before and after, and the downtime
+    (the last step heard under the old plan to the first heard under the new one)."""
+    if len(segments) < 2:
+        return []
+    rows = ["", "| change | why | plan before → after | downtime s |", "|---|---|---|---|"]
+    for i, (old, new) in enumerate(itertools.pairwise(segments), 1):
+        down = (f"{new.first_step_at - old.last_step_at:.2f}"
+                if new.first_step_at is not None and old.last_step_at is not None else "–")
+        why = old.ended.replace("|", "\\|")
+        rows.append(f"| {i} | {why} | {_mesh(old)} → {_mesh(new)} | {down} |")
+    return rows
+
+
+def _mesh(segment: SegmentResult) -> str:
+    axes = " × ".join(f"{axis} {n}" for axis, n in segment.mesh.items())
+    return f"{segment.devices} devices" + (f" ({axes})" if axes else "")
 
 
 def segments_table(segments: list[SegmentResult]) -> list[str]:

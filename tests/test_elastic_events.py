@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -368,6 +369,11 @@ def test_warm_workers_outlive_a_change_and_replace_a_killed_rank(prefect_server:
         assert moved["network"] > 0 and moved["live"] == moved["read"] and moved["store"] == 0, moved
         recovered = summary.segments[2].restore_bytes or {}
         assert recovered["live"] == 0 and recovered["store"] == recovered["read"] > 0, recovered
+        # The run's summary shows each change: why, the plans, the downtime, where the state came from.
+        markdown = read_artifact(f"{spec.job_id}-summary").data
+        change = re.search(r"\| 1 \| rescaled: [^|]* \| 2 devices[^|]*→ 3 devices[^|]* \| (\d+\.\d+) \|", markdown)
+        assert change is not None and 0 < float(change.group(1)) < 60, markdown
+        assert re.search(r"\| 2 \| this machine \| \d+ \| [\d.]+ \| 0.00 \| [\d.]+ \([\d.]+\) \| 0.00 \|", markdown), markdown
     else:  # the 3-device segment never started training; rank 0 still holds the committed state
         assert (tmp_path / "killed").exists() and len(starts) == 2
         assert summary.segments[1].start_step == summary.segments[1].final_step == summary.segments[2].start_step

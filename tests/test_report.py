@@ -12,8 +12,10 @@ def recovered() -> TrainSummary:
     """3 devices until a worker died (last commit at step 10), then 2 devices to the end."""
     segments = [
         SegmentResult(devices=3, start_step=0, final_step=10, outcome="failed",
-                      reason="rank 1 killed by signal 9 (torchrun exited with 1)", losses=[(1, 3.0), (12, 2.0)]),
-        SegmentResult(devices=2, start_step=10, final_step=40, outcome="finished", losses=[(40, 1.5)]),
+                      reason="rank 1 killed by signal 9 (torchrun exited with 1)", losses=[(1, 3.0), (12, 2.0)],
+                      mesh={"dp": 3}, first_step_at=100.0, last_step_at=112.0),
+        SegmentResult(devices=2, start_step=10, final_step=40, outcome="finished", losses=[(40, 1.5)],
+                      mesh={"dp": 2}, first_step_at=114.25, last_step_at=140.0),
     ]
     return TrainSummary(job_id="job", steps=40, final_loss=1.5, first_loss=3.0, tokens_per_s=None,
                         checkpoint_url=None, segments=segments)
@@ -36,3 +38,9 @@ def test_the_summary_lists_its_failures() -> None:
     assert recovered().failures == [
         "segment 1 (3 devices, steps 0→10) failed: rank 1 killed by signal 9 (torchrun exited with 1)"]
     assert TrainSummary(**{**recovered().model_dump(), "segments": recovered().segments[1:]}).failures == []
+
+
+def test_each_change_shows_why_the_plans_and_its_downtime() -> None:
+    markdown = summary_markdown(recovered(), MODEL)
+    assert ("| 1 | failed: rank 1 killed by signal 9 (torchrun exited with 1) | 3 devices (dp 3) → 2 devices (dp 2) "
+            "| 2.25 |") in markdown, markdown

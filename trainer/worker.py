@@ -371,7 +371,8 @@ def train(spec: JobSpec, plan: Plan, built: Built, batches: Batches, dims: Paral
                 dist.all_reduce(report)
             loss, stop_now = report[0].item() / tokens_per_step, report[1].item() > 0
             elapsed = time.perf_counter() - started
-            if rank == 0 and (step % train_spec.log_every == 0 or step == end_step):
+            # Every log_every steps, and the first and last of a segment (a change's downtime ends and starts there).
+            if rank == 0 and (step % train_spec.log_every == 0 or step in (end_step, resumed.step + 1) or stop_now):
                 metrics.emit(StepEvent(step=step, loss=loss, lr=lr, step_s=elapsed, tokens_per_s=tokens_per_step / elapsed,
                                        data_wait_s=round(waited, 6), data_tokens_per_s=reader.tokens_per_s))
             if step % train_spec.checkpoint_every == 0 or step == end_step or stop_now:
