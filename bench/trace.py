@@ -9,7 +9,8 @@ state (bench.rescale_latency's), for:
   `resources.warm_workers` (trainer/warm_launch.py): planned changes sent as resource events
   when the trace's step is reported, the failure a SIGKILL of rank 1; each change stops the
   workers at a step boundary, re-plans, and the same processes (plus or minus some) resume
-  from the checkpoint resharded out of storage;
+  from the committed checkpoint, resharded out of the live workers' memory (their own, or a
+  peer's over the gloo group; storage for what no live rank holds);
 - `relaunch`: the same flow with the warm path off: a fresh torchrun for every segment;
 - `stop_restart`: what a torchtitan user does (bench/dcp_restart.py): torchrun on the count,
   FSDP2, a DCP checkpoint every `--checkpoint-every` steps and at each planned stop, restarted

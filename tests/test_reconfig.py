@@ -292,3 +292,38 @@ def test_a_reshard_plan_needs_no_distributed_runtime(tmp_path) -> None:
     shown = json.loads(done.stdout.strip().splitlines()[-1])
     assert shown["loaded"] == [] and shown["same"] and shown["step"] == 4
     assert shown["totals"]["bytes_needed"] == shown["totals"]["bytes_read"] == 4 * 24 + 2 * 4 * 6 + 2 * 8
+
+
+@pytest.mark.parametrize("old,new", [("dp2", "dp4"), ("tp2", "dp3"), ("dp4", "tp2"), ("pp2xtp2", "tp2")])
+def test_live_copies_serve_what_live_ranks_hold_and_storage_the_rest(saved, old: str, new: str) -> None:
+    """With every old rank alive (a warm change): each new rank reads a box from its own memory
+    where it holds it, from a peer where a peer does, from storage only where no live rank
+    does; readers of replicated boxes take them from all of their holders."""
+    from parashift.ptc.reconfig import LIVE, live_holder, rank_reads, with_live_copies
+    from parashift.ptc.reshard import stored_boxes
+
+    store, old_layout, _ = saved[old]
+    new_layout = state_layout(PLANS[new], CONFIG)
+    stored, dtypes = stored_boxes(store.latest())
+    storage_order_of = {n: storage_order(len(t.shape), t.split_dim) for n, t in old_layout.tensors.items()}
+    alive = range(min(old_layout.world_size, new_layout.world_size))  # the old ranks the new job keeps
+    holdings = {r: [(n, b, storage_order_of[n]) for n, b in sorted(old_layout.boxes_of(r).items())] for r in alive}
+    holders_used: set[int] = set()
+    for rank in range(new_layout.world_size):
+        boxes, live = with_live_copies(stored, holdings, rank)
+        wanted = {n: b for n, b in new_layout.boxes_of(rank).items() if n in stored}
+        reads = rank_reads(boxes, dtypes, wanted, rank, live)
+        assert reads.bytes_read == reads.bytes_needed
+        for request in reads.requests:
+            for piece in request.pieces:
+                held_by = [r for r, held in holdings.items()
+                           if (piece.tensor, piece.source.box, piece.source.order) in held]
+                if request.source == LIVE:
+                    holder = live_holder(request.object)[0]
+                    assert holder in held_by and (rank not in held_by or holder == rank)
+                    if holder != rank:
+                        holders_used.add(holder)
+                else:
+                    assert not held_by, (piece.tensor, "read from storage though a live rank holds it")
+    if new_layout.world_size > old_layout.world_size and old.startswith("dp"):
+        assert holders_used == set(alive), "the new ranks take replicated boxes from every holder"
