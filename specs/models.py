@@ -227,6 +227,14 @@ class ResourcesSpec(_Section):
             "nodes relaunch as before."
         ),
     )
+    warm_spares: int = Field(
+        1, ge=0, le=64,
+        description=(
+            "With warm_workers: how many idle warm processes are kept ready beside the job's, so that a rank that "
+            "dies, or a device added, takes one at once instead of waiting for a fresh interpreter (each is "
+            "replaced in the background; each costs one idle process's memory)."
+        ),
+    )
     nodes: list[str] | None = Field(
         None,
         max_length=4096,

@@ -47,7 +47,7 @@ def failure_reason(result: LaunchResult, lines: list[str]) -> str:
     if result.failed_rank is not None:  # warm workers: the launcher saw the rank die itself
         rank, code = result.failed_rank
         how = f"killed by signal {-code}" if code < 0 else f"exited with code {code}"
-        return f"rank {rank} {how} (a warm worker; a fresh process takes its place)"
+        return f"rank {rank} {how} (a warm worker; another process takes its place)"
     roots = [i for i, line in enumerate(lines) if "Root Cause" in line]
     lines = lines[roots[-1]:] if roots else lines
     ranks = [int(m.group(1)) for line in lines if (m := _FAILED_RANK.match(line))]
@@ -81,7 +81,7 @@ def warm_workers(spec: JobSpec) -> Iterator[None]:
 def _warm_pool(spec: JobSpec, devices: int) -> WarmPool:
     with _warm_lock:
         if spec.job_id not in _warm_pools:
-            _warm_pools[spec.job_id] = WarmPool(devices, spec.resources.kind)
+            _warm_pools[spec.job_id] = WarmPool(devices, spec.resources.kind, spares=spec.resources.warm_spares)
         return _warm_pools[spec.job_id]
 
 

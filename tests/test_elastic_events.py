@@ -363,6 +363,8 @@ def test_warm_workers_outlive_a_change_and_replace_a_killed_rank(prefect_server:
         assert first < second, "the 2 -> 3 change kept both processes and added one"
         assert killed[0] in second and killed[0] not in third
         assert len(third & second) == 1, "rank 0 survived its peer's death (gloo failed its collective) and trains on"
+        # The third rank and the dead rank's replacement were spares, booted ahead of time.
+        assert len(run_log(state, "warm workers: 1 spare process took its place")) > 0
         # The change's state came from the live workers' memory (the new rank's over the group);
         # after the failure, from storage (what survived had moved past the committed step).
         moved = summary.segments[1].restore_bytes or {}

@@ -66,7 +66,9 @@ def launch_warm(pool: WarmPool, spec: JobSpec, plan: Plan,
                 until_step: int | None = None, extra_env: dict[str, str] | None = None,
                 workers: RunningWorkers | None = None) -> LaunchResult:
     """Run the segment on the pool's first `plan.devices` workers until they return."""
-    started = pool.ensure(plan.devices)
+    taken, started = pool.ensure(plan.devices)
+    if taken:
+        on_line(f"warm workers: {taken} spare process{'es' if taken > 1 else ''} took {'their' if taken > 1 else 'its'} place")
     if started:
         on_line(f"warm workers: {started} fresh process{'es' if started > 1 else ''} started")
     # What the flow put in its own environment for its workers (the lease token, a sample log)
@@ -106,7 +108,7 @@ def launch_warm(pool: WarmPool, spec: JobSpec, plan: Plan,
         if result.failed_rank is None and result.hung_s is None:
             result.failed_rank = (rank, code)
             on_line(f"warm worker rank {rank} (pid {proc.pid}) died ({'signal ' + str(-code) if code < 0 else code}): "
-                    "a fresh process takes its place; its peers end their job or are ended")
+                    "another process (a spare, or a fresh one) takes its place; its peers end their job or are ended")
 
     with selectors.DefaultSelector() as selector:
         for rank, proc in enumerate(ranks):

@@ -56,13 +56,16 @@ def free_port() -> int:
 
 
 class WarmPool:
-    """`size` warm worker processes; jobs of up to `size` ranks run on the first ranks of it."""
+    """`size` warm worker processes; jobs of up to `size` ranks run on the first ranks of it.
+    `spares` more wait idle, booted ahead of time: a rank that died, or one a bigger job
+    adds, takes a spare (its interpreter already up) and a new spare boots behind it."""
 
-    def __init__(self, size: int, kind: str = "cpu") -> None:
-        self.size, self.kind = size, kind
+    def __init__(self, size: int, kind: str = "cpu", spares: int = 0) -> None:
+        self.size, self.kind, self.spares = size, kind, spares
         self.root = Path(tempfile.mkdtemp(prefix="parashift-warm-"))
         self._jobs = 0
         self._procs: list[subprocess.Popen[str]] = []
+        self._spares: list[subprocess.Popen[str]] = []
         self._start()
 
     def _spawn(self) -> subprocess.Popen[str]:
@@ -72,20 +75,34 @@ class WarmPool:
 
     def _start(self) -> None:
         self._procs = [self._spawn() for _ in range(self.size)]
+        self._spares = [self._spawn() for _ in range(self.spares)]
 
-    def ensure(self, size: int) -> int:
-        """At least `size` live workers: the dead replaced, more started where a job needs
-        more (each a fresh interpreter, once). Returns how many processes were started."""
-        started = 0
+    def _fresh(self) -> tuple[subprocess.Popen[str], bool]:
+        """A live spare if there is one (True), else a process started now (False)."""
+        while self._spares:
+            spare = self._spares.pop(0)
+            if spare.poll() is None:
+                return spare, True
+        return self._spawn(), False
+
+    def ensure(self, size: int) -> tuple[int, int]:
+        """At least `size` live workers: the dead replaced and more added where a job needs
+        more, from the spares first, else started now (a fresh interpreter the job waits
+        for); the spares topped up behind them. Returns (taken from spares, started now)."""
+        taken = started = 0
         for i, proc in enumerate(self._procs):
             if proc.poll() is not None:
-                self._procs[i] = self._spawn()
-                started += 1
+                self._procs[i], spare = self._fresh()
+                taken, started = taken + spare, started + (not spare)
         while len(self._procs) < size:
-            self._procs.append(self._spawn())
-            started += 1
+            proc, spare = self._fresh()
+            self._procs.append(proc)
+            taken, started = taken + spare, started + (not spare)
+        self._spares = [p for p in self._spares if p.poll() is None]
+        while len(self._spares) < self.spares:
+            self._spares.append(self._spawn())
         self.size = max(self.size, size)
-        return started
+        return taken, started
 
     def pids(self, count: int) -> list[int]:
         return [proc.pid for proc in self._procs[:count]]
@@ -98,20 +115,21 @@ class WarmPool:
                 os.killpg(proc.pid, 9)
 
     def close(self) -> None:
-        for proc in self._procs:
+        every = self._procs + self._spares
+        for proc in every:
             if proc.poll() is None:
                 with contextlib.suppress(OSError):
                     proc.stdin.close()  # type: ignore[union-attr]
-        for proc in self._procs:
+        for proc in every:
             try:
                 proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, 9)
                 proc.wait()
-        self._procs = []
+        self._procs, self._spares = [], []
 
     def restart(self) -> None:
-        for proc in self._procs:
+        for proc in self._procs + self._spares:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, 9)
             proc.wait()
