@@ -8,6 +8,7 @@ change with reason `failure`.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import re
@@ -387,6 +388,42 @@ def test_warm_workers_outlive_a_change_and_replace_a_killed_rank(prefect_server:
     warm_losses = dict(loss for seg in summary.segments for loss in seg.losses)
     assert sorted(warm_losses) == list(range(1, LONG["steps"] + 1))
     for step, loss in static_losses.items():
+        assert warm_losses[step] == pytest.approx(loss, rel=1e-5), f"step {step}"
+    windows = (200_000 - 1) // spec.model.seq_len
+    assert_each_sample_once(tmp_path / "samples", summary.segments, LONG["steps"], windows, spec.training.global_batch)
+
+
+def test_an_event_in_the_middle_of_a_warm_change_ends_on_the_newest_count(prefect_server: None, tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch,
+                                                                         static_warm: dict[int, float]) -> None:
+    """An event (to 3 devices) stops the warm workers; a second one (to 1 device) arrives as
+    they stop, while the flow re-plans. Whether the 3-device segment runs at all depends on
+    when the second is heard; either way the job ends on 1 device from a consistent state:
+    every step's loss equals the static run's, every sample of each epoch trained once."""
+    from parashift.tasks.events import ResourceEvent, emit_resource_change
+    from parashift.trainer.events import StoppedEvent
+
+    monkeypatch.setenv("PARASHIFT_SAMPLE_LOG", str(tmp_path / "samples"))
+    spec = tiny_spec("warm-mid-change", f"file://{tmp_path}/warm", training={**LONG, "checkpoint_every": 5},
+                     resources={"warm_workers": True})
+    starts: list[StartEvent] = []
+
+    def react(event: WorkerEvent) -> None:
+        if isinstance(event, StartEvent):
+            starts.append(event)
+        elif isinstance(event, StepEvent) and len(starts) == 1 and event.step == starts[0].step + 3:
+            emit_resource_change(spec.job_id, ResourceEvent(devices=3, epoch=10))
+        elif isinstance(event, StoppedEvent) and len(starts) == 1:  # the change is under way
+            emit_resource_change(spec.job_id, ResourceEvent(devices=1, epoch=20))
+
+    summary = run_flow(spec, WorkerEvents(react)).result()
+    shape = [(s.devices, s.outcome) for s in summary.segments]
+    assert shape in ([(2, "rescaled"), (1, "finished")], [(2, "rescaled"), (3, "rescaled"), (1, "finished")]), shape
+    for before, after in itertools.pairwise(summary.segments):
+        assert after.start_step == before.final_step  # each resumed exactly where the last committed
+    warm_losses = dict(loss for seg in summary.segments for loss in seg.losses)
+    assert sorted(warm_losses) == list(range(1, LONG["steps"] + 1))
+    for step, loss in static_warm.items():
         assert warm_losses[step] == pytest.approx(loss, rel=1e-5), f"step {step}"
     windows = (200_000 - 1) // spec.model.seq_len
     assert_each_sample_once(tmp_path / "samples", summary.segments, LONG["steps"], windows, spec.training.global_batch)
