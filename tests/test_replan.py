@@ -85,3 +85,29 @@ def test_a_new_device_count_reuses_the_measured_collectives(tmp_path: Path, monk
     measured = CommModel(intra=link, inter=link, measured=True)
     profile = build_profile(spec, measured)
     assert profile.comm == measured and profile.device.core_share < 1  # 3 workers on this machine's cores
+
+
+def test_coming_back_to_a_device_count_does_not_search_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """4 -> 2 -> 4: the second search for 4 devices is the first one's result (the search is
+    deterministic); another profile, batch or limit searches afresh."""
+    from parashift.tasks import plan as plan_task
+
+    spec = tiny_spec("memo", f"file://{tmp_path}/store", model=MODEL)
+    profile = profile_gpt(2, 48, 4, 256, 24, 8, device_kind="cpu")
+    searches: list[int] = []
+    real = plan_task.plan_model
+
+    def counted(source, devices, *args, **kwargs):  # noqa: ANN001, ANN202 - plan_model's own
+        searches.append(devices)
+        return real(source, devices, *args, **kwargs)
+
+    monkeypatch.setattr(plan_task, "plan_model", counted)
+    monkeypatch.setattr(plan_task, "_SEARCHED", {})
+    first = plan_task._search(spec, profile, 4, None)
+    plan_task._search(spec, profile, 2, None)
+    again = plan_task._search(spec, profile, 4, None)
+    assert searches == [4, 2] and again == first and again is not first
+    plan_task._search(spec, profile, 4, 10**9)
+    other = profile_gpt(2, 48, 4, 256, 24, 16, device_kind="cpu")
+    plan_task._search(spec, other, 4, None)
+    assert searches == [4, 2, 4, 4]
