@@ -295,6 +295,16 @@ def test_a_job_that_cannot_make_progress_fails_with_the_reason(prefect_server: N
     assert "cannot make progress: two failures in a row without a new checkpoint" in (state.message or "")
 
 
+def assert_as_static(summary: Any, static_losses: dict[int, float], spec: JobSpec, samples: Path) -> None:
+    """Every step trained once with the static run's loss, every sample of each epoch once."""
+    warm_losses = dict(loss for seg in summary.segments for loss in seg.losses)
+    assert sorted(warm_losses) == list(range(1, LONG["steps"] + 1))
+    for step, loss in static_losses.items():
+        assert warm_losses[step] == pytest.approx(loss, rel=1e-5), f"step {step}"
+    windows = (200_000 - 1) // spec.model.seq_len
+    assert_each_sample_once(samples, summary.segments, LONG["steps"], windows, spec.training.global_batch)
+
+
 @pytest.fixture(scope="module")
 def static_warm(prefect_server: None, tmp_path_factory: pytest.TempPathFactory) -> dict[int, float]:
     """The losses of LONG on 2 devices, unchanged: the warm tests' reference."""
@@ -385,12 +395,7 @@ def test_warm_workers_outlive_a_change_and_replace_a_killed_rank(prefect_server:
         recovered = summary.segments[2].restore_bytes or {}
         assert recovered["network"] > 0 and recovered["live"] + recovered["store"] == recovered["read"], recovered
         assert 0 < recovered["store"] < recovered["live"] / 50, recovered
-    warm_losses = dict(loss for seg in summary.segments for loss in seg.losses)
-    assert sorted(warm_losses) == list(range(1, LONG["steps"] + 1))
-    for step, loss in static_losses.items():
-        assert warm_losses[step] == pytest.approx(loss, rel=1e-5), f"step {step}"
-    windows = (200_000 - 1) // spec.model.seq_len
-    assert_each_sample_once(tmp_path / "samples", summary.segments, LONG["steps"], windows, spec.training.global_batch)
+    assert_as_static(summary, static_losses, spec, tmp_path / "samples")
 
 
 def test_an_event_in_the_middle_of_a_warm_change_ends_on_the_newest_count(prefect_server: None, tmp_path: Path,
@@ -421,9 +426,4 @@ def test_an_event_in_the_middle_of_a_warm_change_ends_on_the_newest_count(prefec
     assert shape in ([(2, "rescaled"), (1, "finished")], [(2, "rescaled"), (3, "rescaled"), (1, "finished")]), shape
     for before, after in itertools.pairwise(summary.segments):
         assert after.start_step == before.final_step  # each resumed exactly where the last committed
-    warm_losses = dict(loss for seg in summary.segments for loss in seg.losses)
-    assert sorted(warm_losses) == list(range(1, LONG["steps"] + 1))
-    for step, loss in static_warm.items():
-        assert warm_losses[step] == pytest.approx(loss, rel=1e-5), f"step {step}"
-    windows = (200_000 - 1) // spec.model.seq_len
-    assert_each_sample_once(tmp_path / "samples", summary.segments, LONG["steps"], windows, spec.training.global_batch)
+    assert_as_static(summary, static_warm, spec, tmp_path / "samples")
