@@ -7,6 +7,7 @@ not from the live tensors, so nothing is exchanged to know who writes what. Spli
 
 - `saver`: `Checkpointer`, the asynchronous sharded save and the manifest commit;
 - `restore`: `restore_latest`, the newest checkpoint every rank can use, read exactly;
+- `live`: the committed state warm workers keep for the next segment, served from memory;
 - `group`: the CPU collectives both agree through;
 - planning a reshard before a launch needs no processes and lives in `ptc.reshard`.
 """
