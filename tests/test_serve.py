@@ -35,16 +35,42 @@ def api_post(api: str, path: str, body: dict[str, Any]) -> Any:
         return json.load(response)
 
 
-def wait_for_run(api: str, deployment: str, job: str, timeout_s: float = 300) -> dict[str, Any]:
+def runs_of(api: str, deployment: str, job: str) -> list[dict[str, Any]]:
+    runs = api_post(api, "/flow_runs/filter", {"deployments": {"id": {"any_": [deployment]}}})
+    return [r for r in runs if r["parameters"]["spec"]["name"] == job]
+
+
+def wait_for_run(api: str, deployment: str, job: str, timeout_s: float = 600) -> dict[str, Any]:
     """The flow run of `deployment` whose spec is named `job`, once it has ended."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        runs = api_post(api, "/flow_runs/filter", {"deployments": {"id": {"any_": [deployment]}}})
-        mine = [r for r in runs if r["parameters"]["spec"]["name"] == job]
+        mine = runs_of(api, deployment, job)
         if mine and mine[0]["state"]["type"] in ("COMPLETED", "FAILED", "CRASHED", "CANCELLED"):
             return mine[0]
         time.sleep(1)
     raise AssertionError(f"no finished run of {job} within {timeout_s} s")
+
+
+def submit(page: Any, api: str, deployment: str, job: str, tries: int = 3) -> None:
+    """Press the form's Submit until the server has a run of `job`, as a user would press it
+    again after the UI said the request failed (a CI run on a loaded machine saw a click
+    create no run at all within 300 s). The form stays on screen until a run is created."""
+    for attempt in range(tries):
+        try:
+            page.get_by_role("button", name="Submit").click(timeout=30_000)
+        except Exception:  # noqa: BLE001 - still busy with the last press (disabled): wait for it below
+            if attempt == 0:
+                raise
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if runs_of(api, deployment, job):
+                return
+            time.sleep(1)
+        page.screenshot(path=str(SCREENSHOTS / f"{job}-no-run-{attempt}.png"), full_page=True)
+        if "/run" not in page.url:  # the UI left the form: its request went through after all
+            break
+    if not runs_of(api, deployment, job):
+        raise AssertionError(f"Submit created no run of {job} ({tries} tries; see {SCREENSHOTS}); page: {page.url}")
 
 
 def use_the_ui(base: str, api: str, deployment: str, store: Path) -> None:
@@ -69,7 +95,7 @@ def use_the_ui(base: str, api: str, deployment: str, store: Path) -> None:
         field(page, "Checkpoint Every (Optional)").fill("3")
         field(page, "Url (Optional)", 1).fill(f"file://{store}")  # storage.url (data.url comes first)
         page.screenshot(path=str(SCREENSHOTS / "custom-run-form.png"), full_page=True)
-        page.get_by_role("button", name="Submit").click()
+        submit(page, api, deployment, "from-the-form")
         run = wait_for_run(api, deployment, "from-the-form")
         # The UI moves to the deployment's runs once the server has created the run: on a loaded
         # machine that took longer than 30 s (CI), so it is checked after the run has ended.
@@ -86,7 +112,7 @@ def use_the_ui(base: str, api: str, deployment: str, store: Path) -> None:
         page.goto(form, wait_until="networkidle")
         field(page, "Name").fill("bad-heads")
         field(page, "N Heads (Optional)").fill("3")
-        page.get_by_role("button", name="Submit").click()
+        submit(page, api, deployment, "bad-heads")
         bad = wait_for_run(api, deployment, "bad-heads", timeout_s=180)
         page.wait_for_url(RUNS_TAB, timeout=60_000)
         assert bad["state"]["type"] == "FAILED"
