@@ -155,10 +155,14 @@ class SampleStream:
         self._epoch_orders: dict[int, torch.Tensor] = {}
 
     def _order(self, epoch: int) -> torch.Tensor:
-        if epoch not in self._epoch_orders:
+        # The prefetcher's thread and the loop's sample log both ask, near an epoch's end for two
+        # epochs: the one permutation cached is replaced, never read back after (a KeyError in CI).
+        order = self._epoch_orders.get(epoch)
+        if order is None:
             generator = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
-            self._epoch_orders = {epoch: torch.randperm(self.samples_per_epoch, generator=generator)}
-        return self._epoch_orders[epoch]
+            order = torch.randperm(self.samples_per_epoch, generator=generator)
+            self._epoch_orders = {epoch: order}
+        return order
 
     def sample_ids(self, start: int, count: int) -> list[tuple[int, int]]:
         """(epoch, window index) of global samples [start, start + count)."""
