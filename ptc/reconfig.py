@@ -235,7 +235,6 @@ def with_live_copies(stored: dict[str, list[StoredBox]], holdings: dict[int, lis
     for rank in sorted(holdings):
         for index, key in enumerate(holdings[rank]):
             held.setdefault(key, []).append(live_object(rank, index))
-    mine = f"{LIVE_PREFIX}{reader}:"
     out: dict[str, list[StoredBox]] = {}
     objects: set[str] = set()
     turn = reader
@@ -243,8 +242,8 @@ def with_live_copies(stored: dict[str, list[StoredBox]], holdings: dict[int, lis
         out[name] = []
         for box in boxes:
             live = held.get((name, box.box, box.order), [])
-            own = [obj for obj in live if obj.startswith(mine)]
-            others = [obj for obj in live if not obj.startswith(mine)]
+            own = [obj for obj in live if live_holder(obj)[0] == reader]
+            others = [obj for obj in live if live_holder(obj)[0] != reader]
             if others:
                 turn += 1
                 others = others[turn % len(others):] + others[: turn % len(others)]

@@ -47,10 +47,6 @@ class HeldState:
     boxes: list[HeldBox]
     data: list[torch.Tensor]  # uint8, each box's bytes in its stored dim order
 
-    @property
-    def nbytes(self) -> int:
-        return sum(d.numel() for d in self.data)
-
 
 _held: HeldState | None = None
 
