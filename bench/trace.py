@@ -70,6 +70,7 @@ class Timeline:
 
     def __init__(self) -> None:
         self.steps: list[tuple[float, int, int, float, float]] = []
+        self.data_waits: dict[tuple[int, int], float] = {}  # (segment, step) -> the step's wait for its batch
         self.devices: list[int] = []  # per segment
         self.started: list[tuple[float, dict[str, float | None]]] = []  # per segment: when heard, its start phases
         self.ended: list[float] = []  # when each segment's workers reported stopping (a planned change)
@@ -98,12 +99,17 @@ class Timeline:
                 "startup_s": round(startup, 3),
                 **{k: v for k, v in phases.items() if v is not None},
                 "first_step_s": round(first_new[1], 3),
+                "first_step_data_wait_s": round(self.data_waits.get((seg, self._first_step(seg)), 0.0), 3),
                 "rest_s": round(first_new[0] - heard - first_new[1], 3),
             })
         return out
 
-    def step(self, step: int, step_s: float, loss: float) -> None:
+    def _first_step(self, seg: int) -> int:
+        return min(st for _, s, st, *_ in self.steps if s == seg)
+
+    def step(self, step: int, step_s: float, loss: float, data_wait_s: float = 0.0) -> None:
         self.steps.append((time.time(), len(self.devices) - 1, step, step_s, loss))
+        self.data_waits[(len(self.devices) - 1, step)] = data_wait_s
 
     def figures(self, total_steps: int) -> dict[str, Any]:
         segments = sorted({s for _, s, *_ in self.steps})
@@ -150,7 +156,7 @@ def relaunch_round(store: Path, steps: int, round_no: int, warm: bool = False) -
             timeline.stop()
         if not isinstance(event, StepEvent):
             return
-        timeline.step(event.step, event.step_s, event.loss)
+        timeline.step(event.step, event.step_s, event.loss, event.data_wait_s or 0.0)
         losses[event.step] = event.loss
         for at, devices, _ in TRACE:
             if event.step == at and at not in done:

@@ -416,10 +416,13 @@ def main(argv: list[str] | None = None) -> int:
     phases.done("data_s")
 
     built = build(spec, plan, dims, coords, mesh, device)
+    warm = os.environ.get("PARASHIFT_WARM_WORKER") == "1"
     # Everything built so far lives for the whole run: keep it out of the garbage collector's
     # full passes, which otherwise cost ~0.3 s whenever a restore or a save allocates many small
-    # objects (seen parsing a manifest: 5 ms alone, 0.3 s in a worker).
-    gc.freeze()
+    # objects (seen parsing a manifest: 5 ms alone, 0.3 s in a worker). A warm worker froze its
+    # imports at boot, and must not freeze this job's objects: the next job needs them collected.
+    if not warm:
+        gc.freeze()
     # Dropout's stream: one per data-parallel share and pipeline stage, the same on tp peers
     # (trainer.parallel.apply_dropout_streams gives sharded activations streams of their own).
     torch.manual_seed(train_spec.seed + 1 + coords.pp_rank * dims.dp + coords.dp_rank)
@@ -437,7 +440,6 @@ def main(argv: list[str] | None = None) -> int:
     tier = node_tier(spec.storage.local_tier, node)
     # A warm worker may hold the job's newest committed state from the segment before: what
     # every rank holds is said once, and the restore takes those boxes from memory.
-    warm = os.environ.get("PARASHIFT_WARM_WORKER") == "1"
     if live_state.held(spec.job_id) is None:
         live_state.release()  # another job's state: not this one's to serve
     live = live_state.LivePeers.gather(spec.job_id, rank, ckpt_group) if warm else None
