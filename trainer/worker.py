@@ -132,6 +132,12 @@ def end_distributed(world_size: int) -> None:
     dist.destroy_process_group()
 
 
+def is_warm_worker() -> bool:
+    """Whether this process is a warm worker (`trainer.warm_pool`), booted before this job and
+    serving others after it."""
+    return os.environ.get("PARASHIFT_WARM_WORKER") == "1"
+
+
 def seconds_since_process_start() -> float | None:
     """How long this process has existed (Linux /proc; None elsewhere): its interpreter start
     and imports, the largest part of a relaunch on a small machine."""
@@ -149,8 +155,7 @@ class Phases:
 
     def __init__(self) -> None:
         # A warm worker (trainer.warm_pool) booted long before this job: nothing of it is this launch's.
-        warm = os.environ.get("PARASHIFT_WARM_WORKER") == "1"
-        self.seconds: dict[str, float | None] = {"boot_s": 0.0 if warm else seconds_since_process_start()}
+        self.seconds: dict[str, float | None] = {"boot_s": 0.0 if is_warm_worker() else seconds_since_process_start()}
         self._mark = time.perf_counter()
 
     def done(self, name: str) -> None:
@@ -416,7 +421,7 @@ def main(argv: list[str] | None = None) -> int:
     phases.done("data_s")
 
     built = build(spec, plan, dims, coords, mesh, device)
-    warm = os.environ.get("PARASHIFT_WARM_WORKER") == "1"
+    warm = is_warm_worker()
     # Everything built so far lives for the whole run: keep it out of the garbage collector's
     # full passes, which otherwise cost ~0.3 s whenever a restore or a save allocates many small
     # objects (seen parsing a manifest: 5 ms alone, 0.3 s in a worker). A warm worker froze its
