@@ -244,8 +244,19 @@ def measure_comm_timings(devices: int, kind: str) -> dict[str, Any]:
 CODE_ROOT = str(Path(parashift.__file__).resolve().parents[1])
 
 
+# glibc hands freed blocks of 128 KiB and more back to the kernel (mmap'd ones at once, the
+# heap's top past a threshold), and nearly every tensor is such a block: each step faulted its
+# gradients, reduce buffers and optimizer temporaries in afresh, and a warm worker's next job
+# its whole model (system CPU: about 2 us a 4 KiB page on the 2-core CI VM; a 4-worker job of
+# 293 MB of state faulted 3.8x more pages without this). Freed memory stays in the process
+# instead, as PyTorch's CUDA caching allocator keeps device memory: a worker's resident size
+# stays at its peak. The user's own GLIBC_TUNABLES win; other C libraries ignore it.
+KEEP_FREED_MEMORY = "glibc.malloc.mmap_threshold=4294967296:glibc.malloc.trim_threshold=68719476736"
+
+
 def worker_env(kind: str) -> dict[str, str]:
     env = dict(os.environ)
+    env.setdefault("GLIBC_TUNABLES", KEEP_FREED_MEMORY)
     env.setdefault("PYTHONUNBUFFERED", "1")
     # `python -m` puts the working directory first on sys.path (where users keep a specs/
     # folder); safe-path mode leaves it out, and PYTHONPATH names where parashift lives.

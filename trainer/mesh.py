@@ -13,6 +13,9 @@ reason instead of a crash inside a collective.
 
 from __future__ import annotations
 
+import functools
+import gc
+import sys
 from dataclasses import dataclass
 
 import torch.distributed as dist
@@ -59,6 +62,41 @@ class ParallelDims:
         mesh = init_device_mesh(device_type, (self.pp, self.dp_replicate, self.dp_shard, self.tp), mesh_dim_names=BUILT_AXES)
         mesh["dp_replicate", "dp_shard"]._flatten("dp")  # torch's way to name a product of axes
         return mesh
+
+
+def forget_meshes() -> None:
+    """Drop what torch.distributed cached about the meshes of a job that has ended, in a process
+    that goes on to the next job (a warm worker). DTensor's sharding propagation and
+    redistribution caches keep every mesh they saw, and each mesh its gloo groups: 3 threads
+    per group, never joined, waking in every collective the process runs after. One shape of
+    mesh after another, a warm worker had 90 threads after 6 jobs and 420 after a test run,
+    and spent 4-15% of a core while idle. These are caches only: the next job refills them.
+
+    torch has no public call for this (`tensor.debug._clear_sharding_prop_cache` clears two of
+    them), so every lru_cache of torch.distributed is cleared too: those its modules and
+    classes hold, and those made since the imports (the only ones `gc` lists once a warm
+    worker has frozen its imports)."""
+    from torch.distributed.tensor import _redistribute
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+    _clear_sharding_prop_cache()  # the Python one (this thread's) and the C++ fast path's
+    _redistribute.clear_redistribute_planner_cache()
+    for cached in [*_lru_caches_in_modules("torch.distributed"), *gc.get_objects()]:
+        if type(cached) is functools._lru_cache_wrapper and cached.__module__.startswith("torch.distributed"):
+            cached.cache_clear()
+
+
+def _lru_caches_in_modules(prefix: str) -> list[object]:
+    """The lru_cache wrappers that modules named `prefix...` and their classes hold."""
+    found: list[object] = []
+    for name, module in list(sys.modules.items()):
+        if not name.startswith(prefix) or module is None:
+            continue
+        for value in list(vars(module).values()):
+            found.append(value)
+            if issubclass(type(value), type) and value.__module__ == name:  # a class of its own
+                found += [v.__func__ if type(v) in (staticmethod, classmethod) else v for v in vars(value).values()]
+    return found
 
 
 @dataclass(frozen=True)

@@ -234,8 +234,11 @@ def _clean_up() -> None:
     """What a finished job leaves behind, collected after its answer went out (the flow plans
     the next segment meanwhile). Only the job's own objects are traversed: what the imports
     made is frozen at boot (`serve`), and a warm job freezes nothing (`worker.main`)."""
-    gc.collect()
     import torch
+    from parashift.trainer.mesh import forget_meshes
+
+    forget_meshes()  # the job's meshes, and with them its process groups' threads
+    gc.collect()
 
     if torch.cuda.is_available():
         torch.cuda.empty_cache()  # the next job's model may be laid out otherwise
