@@ -36,11 +36,14 @@ def faulted_fractions(env: dict[str, str]) -> list[float]:
 
 
 def test_a_worker_reuses_the_memory_a_step_freed() -> None:
-    first, _, third = faulted_fractions(worker_env("cpu"))
-    assert first > 0.9  # fresh memory: every page faulted in once
-    assert third < 0.1, third  # the same tensors again: the freed memory is reused
-    # Without it (glibc's defaults), freed blocks go back to the kernel and are faulted in again.
-    assert faulted_fractions({**worker_env("cpu"), "GLIBC_TUNABLES": ""})[2] > 0.2
+    kept = faulted_fractions(worker_env("cpu"))
+    # glibc's defaults: freed blocks go back to the kernel and are faulted in again.
+    returned = faulted_fractions({**worker_env("cpu"), "GLIBC_TUNABLES": ""})
+    assert kept[0] > 0.9  # fresh memory: every page faulted in once
+    # The same tensors again: most of the freed memory is reused (0.0-0.14 of the pages faulted
+    # on the third pass, against 0.45-0.8 with the defaults, in measured runs).
+    assert kept[2] < 0.5 * returned[2], (kept, returned)
+    assert kept[1] + kept[2] < 0.5 * (returned[1] + returned[2]), (kept, returned)
 
 
 def test_the_users_own_tunables_win(monkeypatch) -> None:  # noqa: ANN001 - pytest's fixture
