@@ -81,13 +81,14 @@ def forget_meshes() -> None:
 
     _clear_sharding_prop_cache()  # the Python one (this thread's) and the C++ fast path's
     _redistribute.clear_redistribute_planner_cache()
-    for cached in [*_lru_caches_in_modules("torch.distributed"), *gc.get_objects()]:
+    for cached in [*_held_by_modules("torch.distributed"), *gc.get_objects()]:
         if type(cached) is functools._lru_cache_wrapper and cached.__module__.startswith("torch.distributed"):
             cached.cache_clear()
 
 
-def _lru_caches_in_modules(prefix: str) -> list[object]:
-    """The lru_cache wrappers that modules named `prefix...` and their classes hold."""
+def _held_by_modules(prefix: str) -> list[object]:
+    """Everything that modules named `prefix...` and their own classes hold at top level (the
+    caller picks the caches out of it)."""
     found: list[object] = []
     for name, module in list(sys.modules.items()):
         if not name.startswith(prefix) or module is None:

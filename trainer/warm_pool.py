@@ -42,7 +42,7 @@ from parashift.specs.loader import resolve_model
 from parashift.specs.plan import Plan
 from parashift.trainer import events as worker_events
 from parashift.trainer.launch import LaunchResult, PlanNotExecutable, worker_env
-from parashift.trainer.mesh import job_plan_refusals
+from parashift.trainer.mesh import forget_meshes, job_plan_refusals
 
 # How long one job may run before the pool is presumed stuck (a collective waiting for a rank
 # that failed) and started afresh.
@@ -235,7 +235,6 @@ def _clean_up() -> None:
     the next segment meanwhile). Only the job's own objects are traversed: what the imports
     made is frozen at boot (`serve`), and a warm job freezes nothing (`worker.main`)."""
     import torch
-    from parashift.trainer.mesh import forget_meshes
 
     forget_meshes()  # the job's meshes, and with them its process groups' threads
     gc.collect()
