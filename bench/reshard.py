@@ -81,7 +81,7 @@ def run_phase(phase: str, plan: Plan, spec: JobSpec, dcp_url: str, raw_url: str,
     plan_file.write_text(plan.model_dump_json())
     spec_file.write_text(spec.model_dump_json())
     command = torchrun_command(plan.devices, "parashift.bench.reshard_worker", "--phase", phase, "--plan", str(plan_file),
-                               "--spec", str(spec_file), "--dcp", dcp_url, "--raw", raw_url)
+                               "--spec", str(spec_file), "--dcp", dcp_url, "--raw", raw_url, log_dir=tmp / "torchrun")
     done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=1200)
     lines = [line for line in done.stdout.splitlines() if "RESHARD " in line]
     if done.returncode != 0 or not lines:

@@ -192,7 +192,8 @@ def stop_restart_round(store: Path, steps: int, round_no: int) -> dict[str, Any]
         kill_at = at if after is None else None
         until = steps if after is None else at  # a failure is not announced: the job runs on until killed
         command = torchrun_command(devices, "parashift.bench.dcp_restart", "--spec", str(spec_file), "--ckpt", str(store / "dcp"),
-                                   "--until-step", str(until), "--checkpoint-every", str(CHECKPOINT_EVERY))
+                                   "--until-step", str(until), "--checkpoint-every", str(CHECKPOINT_EVERY),
+                                   log_dir=store / "torchrun")
         process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                                    env=worker_env("cpu"), start_new_session=True)
         assert process.stdout is not None

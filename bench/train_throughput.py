@@ -96,7 +96,7 @@ def run_trainer(spec: JobSpec, plan: Plan, round_index: int) -> float:
 def run_plain(spec: JobSpec, program: tuple[str, ...], devices: int, tmp: Path) -> float:
     spec_file = tmp / "plain-spec.json"
     spec_file.write_text(spec.model_dump_json())
-    command = torchrun_command(devices, program[0], "--spec", str(spec_file), *program[1:])
+    command = torchrun_command(devices, program[0], "--spec", str(spec_file), *program[1:], log_dir=tmp / "torchrun")
     done = subprocess.run(command, capture_output=True, text=True, env=worker_env("cpu"), check=True)
     return median_rate([e for line in done.stdout.splitlines() if (e := parse(line))])
 

@@ -6,7 +6,9 @@ module imports prefect.
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import tempfile
 import uuid
 from collections.abc import Iterator
@@ -15,6 +17,7 @@ from pathlib import Path
 import pytest
 
 _SESSION_TMP = Path(tempfile.mkdtemp(prefix="parashift-tests-"))
+atexit.register(shutil.rmtree, _SESSION_TMP, ignore_errors=True)  # after the session's servers have stopped
 os.environ.setdefault("PREFECT_HOME", str(_SESSION_TMP / "prefect-home"))
 os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
 os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")

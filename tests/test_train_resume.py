@@ -32,13 +32,17 @@ def run(spec, **kwargs: Any) -> LaunchResult:
 def reference(tmp_path_factory: pytest.TempPathFactory):
     """An uninterrupted 12-step run: the state every other run must reproduce."""
     spec = tiny_spec("reference", f"file://{tmp_path_factory.mktemp('ref')}/store")
-    result = run(spec)
+    system_tmp = tmp_path_factory.mktemp("system-tmp")  # torchrun's and the workers' temporary directory
+    result = run(spec, extra_env={"TMPDIR": str(system_tmp)})
     assert result.final_step == 12 and not result.stopped
+    result.left_in_tmp = sorted(p.name for p in system_tmp.iterdir())  # type: ignore[attr-defined]
     return spec, result, final_state(spec)
 
 
 def test_uninterrupted_run_learns_and_commits(reference) -> None:
     spec, result, _ = reference
+    # torchrun's per-run folder went with the launch's own (torch's compile cache, one per user, may stay)
+    assert [name for name in result.left_in_tmp if not name.startswith("torchinductor_")] == []
     losses = [e.loss for e in result.steps]
     assert len(losses) == 12 and losses[-1] < losses[0] - 0.3
     assert checkpoint_store(spec).committed_steps() == [8, 12]  # keep_checkpoints=2 pruned step 4

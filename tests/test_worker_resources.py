@@ -87,3 +87,13 @@ def test_a_warm_worker_keeps_no_process_group_of_a_job_that_ended(tmp_path: Path
         else:
             counts = [threads_once_settled(pid, at_most=limit) for pid, limit in zip(pids, first, strict=True)]
             assert all(c <= f for c, f in zip(counts, first, strict=True)), (i, counts, first)
+
+
+def test_a_closed_warm_pool_leaves_no_folder() -> None:
+    """Its jobs' specs, plans and outputs go with it (a pool per flow run: one folder each)."""
+    from parashift.trainer.warm_pool import WarmPool
+
+    pool = WarmPool(0)
+    (pool.root / "job0001").mkdir()
+    pool.close()
+    assert not pool.root.exists()

@@ -199,20 +199,26 @@ class NodeRendezvous:
         return {"PARASHIFT_NODE": self.node, "PARASHIFT_NODES": ",".join(self.nodes)}
 
 
-def torchrun_command(devices: int, module: str, *args: str, node: NodeRendezvous | None = None) -> list[str]:
+def torchrun_command(devices: int, module: str, *args: str, log_dir: Path, node: NodeRendezvous | None = None) -> list[str]:
     """`torchrun` starting `python -m module args` on `devices` local processes: a private
-    rendezvous on a free local port, or this node's part of a job across `node.nodes`."""
+    rendezvous on a free local port, or this node's part of a job across `node.nodes`.
+    `log_dir`: where torchrun keeps its per-run files (the workers' error files), a folder the
+    caller removes; without it torchrun makes a `torchelastic_*` folder in the system's temporary
+    directory for every launch and never removes it."""
     if node is None:
         where = ["--standalone"]
     else:
         where = [f"--nnodes={len(node.nodes)}", f"--node-rank={node.node_rank}", "--rdzv-backend=static",
                  f"--master-addr={node.master_addr}", f"--master-port={node.master_port}"]
-    return [sys.executable, "-m", "torch.distributed.run", *where, f"--nproc-per-node={devices}", "-m", module, *args]
+    return [sys.executable, "-m", "torch.distributed.run", *where, f"--nproc-per-node={devices}", f"--log-dir={log_dir}",
+            "-m", module, *args]
 
 
 def worker_command(devices: int, spec_file: Path, plan_file: Path, until_step: int | None,
                    node: NodeRendezvous | None = None) -> list[str]:
-    command = torchrun_command(devices, "parashift.trainer.worker", "--spec", str(spec_file), "--plan", str(plan_file), node=node)
+    """torchrun running the trainer; its own files go beside the spec file (the launch's folder)."""
+    command = torchrun_command(devices, "parashift.trainer.worker", "--spec", str(spec_file), "--plan", str(plan_file),
+                               log_dir=spec_file.parent / "torchrun", node=node)
     if until_step is not None:
         command += ["--until-step", str(until_step)]
     return command
@@ -222,9 +228,10 @@ def run_measure_comm(devices: int, kind: str, node: NodeRendezvous | None = None
     """Run `trainer.measure_comm` on `devices` workers (with `node`: this node's share of
     them); its exit code, its events (rank 0's `comm_timings`) and the end of its stderr."""
     here = devices if node is None else devices // len(node.nodes)
-    command = torchrun_command(here, "parashift.trainer.measure_comm", "--kind", kind, node=node)
     env = {**worker_env(kind), **(node.env() if node else {})}
-    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
+    with tempfile.TemporaryDirectory(prefix="parashift-comm-") as tmp:
+        command = torchrun_command(here, "parashift.trainer.measure_comm", "--kind", kind, log_dir=Path(tmp), node=node)
+        done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
     events = [e for line in done.stdout.splitlines() if (e := parse(line)) is not None]
     return done.returncode, events, done.stderr[-2000:]
 

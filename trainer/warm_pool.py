@@ -28,6 +28,7 @@ import gc
 import json
 import logging
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -127,6 +128,7 @@ class WarmPool:
                 os.killpg(proc.pid, 9)
                 proc.wait()
         self._procs, self._spares = [], []
+        shutil.rmtree(self.root, ignore_errors=True)  # the jobs' folders: specs, plans, outputs
 
     def restart(self) -> None:
         for proc in self._procs + self._spares:
