@@ -97,3 +97,31 @@ def test_a_closed_warm_pool_leaves_no_folder() -> None:
     (pool.root / "job0001").mkdir()
     pool.close()
     assert not pool.root.exists()
+
+
+# A warm worker's boot, then a job of one rank in the same process: the modules the job imported.
+FIRST_JOB = """
+import json, os, sys
+from parashift.trainer import warm_pool, worker
+warm_pool.import_what_jobs_use()
+booted = set(sys.modules)
+os.environ["PARASHIFT_WARM_WORKER"] = "1"
+assert worker.main(sys.argv[1:]) == 0
+print(json.dumps(sorted(set(sys.modules) - booted)))
+"""
+
+
+@pytest.mark.parametrize("family", ["gpt", "llama"])
+def test_a_warm_workers_first_job_imports_nothing_of_torch_or_the_trainer(tmp_path: Path, family: str) -> None:
+    """What a job imports on its first run in a process (torch._dynamo, through torch.nn.init's
+    first call; the model's family) a spare would otherwise import at the change that takes it
+    in, while the other ranks wait: the boot imports it."""
+    model = {"family": "llama", "n_kv_heads": 1, "ffn_dim": 64} if family == "llama" else {}
+    spec = tiny_spec(f"first-{family}", store_url(tmp_path), model=model, training={"steps": 2, "checkpoint_every": 2})
+    (tmp_path / "spec.json").write_text(spec.model_dump_json())
+    (tmp_path / "plan.json").write_text(mesh_plan({"dp": 1}).model_dump_json())
+    done = subprocess.run([sys.executable, "-c", FIRST_JOB, "--spec", str(tmp_path / "spec.json"),
+                           "--plan", str(tmp_path / "plan.json")], env=worker_env("cpu"), capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    imported = json.loads(done.stdout.strip().splitlines()[-1])
+    assert [m for m in imported if m.split(".")[0] in ("torch", "parashift", "numpy", "fsspec")] == []

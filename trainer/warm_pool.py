@@ -245,10 +245,29 @@ def _clean_up() -> None:
         torch.cuda.empty_cache()  # the next job's model may be laid out otherwise
 
 
+def import_what_jobs_use() -> None:
+    """The imports a warm worker exists to have done: the trainer's, and those a job would
+    otherwise make on its first run in this process. torch.nn.init's first call imports
+    torch._dynamo (through torch._refs' wrappers), the model is built from its family's module,
+    storage opens local files through fsspec: ~1 s on this 2-core machine, paid by each spare at
+    the change that takes it in while the other ranks wait for it. The `hf` family is left out:
+    its `transformers` import is for `hf` jobs only."""
+    import fsspec.implementations.chained  # noqa: F401
+    import fsspec.implementations.local  # noqa: F401
+    import parashift.trainer.worker  # noqa: F401
+    import torch._dynamo  # noqa: F401
+    import torch.profiler._cupti_monitor  # noqa: F401 - the optimizer's first step imports it (record_function)
+    from parashift.models import FAMILIES, family
+
+    for name in FAMILIES:
+        if name != "hf":
+            family(name)
+
+
 def serve() -> None:
     """Answer job requests (one JSON line each on stdin) with their exit status (on stdout)."""
     answers = os.fdopen(os.dup(sys.stdout.fileno()), "w", buffering=1)
-    import parashift.trainer.worker  # noqa: F401 - the imports a warm worker exists to have done
+    import_what_jobs_use()
 
     # What the imports made (~250,000 objects) lives as long as the process: out of every
     # collection from now on. A full pass over it cost 0.1-0.9 s, paid at each job's clean-up
