@@ -242,16 +242,19 @@ def test_a_killed_worker_is_a_failure_the_job_recovers_from(prefect_server: None
     kill = SignalRank(rank=1, step=12, sig=signal.SIGKILL)
     state = run_flow(spec, kill)
     summary = state.result()
-    # steps 11-12 were trained twice (the kill undid them): the resumed segment's count, once
+    # the steps after the last committed one were trained twice (the kill undid them): the resumed segment's count, once
     assert_each_sample_once(tmp_path / "samples", summary.segments, LONG["steps"], (20_000 - 1) // 32, 8)
     assert kill.signalled
     assert [(s.devices, s.outcome) for s in summary.segments] == [(3, "failed"), (2, "finished")]
     failed, resumed = summary.segments
-    assert failed.final_step == resumed.start_step == 10  # the last committed step before the kill
+    # the last committed step before the kill: 10, or a later one where the listener heard step
+    # 12 late (the workers train on while the launcher relays their output)
+    at = failed.final_step
+    assert resumed.start_step == at >= 10 and at % 5 == 0
     assert "rank 1 killed by signal 9" in (failed.reason or "")
     assert resumed.final_step == LONG["steps"]
     log = run_log(state, "worker failure on 3 devices")
-    assert any("rank 1 killed by signal 9" in m and "resuming from step 10 on 2 devices" in m for m in log), log[-20:]
+    assert any("rank 1 killed by signal 9" in m and f"resuming from step {at} on 2 devices" in m for m in log), log[-20:]
     # The run says what happened: the launch that died is a Failed task run (the flow recovered
     # and completed), the run is tagged with both device counts, and the summary and the log
     # name the failed segment.
@@ -259,9 +262,9 @@ def test_a_killed_worker_is_a_failure_the_job_recovers_from(prefect_server: None
     assert launch_states(state, 2) == ["FAILED", "COMPLETED"]
     assert {"devices:3", "devices:2"} <= set(run_tags(state))
     markdown = read_artifact("killed-rank-summary").data
-    assert "| 1 | 3 | 0→10 | **failed**: rank 1 killed by signal 9" in markdown, markdown
-    assert "| 2 | 2 | 10→400 | finished |" in markdown
-    records = run_records(state, "segment 1 (3 devices, steps 0→10) failed: rank 1 killed by signal 9")
+    assert f"| 1 | 3 | 0→{at} | **failed**: rank 1 killed by signal 9" in markdown, markdown
+    assert f"| 2 | 2 | {at}→400 | finished |" in markdown
+    records = run_records(state, f"segment 1 (3 devices, steps 0→{at}) failed: rank 1 killed by signal 9")
     # torchrun's traceback and failure summary: one ERROR record, not a record per line.
     reports = [(level, m) for level, m in records if "Traceback (most recent call last)" in m]
     assert reports and all(level == logging.ERROR for level, _ in reports), reports
@@ -282,8 +285,12 @@ def test_a_hung_worker_is_a_failure_the_job_recovers_from(prefect_server: None, 
     summary = state.result()
     assert freeze.signalled
     assert [(s.devices, s.outcome) for s in summary.segments] == [(3, "failed"), (2, "finished")]
-    assert "reported nothing for" in (summary.segments[0].reason or "")
-    assert summary.segments[1].start_step == 5 and summary.steps == LONG["steps"]
+    failed, resumed = summary.segments
+    assert "reported nothing for" in (failed.reason or "")
+    # from its last committed step: 5, or a later one where the listener heard step 7 late (the
+    # workers train on while the launcher relays their output: 6 steps ahead on a loaded machine)
+    assert resumed.start_step == failed.final_step >= 5 and failed.final_step % 5 == 0
+    assert summary.steps == LONG["steps"]
 
 
 def test_a_job_that_cannot_make_progress_fails_with_the_reason(prefect_server: None, tmp_path: Path) -> None:
