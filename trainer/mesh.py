@@ -56,12 +56,19 @@ class ParallelDims:
 
     def build_mesh(self, device_type: str) -> DeviceMesh:
         """The ("pp", "dp_replicate", "dp_shard", "tp") mesh with "dp" flattened from its two
-        parts; axes of size 1 are kept so names always resolve: `mesh["tp"]`, `mesh["dp"]`,
+        parts (`data_mesh`); axes of size 1 are kept so names always resolve: `mesh["tp"]`,
         `mesh["dp_shard"]`, `mesh["dp_replicate", "dp_shard"]`, `mesh["pp"]`."""
         self.validate(dist.get_world_size())
         mesh = init_device_mesh(device_type, (self.pp, self.dp_replicate, self.dp_shard, self.tp), mesh_dim_names=BUILT_AXES)
-        mesh["dp_replicate", "dp_shard"]._flatten("dp")  # torch's way to name a product of axes
+        data_mesh(mesh)
         return mesh
+
+
+def data_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The whole data axis, "dp", as one 1-D mesh: flattened from its two parts (torch's way to
+    name a product of axes; the same mesh each call). Not `mesh["dp"]`: torch 2.13 warns on
+    every slice of a flattened axis from the root mesh, a warning per rank in each run's log."""
+    return mesh["dp_replicate", "dp_shard"]._flatten("dp")
 
 
 def forget_meshes() -> None:

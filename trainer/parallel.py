@@ -25,6 +25,7 @@ from parashift.models.base import ModelFamily
 from parashift.ptc import Slice
 from parashift.ptc.dtensor import local_box, local_data
 from parashift.specs.plan import Plan, TensorParallel
+from parashift.trainer.mesh import data_mesh
 from parashift.trainer.tp_styles import LocalColwiseParallel, LocalRowwiseParallel, RegionEntry
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -182,7 +183,7 @@ def apply_dp(model: nn.Module, family: ModelFamily, plan: Plan, mesh: DeviceMesh
     if plan.dp_shard == 1:
         from torch.distributed._composable.replicate_with_fsdp import replicate
 
-        return replicate(model, mesh=mesh["dp"])
+        return replicate(model, mesh=data_mesh(mesh))
     from torch.distributed.fsdp import fully_shard
 
     dp_mesh = mesh["dp_replicate", "dp_shard"] if plan.dp_replicate > 1 else mesh["dp_shard"]
