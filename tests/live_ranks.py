@@ -53,7 +53,11 @@ def main() -> None:
         group = group_of(case["ports"][1], rank, new.world_size)
         peers = live_state.LivePeers.gather(case["job"], rank, group)
         seen = []
-        live = restore_latest(store, new, rank, group, live=peers, on_reads=lambda step, reads, seen=seen: seen.append(reads))
+        # Every box this rank holds exactly is read into the held memory itself (the worker
+        # offers the optimizer's; here all of them), then compared with storage like the rest.
+        held = live_state.held_boxes(case["job"], new, rank, new.boxes_of(rank))
+        live = restore_latest(store, new, rank, group, live=peers, destinations=dict(held),
+                              on_reads=lambda step, reads, seen=seen: seen.append(reads))
         totals = restore_totals(seen[-1], group)
         stored = restore_latest(store, new, rank, group)
         assert live is not None and stored is not None
@@ -67,6 +71,9 @@ def main() -> None:
             "holders": sorted({live_holder(r.object)[0] for r in seen[-1].requests if r.source == LIVE}),
             "totals": totals,
             "peers": None if peers is None else sorted(peers.holdings),
+            "held": sorted(held),
+            "wanted": sorted(wanted),
+            "in_held_memory": sorted(n for n, t in held.items() if live.tensors[n].data_ptr() == t.data_ptr()),
         })
         live_state.release()
         dist.destroy_process_group()

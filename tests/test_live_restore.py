@@ -82,3 +82,14 @@ def test_a_holder_whose_memory_differs_is_read_around(results) -> None:
     # Some of what rank 1 held was read from storage instead, and nothing else changed.
     assert totals["store"] > 0 and totals["live"] < clean["live"]
     assert totals["needed"] == clean["needed"]
+
+
+def test_boxes_held_exactly_are_restored_in_the_held_memory(results) -> None:
+    """A box the rank already holds as the new plan needs it is read into that memory (no second
+    copy of the state), and still equals the storage path (the bitwise test above)."""
+    for row in results.values():
+        assert row["in_held_memory"] == row["held"], row["case"]
+    for rank in (0, 1):  # replicas: each remaining rank already holds every box it needs
+        dp = results[("dp4-dp2", rank)]
+        assert dp["held"] == dp["wanted"] and dp["wanted"]
+    assert results[("tp2-dp3", 2)]["held"] == []  # a new rank holds nothing

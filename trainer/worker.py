@@ -254,8 +254,13 @@ def restore(spec: JobSpec, built: Built, layout: Any, checkpoints: Any, tier: An
                                         requests=len(reads.requests), bytes_local=reads.bytes_from(LOCAL),
                                         bytes_live=reads.bytes_from(LIVE)))
 
+    destinations = restore_destinations(built.optimizer, in_place=True)
+    # The optimizer's state (new tensors: a new job has none) is read into the old state's
+    # memory where this process holds those boxes; parameters are read in place.
+    fresh = [name for name in destinations if name.startswith("optim/")]
+    destinations.update(live_state.held_boxes(spec.job_id, layout, rank, fresh))
     restored = restore_latest(checkpoints, layout, rank, group, tier, on_reads=restoring,
-                              destinations=restore_destinations(built.optimizer, in_place=True),
+                              destinations=destinations,
                               start_over=spec.training.if_checkpoints_unusable == "start-over", live=live)
     if restored is None:
         if checkpoints.manifest_steps():  # every checkpoint refused: start over from step 0
