@@ -54,7 +54,11 @@ def wait_for_run(api: str, deployment: str, job: str, timeout_s: float = 600) ->
 def submit(page: Any, api: str, deployment: str, job: str, tries: int = 3) -> None:
     """Press the form's Submit until the server has a run of `job`, as a user would press it
     again after the UI said the request failed (a CI run on a loaded machine saw a click
-    create no run at all within 300 s). The form stays on screen until a run is created."""
+    create no run at all within 300 s; two runs of the suite on 2026-12-03 saw the UI's "Oops.
+    Something went wrong." toast after a press and no run, then a run at the next press: once
+    the toast shows, a few seconds more, not the whole wait). The form stays on screen until a
+    run is created."""
+    failed = page.get_by_text("Something went wrong")
     for attempt in range(tries):
         try:
             page.get_by_role("button", name="Submit").click(timeout=30_000)
@@ -65,7 +69,9 @@ def submit(page: Any, api: str, deployment: str, job: str, tries: int = 3) -> No
         while time.monotonic() < deadline:
             if runs_of(api, deployment, job):
                 return
-            time.sleep(1)
+            if failed.count() and failed.first.is_visible():  # the UI says a request failed: a few seconds more
+                deadline = min(deadline, time.monotonic() + 5)
+            page.wait_for_timeout(1000)
         page.screenshot(path=str(SCREENSHOTS / f"{job}-no-run-{attempt}.png"), full_page=True)
         if "/run" not in page.url:  # the UI left the form: its request went through after all
             break
