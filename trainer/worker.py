@@ -84,7 +84,13 @@ from parashift.trainer.parallel import (
 )
 from parashift.trainer.pipeline import DEFAULT_SCHEDULE, PipelineRunner, build_stage
 from parashift.trainer.schedule import learning_rate
-from parashift.trainer.state import apply_state, collect_state, restore_destinations, rng_state_bytes
+from parashift.trainer.state import (
+    OptimizerState,
+    apply_state,
+    collect_state,
+    restore_destinations,
+    rng_state_bytes,
+)
 
 log = logging.getLogger("parashift.worker")
 
@@ -257,7 +263,7 @@ def restore(spec: JobSpec, built: Built, layout: Any, checkpoints: Any, tier: An
     destinations = restore_destinations(built.optimizer, in_place=True)
     # The optimizer's state (new tensors: a new job has none) is read into the old state's
     # memory where this process holds those boxes; parameters are read in place.
-    fresh = [name for name in destinations if name.startswith("optim/")]
+    fresh = [name for name in destinations if name.startswith(f"{OptimizerState.prefix}/")]
     destinations.update(live_state.held_boxes(spec.job_id, layout, rank, fresh))
     restored = restore_latest(checkpoints, layout, rank, group, tier, on_reads=restoring,
                               destinations=destinations,

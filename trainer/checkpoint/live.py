@@ -79,12 +79,11 @@ def hold(job_id: str, step: int, layout: Layout, rank: int, state: dict[str, tor
 def held_boxes(job_id: str, layout: Layout, rank: int, names: Iterable[str]) -> dict[str, torch.Tensor]:
     """Of `names`, the boxes this process holds of the job exactly as `rank` needs them under
     `layout` (same box, natural dim order), as typed tensors over the held memory: a restore
-    that reads into them reuses that memory instead of allocating the state a second time (a
-    warm worker otherwise holds the old state and the new one at once, and its heap grows past
-    anything it has touched: the next steps fault those pages in, ~1 s on the 2-core VM). The
-    bytes a restore reads into them are the committed ones, verified as every read is; no peer
-    reads them any more once the live exchange has finished."""
-    mine = _held if _held is not None and _held.job_id == job_id else None
+    that reads into them reuses that memory instead of allocating those boxes a second time
+    while the old state is still held. The bytes a restore reads into them are the committed
+    ones, verified as every read is; no peer reads them any more once the live exchange has
+    finished."""
+    mine = held(job_id)
     if mine is None:
         return {}
     wanted, boxes = set(names), layout.boxes_of(rank)
