@@ -83,7 +83,8 @@ def _train(spec: JobSpec, lease: JobLease | None = None) -> TrainSummary:
             model = profiles[job.devices]
             measured = [s.restore_bytes_per_s for s in segments if s.restore_bytes_per_s]
             plan = plan_parallelism(spec, model, job.devices, job.step, measured[-1] if measured else None)
-            plan_reshard(here, plan)  # what the workers will read, shown before they start
+            held = segments[-1].final_step if segments and segments[-1].held_unsaved else None
+            plan_reshard(here, plan, held)  # what the workers will read, shown before they start
             tag_devices(job.devices)
             launched = launch_training(here, plan, scripted.at_step if scripted else None, resources, progress, job,
                                        return_state=True)  # Failed when the workers failed: the policy decides what next
@@ -93,6 +94,9 @@ def _train(spec: JobSpec, lease: JobLease | None = None) -> TrainSummary:
             job = job.after(segment)
             if isinstance(decision, Stop):
                 logger.info("%s %s", spec.job_id, decision.why)
+                if segment.held_unsaved:  # held for a change that is not made: the warm workers end with the run
+                    logger.warning("%s: step %d was held in the warm workers' memory for a change, not saved; the "
+                                   "job resumes from its newest committed checkpoint", spec.job_id, segment.final_step)
                 break
             job = _act(spec, job, decision, resources)
     progress.update(segments[-1].final_step if segments else 0, force=True)

@@ -6,6 +6,7 @@ Layout (relative to the store root):
     jobs/{job_id}/ckpt/{step:08d}/manifest.json     # committed last; without it no checkpoint
 
     jobs/{job_id}/ckpt/{step:08d}.aside-{utc}/       # what a save found at its step, set aside
+    jobs/{job_id}/ckpt/pending/{step:08d}.json       # a step warm workers hold, not yet saved
     jobs/{job_id}/lease.json                         # the job's one writer (storage.lease)
 
 A folder without a parseable manifest is an uncommitted (in progress or crashed) save: it is
@@ -13,6 +14,11 @@ invisible to `committed_steps`/`latest` and is removed by `prune` once a newer s
 A save never writes into what an earlier save left at its step (a refused checkpoint, a crashed
 save, a symbolic link): `set_aside` moves it out of the way first, kept for inspection until
 pruning passes its step. Folders set aside are not steps: listings skip them.
+
+A pending manifest describes a step that warm workers hold in memory at a planned change and
+that no object stores yet (`write_pending`): the next segment's ranks restore it from their
+memory alone, checked against its CRCs, and save it again under their plan. It is never a
+checkpoint: nothing but that restore reads it, and prune removes it once a newer step commits.
 """
 
 from __future__ import annotations
@@ -116,6 +122,44 @@ def _whole_checks(record: SliceRecord) -> tuple[tuple[int, int, int], ...]:
     return tuple(out)
 
 
+
+def _checksummed(slices: Sequence[SlicePayload], crcs: list[list[int]]) -> Iterator[memoryview]:
+    """Every chunk of `slices`, in order, its CRC-32C appended to `crcs` (one list per slice)
+    just before it is yielded: one pass over each byte, no joined copy."""
+    crcs.clear()
+    for payload in slices:
+        mine: list[int] = []
+        crcs.append(mine)
+        for i, n in enumerate(payload.chunk_bytes):
+            chunk = memoryview(payload.chunk(i)).cast("B")
+            if len(chunk) != n:
+                raise ValueError(f"chunk {i} of {payload.key.tensor!r} has {len(chunk)} bytes, not {n}")
+            mine.append(crc32c(chunk))
+            yield chunk
+
+
+def _slice_records(rank: int, slices: Sequence[SlicePayload], crcs: list[list[int]]) -> list[SliceRecord]:
+    """The records of `slices` laid out one after another in rank `rank`'s object."""
+    records: list[SliceRecord] = []
+    offset = 0
+    for payload, checks in zip(slices, crcs, strict=True):
+        n = payload.nbytes
+        records.append(
+            SliceRecord(
+                tensor=payload.key.tensor,
+                offsets=list(payload.key.offsets),
+                lengths=list(payload.key.lengths),
+                object=rank_object_name(rank),
+                byte_offset=offset,
+                nbytes=n,
+                dim_order=list(payload.dim_order),
+                chunks=list(zip(payload.chunk_bytes, checks, strict=True)),
+            )
+        )
+        offset += n
+    return records
+
+
 def rank_object_name(rank: int) -> str:
     """Object key, relative to the checkpoint folder, of one rank's slices."""
     return f"rank{rank:05d}.bin"
@@ -165,6 +209,14 @@ class JobPaths:
 
     def manifest(self, step: int) -> str:
         return self.ckpt_object(step, MANIFEST_NAME)
+
+    @property
+    def pending_root(self) -> str:
+        return self.job_key("ckpt", "pending")
+
+    def pending_manifest(self, step: int) -> str:
+        """The manifest of a step held in memory, not saved (`CheckpointStore.write_pending`)."""
+        return f"{self.pending_root}/{step:08d}.json"
 
     def rank_object(self, step: int, rank: int) -> str:
         return self.ckpt_object(step, rank_object_name(rank))
@@ -216,40 +268,50 @@ class CheckpointStore:
         """
         if not slices:
             return None, []
-        name = rank_object_name(rank)
         crcs: list[list[int]] = []
+        total = self.store.put_stream(self.paths.rank_object(step, rank), lambda: _checksummed(slices, crcs))
+        return ObjectRecord(key=rank_object_name(rank), nbytes=total), _slice_records(rank, slices, crcs)
 
-        def parts() -> Iterator[memoryview]:
-            crcs.clear()
-            for payload in slices:
-                mine = []
-                for i, n in enumerate(payload.chunk_bytes):
-                    chunk = memoryview(payload.chunk(i)).cast("B")
-                    if len(chunk) != n:
-                        raise ValueError(f"chunk {i} of {payload.key.tensor!r} has {len(chunk)} bytes, not {n}")
-                    mine.append(crc32c(chunk))
-                    yield chunk
-                crcs.append(mine)
+    def pending_records(self, rank: int, slices: Sequence[SlicePayload]) -> tuple[ObjectRecord | None, list[SliceRecord]]:
+        """What `write_rank_object` would return for `slices`, computed from the bytes without
+        writing them (a pending manifest's records: one CRC pass over memory)."""
+        if not slices:
+            return None, []
+        crcs: list[list[int]] = []
+        total = sum(len(chunk) for chunk in _checksummed(slices, crcs))
+        return ObjectRecord(key=rank_object_name(rank), nbytes=total), _slice_records(rank, slices, crcs)
 
-        total = self.store.put_stream(self.paths.rank_object(step, rank), parts)
-        records: list[SliceRecord] = []
-        offset = 0
-        for payload, checks in zip(slices, crcs, strict=True):
-            n = payload.nbytes
-            records.append(
-                SliceRecord(
-                    tensor=payload.key.tensor,
-                    offsets=list(payload.key.offsets),
-                    lengths=list(payload.key.lengths),
-                    object=name,
-                    byte_offset=offset,
-                    nbytes=n,
-                    dim_order=list(payload.dim_order),
-                    chunks=list(zip(payload.chunk_bytes, checks, strict=True)),
-                )
-            )
-            offset += n
-        return ObjectRecord(key=name, nbytes=total), records
+    def write_pending(self, manifest: Manifest, *, fence: LeaseToken | None = None) -> str:
+        """Store the manifest of a step held in memory and not saved (see the module's note),
+        fenced by the job's lease like a commit. Returns its URL."""
+        if manifest.job_id != self.job_id:
+            raise ValueError(f"manifest of job {manifest.job_id!r} written to job {self.job_id!r}")
+        if fence is not None:
+            manifest = manifest.model_copy(update={"writer": WriterRecord(generation=fence.generation, run_id=fence.run_id)})
+        raw = encode_manifest(manifest)
+        if fence is not None:
+            check_fence(self.store, self.job_id, fence, f"pending step {manifest.step} of {self.job_id} not written")
+        key = self.paths.pending_manifest(manifest.step)
+        self.store.put(key, raw)
+        return self.store.url_for(key)
+
+    def read_pending_bytes(self, step: int) -> bytes:
+        """The raw pending manifest of `step` (CheckpointNotFound if there is none)."""
+        key = self.paths.pending_manifest(step)
+        try:
+            return self.store.get(key)
+        except ObjectNotFound as exc:
+            raise CheckpointNotFound(f"no pending manifest of step {step} ({self.store.url_for(key)} missing)") from exc
+
+    def pending_steps(self) -> list[int]:
+        """Steps with a pending manifest, ascending."""
+        root = self.paths.pending_root
+        steps = set()
+        for key in self.store.list(root):
+            name = key[len(root) + 1 :]
+            if name.endswith(".json") and name[:-5].isdigit():
+                steps.add(int(name[:-5]))
+        return sorted(steps)
 
     def commit(self, manifest: Manifest, *, fence: LeaseToken | None = None,
                skipped: Collection[int] | None = None) -> str:
@@ -545,6 +607,9 @@ class CheckpointStore:
         for name, step in self._aside_folders():  # set aside by a save: kept as long as their step would be
             if step < kept[-1]:
                 self.store.delete(self.paths.job_key("ckpt", name))
+        for step in self.pending_steps():  # a step held in memory that a newer commit supersedes
+            if step <= newest:
+                self.store.delete(self.paths.pending_manifest(step))
         return sorted(doomed)
 
     def _aside_folders(self) -> list[tuple[str, int]]:

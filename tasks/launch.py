@@ -25,7 +25,7 @@ from parashift.tasks.events import ResourceWatcher
 from parashift.tasks.nodes import node_launch
 from parashift.tasks.records import SegmentResult
 from parashift.tasks.worker_log import WorkerLog
-from parashift.trainer.events import StartEvent, StepEvent, WorkerEvent
+from parashift.trainer.events import StartEvent, StepEvent, StoppedEvent, WorkerEvent
 from parashift.trainer.launch import LaunchResult, RunningWorkers, launch_workers
 from parashift.trainer.warm_launch import launch_warm
 from parashift.trainer.warm_pool import WarmPool
@@ -164,20 +164,31 @@ def launch_training(spec: JobSpec, plan: Plan, until_step: int | None = None,
         stop_key = JobPaths(spec.job_id).stop()
         store.delete(stop_key)  # a stop request belongs to the run it stopped
 
-    def stop(reason: str) -> None:
-        workers.request_stop()  # at once, on this node; the stop object reaches workers anywhere
-        with environment(credentials):
-            store.put_json(stop_key, {"reason": reason, "requested_at": datetime.now(UTC).isoformat()})
+    def stop(reason: str, devices: int | None = None) -> None:
+        """Stop the workers at their next step boundary: the stop object reaches workers
+        anywhere, the signal at once on this node. `devices`: the next segment's device count,
+        when one follows on this node (warm workers then hold the step for it rather than save
+        it first): written before the signal, so the workers read it when they stop."""
+        said = {"reason": reason, "requested_at": datetime.now(UTC).isoformat()}
+        if devices is not None:
+            said["devices"] = devices
+            with environment(credentials):
+                store.put_json(stop_key, said)
+        workers.request_stop()
+        if devices is None:
+            with environment(credentials):
+                store.put_json(stop_key, said)
 
     nodes = spec.resources.nodes
     job = job if job is not None else JobState(devices=plan.devices, nodes=nodes)
 
     def stop_for(change: ResourceEvent) -> None:
-        if not isinstance(decide(spec, job, change), Replan):
+        decision = decide(spec, job, change)
+        if not isinstance(decision, Replan):
             return  # the flow decides on it, and says why, when the segment ends
         logger.warning("resource change (%s, epoch %d): %d devices -> %s; stopping at the next step boundary",
                        change.reason, change.epoch, plan.devices, change.describe())
-        stop(f"rescale to {change.describe()} ({change.reason})")
+        stop(f"rescale to {change.describe()} ({change.reason})", decision.devices if decision.nodes is None else None)
 
     stepped: list[float] = []  # when the first and the newest step were heard, as they were reported
 
@@ -238,9 +249,12 @@ def launch_training(spec: JobSpec, plan: Plan, until_step: int | None = None,
     committed = [(e.step, e.url) for e in result.checkpoints if e.url]
     fatal = result.fatal
     pending = resources.newest_after(job.epoch) if resources is not None and result.stopped else None
+    # A segment that started from live ranks' memory by a pending manifest and committed nothing
+    # has the step before it as its last committed one.
+    durable = start.durable_step if start is not None else result.restoring.durable_step if result.restoring else None
     outcome, reason, final_step = segment_outcome(
         start_step=start_step, ended_at=result.final_step, stopped=result.stopped, returncode=result.returncode,
-        committed_step=committed[-1][0] if committed else None, fatal=fatal.message if fatal else None,
+        committed_step=committed[-1][0] if committed else durable, fatal=fatal.message if fatal else None,
         left_nodes=left, failure=failure_reason(result, lines),
         stopped_for=decide(spec, job, pending) if pending is not None else None)
     if outcome == "fatal":
@@ -270,6 +284,7 @@ def launch_training(spec: JobSpec, plan: Plan, until_step: int | None = None,
         mesh=dict(plan.mesh),
         first_step_at=stepped[0] if stepped else None,
         last_step_at=stepped[-1] if stepped else None,
+        held_unsaved=outcome != "failed" and any(e.pending for e in result.of(StoppedEvent)),
     ))
 
 

@@ -45,6 +45,8 @@ class SegmentResult(BaseModel):
     last_step_at: float | None = Field(default=None, description="when the flow heard its last step done (Unix "
                                        "time; a change's downtime starts here)")
     left_nodes: list[str] = Field(default_factory=list, description="nodes that left during this segment")
+    held_unsaved: bool = Field(default=False, description="stopped for a planned change with its last step held in "
+                               "the warm workers' memory, described by a pending manifest: the next segment saves it")
 
     @property
     def stopped(self) -> bool:

@@ -21,27 +21,38 @@ if TYPE_CHECKING:
     from parashift.ptc.reconfig import ReconfigPlan
 
 
-def job_reshard_plan(spec: JobSpec, plan: Plan) -> ReconfigPlan | None:
+def job_reshard_plan(spec: JobSpec, plan: Plan, held_step: int | None = None) -> ReconfigPlan | None:
     """What the job's workers under `plan` would read from its newest checkpoint, from
     node-local tiers and from the store; None when nothing is committed yet. The job's Layout
     comes from the trainer (a model on the meta device); the reads from its manifest alone
-    (`ptc.reshard_plan`: no process group, no torch.distributed runtime)."""
+    (`ptc.reshard_plan`: no process group, no torch.distributed runtime). `held_step`: a step
+    the warm workers hold, not saved: its pending manifest is what they restore, from memory."""
     import torch
     from parashift.ptc import reshard_plan
+    from parashift.storage import CheckpointNotFound, MalformedManifest
     from parashift.trainer.layout import rng_state_bytes, state_layout
 
     nodes = spec.resources.nodes
     tier = node_tier(spec.storage.local_tier, "local") if nodes is None or spec.storage.local_tier else None
     layout = state_layout(plan, spec.model, rng_state_bytes(torch.device(spec.resources.kind)))
-    return reshard_plan(job_store(spec), layout, tier=tier, nodes=nodes)
+    store = job_store(spec)
+    pending = None
+    if held_step is not None:
+        try:
+            pending = store.parse_manifest(held_step, store.read_pending_bytes(held_step))
+        except (CheckpointNotFound, MalformedManifest):  # the workers fall back to the newest commit too
+            pending = None
+    return reshard_plan(store, layout, manifest=pending, tier=tier if pending is None else None, nodes=nodes)
 
 
 @task(name="plan-reshard", retries=2, retry_delay_seconds=2, retry_condition_fn=retry_if_it_may_help)
-def plan_reshard(spec: JobSpec, plan: Plan) -> ReshardSummary | None:
+def plan_reshard(spec: JobSpec, plan: Plan, held_step: int | None = None) -> ReshardSummary | None:
     """Compute (without starting anything) each new rank's reads from the newest committed
-    checkpoint; None when there is none. The workers then execute exactly these reads."""
+    checkpoint (or the pending manifest of `held_step`, which warm workers hold); None when
+    there is none. The workers then execute exactly these reads (those a live rank holds from
+    its memory)."""
     with environment(storage_environment(spec)):
-        reconfig = job_reshard_plan(spec, plan)
+        reconfig = job_reshard_plan(spec, plan, held_step)
     if reconfig is None:
         return None
     totals = reconfig.totals()

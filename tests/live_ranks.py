@@ -38,13 +38,20 @@ def main() -> None:
         old, new = state_layout(PLANS[case["old"]], CONFIG), state_layout(PLANS[case["new"]], CONFIG)
         store = CheckpointStore(ObjectStore(f"file://{root}/{case['job']}"), case["job"])
         state = global_state(old)
+        # A pending case: step 3 committed, then step 5 (other values) held and described by a
+        # pending manifest only, as warm workers do at a planned change.
+        later = {name: t + 1 for name, t in state.items()}
+        by_step = {3: state, 5: later}
         if rank < old.world_size:
             group = group_of(case["ports"][0], rank, old.world_size)
             mine = {name: box_of(state[name], box).clone() for name, box in old.boxes_of(rank).items()}
             saver = Checkpointer(store, old, rank, group)
             saver.save(3, mine, {"samples_consumed": 24}, {}, {}, blocking=True)
+            if case.get("pending"):
+                mine = {name: box_of(later[name], box).clone() for name, box in old.boxes_of(rank).items()}
+                saver.write_pending(5, mine, {"samples_consumed": 40}, {}, {})
             saver.close()
-            kept = live_state.hold(case["job"], 3, old, rank, mine)
+            kept = live_state.hold(case["job"], 5 if case.get("pending") else 3, old, rank, mine)
             if rank == case.get("corrupt"):  # this rank's memory is no longer the committed bytes
                 kept.data[0][0] ^= 0xFF
             dist.destroy_process_group()
@@ -65,9 +72,13 @@ def main() -> None:
         results.append({
             "case": case["job"],
             "rank": rank,
+            "step": live.step,
+            "pending": live.pending,
+            "pending_steps": store.pending_steps(),
+            "folders": sorted(store.manifest_steps() + store.uncommitted_steps()),
             "same_keys": sorted(live.tensors) == sorted(stored.tensors),
-            "bitwise": all(torch.equal(live.tensors[n], stored.tensors[n]) for n in stored.tensors),
-            "slices": all(torch.equal(t, box_of(state[n], wanted[n])) for n, t in live.tensors.items()),
+            "bitwise": live.step != stored.step or all(torch.equal(live.tensors[n], stored.tensors[n]) for n in stored.tensors),
+            "slices": all(torch.equal(t, box_of(by_step[live.step][n], wanted[n])) for n, t in live.tensors.items()),
             "holders": sorted({live_holder(r.object)[0] for r in seen[-1].requests if r.source == LIVE}),
             "totals": totals,
             "peers": None if peers is None else sorted(peers.holdings),

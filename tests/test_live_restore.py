@@ -28,6 +28,15 @@ CASES = [
     {"job": "dp4-dp2", "old": "dp4", "new": "dp2"},
     # rank 1's memory differs from what it committed: its readers read storage instead.
     {"job": "tp2-dp3-corrupt", "old": "tp2", "new": "dp3", "corrupt": 1},
+    # A planned change on warm workers: step 5 held and described by a pending manifest, not
+    # saved. 2 -> 3 ranks: every box is held, restored from memory alone.
+    {"job": "tp2-dp3-pending", "old": "tp2", "new": "dp3", "pending": True},
+    # 4 -> 2 ranks: the second stage's holders are gone and nothing stores step 5: the ranks
+    # agree to resume from the committed step 3 instead.
+    {"job": "pp2xtp2-tp2-pending", "old": "pp2xtp2", "new": "tp2", "pending": True},
+    # rank 1's memory differs from the pending manifest's CRCs: no storage has those bytes, so
+    # the committed step 3 it is.
+    {"job": "tp2-dp3-pending-corrupt", "old": "tp2", "new": "dp3", "pending": True, "corrupt": 1},
 ]
 
 
@@ -93,3 +102,64 @@ def test_boxes_held_exactly_are_restored_in_the_held_memory(results) -> None:
         dp = results[("dp4-dp2", rank)]
         assert dp["held"] == dp["wanted"] and dp["wanted"]
     assert results[("tp2-dp3", 2)]["held"] == []  # a new rank holds nothing
+
+
+def test_a_pending_step_is_restored_from_live_ranks_alone(results) -> None:
+    """Step 5 was never written: every rank restored it from live memory (no byte from
+    storage), marked pending, equal to the state that was held; nothing was written for it but
+    its pending manifest."""
+    rows = [row for (job, _), row in sorted(results.items()) if job == "tp2-dp3-pending"]
+    assert len(rows) == 3
+    for row in rows:
+        assert row["step"] == 5 and row["pending"] and row["slices"], row
+        assert row["pending_steps"] == [5] and row["folders"] == [3], row
+    totals = rows[0]["totals"]
+    assert totals["store"] == 0 and totals["live"] == totals["read"] == totals["needed"] > 0
+
+
+@pytest.mark.parametrize("case", ["pp2xtp2-tp2-pending", "tp2-dp3-pending-corrupt"])
+def test_a_pending_step_no_live_rank_can_serve_resumes_from_the_committed_one(results, case: str) -> None:
+    """Bytes of the pending step held by no rank of the new segment, or held wrong: the ranks
+    agree on the newest committed step instead, equal to the storage path bit for bit."""
+    rows = [row for (job, _), row in sorted(results.items()) if job == case]
+    assert rows
+    for row in rows:
+        assert row["step"] == 3 and not row["pending"] and row["bitwise"] and row["slices"], row
+
+
+@pytest.mark.parametrize(("plan", "devices", "held"), [
+    ("dp4", 2, True),  # replicas: the first two ranks hold every box
+    ("dp2", 1, True),  # rank 1's generator state is not needed on one device
+    ("tp2", 1, False),  # rank 1's shards are held by rank 1 alone
+    ("tp2", 3, True),  # every rank stays
+    ("pp2xtp2", 2, False),  # the second stage's ranks leave
+])
+def test_a_step_is_held_for_the_next_segment_only_where_its_first_ranks_hold_every_box(plan: str, devices: int,
+                                                                                          held: bool) -> None:
+    from parashift.trainer.layout import state_layout
+    from parashift.trainer.state import held_by_first
+    from test_reconfig import CONFIG, PLANS
+
+    assert held_by_first(state_layout(PLANS[plan], CONFIG), devices) is held
+
+
+def test_only_a_stop_object_that_names_the_next_device_count_announces_a_change(tmp_path: Path) -> None:
+    """Warm workers hold a step instead of saving it only for a planned change: a stop object
+    the launcher wrote for a re-plan (with `devices`); `parashift stop`'s, or none, is a plain stop."""
+    import signal
+
+    from parashift.storage import JobPaths, ObjectStore
+    from parashift.trainer.control import STOP_SIGNAL, StopRequests
+
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT, STOP_SIGNAL)}
+    store = ObjectStore(f"file://{tmp_path}")
+    try:
+        stops = StopRequests(store, "job", poll_every_s=0)  # installs the worker's signal handlers
+        assert stops.next_devices() is None
+        for said, devices in (({"reason": "stop"}, None), ({"reason": "rescale", "devices": 3}, 3),
+                              ({"devices": 0}, None), ({"devices": True}, None), (["junk"], None)):
+            store.put_json(JobPaths("job").stop(), said)
+            assert stops.next_devices() == devices, said
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)

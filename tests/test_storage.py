@@ -379,6 +379,35 @@ def test_prune(store: ObjectStore) -> None:
         ckpts.prune(keep=0)
 
 
+def test_a_pending_manifest_is_no_checkpoint_and_goes_once_its_step_commits(store: ObjectStore) -> None:
+    """A step warm workers hold at a planned change: its records (computed from memory, nothing
+    written) are those the save writes later; its pending manifest is invisible to every
+    listing of checkpoints, and pruning removes it once that step (or a newer) commits."""
+    ckpts = CheckpointStore(store, JOB)
+    _save(ckpts, 10)
+    puts = store.stats.put_requests
+    pending = [ckpts.pending_records(rank, _slices(20, rank)) for rank in range(2)]
+    assert store.stats.put_requests == puts, "records without a write"
+    held = Manifest(job_id=JOB, step=20, world_size=2, data_position={"epoch": 0, "sample": 160},
+                    plan={"mesh": [2], "placements": {}}, previous_step=10,
+                    objects={o.key: o for o, _ in pending if o is not None},
+                    tensors={name: TensorRecord(name=name, dtype="float32", shape=shape,
+                                                slices=[r for _, rs in pending for r in rs if r.tensor == name])
+                             for name, shape in (("w", [4, 4]), ("b", [4]))})
+    url = ckpts.write_pending(held)
+    assert url.endswith("jobs/job-1/ckpt/pending/00000020.json")
+    assert ckpts.pending_steps() == [20]
+    assert ckpts.manifest_steps() == [10] and ckpts.uncommitted_steps() == [] and ckpts.latest().step == 10
+    assert ckpts.parse_manifest(20, ckpts.read_pending_bytes(20)).tensors == held.tensors
+    with pytest.raises(CheckpointNotFound):
+        ckpts.read_pending_bytes(30)
+    assert ckpts.prune(keep=2) == [] and ckpts.pending_steps() == [20]  # step 10 is the newest commit
+    saved = _save(ckpts, 20, previous=10)  # the next segment saves the step it restored
+    assert saved.tensors == held.tensors and saved.objects == held.objects, "the same records, written"
+    assert ckpts.prune(keep=2) == [] and ckpts.pending_steps() == []
+    assert ckpts.committed_steps() == [10, 20]
+
+
 def test_refused_checkpoints_never_push_a_good_one_out(store: ObjectStore) -> None:
     """Steps 10 and 15 were refused (say, by their checksums) and training went on from step 0:
     its new step-5 checkpoint is the one to keep, whatever stands above it; once the new

@@ -36,6 +36,17 @@ class StopRequests:
     def _on_signal(self, signum: int, frame: object) -> None:
         self._signalled = True
 
+    def next_devices(self) -> int | None:
+        """The device count the job's next segment runs on, when the stop object says one
+        follows (a planned change: `tasks.launch` writes it before it signals); None for any
+        other stop (asked to stop, a signal alone, nothing readable)."""
+        try:
+            said = self._store.get_json(self._stop_key)
+        except Exception:  # noqa: BLE001 - a stop without a readable object is a plain stop
+            return None
+        devices = said.get("devices") if isinstance(said, dict) else None
+        return devices if isinstance(devices, int) and not isinstance(devices, bool) and devices > 0 else None
+
     def requested(self) -> bool:
         """True once a signal arrived or the stop object exists (polled at most every few s)."""
         if self._signalled or not self._poll:

@@ -38,6 +38,9 @@ class StartEvent(_Event):
     params: int | None = None
     flops_per_token: int | None = None
     checkpoint_url: str | None = Field(None, description="the manifest restored")
+    durable_step: int | None = Field(
+        None, description="restored from live ranks' memory by a pending manifest (not saved yet): the newest "
+        "committed step then, which a failure before this segment's first commit resumes from")
     checkpoint_loss: float | None = Field(None, description="the loss recorded in that checkpoint")
     restore_s: float | None = None
     restore_bytes: dict[str, int] | None = Field(
@@ -55,6 +58,7 @@ class RestoringEvent(_Event):
     requests: int
     bytes_local: int = 0
     bytes_live: int = Field(0, description="from live workers' memory (its own or a peer's, over the process group)")
+    durable_step: int | None = Field(None, description="`step` is held in memory, not saved: the newest committed step")
 
 
 class StepEvent(_Event):
@@ -90,11 +94,13 @@ class CheckpointStallEvent(_Event):
 
 
 class StoppedEvent(_Event):
-    """Asked to stop: the workers stopped at `step`, committed."""
+    """Asked to stop: the workers stopped at `step`, committed, or (`pending`: a planned change
+    on warm workers) held in their memory for the next segment, which saves it."""
 
     event: Literal["stopped"] = "stopped"
     step: int
     samples_consumed: int = 0
+    pending: bool = False
 
 
 class FinishedEvent(_Event):

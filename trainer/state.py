@@ -15,12 +15,13 @@ the saver, the restore and the reshard planning all follow from it.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
 from parashift.ptc.dtensor import local_data
-from parashift.ptc.layout import TensorPlacement
+from parashift.ptc.layout import Layout, TensorPlacement
 from parashift.ptc.transpose import copy_across_transpose
 from torch import nn
 from torch.distributed.tensor import DTensor
@@ -215,3 +216,18 @@ def apply_state(tensors: dict[str, torch.Tensor], model: nn.Module, optimizer: L
 def _fits(live: torch.Tensor, fresh: torch.Tensor) -> bool:
     return (live.shape == fresh.shape and live.dtype == fresh.dtype and live.device == fresh.device
             and live.is_contiguous())
+
+
+def rank_private(name: str) -> int | None:
+    """The rank whose own state tensor `name` is (its generator state, `RandomState`), or None
+    for state every plan lays out over its ranks."""
+    match = re.fullmatch(rf"{RandomState.prefix}/rank(\d+)/\w+", name)
+    return int(match.group(1)) if match else None
+
+
+def held_by_first(layout: Layout, devices: int) -> bool:
+    """Whether ranks below `devices` of `layout` hold every box a job on `devices` devices
+    needs, so that warm workers that keep those ranks' processes can serve it from memory
+    alone. Ranks' own generator states do not count: every warm rank holds every rank's
+    (`trainer.worker`, at the end of a segment)."""
+    return all(min(ranks) < devices for name, _, ranks in layout.distinct_slices() if rank_private(name) is None)

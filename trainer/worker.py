@@ -37,7 +37,7 @@ from parashift.ptc import Slice
 from parashift.ptc.reconfig import LIVE, LOCAL, RankReads
 from parashift.specs import JobSpec
 from parashift.specs.plan import Plan
-from parashift.storage import JobPaths, job_store
+from parashift.storage import JobPaths, StorageError, job_store
 from parashift.trainer import metrics
 from parashift.trainer.checkpoint import (
     Checkpointer,
@@ -88,6 +88,8 @@ from parashift.trainer.state import (
     OptimizerState,
     apply_state,
     collect_state,
+    held_by_first,
+    rank_private,
     restore_destinations,
     rng_state_bytes,
 )
@@ -256,9 +258,14 @@ def restore(spec: JobSpec, built: Built, layout: Any, checkpoints: Any, tier: An
     def restoring(at_step: int, reads: RankReads) -> None:
         my_reads[:] = [reads]
         if rank == 0:
+            durable = None
+            if live is not None and at_step == live.step:  # perhaps a pending step: which one is committed
+                committed = checkpoints.manifest_steps()
+                if at_step not in committed:
+                    durable = max((s for s in committed if s < at_step), default=0)
             metrics.emit(RestoringEvent(step=at_step, bytes_needed=reads.bytes_needed, bytes_read=reads.bytes_read,
                                         requests=len(reads.requests), bytes_local=reads.bytes_from(LOCAL),
-                                        bytes_live=reads.bytes_from(LIVE)))
+                                        bytes_live=reads.bytes_from(LIVE), durable_step=durable))
 
     destinations = restore_destinations(built.optimizer, in_place=True)
     # The optimizer's state (new tensors: a new job has none) is read into the old state's
@@ -277,6 +284,24 @@ def restore(spec: JobSpec, built: Built, layout: Any, checkpoints: Any, tier: An
     return Resumed(restored.step, DataPosition.from_manifest(restored.data_position),
                    restored.manifest.metadata.get("loss") if restored.manifest else None, restored,
                    my_reads[0] if my_reads else None)
+
+
+def every_ranks_own(state: dict[str, torch.Tensor], world_size: int, group: Any) -> dict[str, torch.Tensor]:
+    """Every rank's own state (its generator states: a few KB each), gathered on every rank
+    (a collective): a warm worker that holds them all can serve a rank that died."""
+    mine = {name: t.detach().cpu() for name, t in state.items() if rank_private(name) is not None}
+    if world_size == 1:
+        return mine
+    everyone: list[Any] = [None] * world_size
+    dist.all_gather_object(everyone, mine, group=group)  # in memory between this job's ranks; nothing from storage
+    return {name: t for said in everyone for name, t in said.items()}
+
+
+def _durable_step(restored: Restored | None) -> int | None:
+    """For a restore by a pending manifest: the newest committed step it continues (0: none)."""
+    if restored is None or not restored.pending or restored.manifest is None:
+        return None
+    return restored.manifest.previous_step or 0
 
 
 def where_ranks_run(node: str, world_size: int, group: Any) -> tuple[list[int], list[str]]:
@@ -300,7 +325,7 @@ class Saves:
         self.rank, self.device, self.metadata = rank, device, metadata
         self.checked = False
 
-    def __call__(self, step: int, position: DataPosition, loss: float | None) -> None:
+    def __call__(self, step: int, position: DataPosition, loss: float | None, copy_host: bool | None = None) -> None:
         module, optimizer = self.built.module, self.built.optimizer
         if not self.checked:  # once: the optimizer's state has the layout's boxes too
             problems = layout_mismatches(self.layout, collect_state(module, optimizer, self.rank, self.device), self.rank)
@@ -309,13 +334,50 @@ class Saves:
             self.checked = True
         state = collect_state(module, optimizer, self.rank, self.device, local=True)
         self.checkpointer.save(step, state, position.to_manifest(self.samples_per_epoch), self.plan.model_dump(mode="json"),
-                               {**self.metadata, "loss": loss})
+                               {**self.metadata, "loss": loss}, copy_host=copy_host)
+
+    def pending(self, step: int, position: DataPosition, loss: float | None) -> bool:
+        """A planned change on warm workers: the step described by a pending manifest instead of
+        saved (the next segment restores it from memory and saves it). False, on every rank,
+        where that failed: the caller saves it."""
+        state = collect_state(self.built.module, self.built.optimizer, self.rank, self.device, local=True)
+        try:
+            self.checkpointer.write_pending(step, state, position.to_manifest(self.samples_per_epoch),
+                                            self.plan.model_dump(mode="json"), {**self.metadata, "loss": loss})
+        except StorageError as error:
+            log.warning("rank %d: %s; saving step %d instead", self.rank, error, step)
+            return False
+        return True
+
+
+@dataclass
+class Ended:
+    """Where the training loop ended: the step, the data position, whether it was asked to stop,
+    and whether that step still has to be saved (a planned change on warm workers: `Saves.pending`)."""
+
+    step: int
+    position: DataPosition
+    stopped: bool = False
+    unsaved: bool = False
+    loss: float | None = None
+
+
+def holds_for_next(stops: StopRequests, layout: Any, rank: int, world_size: int, device: torch.device) -> bool:
+    """At a stop: whether the ranks keep the step in memory for the next segment instead of
+    saving it first, decided by rank 0 for all. Only warm workers, only for a planned change
+    (the stop object names the next device count), and only where the ranks the next segment
+    keeps (the first ones) hold every box it can need."""
+    devices = stops.next_devices() if rank == 0 and is_warm_worker() else None
+    decision = torch.tensor([1.0 if devices is not None and held_by_first(layout, devices) else 0.0], device=device)
+    if world_size > 1:
+        dist.broadcast(decision, src=0)
+    return decision.item() > 0
 
 
 def train(spec: JobSpec, plan: Plan, built: Built, batches: Batches, dims: ParallelDims, coords: Coordinates,
           mesh: Any, device: torch.device, world_size: int, rank: int, resumed: Resumed, end_step: int,
-          checkpointer: Checkpointer, save: Saves, stops: StopRequests) -> tuple[int, DataPosition, bool]:
-    """The training loop from `resumed` to `end_step` or a stop: (step, data position, stopped)."""
+          checkpointer: Checkpointer, save: Saves, stops: StopRequests, layout: Any = None) -> Ended:
+    """The training loop from `resumed` to `end_step` or a stop."""
     train_spec, m = spec.training, spec.model
     module, runnable, optimizer, family = built.module, built.runnable, built.optimizer, built.family
     reader = batches.prefetcher(train_spec.global_batch, pipelined=dims.pp > 1)
@@ -391,14 +453,17 @@ def train(spec: JobSpec, plan: Plan, built: Built, batches: Batches, dims: Paral
             if rank == 0 and (step % train_spec.log_every == 0 or step in (end_step, resumed.step + 1) or stop_now):
                 metrics.emit(StepEvent(step=step, loss=loss, lr=lr, step_s=elapsed, tokens_per_s=tokens_per_step / elapsed,
                                        data_wait_s=round(waited, 6), data_tokens_per_s=reader.tokens_per_s))
-            if step % train_spec.checkpoint_every == 0 or step == end_step or stop_now:
+            regular = step % train_spec.checkpoint_every == 0 or step == end_step
+            if stop_now and not regular and layout is not None and holds_for_next(stops, layout, rank, world_size, device):
+                return Ended(step, position, stopped=True, unsaved=True, loss=loss)
+            if regular or stop_now:
                 save(step, position, loss)
             if stop_now and step < end_step:
                 stopped = True
                 break
     finally:
         reader.close()
-    return step, position, stopped
+    return Ended(step, position, stopped, loss=loss)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -489,6 +554,7 @@ def main(argv: list[str] | None = None) -> int:
             resumed=resumed.restored is not None,
             checkpoint_loss=resumed.loss,
             checkpoint_url=store.url_for(JobPaths(spec.job_id).manifest(resumed.step)) if resumed.restored else None,
+            durable_step=_durable_step(resumed.restored),
             world_size=world_size,
             params=built.n_params,
             flops_per_token=built.family.flops_per_token(spec.model, built.n_params),
@@ -508,19 +574,31 @@ def main(argv: list[str] | None = None) -> int:
     source = {"source": json.loads(os.environ["PARASHIFT_SOURCE"])} if os.environ.get("PARASHIFT_SOURCE") else {}
     save = Saves(spec, plan, built, layout, checkpointer, batches.stream.samples_per_epoch, rank, device,
                  {"model": spec.model.model_dump(), "job": spec.name, "nodes": nodes, **source})
+    if resumed.restored is not None and resumed.restored.pending:
+        # Restored from live ranks' memory by a pending manifest: saved now under this plan, in
+        # the background. Its bytes are copied first (host memory too), so training goes on at
+        # once rather than waiting for the write at its first optimizer step.
+        save(resumed.step, resumed.position, resumed.loss, copy_host=True)
     try:
-        step, position, stopped = train(spec, plan, built, batches, dims, coords, mesh, device, world_size, rank,
-                                        resumed, end_step, checkpointer, save, stops)
+        ended = train(spec, plan, built, batches, dims, coords, mesh, device, world_size, rank,
+                      resumed, end_step, checkpointer, save, stops, layout if warm else None)
     except DatasetError as error:  # a damaged shard, found as this rank read it: no retry can fix it
         metrics.emit(FatalEvent(message=f"data: {error}"))
         os._exit(metrics.EXIT_FATAL)  # the other ranks wait in a collective; torchrun ends them
+    step, position, stopped = ended.step, ended.position, ended.stopped
+    if ended.unsaved and not save.pending(step, position, ended.loss):
+        save(step, position, ended.loss)
+        ended.unsaved = False
 
     checkpointer.close()  # the last save is committed before anyone reports or exits
-    if warm:  # the committed state stays in this process for the job's next segment
-        live_state.hold(spec.job_id, step, layout, rank, collect_state(built.module, built.optimizer, rank, device, local=True))
+    if warm:  # the committed (or pending) state stays in this process for the job's next segment
+        state = collect_state(built.module, built.optimizer, rank, device, local=True)
+        live_state.hold(spec.job_id, step, layout, rank, state, others=every_ranks_own(state, world_size, ckpt_group))
     if rank == 0:
-        end = StoppedEvent if stopped else FinishedEvent
-        metrics.emit(end(step=step, samples_consumed=position.samples_consumed))
+        if stopped:
+            metrics.emit(StoppedEvent(step=step, samples_consumed=position.samples_consumed, pending=ended.unsaved))
+        else:
+            metrics.emit(FinishedEvent(step=step, samples_consumed=position.samples_consumed))
     built = save = resumed = ckpt_group = None  # holders of process groups first (see end_distributed)
     end_distributed(world_size)
     return 0

@@ -52,13 +52,21 @@ class HeldState:
 _held: HeldState | None = None
 
 
-def hold(job_id: str, step: int, layout: Layout, rank: int, state: dict[str, torch.Tensor]) -> HeldState:
+def hold(job_id: str, step: int, layout: Layout, rank: int, state: dict[str, torch.Tensor],
+         others: dict[str, torch.Tensor] | None = None) -> HeldState:
     """Keep this rank's boxes of `state` (the training state as committed at `step`) for the
     job's next segment in this process. Host tensors in natural order are kept as they are;
-    device tensors are copied to the host, permuted ones into their stored order."""
+    device tensors are copied to the host, permuted ones into their stored order. `others`:
+    whole tensors of the layout this rank does not hold, kept as well (other ranks' generator
+    states: a few KB that make any survivor able to serve a rank that died)."""
     global _held
     boxes, data = [], []
-    for name, box in sorted(layout.boxes_of(rank).items()):
+    mine = layout.boxes_of(rank)
+    for name, tensor in sorted((others or {}).items()):
+        if name not in mine and tuple(tensor.shape) == layout.tensors[name].shape:
+            boxes.append((name, Slice.whole(tuple(tensor.shape)), tuple(range(tensor.dim()))))
+            data.append(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8))
+    for name, box in sorted(mine.items()):
         tensor = layout.tensors[name]
         order = storage_order(len(tensor.shape), tensor.split_dim)
         local = local_data(state[name]).detach()

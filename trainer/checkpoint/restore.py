@@ -46,6 +46,7 @@ class Restored:
     data_position: dict[str, int]
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     manifest: Manifest | None = None
+    pending: bool = False  # from live ranks' memory by a pending manifest: not saved yet
 
 
 def restore_totals(reads: RankReads | None, group: Group = None) -> dict[str, int]:
@@ -145,33 +146,43 @@ def restore_latest(store: CheckpointStore, layout: Layout, rank: int, group: Gro
     state as it was). `live`: what the ranks hold from the job's segment before (every rank
     passes it or None alike): boxes of its step held exactly are taken from their holders."""
     lead = rank == 0 or group is None  # the rank that lists and reads manifests for all
-    steps = None
+    listed = None
     if lead:
-        steps = store.manifest_steps()
+        listed = store.manifest_steps()
         for step in store.uncommitted_steps():
             log.warning("step %d has objects but no manifest (a save that did not finish, or a deleted manifest): "
                         "not a checkpoint", step)
-    steps = broadcast(steps, group)
+    steps: list[int] = broadcast(listed, group)
+    # The step live ranks hold, newer than every commit, described by a pending manifest (a
+    # planned change on warm workers): tried first, from their memory alone.
+    pending = live is not None and live.step > max(steps, default=-1)
     refused: list[str] = []
-    for step in reversed(steps):
+    for step in [*([live.step] if pending and live is not None else []), *reversed(steps)]:
+        is_pending = pending and live is not None and step == live.step
         raw, verdict, reason = None, _REFUSED, _BY_ANOTHER
         if lead:
             try:
-                raw = store.read_manifest_bytes(step)
+                raw = store.read_pending_bytes(step) if is_pending else store.read_manifest_bytes(step)
             except StorageError as error:
                 reason = str(error)
-                verdict = _UNREACHABLE if isinstance(error, TransientStorageError) else _REFUSED
+                verdict = _UNREACHABLE if isinstance(error, TransientStorageError) and not is_pending else _REFUSED
         raw = broadcast(raw, group)
         restored = None
         if raw is not None:
             verdict, reason, restored = _read_step(store, step, raw, layout, rank, lead, tier, on_reads, destinations,
-                                                   live if live is not None and live.step == step else None)
+                                                   live if live is not None and live.step == step else None,
+                                                   newest_committed=(steps[-1] if steps else -1) if is_pending else None)
         verdict = agree_lowest(verdict, group)
         if verdict == _RESTORED:
             return restored
         if verdict == _UNREACHABLE:
             raise StorageError(f"rank {rank}: storage unreachable while restoring the checkpoint at step {step}: {reason}")
         reason = _first_reason(reason, rank, group)
+        if is_pending:  # not a checkpoint: the newest committed one is next
+            if lead:
+                log.warning("the state live ranks hold of step %d cannot be restored (%s): resuming from the newest "
+                            "committed checkpoint", step, reason)
+            continue
         if lead:  # one line per job
             log.warning("refused the checkpoint at step %d: %s", step, reason)
         refused.append(reason if f"step {step}" in reason else f"step {step}: {reason}")
@@ -188,18 +199,27 @@ def restore_latest(store: CheckpointStore, layout: Layout, rank: int, group: Gro
 def _read_step(store: CheckpointStore, step: int, raw: bytes, layout: Layout, rank: int, lead: bool,
                tier: ObjectStore | None, on_reads: Callable[[int, RankReads], None] | None,
                destinations: dict[str, torch.Tensor] | None,
-               live: LivePeers | None) -> tuple[int, str, Restored | None]:
+               live: LivePeers | None, newest_committed: int | None = None) -> tuple[int, str, Restored | None]:
     """This rank's verdict on the checkpoint at `step` (its manifest `raw`), its reason, and its
     boxes if it read them. With `live` (the same on every rank): the exchange with the live
-    ranks is a collective, so a rank that refused the checkpoint still serves its peers."""
+    ranks is a collective, so a rank that refused the checkpoint still serves its peers.
+    `newest_committed` (-1: none): `raw` is a pending manifest, which must continue that step,
+    and whose every box must come from a live rank (no object stores its bytes)."""
     verdict, reason = _REFUSED, _BY_ANOTHER
     manifest, wanted, reads, arrived, assembly = None, {}, None, {}, None
+    pending = newest_committed is not None
     try:
         manifest = store.parse_manifest(step, raw)
-        check_usable(manifest, layout, store if lead else None)
+        if pending and (manifest.previous_step if manifest.previous_step is not None else -1) != newest_committed:
+            raise ValueError(f"its pending manifest continues step {manifest.previous_step}, the newest committed "
+                             f"is {newest_committed}")
+        check_usable(manifest, layout, store if lead and not pending else None)
         wanted = {n: b for n, b in layout.boxes_of(rank).items() if n in manifest.tensors}
-        reads = reads_for(manifest, wanted, rank, node_objects(tier, store, step),
+        reads = reads_for(manifest, wanted, rank, node_objects(tier, store, step) if not pending else frozenset(),
                           live.holdings if live is not None else None)
+        unheld = [r.object for r in reads.requests if r.source != LIVE]
+        if pending and unheld:
+            raise ValueError(f"rank {rank} needs bytes no live rank holds ({unheld[0]}), and no object stores them yet")
         if on_reads is not None:
             on_reads(step, reads)
         if live is not None:
@@ -212,6 +232,8 @@ def _read_step(store: CheckpointStore, step: int, raw: bytes, layout: Layout, ra
         try:
             arrived = live.exchange(reads, rank, assembly.targets if assembly is not None else None)
         except LiveVerificationFailed as error:
+            if pending:  # nothing else has these bytes
+                return _REFUSED, f"state from live workers refused ({error})", None
             log.warning("rank %d: state from live workers refused (%s); reading storage", rank, error)
             assert manifest is not None
             reads, assembly, arrived = reads_for(manifest, wanted, rank, node_objects(tier, store, step)), None, {}
@@ -232,4 +254,4 @@ def _read_step(store: CheckpointStore, step: int, raw: bytes, layout: Layout, ra
         return _UNREACHABLE, str(error), None
     except REFUSALS as error:
         return _REFUSED, str(error) or type(error).__name__, None
-    return _RESTORED, reason, Restored(step, dict(manifest.data_position), tensors, manifest)
+    return _RESTORED, reason, Restored(step, dict(manifest.data_position), tensors, manifest, pending)

@@ -154,12 +154,14 @@ class Checkpointer:
         self._known = set(store.manifest_steps()) if rank == 0 else set()
 
     def save(self, step: int, state: dict[str, torch.Tensor], data_position: dict[str, int], plan: dict[str, Any],
-             metadata: dict[str, Any], *, blocking: bool = False) -> SaveReport:
+             metadata: dict[str, Any], *, blocking: bool = False, copy_host: bool | None = None) -> SaveReport:
         """Snapshot this rank's boxes now; write and commit them in the background (after the
-        previous save has finished). `blocking`: also wait for the commit."""
+        previous save has finished). `blocking`: also wait for the commit. `copy_host`: this
+        save's choice of `copy_host_memory`."""
         self.wait()
         started = time.perf_counter()
-        payloads, live = self._capture(state, copy_host=self.copy_host_memory)
+        copy = self.copy_host_memory if copy_host is None else copy_host
+        payloads, live = self._capture(state, copy_host=copy)
         report = SaveReport(step, time.perf_counter() - started)
         self._current = report
         self._consumed = threading.Event()
@@ -170,6 +172,46 @@ class Checkpointer:
         if blocking:
             self.wait()
         return report
+
+    def write_pending(self, step: int, state: dict[str, torch.Tensor], data_position: dict[str, int],
+                      plan: dict[str, Any], metadata: dict[str, Any]) -> str:
+        """At a planned change on warm workers: describe this step as a save would (the same
+        records, CRCs computed from memory) and store that as a pending manifest, instead of
+        writing the bytes. The ranks keep the state (`live.hold`), the next segment restores it
+        from their memory and saves it under its plan. A collective on the checkpoint's group,
+        after the save in flight has committed; raises StorageError on every rank if any failed
+        (the caller saves as usual then). Returns the pending manifest's URL."""
+        self.wait()
+        payloads, _ = self._capture(state, copy_host=False, boxes=self._boxes)
+        error, obj, records = None, None, []
+        try:
+            obj, records = self.store.pending_records(self.rank, payloads)
+        except Exception as exc:  # noqa: BLE001 - every rank hears it below
+            error = exc
+        mine = (repr(error) if error else None, obj.model_dump() if obj else None, [r.model_dump() for r in records])
+        gathered = [mine]
+        if self.group is not None:
+            gathered = [None] * self.world_size if self.rank == 0 else None
+            dist.gather_object(mine, gathered, dst=0, group=self.group)
+        outcome: tuple[str | None, str | None] = (None, None)  # (url, problem)
+        if self.rank == 0:
+            failed = [f"rank {r}: {e}" for r, (e, _, _) in enumerate(gathered) if e]
+            if failed:
+                outcome = (None, "; ".join(failed))
+            else:
+                last, before = self._lineage
+                manifest = build_manifest(
+                    self.store.job_id, step, self.layout, [ObjectRecord(**o) for _, o, _ in gathered if o is not None],
+                    [SliceRecord(**r) for _, _, rs in gathered for r in rs], data_position, plan, metadata,
+                    previous_step=before if last == step else last)
+                try:
+                    outcome = (self.store.write_pending(manifest, fence=LeaseToken.from_env()), None)
+                except Exception as exc:  # noqa: BLE001 - every rank hears it
+                    outcome = (None, str(exc) or type(exc).__name__)
+        url, problem = broadcast(outcome, self.group)
+        if problem is not None:
+            raise StorageError(f"pending manifest of step {step} not written: {problem}")
+        return url
 
     def _scratch(self, nbytes: int) -> torch.Tensor:
         """Reused memory for one permuted chunk at a time (the writer consumes each chunk before
@@ -209,13 +251,17 @@ class Checkpointer:
         """This rank's boxes copied into host buffers (reused from save to save)."""
         return self._capture(state, copy_host=True)[0]
 
-    def _capture(self, state: dict[str, torch.Tensor], copy_host: bool) -> tuple[list[SlicePayload], bool]:
-        """This rank's boxes as payloads: device tensors copied into pinned host buffers, host
-        tensors copied too when `copy_host` (else read in place: returns live=True). Boxes
-        stored with another dim order are permuted chunk by chunk while they are written."""
+    def _capture(self, state: dict[str, torch.Tensor], copy_host: bool,
+                 boxes: list[_BoxToWrite] | None = None) -> tuple[list[SlicePayload], bool]:
+        """This rank's boxes as payloads (`boxes`, by default what a save writes): device
+        tensors copied into pinned host buffers, host tensors copied too when `copy_host` (else
+        read in place: returns live=True). Boxes stored with another dim order are permuted
+        chunk by chunk while they are written."""
         payloads = []
         device_copies = live = False
-        for box in self._held if self.tier is not None else self._boxes:
+        if boxes is None:
+            boxes = self._held if self.tier is not None else self._boxes
+        for box in boxes:
             local = local_data(state[box.name]).detach()
             if tuple(local.shape) != box.box.lengths:
                 raise ValueError(f"{box.name}: this rank holds {list(local.shape)}, its layout box is {list(box.box.lengths)}")
