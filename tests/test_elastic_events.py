@@ -405,10 +405,11 @@ def test_warm_workers_outlive_a_change_and_replace_a_killed_rank(prefect_server:
         assert failed.start_step == first.final_step == recovering.start_step > 0
         assert failed.final_step == 0, "nothing was committed when the failed segment ended"
         # Rank 0's memory serves both ranks, the dead rank's generator state too (every warm
-        # rank holds every rank's); the recovering segment saves that step at once.
+        # rank holds every rank's); the recovering segment saves its first step at once.
         recovered = recovering.restore_bytes or {}
         assert recovered["network"] > 0 and recovered["live"] == recovered["read"] and recovered["store"] == 0, recovered
-        assert recovering.checkpoint_urls[0].endswith(f"/{first.final_step:08d}/manifest.json"), recovering.checkpoint_urls
+        assert recovering.checkpoint_urls[0].endswith(f"/{first.final_step + 1:08d}/manifest.json"), \
+            recovering.checkpoint_urls
     assert_as_static(summary, static_losses, spec, tmp_path / "samples")
 
 

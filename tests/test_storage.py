@@ -402,7 +402,7 @@ def test_a_pending_manifest_is_no_checkpoint_and_goes_once_its_step_commits(stor
     with pytest.raises(CheckpointNotFound):
         ckpts.read_pending_bytes(30)
     assert ckpts.prune(keep=2) == [] and ckpts.pending_steps() == [20]  # step 10 is the newest commit
-    saved = _save(ckpts, 20, previous=10)  # the next segment saves the step it restored
+    saved = _save(ckpts, 20, previous=10)  # that step saved after all
     assert saved.tensors == held.tensors and saved.objects == held.objects, "the same records, written"
     assert ckpts.prune(keep=2) == [] and ckpts.pending_steps() == []
     assert ckpts.committed_steps() == [10, 20]

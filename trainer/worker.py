@@ -325,7 +325,7 @@ class Saves:
         self.rank, self.device, self.metadata = rank, device, metadata
         self.checked = False
 
-    def __call__(self, step: int, position: DataPosition, loss: float | None, copy_host: bool | None = None) -> None:
+    def __call__(self, step: int, position: DataPosition, loss: float | None) -> None:
         module, optimizer = self.built.module, self.built.optimizer
         if not self.checked:  # once: the optimizer's state has the layout's boxes too
             problems = layout_mismatches(self.layout, collect_state(module, optimizer, self.rank, self.device), self.rank)
@@ -334,7 +334,7 @@ class Saves:
             self.checked = True
         state = collect_state(module, optimizer, self.rank, self.device, local=True)
         self.checkpointer.save(step, state, position.to_manifest(self.samples_per_epoch), self.plan.model_dump(mode="json"),
-                               {**self.metadata, "loss": loss}, copy_host=copy_host)
+                               {**self.metadata, "loss": loss})
 
     def pending(self, step: int, position: DataPosition, loss: float | None) -> bool:
         """A planned change on warm workers: the step described by a pending manifest instead of
@@ -453,7 +453,10 @@ def train(spec: JobSpec, plan: Plan, built: Built, batches: Batches, dims: Paral
             if rank == 0 and (step % train_spec.log_every == 0 or step in (end_step, resumed.step + 1) or stop_now):
                 metrics.emit(StepEvent(step=step, loss=loss, lr=lr, step_s=elapsed, tokens_per_s=tokens_per_step / elapsed,
                                        data_wait_s=round(waited, 6), data_tokens_per_s=reader.tokens_per_s))
-            regular = step % train_spec.checkpoint_every == 0 or step == end_step
+            # Restored from live ranks' memory by a pending manifest (nothing stores that step):
+            # the first step done is saved, whatever the schedule, in the background as any save.
+            regular = (step % train_spec.checkpoint_every == 0 or step == end_step
+                       or (step == resumed.step + 1 and resumed.restored is not None and resumed.restored.pending))
             if stop_now and not regular and layout is not None and holds_for_next(stops, layout, rank, world_size, device):
                 return Ended(step, position, stopped=True, unsaved=True, loss=loss)
             if regular or stop_now:
@@ -569,16 +572,12 @@ def main(argv: list[str] | None = None) -> int:
     checkpointer = Checkpointer(checkpoints, layout, rank, ckpt_group, train_spec.keep_checkpoints,
                                 on_commit=committed if rank == 0 else None, tier=tier,
                                 tier_budget_bytes=int(spec.storage.local_tier_max_gb * 1e9 / ranks_here),
-                                resumed_from=resumed.restored.manifest if resumed.restored is not None else None)
+                                resumed_from=resumed.restored.manifest if resumed.restored is not None else None,
+                                resumed_pending=resumed.restored is not None and resumed.restored.pending)
     # Where the spec came from (repository, commit, path), when a flow says so: kept in each manifest.
     source = {"source": json.loads(os.environ["PARASHIFT_SOURCE"])} if os.environ.get("PARASHIFT_SOURCE") else {}
     save = Saves(spec, plan, built, layout, checkpointer, batches.stream.samples_per_epoch, rank, device,
                  {"model": spec.model.model_dump(), "job": spec.name, "nodes": nodes, **source})
-    if resumed.restored is not None and resumed.restored.pending:
-        # Restored from live ranks' memory by a pending manifest: saved now under this plan, in
-        # the background. Its bytes are copied first (host memory too), so training goes on at
-        # once rather than waiting for the write at its first optimizer step.
-        save(resumed.step, resumed.position, resumed.loss, copy_host=True)
     try:
         ended = train(spec, plan, built, batches, dims, coords, mesh, device, world_size, rank,
                       resumed, end_step, checkpointer, save, stops, layout if warm else None)

@@ -122,6 +122,7 @@ class Checkpointer:
         copy_host_memory: bool = False,
         tier_budget_bytes: int | None = None,
         resumed_from: Manifest | None = None,
+        resumed_pending: bool = False,
     ) -> None:
         self.store, self.layout, self.rank, self.group, self.keep = store, layout, rank, group, keep
         self.on_commit = on_commit
@@ -146,22 +147,24 @@ class Checkpointer:
         self._chunk_buffer = torch.empty(0, dtype=torch.uint8)
         self.last_stall_s: float | None = None  # the loop's wait for the newest save: capture + before_update
         # (newest step of this training's lineage, the one before it): each manifest names the
-        # checkpoint its training continued from, which is what retention keeps.
-        self._lineage: tuple[int | None, int | None] = (
-            (resumed_from.step, resumed_from.previous_step) if resumed_from is not None else (None, None))
+        # checkpoint its training continued from, which is what retention keeps. A pending
+        # manifest (`resumed_pending`: a step restored from live ranks' memory) is no checkpoint:
+        # the lineage goes on from the commit it continues.
+        self._lineage: tuple[int | None, int | None] = (None, None)
+        if resumed_from is not None:
+            self._lineage = ((resumed_from.previous_step, None) if resumed_pending
+                             else (resumed_from.step, resumed_from.previous_step))
         # Steps committed before this writer started (its restore's choice left the newer ones) and
         # its own commits: a commit continues the newest committed step but these (`CheckpointStore.commit`).
         self._known = set(store.manifest_steps()) if rank == 0 else set()
 
     def save(self, step: int, state: dict[str, torch.Tensor], data_position: dict[str, int], plan: dict[str, Any],
-             metadata: dict[str, Any], *, blocking: bool = False, copy_host: bool | None = None) -> SaveReport:
+             metadata: dict[str, Any], *, blocking: bool = False) -> SaveReport:
         """Snapshot this rank's boxes now; write and commit them in the background (after the
-        previous save has finished). `blocking`: also wait for the commit. `copy_host`: this
-        save's choice of `copy_host_memory`."""
+        previous save has finished). `blocking`: also wait for the commit."""
         self.wait()
         started = time.perf_counter()
-        copy = self.copy_host_memory if copy_host is None else copy_host
-        payloads, live = self._capture(state, copy_host=copy)
+        payloads, live = self._capture(state, copy_host=self.copy_host_memory)
         report = SaveReport(step, time.perf_counter() - started)
         self._current = report
         self._consumed = threading.Event()
