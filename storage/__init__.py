@@ -12,6 +12,7 @@ from parashift.storage.checkpoints import (
     ReadRequest,
     SlicePayload,
     holding_object_name,
+    is_pending_manifest,
     job_key,
     rank_object_name,
 )
@@ -77,6 +78,7 @@ __all__ = [
     "decode_manifest",
     "encode_manifest",
     "holding_object_name",
+    "is_pending_manifest",
     "is_transient",
     "job_key",
     "job_store",

@@ -160,6 +160,13 @@ def _slice_records(rank: int, slices: Sequence[SlicePayload], crcs: list[list[in
     return records
 
 
+def is_pending_manifest(key_or_url: str) -> bool:
+    """Whether a key (or its URL) is a pending manifest (`JobPaths.pending_manifest`): a step
+    held in memory, never a checkpoint to point anyone at."""
+    parent, _, name = key_or_url.rpartition("/")
+    return parent.endswith("/ckpt/pending") and name.endswith(".json")
+
+
 def rank_object_name(rank: int) -> str:
     """Object key, relative to the checkpoint folder, of one rank's slices."""
     return f"rank{rank:05d}.bin"

@@ -7,7 +7,7 @@ import base64
 import itertools
 
 from parashift.specs import JobSpec
-from parashift.storage import JobPaths, StorageError, open_store
+from parashift.storage import JobPaths, StorageError, is_pending_manifest, open_store
 from parashift.tasks.artifacts import artifact_key
 from parashift.tasks.credentials import environment, storage_environment
 from parashift.tasks.loss_plot import loss_curve_png
@@ -30,7 +30,8 @@ def sparkline(values: list[float]) -> str:
 def summarize(spec: JobSpec, segments: list[SegmentResult]) -> TrainSummary:
     losses = [loss for seg in segments for _, loss in seg.losses]
     rates = [seg.tokens_per_s for seg in segments if seg.tokens_per_s]
-    urls = [url for seg in segments for url in ([seg.resumed_from_url] if seg.resumed_from_url else []) + seg.checkpoint_urls]
+    urls = [url for seg in segments for url in ([seg.resumed_from_url] if seg.resumed_from_url else []) + seg.checkpoint_urls
+            if not is_pending_manifest(url)]  # a step held in warm workers' memory is no checkpoint
     if not losses and segments and segments[-1].resumed_loss is not None:
         losses = [segments[-1].resumed_loss]  # nothing left to train: report the committed state
     return TrainSummary(

@@ -410,6 +410,8 @@ def test_warm_workers_outlive_a_change_and_replace_a_killed_rank(prefect_server:
         assert recovered["network"] > 0 and recovered["live"] == recovered["read"] and recovered["store"] == 0, recovered
         assert recovering.checkpoint_urls[0].endswith(f"/{first.final_step + 1:08d}/manifest.json"), \
             recovering.checkpoint_urls
+        assert (recovering.resumed_from_url or "").endswith(f"/ckpt/pending/{first.final_step:08d}.json")
+        assert (summary.checkpoint_url or "").endswith("/manifest.json"), "the summary points at a checkpoint"
     assert_as_static(summary, static_losses, spec, tmp_path / "samples")
 
 

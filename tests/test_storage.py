@@ -29,6 +29,7 @@ from parashift.storage import (
     StoragePermissionError,
     TensorRecord,
     TransientStorageError,
+    is_pending_manifest,
     is_transient,
     job_key,
     translate_error,
@@ -395,7 +396,8 @@ def test_a_pending_manifest_is_no_checkpoint_and_goes_once_its_step_commits(stor
                                                 slices=[r for _, rs in pending for r in rs if r.tensor == name])
                              for name, shape in (("w", [4, 4]), ("b", [4]))})
     url = ckpts.write_pending(held)
-    assert url.endswith("jobs/job-1/ckpt/pending/00000020.json")
+    assert url.endswith("jobs/job-1/ckpt/pending/00000020.json") and is_pending_manifest(url)
+    assert not is_pending_manifest(store.url_for(JobPaths(JOB).manifest(20)))
     assert ckpts.pending_steps() == [20]
     assert ckpts.manifest_steps() == [10] and ckpts.uncommitted_steps() == [] and ckpts.latest().step == 10
     assert ckpts.parse_manifest(20, ckpts.read_pending_bytes(20)).tensors == held.tensors

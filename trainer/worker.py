@@ -297,6 +297,14 @@ def every_ranks_own(state: dict[str, torch.Tensor], world_size: int, group: Any)
     return {name: t for said in everyone for name, t in said.items()}
 
 
+def _restored_url(store: Any, job_id: str, restored: Restored | None) -> str | None:
+    """The manifest a segment started from: a committed one, or a pending one (live memory)."""
+    if restored is None:
+        return None
+    paths = JobPaths(job_id)
+    return store.url_for(paths.pending_manifest(restored.step) if restored.pending else paths.manifest(restored.step))
+
+
 def _durable_step(restored: Restored | None) -> int | None:
     """For a restore by a pending manifest: the newest committed step it continues (0: none)."""
     if restored is None or not restored.pending or restored.manifest is None:
@@ -556,7 +564,7 @@ def main(argv: list[str] | None = None) -> int:
             step=resumed.step,
             resumed=resumed.restored is not None,
             checkpoint_loss=resumed.loss,
-            checkpoint_url=store.url_for(JobPaths(spec.job_id).manifest(resumed.step)) if resumed.restored else None,
+            checkpoint_url=_restored_url(store, spec.job_id, resumed.restored),
             durable_step=_durable_step(resumed.restored),
             world_size=world_size,
             params=built.n_params,
