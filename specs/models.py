@@ -223,8 +223,9 @@ class ResourcesSpec(_Section):
         False,
         description=(
             "Keep the worker processes (torch and the trainer imported) alive across the device changes of a run "
-            "on one node: a change costs a new process group, not new interpreters (docs/elastic.md). Jobs across "
-            "nodes relaunch as before."
+            "on one node: a change costs a new process group, not new interpreters, its state moves from the "
+            "workers' memory, and a planned change does not wait for a save of the step it stops at "
+            "(docs/elastic.md). Jobs across nodes relaunch as before."
         ),
     )
     warm_spares: int = Field(

@@ -25,8 +25,10 @@ from states import box_of, global_state  # noqa: E402
 from test_reconfig import CONFIG, PLANS  # noqa: E402
 
 
-def group_of(port: int, rank: int, world: int) -> dist.ProcessGroup:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+def group_of(rendezvous: str, rank: int, world: int) -> dist.ProcessGroup:
+    """A gloo world met through a file of its own (no port chosen ahead, which another process
+    may take meanwhile)."""
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world)
     return dist.new_group(backend="gloo")
 
 
@@ -43,7 +45,7 @@ def main() -> None:
         later = {name: t + 1 for name, t in state.items()}
         by_step = {3: state, 5: later}
         if rank < old.world_size:
-            group = group_of(case["ports"][0], rank, old.world_size)
+            group = group_of(case["rendezvous"][0], rank, old.world_size)
             mine = {name: box_of(state[name], box).clone() for name, box in old.boxes_of(rank).items()}
             saver = Checkpointer(store, old, rank, group)
             saver.save(3, mine, {"samples_consumed": 24}, {}, {}, blocking=True)
@@ -57,7 +59,7 @@ def main() -> None:
             dist.destroy_process_group()
         if rank >= new.world_size:
             continue
-        group = group_of(case["ports"][1], rank, new.world_size)
+        group = group_of(case["rendezvous"][1], rank, new.world_size)
         peers = live_state.LivePeers.gather(case["job"], rank, group)
         seen = []
         # Every box this rank holds exactly is read into the held memory itself (the worker

@@ -13,7 +13,6 @@ import sys
 from pathlib import Path
 
 import pytest
-from parashift.trainer.warm_pool import free_port
 
 HERE = Path(__file__).parent
 
@@ -43,7 +42,7 @@ CASES = [
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, int], dict]:
     out = tmp_path_factory.mktemp("live")
-    cases = [{**case, "ports": [free_port(), free_port()]} for case in CASES]
+    cases = [{**case, "rendezvous": [str(out / f"{case['job']}.old"), str(out / f"{case['job']}.new")]} for case in CASES]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     procs = [subprocess.Popen([sys.executable, str(HERE / "live_ranks.py"), str(rank), str(out), str(out / "store"),
                                json.dumps(cases)], env=env, start_new_session=True)
