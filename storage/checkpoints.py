@@ -122,7 +122,6 @@ def _whole_checks(record: SliceRecord) -> tuple[tuple[int, int, int], ...]:
     return tuple(out)
 
 
-
 def _checksummed(slices: Sequence[SlicePayload], crcs: list[list[int]]) -> Iterator[memoryview]:
     """Every chunk of `slices`, in order, its CRC-32C appended to `crcs` (one list per slice)
     just before it is yielded: one pass over each byte, no joined copy."""
@@ -293,12 +292,17 @@ class CheckpointStore:
         fenced by the job's lease like a commit. Returns its URL."""
         if manifest.job_id != self.job_id:
             raise ValueError(f"manifest of job {manifest.job_id!r} written to job {self.job_id!r}")
+        return self._put_fenced(self.paths.pending_manifest(manifest.step), manifest, fence,
+                                f"pending step {manifest.step} of {self.job_id} not written")
+
+    def _put_fenced(self, key: str, manifest: Manifest, fence: LeaseToken | None, refused: str) -> str:
+        """Write `manifest` at `key`, with its writer's lease recorded and checked last, right
+        before the write (`refused`: the LeaseLost message). Returns its URL."""
         if fence is not None:
             manifest = manifest.model_copy(update={"writer": WriterRecord(generation=fence.generation, run_id=fence.run_id)})
         raw = encode_manifest(manifest)
         if fence is not None:
-            check_fence(self.store, self.job_id, fence, f"pending step {manifest.step} of {self.job_id} not written")
-        key = self.paths.pending_manifest(manifest.step)
+            check_fence(self.store, self.job_id, fence, refused)
         self.store.put(key, raw)
         return self.store.url_for(key)
 
@@ -351,14 +355,7 @@ class CheckpointStore:
                 )
         if skipped is not None:
             self.check_lineage(step, manifest.previous_step, skipped)
-        if fence is not None:
-            manifest = manifest.model_copy(update={"writer": WriterRecord(generation=fence.generation, run_id=fence.run_id)})
-        raw = encode_manifest(manifest)
-        if fence is not None:  # last: the manifest is written right after
-            check_fence(self.store, self.job_id, fence, f"step {step} of {self.job_id} not committed")
-        key = self.paths.manifest(step)
-        self.store.put(key, raw)
-        url = self.store.url_for(key)
+        url = self._put_fenced(self.paths.manifest(step), manifest, fence, f"step {step} of {self.job_id} not committed")
         logger.info("committed checkpoint %s", url)
         return url
 

@@ -249,9 +249,9 @@ def launch_training(spec: JobSpec, plan: Plan, until_step: int | None = None,
     committed = [(e.step, e.url) for e in result.checkpoints if e.url]
     fatal = result.fatal
     pending = resources.newest_after(job.epoch) if resources is not None and result.stopped else None
-    # A segment that started from live ranks' memory by a pending manifest and committed nothing
-    # has the step before it as its last committed one.
-    durable = start.durable_step if start is not None else result.restoring.durable_step if result.restoring else None
+    # A segment that restored a step live ranks held by a pending manifest and committed nothing
+    # has the commit before that step as its last committed one.
+    durable = result.restoring.durable_step if result.restoring else None
     outcome, reason, final_step = segment_outcome(
         start_step=start_step, ended_at=result.final_step, stopped=result.stopped, returncode=result.returncode,
         committed_step=committed[-1][0] if committed else durable, fatal=fatal.message if fatal else None,

@@ -38,9 +38,6 @@ class StartEvent(_Event):
     params: int | None = None
     flops_per_token: int | None = None
     checkpoint_url: str | None = Field(None, description="the manifest restored")
-    durable_step: int | None = Field(
-        None, description="restored from live ranks' memory by a pending manifest (not saved yet): the newest "
-        "committed step then, which a failure before this segment's first commit resumes from")
     checkpoint_loss: float | None = Field(None, description="the loss recorded in that checkpoint")
     restore_s: float | None = None
     restore_bytes: dict[str, int] | None = Field(

@@ -305,13 +305,6 @@ def _restored_url(store: Any, job_id: str, restored: Restored | None) -> str | N
     return store.url_for(paths.pending_manifest(restored.step) if restored.pending else paths.manifest(restored.step))
 
 
-def _durable_step(restored: Restored | None) -> int | None:
-    """For a restore by a pending manifest: the newest committed step it continues (0: none)."""
-    if restored is None or not restored.pending or restored.manifest is None:
-        return None
-    return restored.manifest.previous_step or 0
-
-
 def where_ranks_run(node: str, world_size: int, group: Any) -> tuple[list[int], list[str]]:
     """Every rank's process id and node, by rank: which process is which rank in the run log
     when one fails, and whose node-local tier holds which rank's objects (in each manifest)."""
@@ -565,7 +558,6 @@ def main(argv: list[str] | None = None) -> int:
             resumed=resumed.restored is not None,
             checkpoint_loss=resumed.loss,
             checkpoint_url=_restored_url(store, spec.job_id, resumed.restored),
-            durable_step=_durable_step(resumed.restored),
             world_size=world_size,
             params=built.n_params,
             flops_per_token=built.family.flops_per_token(spec.model, built.n_params),
