@@ -203,13 +203,25 @@ class FsspecObjects:
         self.fs.pipe_file(path, bytes(data))
 
     def put_stream(self, path: str, parts: Iterable[memoryview | bytes]) -> int:
-        # One object; s3fs uploads parts of its block size as they fill and completes the
-        # multipart upload at close, which S3 makes visible atomically.
+        # One object, made visible by `commit()` alone (fsspec's autocommit=False): s3fs
+        # uploads parts of its block size as they fill and completes the multipart upload at
+        # commit, which S3 makes visible atomically. A source that fails part-way is discarded
+        # (the upload aborted): with autocommit, leaving `with open(...)` on an error would
+        # complete the upload with the bytes so far, a short object under the final name.
         written = 0
-        with self.fs.open(path, "wb") as f:
-            for part in parts:
-                f.write(part)
-                written += len(part)
+        f = self.fs.open(path, "wb", autocommit=False)
+        try:
+            try:
+                for part in parts:
+                    f.write(part)
+                    written += len(part)
+            finally:
+                f.close()  # uploads what is buffered; nothing is visible before commit
+        except BaseException:
+            with contextlib.suppress(Exception):
+                f.discard()
+            raise
+        f.commit()
         return written
 
     def get(self, path: str, start: int | None, end: int | None) -> bytes:
@@ -293,6 +305,13 @@ class MemoryObjects(FsspecObjects):
     @staticmethod
     def _root_of(stripped: str) -> str:
         return "/" + stripped.lstrip("/")
+
+    def put_stream(self, path: str, parts: Iterable[memoryview | bytes]) -> int:
+        # fsspec's memory filesystem stores a file at open, whatever autocommit says: the parts
+        # are joined first (the bytes live in this process either way), then stored at once.
+        data = b"".join(bytes(part) for part in parts)
+        self.put(path, data)
+        return len(data)
 
 
 class S3Objects(FsspecObjects):

@@ -143,6 +143,35 @@ def test_put_overwrites(store: ObjectStore) -> None:
     assert store.list() == ["k"]  # no temporary files visible
 
 
+class _SourceFailed(Exception):
+    """What a streamed write's source raises part-way (a save abandoned, a bad tensor)."""
+
+
+@pytest.mark.parametrize("part_bytes", [1000, 3 * 2**20], ids=["small", "multipart"])
+def test_a_streamed_write_whose_source_fails_changes_nothing(store: ObjectStore, part_bytes: int) -> None:
+    """Parts already sent never become an object: the old object stays, nothing else appears,
+    and no upload is left open (S3 with a 5 MiB block: two parts uploaded before the failure)."""
+    if store.protocol == "s3":
+        store = ObjectStore(store.url, {"endpoint_url": store.fs.endpoint_url, "default_block_size": 5 * 2**20})
+    store.put("d/k", b"old")
+
+    def parts():
+        for _ in range(4):
+            yield b"x" * part_bytes
+        raise _SourceFailed("the source failed after four parts")
+
+    with pytest.raises(_SourceFailed):
+        store.put_stream("d/k", parts)
+    with pytest.raises(_SourceFailed):
+        store.put_stream("d/new", parts)
+    assert store.get("d/k") == b"old"
+    assert store.list("d") == ["d/k"]
+    if store.protocol == "s3":
+        assert store.fs.list_multipart_uploads(store._root.split("/")[0]) == []
+    assert store.put_stream("d/k", lambda: iter([b"new", b"er"])) == 5  # and a whole write still lands
+    assert store.get("d/k") == b"newer"
+
+
 def test_local_put_is_atomic(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
     store = ObjectStore(str(tmp_path / "s"))
     store.put("d/k", b"old")
