@@ -452,6 +452,52 @@ def test_a_link_left_in_a_step_folder_does_not_block_the_next_save(tmp_path: Pat
     assert secret.read_bytes() == b"not yours" and tmp_path.is_dir()
 
 
+def _contents(store: ObjectStore) -> dict[str, bytes]:
+    return {key: store.get(key) for key in store.list()}
+
+
+def test_an_abandoned_save_changes_nothing_once_abandon_returns(store: ObjectStore,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Training failed with a save in flight (a warm worker then serves the job's recovery,
+    which may save the same step again): after `abandon`, the old save's thread neither
+    finishes its object nor commits, so nothing of it can replace what the recovery writes."""
+    ckpts = CheckpointStore(store, JOB)
+    save(ckpts, [4])
+    first_part, go_on = threading.Event(), threading.Event()
+    put_stream = store.backend.put_stream
+
+    def paused_after_the_first_part(path: str, parts: Any) -> int:
+        def paused() -> Iterator[Any]:
+            for i, part in enumerate(parts):
+                yield part
+                if i == 0:
+                    first_part.set()
+                    go_on.wait(60)
+        return put_stream(path, paused())
+
+    monkeypatch.setattr(store.backend, "put_stream", paused_after_the_first_part)
+    saver = Checkpointer(ckpts, layout_of(), 0, keep=10, resumed_from=ckpts.load_manifest(4))
+    saver.save(8, state_of(seed=8.0), {"samples_consumed": 64}, {}, {})
+    assert first_part.wait(30)
+    stopped: list[bool] = []
+    abandoning = threading.Thread(target=lambda: stopped.append(saver.abandon(timeout_s=60)))
+    abandoning.start()
+    deadline = time.monotonic() + 10
+    while not saver._abandoned.is_set() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    go_on.set()  # the write goes on: its next chunk finds the save abandoned
+    abandoning.join(60)
+    assert stopped == [True]
+    after = _contents(store)
+    assert ckpts.paths.rank_object(8, 0) not in after and ckpts.committed_steps() == [4]
+    time.sleep(0.3)  # nothing lands later either
+    assert _contents(store) == after
+    monkeypatch.undo()
+    save(ckpts, [8], resumed_from=ckpts.load_manifest(4))  # the recovery saves step 8 again
+    ckpts.verify(8)
+    assert ckpts.committed_steps() == [4, 8]
+
+
 def test_a_refused_checkpoint_is_set_aside_on_s3(s3_endpoint: str, s3_bucket: str) -> None:
     ckpts = CheckpointStore(s3_store(s3_endpoint, s3_bucket), f"{JOB}-{uuid.uuid4().hex[:6]}")
     save(ckpts, [4, 8])

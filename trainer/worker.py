@@ -584,6 +584,11 @@ def main(argv: list[str] | None = None) -> int:
     except DatasetError as error:  # a damaged shard, found as this rank read it: no retry can fix it
         metrics.emit(FatalEvent(message=f"data: {error}"))
         os._exit(metrics.EXIT_FATAL)  # the other ranks wait in a collective; torchrun ends them
+    except BaseException:
+        # A peer died, say. The save in flight must change nothing after this: a warm worker
+        # goes on to serve the job's recovery, which may write the same step again.
+        checkpointer.abandon()
+        raise
     step, position, stopped = ended.step, ended.position, ended.stopped
     if ended.unsaved and not save.pending(step, position, ended.loss):
         save(step, position, ended.loss)

@@ -6,7 +6,9 @@ buffers; host boxes are read in place, the loop waiting (if at all) at its next 
 (replicas once) to storage in stored dim order with a CRC-32C per chunk, the ranks send their
 records to rank 0 over a dedicated gloo group, and rank 0 commits the manifest, last, then
 prunes. One save is in flight at a time; a failed save is reported at the next `wait` and
-never leaves a manifest.
+never leaves a manifest. When training fails with a save in flight, `abandon` stops it: it
+writes nothing more and commits nothing, so nothing of it lands after the job's recovery has
+started writing the same step.
 """
 
 from __future__ import annotations
@@ -44,6 +46,14 @@ from parashift.storage import (
 from parashift.trainer.checkpoint.group import Group, broadcast
 
 log = logging.getLogger("parashift.checkpoint")
+
+# How long `abandon` waits for the write in flight to stop (it stops at its next chunk; only a
+# collective with a hung peer or storage that does not answer takes longer).
+ABANDON_WAIT_S = 60.0
+
+
+class SaveAbandoned(StorageError):
+    """The save was abandoned (`Checkpointer.abandon`): training failed while it was in flight."""
 
 
 @dataclass(frozen=True)
@@ -140,6 +150,11 @@ class Checkpointer:
         # and a save in flight is always above that.
         self._pruner = ThreadPoolExecutor(1, thread_name_prefix="parashift-prune")
         self._inflight: Future[SaveReport] | None = None
+        # Set by `abandon`; checked before each chunk and before each commit. The lock is held
+        # by whatever changes storage (a write, a commit, a prune), so that `abandon` returns
+        # only once none is under way.
+        self._abandoned = threading.Event()
+        self._changing_storage = threading.Lock()
         self._consumed = threading.Event()  # set: the save in flight no longer reads live memory
         self._consumed.set()
         self._current: SaveReport | None = None
@@ -250,6 +265,36 @@ class Checkpointer:
             self._pool.shutdown(wait=True)
             self._pruner.shutdown(wait=True)
 
+    def abandon(self, timeout_s: float = ABANDON_WAIT_S) -> bool:
+        """Training failed (a peer died, say): the save in flight, if any, writes nothing more
+        and commits nothing, and no prune runs. Without this, a warm worker serves the job's
+        recovery while the failed segment's save thread goes on: its late rename (or upload
+        completion) could replace an object of the same name that the recovery writes when
+        it saves that step again. Returns once nothing of this writer is changing storage
+        (False: still after `timeout_s`, said in a warning). No collective is entered: the
+        peers may be gone."""
+        self._abandoned.set()
+        self._inflight = None
+        stopped = self._changing_storage.acquire(timeout=timeout_s)
+        if stopped:
+            self._changing_storage.release()
+        else:
+            log.warning("rank %d: the abandoned save still changes storage after %.0f s", self.rank, timeout_s)
+        self._consumed.set()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._pruner.shutdown(wait=False, cancel_futures=True)
+        return stopped
+
+    def _unless_abandoned(self, payloads: list[SlicePayload]) -> list[SlicePayload]:
+        """`payloads` whose every chunk first checks that the save was not abandoned."""
+        def checked(chunk: Callable[[int], memoryview | bytes]) -> Callable[[int], memoryview | bytes]:
+            def read(i: int) -> memoryview | bytes:
+                if self._abandoned.is_set():
+                    raise SaveAbandoned(f"rank {self.rank}: save abandoned")
+                return chunk(i)
+            return read
+        return [SlicePayload(p.key, p.dim_order, p.chunk_bytes, checked(p.chunk)) for p in payloads]
+
     def snapshot(self, state: dict[str, torch.Tensor]) -> list[SlicePayload]:
         """This rank's boxes copied into host buffers (reused from save to save)."""
         return self._capture(state, copy_host=True)[0]
@@ -294,8 +339,11 @@ class Checkpointer:
         step = report.step
         error, obj, records, kept = None, None, [], False
         try:
+            self._changing_storage.acquire()
+            if self._abandoned.is_set():
+                raise SaveAbandoned(f"rank {self.rank}: save of step {step} abandoned")
             _set_aside(self.store, step, self.rank, self.group, self._known)  # never write through what is there
-            held = payloads
+            held = payloads = self._unless_abandoned(payloads)
             if self.tier is not None:  # payloads are the held boxes: the store gets the ones to write
                 by_key = {b.key: p for b, p in zip(self._held, payloads, strict=True)}
                 payloads = [by_key[b.key] for b in self._boxes]
@@ -310,7 +358,10 @@ class Checkpointer:
         except Exception as exc:  # reported to rank 0 (no commit) and raised here below
             error = exc
         finally:
+            self._changing_storage.release()
             consumed.set()  # written (or failed): the loop may change its tensors again
+        if self._abandoned.is_set():  # no gather: the peers may be gone
+            raise SaveAbandoned(f"rank {self.rank}: save of step {step} abandoned")
         mine = (repr(error) if error else None, obj.model_dump() if obj else None, [r.model_dump() for r in records], kept)
         gathered = [mine]
         if self.group is not None:
@@ -331,7 +382,10 @@ class Checkpointer:
             previous = before if last == step else last  # a step saved again keeps its link
             manifest = build_manifest(self.store.job_id, step, self.layout, objects, records, data_position, plan, metadata,
                                       previous_step=previous)
-            report.url = self.store.commit(manifest, fence=LeaseToken.from_env(), skipped=self._known)
+            with self._changing_storage:
+                if self._abandoned.is_set():
+                    raise SaveAbandoned(f"save of step {step} abandoned before its commit")
+                report.url = self.store.commit(manifest, fence=LeaseToken.from_env(), skipped=self._known)
             self._known.add(step)
             self._lineage = (step, previous)
             report.write_s = time.perf_counter() - started
@@ -344,7 +398,10 @@ class Checkpointer:
 
     def _prune(self, newest: int) -> None:
         try:
-            pruned = self.store.prune(self.keep, newest)
+            with self._changing_storage:
+                if self._abandoned.is_set():
+                    return
+                pruned = self.store.prune(self.keep, newest)
         except StorageError as error:  # the next save prunes again
             log.warning("pruning old checkpoints failed: %s", error)
             return
