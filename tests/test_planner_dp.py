@@ -193,10 +193,11 @@ def test_a_relaxed_solve_brackets_the_minimum(graph: Graph, p: int) -> None:
         assert relaxed.value == pytest.approx(dp.evaluate(problem, relaxed.assign), rel=1e-12, abs=1e-15)
 
 
-def test_a_skip_heavy_graph_is_planned_with_a_stated_bound() -> None:
+def test_a_skip_heavy_graph_is_planned_with_a_stated_bound(monkeypatch: pytest.MonkeyPatch) -> None:
     """PaSE's space at p = 64 on a 50-op stack with skips over 4 ops: the exact elimination is
     over the work budget (it once ran for minutes), so the solve is narrowed and relaxed, and
-    its answer, valued on the whole problem, lies within its stated bound."""
+    its answer, valued on the whole problem, lies within its stated bound. The same path runs
+    under a tenth of the budget: 2 s here against 16-40 s (measured on this 2-core machine)."""
     from parashift.planner.builders import skip_graph
     from parashift.planner.profile import profile_graph
 
@@ -204,6 +205,7 @@ def test_a_skip_heavy_graph_is_planned_with_a_stated_bound() -> None:
     prof = profile_graph(g, "cuda")
     problem = build_problem(g, CostModel(g, prof.device, prof.comm, counts_mesh(64, prof.comm.devices_per_node)))
     assert dp.predicted_work(problem) > dp.MAX_WORK  # the bounded path is what runs
+    monkeypatch.setattr(dp, "MAX_WORK", dp.MAX_WORK / 10)
     solved = dp.solve_bounded(problem)
     assert solved.dropped > 0
     assert solved.value == pytest.approx(dp.evaluate(problem, solved.assign), rel=1e-12)
