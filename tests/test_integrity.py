@@ -498,6 +498,36 @@ def test_an_abandoned_save_changes_nothing_once_abandon_returns(store: ObjectSto
     assert ckpts.committed_steps() == [4, 8]
 
 
+def test_abandon_does_not_wait_for_a_peer_that_hangs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The save thread waits in the broadcast after the set-aside (a peer hangs there): no
+    storage change is under way, so `abandon` returns at once, and when the broadcast returns
+    the save writes nothing."""
+    from parashift.trainer.checkpoint import saver as saver_module
+
+    store = file_store(tmp_path)
+    ckpts = CheckpointStore(store, JOB)
+    save(ckpts, [4])
+    waiting, peer_back = threading.Event(), threading.Event()
+    broadcast = saver_module.broadcast
+
+    def hung_peer(value: Any, group: Any) -> Any:
+        waiting.set()
+        peer_back.wait(60)
+        return broadcast(value, group)
+
+    monkeypatch.setattr(saver_module, "broadcast", hung_peer)
+    saver = Checkpointer(ckpts, layout_of(), 0, keep=10, resumed_from=ckpts.load_manifest(4))
+    saver.save(8, state_of(seed=8.0), {"samples_consumed": 64}, {}, {})
+    assert waiting.wait(30)
+    started = time.monotonic()
+    assert saver.abandon(timeout_s=30)
+    assert time.monotonic() - started < 5
+    before = _contents(store)
+    peer_back.set()
+    time.sleep(0.5)
+    assert _contents(store) == before and ckpts.committed_steps() == [4]
+
+
 def test_a_refused_checkpoint_is_set_aside_on_s3(s3_endpoint: str, s3_bucket: str) -> None:
     ckpts = CheckpointStore(s3_store(s3_endpoint, s3_bucket), f"{JOB}-{uuid.uuid4().hex[:6]}")
     save(ckpts, [4, 8])

@@ -13,11 +13,12 @@ started writing the same step.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -285,6 +286,15 @@ class Checkpointer:
         self._pruner.shutdown(wait=False, cancel_futures=True)
         return stopped
 
+    @contextlib.contextmanager
+    def _storage_change(self, what: str) -> Iterator[None]:
+        """Around each change of storage (a write, a set-aside, a commit, a prune): none begins
+        once the writer is abandoned, and `abandon` waits for the one under way."""
+        with self._changing_storage:
+            if self._abandoned.is_set():
+                raise SaveAbandoned(f"rank {self.rank}: {what} abandoned")
+            yield
+
     def _unless_abandoned(self, payloads: list[SlicePayload]) -> list[SlicePayload]:
         """`payloads` whose every chunk first checks that the save was not abandoned."""
         def checked(chunk: Callable[[int], memoryview | bytes]) -> Callable[[int], memoryview | bytes]:
@@ -339,26 +349,26 @@ class Checkpointer:
         step = report.step
         error, obj, records, kept = None, None, [], False
         try:
-            self._changing_storage.acquire()
-            if self._abandoned.is_set():
-                raise SaveAbandoned(f"rank {self.rank}: save of step {step} abandoned")
-            _set_aside(self.store, step, self.rank, self.group, self._known)  # never write through what is there
-            held = payloads = self._unless_abandoned(payloads)
-            if self.tier is not None:  # payloads are the held boxes: the store gets the ones to write
-                by_key = {b.key: p for b, p in zip(self._held, payloads, strict=True)}
-                payloads = [by_key[b.key] for b in self._boxes]
-            obj, records = self.store.write_rank_object(step, self.rank, payloads)
-            if self.tier is not None:
-                nbytes = sum(sum(p.chunk_bytes) for p in held)
-                if self.tier_budget_bytes is None or 2 * nbytes <= self.tier_budget_bytes:  # two steps kept
-                    kept = self._keep_on_node(step, held)
-                else:
-                    log.warning("rank %d: %d bytes exceed this rank's share of the local tier; not kept there",
-                                self.rank, nbytes)
+            # Never write through what is there. The lock is held for rank 0's rename only, not
+            # the broadcast after it: a peer that hangs there must not hold `abandon` up.
+            _set_aside(self.store, step, self.rank, self.group, self._known,
+                       lambda: self._storage_change(f"save of step {step}"))
+            with self._storage_change(f"save of step {step}"):
+                held = payloads = self._unless_abandoned(payloads)
+                if self.tier is not None:  # payloads are the held boxes: the store gets the ones to write
+                    by_key = {b.key: p for b, p in zip(self._held, payloads, strict=True)}
+                    payloads = [by_key[b.key] for b in self._boxes]
+                obj, records = self.store.write_rank_object(step, self.rank, payloads)
+                if self.tier is not None:
+                    nbytes = sum(sum(p.chunk_bytes) for p in held)
+                    if self.tier_budget_bytes is None or 2 * nbytes <= self.tier_budget_bytes:  # two steps kept
+                        kept = self._keep_on_node(step, held)
+                    else:
+                        log.warning("rank %d: %d bytes exceed this rank's share of the local tier; not kept there",
+                                    self.rank, nbytes)
         except Exception as exc:  # reported to rank 0 (no commit) and raised here below
             error = exc
         finally:
-            self._changing_storage.release()
             consumed.set()  # written (or failed): the loop may change its tensors again
         if self._abandoned.is_set():  # no gather: the peers may be gone
             raise SaveAbandoned(f"rank {self.rank}: save of step {step} abandoned")
@@ -382,9 +392,7 @@ class Checkpointer:
             previous = before if last == step else last  # a step saved again keeps its link
             manifest = build_manifest(self.store.job_id, step, self.layout, objects, records, data_position, plan, metadata,
                                       previous_step=previous)
-            with self._changing_storage:
-                if self._abandoned.is_set():
-                    raise SaveAbandoned(f"save of step {step} abandoned before its commit")
+            with self._storage_change(f"commit of step {step}"):
                 report.url = self.store.commit(manifest, fence=LeaseToken.from_env(), skipped=self._known)
             self._known.add(step)
             self._lineage = (step, previous)
@@ -398,10 +406,10 @@ class Checkpointer:
 
     def _prune(self, newest: int) -> None:
         try:
-            with self._changing_storage:
-                if self._abandoned.is_set():
-                    return
+            with self._storage_change("prune"):
                 pruned = self.store.prune(self.keep, newest)
+        except SaveAbandoned:
+            return
         except StorageError as error:  # the next save prunes again
             log.warning("pruning old checkpoints failed: %s", error)
             return
@@ -432,14 +440,16 @@ class Checkpointer:
         return True
 
 
-def _set_aside(store: CheckpointStore, step: int, rank: int, group: Group, known: set[int]) -> None:
+def _set_aside(store: CheckpointStore, step: int, rank: int, group: Group, known: set[int],
+               guard: Callable[[], contextlib.AbstractContextManager[None]] = contextlib.nullcontext) -> None:
     """Before any rank writes `step`: rank 0 sets aside what an earlier save left in its folder
-    (`CheckpointStore.set_aside`, fenced by the job's lease like a commit); every rank hears
-    how that went and fails the save with rank 0 if it failed."""
+    (`CheckpointStore.set_aside`, fenced by the job's lease like a commit, inside `guard()`);
+    every rank hears how that went and fails the save with rank 0 if it failed."""
     error = None
     if rank == 0:
         try:
-            store.set_aside(step, fence=LeaseToken.from_env(), skipped=known)
+            with guard():
+                store.set_aside(step, fence=LeaseToken.from_env(), skipped=known)
         except Exception as exc:  # noqa: BLE001 - every rank fails this save with it
             error = str(exc) or type(exc).__name__
     error = broadcast(error, group)
