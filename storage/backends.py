@@ -23,6 +23,7 @@ import contextlib
 import errno
 import fcntl
 import hashlib
+import itertools
 import os
 import threading
 import uuid
@@ -203,16 +204,27 @@ class FsspecObjects:
         self.fs.pipe_file(path, bytes(data))
 
     def put_stream(self, path: str, parts: Iterable[memoryview | bytes]) -> int:
-        # One object, made visible by `commit()` alone (fsspec's autocommit=False): s3fs
+        # An object smaller than one upload block goes as one PUT (`put`), as s3fs itself does
+        # with autocommit; its parts are joined first, the copy s3fs's buffer would make anyway.
+        # A larger one is made visible by `commit()` alone (fsspec's autocommit=False): s3fs
         # uploads parts of its block size as they fill and completes the multipart upload at
         # commit, which S3 makes visible atomically. A source that fails part-way is discarded
         # (the upload aborted): with autocommit, leaving `with open(...)` on an error would
         # complete the upload with the bytes so far, a short object under the final name.
+        block = getattr(self.fs, "default_block_size", None) or getattr(self.fs, "blocksize", 2**22)
+        head, rest = bytearray(), iter(parts)
+        for part in rest:
+            head += part
+            if len(head) >= block:
+                break
+        else:
+            self.put(path, bytes(head))
+            return len(head)
         written = 0
         f = self.fs.open(path, "wb", autocommit=False)
         try:
             try:
-                for part in parts:
+                for part in itertools.chain([head], rest):
                     f.write(part)
                     written += len(part)
             finally:
