@@ -24,6 +24,7 @@ import errno
 import fcntl
 import hashlib
 import itertools
+import math
 import os
 import threading
 import uuid
@@ -166,6 +167,9 @@ class FsspecObjects:
     `cat_ranges` (concurrent on object stores), conditional writes best effort."""
 
     conditional_writes: ClassVar[str] = "best effort"
+    # Objects below this many bytes are written with one `put` (None: the filesystem's upload
+    # block size), larger ones streamed through an upload that only `commit()` makes visible.
+    one_put_below: ClassVar[float | None] = None
     read_batch: ClassVar[int] = 0  # one `cat_ranges` for all the reads at hand
     read_threads: ClassVar[int] = 1
     # Held around a conditional write's check and write (no lock: two writers that check in
@@ -211,7 +215,7 @@ class FsspecObjects:
         # commit, which S3 makes visible atomically. A source that fails part-way is discarded
         # (the upload aborted): with autocommit, leaving `with open(...)` on an error would
         # complete the upload with the bytes so far, a short object under the final name.
-        block = getattr(self.fs, "default_block_size", None) or getattr(self.fs, "blocksize", 2**22)
+        block = self.one_put_below or getattr(self.fs, "default_block_size", None) or getattr(self.fs, "blocksize", 2**22)
         head, rest = bytearray(), iter(parts)
         for part in rest:
             head += part
@@ -318,12 +322,9 @@ class MemoryObjects(FsspecObjects):
     def _root_of(stripped: str) -> str:
         return "/" + stripped.lstrip("/")
 
-    def put_stream(self, path: str, parts: Iterable[memoryview | bytes]) -> int:
-        # fsspec's memory filesystem stores a file at open, whatever autocommit says: the parts
-        # are joined first (the bytes live in this process either way), then stored at once.
-        data = b"".join(bytes(part) for part in parts)
-        self.put(path, data)
-        return len(data)
+    # fsspec's memory filesystem stores a file at open, whatever autocommit says: every object
+    # is joined first (its bytes live in this process either way) and stored with one `put`.
+    one_put_below: ClassVar[float | None] = math.inf
 
 
 class S3Objects(FsspecObjects):

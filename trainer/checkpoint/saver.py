@@ -48,8 +48,8 @@ from parashift.trainer.checkpoint.group import Group, broadcast
 
 log = logging.getLogger("parashift.checkpoint")
 
-# How long `abandon` waits for the write in flight to stop (it stops at its next chunk; only a
-# collective with a hung peer or storage that does not answer takes longer).
+# How long `abandon` waits for the storage change under way to end (a write stops at its next
+# chunk; only storage that does not answer takes longer).
 ABANDON_WAIT_S = 60.0
 
 
@@ -151,9 +151,9 @@ class Checkpointer:
         # and a save in flight is always above that.
         self._pruner = ThreadPoolExecutor(1, thread_name_prefix="parashift-prune")
         self._inflight: Future[SaveReport] | None = None
-        # Set by `abandon`; checked before each chunk and before each commit. The lock is held
-        # by whatever changes storage (a write, a commit, a prune), so that `abandon` returns
-        # only once none is under way.
+        # Set by `abandon`; checked before each chunk and each storage change. The lock is held
+        # by whatever changes storage (`_storage_change`: a set-aside, a write, a commit, a
+        # prune), so that `abandon` returns only once none is under way.
         self._abandoned = threading.Event()
         self._changing_storage = threading.Lock()
         self._consumed = threading.Event()  # set: the save in flight no longer reads live memory
@@ -441,7 +441,7 @@ class Checkpointer:
 
 
 def _set_aside(store: CheckpointStore, step: int, rank: int, group: Group, known: set[int],
-               guard: Callable[[], contextlib.AbstractContextManager[None]] = contextlib.nullcontext) -> None:
+               guard: Callable[[], contextlib.AbstractContextManager[None]]) -> None:
     """Before any rank writes `step`: rank 0 sets aside what an earlier save left in its folder
     (`CheckpointStore.set_aside`, fenced by the job's lease like a commit, inside `guard()`);
     every rank hears how that went and fails the save with rank 0 if it failed."""
