@@ -102,8 +102,8 @@ def test_a_closed_warm_pool_leaves_no_folder() -> None:
 # A warm worker's boot, then a job of one rank in the same process: the modules the job imported.
 FIRST_JOB = """
 import json, os, sys
-from parashift.trainer import warm_pool, worker
-warm_pool.import_what_jobs_use()
+from parashift.trainer import forkserver, worker
+forkserver.import_what_jobs_use()
 booted = set(sys.modules)
 os.environ["PARASHIFT_WARM_WORKER"] = "1"
 assert worker.main(sys.argv[1:]) == 0

@@ -6,7 +6,9 @@ lines into a flow run's log.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -34,6 +36,8 @@ from parashift.trainer.events import (
     WorkerEvent,
     parse,
 )
+from parashift.trainer.forkserver import Forkserver, startup_environment
+from parashift.trainer.forkserver import available as forkserver_available
 from parashift.trainer.mesh import job_plan_refusals
 
 import parashift
@@ -95,7 +99,8 @@ class LaunchResult:
 class RunningWorkers:
     """The workers of a launch in progress on this node, for a stop request by signal: instant,
     where the stop object is polled every few seconds. Only processes whose parent is the
-    torchrun this launch started are signalled (a worker pid may be reused once it exited)."""
+    torchrun this launch started, or a forkserver of this process, are signalled (a worker pid
+    may be reused once it exited)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -114,14 +119,24 @@ class RunningWorkers:
         with self._lock:
             self._pids = list(pids)
 
+    def _ours(self) -> list[int]:
+        """The reported workers that are still this launch's processes."""
+        with self._lock:
+            launcher, pids = self._launcher, list(self._pids)
+        parents = {launcher, *forkserver_pids()} if launcher is not None else set()
+        return [pid for pid in pids if _parent_of(pid) in parents]
+
     def kill(self) -> None:
         """End this launch's torchrun and every worker below it at once (the node is leaving,
-        or the launch was aborted)."""
+        or the launch was aborted): forked workers first, their forkserver is no launcher's."""
         with self._lock:
             launcher, kill = self._launcher, self._kill
         if kill is not None:
             kill()
         elif launcher is not None:
+            for pid in self._ours():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
             kill_tree(launcher)
 
     def request_stop(self) -> int:
@@ -129,12 +144,8 @@ class RunningWorkers:
         (0 before the workers reported their pids: then only the stop object reaches them)."""
         from parashift.trainer.control import STOP_SIGNAL
 
-        with self._lock:
-            launcher, pids = self._launcher, list(self._pids)
         signalled = 0
-        for pid in pids:
-            if launcher is None or _parent_of(pid) != launcher:
-                continue
+        for pid in self._ours():
             try:
                 os.kill(pid, STOP_SIGNAL)
                 signalled += 1
@@ -199,12 +210,16 @@ class NodeRendezvous:
         return {"PARASHIFT_NODE": self.node, "PARASHIFT_NODES": ",".join(self.nodes)}
 
 
-def torchrun_command(devices: int, module: str, *args: str, log_dir: Path, node: NodeRendezvous | None = None) -> list[str]:
+def torchrun_command(devices: int, module: str, *args: str, log_dir: Path, node: NodeRendezvous | None = None,
+                     forked: bool = False) -> list[str]:
     """`torchrun` starting `python -m module args` on `devices` local processes: a private
     rendezvous on a free local port, or this node's part of a job across `node.nodes`.
     `log_dir`: where torchrun keeps its per-run files (the workers' error files), a folder the
     caller removes; without it torchrun makes a `torchelastic_*` folder in the system's temporary
-    directory for every launch and never removes it."""
+    directory for every launch and never removes it. `forked`: each worker is forked by the
+    forkserver its environment names (`trainer.forked`)."""
+    if forked:
+        module, args = "parashift.trainer.forked", (module, *args)
     if node is None:
         where = ["--standalone"]
     else:
@@ -215,10 +230,10 @@ def torchrun_command(devices: int, module: str, *args: str, log_dir: Path, node:
 
 
 def worker_command(devices: int, spec_file: Path, plan_file: Path, until_step: int | None,
-                   node: NodeRendezvous | None = None) -> list[str]:
+                   node: NodeRendezvous | None = None, forked: bool = False) -> list[str]:
     """torchrun running the trainer; its own files go beside the spec file (the launch's folder)."""
     command = torchrun_command(devices, "parashift.trainer.worker", "--spec", str(spec_file), "--plan", str(plan_file),
-                               log_dir=spec_file.parent / "torchrun", node=node)
+                               log_dir=spec_file.parent / "torchrun", node=node, forked=forked)
     if until_step is not None:
         command += ["--until-step", str(until_step)]
     return command
@@ -229,8 +244,11 @@ def run_measure_comm(devices: int, kind: str, node: NodeRendezvous | None = None
     them); its exit code, its events (rank 0's `comm_timings`) and the end of its stderr."""
     here = devices if node is None else devices // len(node.nodes)
     env = {**worker_env(kind), **(node.env() if node else {})}
+    server = forkserver_env(kind, env)
     with tempfile.TemporaryDirectory(prefix="parashift-comm-") as tmp:
-        command = torchrun_command(here, "parashift.trainer.measure_comm", "--kind", kind, log_dir=Path(tmp), node=node)
+        command = torchrun_command(here, "parashift.trainer.measure_comm", "--kind", kind, log_dir=Path(tmp), node=node,
+                                   forked=bool(server))
+        env.update(server)
         done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
     events = [e for line in done.stdout.splitlines() if (e := parse(line)) is not None]
     return done.returncode, events, done.stderr[-2000:]
@@ -273,6 +291,42 @@ def worker_env(kind: str) -> dict[str, str]:
         # Several processes share the cores: one thread each (measured: 2 x 2 threads ran 2.3x slower than 2 x 1).
         env.setdefault("OMP_NUM_THREADS", "1")
     return env
+
+
+# This process's forkservers (trainer.forkserver), one for each start-up environment its launches
+# asked for: started at the first launch, shared by every launch after it, closed at exit.
+_forkservers: dict[str, Forkserver] = {}
+_forkservers_lock = threading.Lock()
+
+
+def forkserver_env(kind: str, env: dict[str, str]) -> dict[str, str]:
+    """What makes a launch's workers forked by a forkserver of this process for `env` (started
+    now if there is none): {} where workers start as interpreters of their own (CUDA: a fork
+    after torch's CUDA initialisation breaks the child, and no GPU check of it has run yet)."""
+    if kind != "cpu" or not forkserver_available():
+        return {}
+    key = json.dumps(startup_environment(env), sort_keys=True)
+    with _forkservers_lock:
+        server = _forkservers.get(key)
+        if server is None or not server.alive():
+            if not _forkservers:
+                atexit.register(close_forkservers)
+            server = _forkservers[key] = Forkserver(env)
+        return server.env()
+
+
+def close_forkservers() -> None:
+    with _forkservers_lock:
+        servers = list(_forkservers.values())
+        _forkservers.clear()
+    for server in servers:
+        server.close()
+
+
+def forkserver_pids() -> set[int]:
+    """The forkservers of this process: the parents of its forked workers."""
+    with _forkservers_lock:
+        return {server.pid for server in _forkservers.values()}
 
 
 # How long workers interrupted from outside get to reach a step boundary and commit.
@@ -330,13 +384,15 @@ def launch_workers(
         spec_file.write_text(spec.model_dump_json())
         plan_file.write_text(plan.model_dump_json())
         here = plan.devices if node is None else plan.devices // len(node.nodes)
+        env = {**worker_env(spec.resources.kind), **(extra_env or {}), **(node.env() if node else {})}
+        server = forkserver_env(spec.resources.kind, env)
         process = subprocess.Popen(
-            worker_command(here, spec_file, plan_file, until_step, node),
+            worker_command(here, spec_file, plan_file, until_step, node, forked=bool(server)),
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
             bufsize=1,
-            env={**worker_env(spec.resources.kind), **(extra_env or {}), **(node.env() if node else {})},
+            env={**env, **server},
         )
         assert process.stdout is not None
         workers = workers if workers is not None else RunningWorkers()
@@ -350,7 +406,7 @@ def launch_workers(
                 silent = output.silent_s()
                 if silent > timeout_s:
                     result.hung_s = round(silent, 1)
-                    kill_tree(process.pid)
+                    workers.kill()
                     return
 
         if spec.training.hang_timeout_s is not None:
@@ -359,14 +415,14 @@ def launch_workers(
             for raw in process.stdout:
                 output(raw.rstrip("\n"))
         except KeyboardInterrupt:  # asked to stop at once: nothing of this launch outlives it
-            kill_tree(process.pid)
+            workers.kill()
             raise
         except BaseException:  # e.g. the flow run cancelled: stop at a step boundary, briefly
             workers.request_stop()
             try:
                 process.wait(timeout=STOP_GRACE_S)
             except subprocess.TimeoutExpired:
-                kill_tree(process.pid)
+                workers.kill()
             raise
         finally:
             result.returncode = process.wait()

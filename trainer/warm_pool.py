@@ -42,6 +42,7 @@ from parashift.specs import JobSpec
 from parashift.specs.loader import resolve_model
 from parashift.specs.plan import Plan
 from parashift.trainer import events as worker_events
+from parashift.trainer.forkserver import import_what_jobs_use
 from parashift.trainer.launch import LaunchResult, PlanNotExecutable, worker_env
 from parashift.trainer.mesh import forget_meshes, job_plan_refusals
 
@@ -243,25 +244,6 @@ def _clean_up() -> None:
 
     if torch.cuda.is_available():
         torch.cuda.empty_cache()  # the next job's model may be laid out otherwise
-
-
-def import_what_jobs_use() -> None:
-    """The imports a warm worker exists to have done: the trainer's, and those a job would
-    otherwise make on its first run in this process. torch.nn.init's first call imports
-    torch._dynamo (through torch._refs' wrappers), the model is built from its family's module,
-    storage opens local files through fsspec: ~1 s on this 2-core machine, paid by each spare at
-    the change that takes it in while the other ranks wait for it. The `hf` family is left out:
-    its `transformers` import is for `hf` jobs only."""
-    import fsspec.implementations.chained  # noqa: F401
-    import fsspec.implementations.local  # noqa: F401
-    import parashift.trainer.worker  # noqa: F401
-    import torch._dynamo  # noqa: F401
-    import torch.profiler._cupti_monitor  # noqa: F401 - the optimizer's first step imports it (record_function)
-    from parashift.models import FAMILIES, family
-
-    for name in FAMILIES:
-        if name != "hf":
-            family(name)
 
 
 def serve() -> None:

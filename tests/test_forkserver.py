@@ -1,0 +1,156 @@
+"""Workers forked by a forkserver (trainer.forkserver) behave as `python -m <module>` in an
+interpreter of their own would, towards whoever started them: stdio, arguments, environment,
+working directory, exit status, signals; a killed client takes its worker with it; what the
+server cannot serve exactly starts as its own interpreter; and training through it is the
+same, bit for bit."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from jobs import assert_bitwise_equal, final_state, mesh_plan, tiny_spec
+from parashift.trainer import launch
+from parashift.trainer.forkserver import PID_ENV, SOCKET_ENV, Forkserver
+
+# A module the forkserver never imported: it reports what it sees, then does what its arguments say.
+PROBE = '''
+import json, os, signal, sys, time
+print(json.dumps({"argv": sys.argv[1:], "cwd": os.getcwd(), "pid": os.getpid(), "parent": os.getppid(),
+                  "said": os.environ.get("PARASHIFT_PROBE_SAYS"), "name": __name__, "stdin": sys.stdin.readline().strip()}),
+      flush=True)
+print("to stderr", file=sys.stderr, flush=True)
+what = sys.argv[1]
+if what == "wait":
+    signal.signal(signal.SIGUSR1, lambda *_: (print("usr1", flush=True), sys.exit(5)))
+    time.sleep(60)
+sys.exit(int(what))
+'''
+
+
+@pytest.fixture(scope="module")
+def probe_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    folder = tmp_path_factory.mktemp("probe")
+    (folder / "probe_module.py").write_text(PROBE)
+    env = launch.worker_env("cpu")
+    env["PYTHONPATH"] = os.pathsep.join([str(folder), env["PYTHONPATH"]])
+    return env
+
+
+@pytest.fixture(scope="module")
+def server(probe_env: dict[str, str]) -> Iterator[Forkserver]:
+    forkserver = Forkserver(probe_env)
+    yield forkserver
+    forkserver.close()
+
+
+def start(env: dict[str, str], *args: str, cwd: Path) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, "-m", "parashift.trainer.forked", "probe_module", *args], cwd=cwd, env=env,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def report(process: subprocess.Popen[str], stdin: str = "hello\n") -> dict[str, object]:
+    assert process.stdin is not None and process.stdout is not None
+    process.stdin.write(stdin)
+    process.stdin.flush()
+    return json.loads(process.stdout.readline())
+
+
+def test_a_forked_worker_sees_and_ends_as_its_own_interpreter_would(server: Forkserver, probe_env: dict[str, str],
+                                                                    tmp_path: Path) -> None:
+    env = {**probe_env, **server.env(), "PARASHIFT_PROBE_SAYS": "a variable read late"}
+    client = start(env, "3", "--flag", cwd=tmp_path)
+    seen = report(client)
+    _, err = client.communicate(timeout=60)
+    assert client.returncode == 3
+    assert seen == {"argv": ["3", "--flag"], "cwd": str(tmp_path), "pid": seen["pid"], "parent": server.pid,
+                    "said": "a variable read late", "name": "__main__", "stdin": "hello"}
+    assert seen["pid"] != client.pid and "to stderr" in err and "refused" not in err
+
+    plain = start({**probe_env, "PARASHIFT_PROBE_SAYS": "a variable read late"}, "3", "--flag", cwd=tmp_path)  # no forkserver: exec
+    own = report(plain)
+    plain.communicate(timeout=60)
+    assert plain.returncode == 3 and own["pid"] == plain.pid
+    assert {k: v for k, v in own.items() if k not in ("pid", "parent")} == \
+           {k: v for k, v in seen.items() if k not in ("pid", "parent")}
+
+
+def test_signals_reach_the_worker_and_its_end_is_the_clients(server: Forkserver, probe_env: dict[str, str],
+                                                             tmp_path: Path) -> None:
+    env = {**probe_env, **server.env()}
+    client = start(env, "wait", cwd=tmp_path)
+    report(client)
+    client.send_signal(signal.SIGUSR1)  # what trainer.launch sends for a stop at a step boundary
+    out, _ = client.communicate(timeout=60)
+    assert "usr1" in out and client.returncode == 5
+
+    client = start(env, "wait", cwd=tmp_path)
+    worker = int(report(client)["pid"])  # type: ignore[call-overload]
+    os.kill(worker, signal.SIGKILL)
+    client.communicate(timeout=60)
+    assert client.returncode == -signal.SIGKILL  # as torchrun would see the worker itself die
+
+
+def test_a_killed_client_takes_its_worker_with_it(server: Forkserver, probe_env: dict[str, str], tmp_path: Path) -> None:
+    client = start({**probe_env, **server.env()}, "wait", cwd=tmp_path)
+    worker = int(report(client)["pid"])  # type: ignore[call-overload]
+    client.kill()
+    client.wait()
+    deadline = time.monotonic() + 10
+    while Path(f"/proc/{worker}").exists() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not Path(f"/proc/{worker}").exists()
+
+
+def test_what_the_server_cannot_serve_exactly_starts_as_its_own_interpreter(server: Forkserver, probe_env: dict[str, str],
+                                                                           tmp_path: Path) -> None:
+    # OMP_NUM_THREADS takes effect when torch loads: a worker asking for another value is not forked
+    client = start({**probe_env, **server.env(), "OMP_NUM_THREADS": "2"}, "0", cwd=tmp_path)
+    seen = report(client)
+    _, err = client.communicate(timeout=60)
+    assert client.returncode == 0 and seen["pid"] == client.pid
+    assert "refused (start-up environment differs: OMP_NUM_THREADS)" in err
+
+    gone = Forkserver(probe_env)
+    gone.close()
+    client = start({**probe_env, **gone.env()}, "0", cwd=tmp_path)
+    seen = report(client)
+    _, err = client.communicate(timeout=60)
+    assert client.returncode == 0 and seen["pid"] == client.pid and "is gone" in err
+
+
+def test_training_on_forked_workers_equals_training_on_fresh_interpreters(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same job launched through torchrun both ways: every loss, and the final parameters and
+    optimizer state, bit for bit; the forked launch's workers are its forkserver's children."""
+    plan = mesh_plan({"dp": 2})
+    forked_spec = tiny_spec("forked", f"file://{tmp_path}/a", training={"steps": 6})
+    parents: list[int] = []
+
+    def on_event(event: object) -> None:
+        if isinstance(event, launch.StartEvent):
+            parents.extend(launch._parent_of(pid) or 0 for pid in event.pids)
+
+    forked = launch.launch_workers(forked_spec, plan, on_event=on_event)
+    assert forked.returncode == 0 and set(parents) <= launch.forkserver_pids() and len(parents) == 2
+
+    monkeypatch.setenv("PARASHIFT_FORK_WORKERS", "0")
+    fresh_spec = tiny_spec("fresh", f"file://{tmp_path}/b", training={"steps": 6})
+    fresh = launch.launch_workers(fresh_spec, plan)
+    assert fresh.returncode == 0
+    assert [(s.step, s.loss) for s in forked.steps] == [(s.step, s.loss) for s in fresh.steps]
+    assert_bitwise_equal(final_state(forked_spec), final_state(fresh_spec))
+
+
+def test_the_client_imports_no_torch() -> None:
+    code = "import sys, parashift.trainer.forked; print('torch' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=launch.worker_env("cpu"))
+    assert done.stdout.strip() == "False", done.stderr
+    assert SOCKET_ENV.startswith("PARASHIFT_") and PID_ENV.startswith("PARASHIFT_")  # never compared (LATE_PREFIXES)

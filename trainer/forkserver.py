@@ -1,0 +1,336 @@
+"""A forkserver for worker processes: one interpreter that has imported torch and the trainer
+once, and forks a worker for each request, instead of each worker starting an interpreter
+that imports them again (2.9 s of CPU a worker on the 2-core CI machine, against about 0.1 s
+for a fork).
+
+torchrun still launches every worker: its worker program is `parashift.trainer.forked`, a
+small interpreter without torch that asks this server for the real worker, passes it its
+stdin, stdout and stderr (SCM_RIGHTS), its environment, working directory and arguments, then
+forwards signals to it and exits as it exits. So torchrun's rendezvous, its failure summary
+and its signals work as with any worker, and `python -m <module>` is what the forked process
+runs. A request the server cannot serve exactly (its environment differs in a variable read at
+interpreter start-up, the server is gone) is answered by the client exec'ing the module
+itself: never a worker in another interpreter's conditions.
+
+Why not the standard library's forkserver (`multiprocessing`): it re-imports the parent's
+`__main__` in each child, which breaks scripts without a main guard and imports Prefect again
+in a flow run; and its children are `multiprocessing.Process` objects of one parent, where
+torchrun needs a process of its own (exit status, signals) for each worker.
+
+The server is single-threaded (a fork copies only the calling thread: no lock can be left
+held) and its children are in sessions of their own. It belongs to the process that started it
+(`Forkserver`): when that process closes its end of the server's stdin, or dies, the server
+stops accepting and exits once its children have. A client whose connection closes takes its
+worker with it (SIGKILL to the worker's process group): whatever ends the client (torchrun
+tearing its workers down, `kill -9`) ends the worker.
+
+    server = Forkserver(worker_env("cpu"))
+    env = {**worker_env("cpu"), **server.env()}   # torchrun ... -m parashift.trainer.forked <module> <args>
+    server.close()
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import json
+import os
+import random
+import runpy
+import selectors
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+SOCKET_ENV = "PARASHIFT_FORKSERVER"
+PID_ENV = "PARASHIFT_FORKSERVER_PID"
+# Set to 0 to start every worker as an interpreter of its own (the forkserver's fallback).
+ENABLE_ENV = "PARASHIFT_FORK_WORKERS"
+
+# Variables read after start-up, per launch: they may differ between the server and a worker.
+# Any other variable that differs makes the client exec the module instead (GLIBC_TUNABLES,
+# OMP_NUM_THREADS, PYTHON*, LD_* and the like take effect only when an interpreter starts).
+LATE_NAMES = frozenset({"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+                        "ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                        SOCKET_ENV, PID_ENV})
+LATE_PREFIXES = ("TORCHELASTIC_", "TORCH_NCCL_", "NCCL_", "GLOO_", "PARASHIFT_", "AWS_", "PREFECT_", "PYTEST_")
+
+MAX_MESSAGE = 1 << 20  # a request: the environment and arguments, as JSON
+
+
+def startup_environment(env: dict[str, str]) -> dict[str, str]:
+    """The part of `env` an interpreter reads when it starts (or torch when it is imported)."""
+    return {k: v for k, v in env.items() if k not in LATE_NAMES and not k.startswith(LATE_PREFIXES)}
+
+
+def environment_differences(server: dict[str, str], request: dict[str, str]) -> list[str]:
+    """The start-up variables on which a request's environment differs from the server's."""
+    a, b = startup_environment(server), startup_environment(request)
+    return sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))
+
+
+def available() -> bool:
+    """Whether workers may be forked here: Linux pidfds (kernel 5.3+) and not switched off."""
+    return os.environ.get(ENABLE_ENV, "1") != "0" and hasattr(os, "pidfd_open") and hasattr(signal, "pidfd_send_signal")
+
+
+class Forkserver:
+    """A forkserver process owned by this one, started with `env` (its start-up environment is
+    what it can serve). Starting costs nothing here: the server imports in the background and
+    its first clients wait for it."""
+
+    def __init__(self, env: dict[str, str]) -> None:
+        self.startup = startup_environment(env)
+        self._folder = Path(tempfile.mkdtemp(prefix="parashift-fork-"))
+        self.path = str(self._folder / "socket")
+        self._process = subprocess.Popen([sys.executable, "-m", "parashift.trainer.forkserver", self.path],
+                                         stdin=subprocess.PIPE, env=env, start_new_session=True)
+
+    @property
+    def pid(self) -> int:
+        return self._process.pid
+
+    def alive(self) -> bool:
+        return self._process.poll() is None
+
+    def env(self) -> dict[str, str]:
+        """What a client needs to find this server."""
+        return {SOCKET_ENV: self.path, PID_ENV: str(self._process.pid)}
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Stop it: it exits once the workers it forked have (SIGKILL after `timeout_s`)."""
+        with contextlib.suppress(OSError):
+            self._process.stdin.close()  # type: ignore[union-attr]
+        try:
+            self._process.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self._process.pid, signal.SIGKILL)
+            self._process.wait()
+        shutil.rmtree(self._folder, ignore_errors=True)
+
+
+# --- the server -----------------------------------------------------------------------------
+
+
+@dataclass
+class _Child:
+    pid: int
+    client: socket.socket
+    pidfd: int
+    client_gone: bool = False
+
+
+def import_what_jobs_use() -> None:
+    """The imports a warm worker exists to have done: the trainer's, and those a job would
+    otherwise make on its first run in this process. torch.nn.init's first call imports
+    torch._dynamo (through torch._refs' wrappers), the model is built from its family's module,
+    storage opens local files through fsspec: ~1 s on this 2-core machine, paid by each spare at
+    the change that takes it in while the other ranks wait for it. The `hf` family is left out:
+    its `transformers` import is for `hf` jobs only."""
+    import fsspec.implementations.chained  # noqa: F401
+    import fsspec.implementations.local  # noqa: F401
+    import parashift.trainer.worker  # noqa: F401
+    import torch._dynamo  # noqa: F401
+    import torch.profiler._cupti_monitor  # noqa: F401 - the optimizer's first step imports it (record_function)
+    from parashift.models import FAMILIES, family
+
+    for name in FAMILIES:
+        if name != "hf":
+            family(name)
+
+
+def _prepare() -> None:
+    """What a worker would import first, then out of every collection: a collection in a child
+    would otherwise touch, and so copy, every page the imports made."""
+    import gc
+
+    import_what_jobs_use()
+    gc.collect()
+    gc.freeze()
+
+
+def _listen(path: str) -> socket.socket:
+    """Listen at `path`, which appears only once the server accepts (clients wait for it)."""
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    staging = f"{path}.{os.getpid()}"
+    listener.bind(staging)
+    listener.listen(128)
+    os.rename(staging, path)
+    return listener
+
+
+def serve(path: str) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C is for the workers' stop, not for this
+    started_with = dict(os.environ)
+    _prepare()
+    # What the imports put in the environment (torch sets TORCHINDUCTOR_CACHE_DIR), as they would
+    # have in the worker's own interpreter.
+    imports_set = {k: v for k, v in os.environ.items() if started_with.get(k) != v}
+    listener = _listen(path)
+    selector = selectors.DefaultSelector()
+    selector.register(listener, selectors.EVENT_READ, "accept")
+    selector.register(sys.stdin.fileno(), selectors.EVENT_READ, "owner")
+    children: dict[int, _Child] = {}
+    requests: list[socket.socket] = []
+    accepting = True
+    while accepting or children:
+        for key, _ in selector.select():
+            what = key.data
+            if what == "accept":
+                client, _ = listener.accept()
+                requests.append(client)
+                selector.register(client, selectors.EVENT_READ, ("request", client))
+            elif what == "owner":
+                if not os.read(sys.stdin.fileno(), 4096):  # the owner closed it, or died
+                    accepting = False
+                    selector.unregister(sys.stdin.fileno())
+                    selector.unregister(listener)
+                    listener.close()
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(path)
+            elif what[0] == "request":
+                client = what[1]
+                selector.unregister(client)
+                requests.remove(client)
+                child = _answer(client, listener, selector, children, requests, started_with, imports_set)
+                if child is not None:
+                    children[child.pid] = child
+                    selector.register(child.pidfd, selectors.EVENT_READ, ("exit", child.pid))
+                    selector.register(client, selectors.EVENT_READ, ("client", child.pid))
+            elif what[0] == "client":  # a client sends nothing after its request: this is its end
+                child = children[what[1]]
+                selector.unregister(child.client)
+                child.client_gone = True
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(child.pid, signal.SIGKILL)
+            elif what[0] == "exit":
+                child = children.pop(what[1])
+                selector.unregister(child.pidfd)
+                _, status = os.waitpid(child.pid, 0)
+                os.close(child.pidfd)
+                if not child.client_gone:
+                    selector.unregister(child.client)
+                    with contextlib.suppress(OSError):
+                        child.client.send(json.dumps({"exit": os.waitstatus_to_exitcode(status)}).encode())
+                child.client.close()
+    selector.close()
+
+
+def _answer(client: socket.socket, listener: socket.socket, selector: selectors.BaseSelector,
+            children: dict[int, _Child], requests: list[socket.socket], started_with: dict[str, str],
+            imports_set: dict[str, str]) -> _Child | None:
+    """Fork the requested worker (its _Child), or tell the client why not (None)."""
+    try:
+        message, fds, _, _ = socket.recv_fds(client, MAX_MESSAGE, 3)
+        request = json.loads(message)
+    except (OSError, ValueError):
+        client.close()
+        return None
+    try:
+        if len(fds) != 3:
+            raise ValueError(f"{len(fds)} file descriptors instead of stdin, stdout and stderr")
+        differences = environment_differences(started_with, request["env"])
+        if differences:
+            client.send(json.dumps({"refused": f"start-up environment differs: {', '.join(differences)}"}).encode())
+            client.close()
+            return None
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            inherited = [listener, *requests, *(c.client for c in children.values())]
+            request["env"] = {**imports_set, **request["env"]}
+            _run_child(request, fds, client, inherited, [c.pidfd for c in children.values()], selector)
+        client.send(json.dumps({"pid": pid}).encode())
+        return _Child(pid=pid, client=client, pidfd=os.pidfd_open(pid))
+    except (OSError, ValueError, KeyError) as error:
+        with contextlib.suppress(OSError):
+            client.send(json.dumps({"refused": f"{type(error).__name__}: {error}"}).encode())
+        client.close()
+        return None
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+def _run_child(request: dict[str, Any], fds: list[int], client: socket.socket, sockets: list[socket.socket],
+               pidfds: list[int], selector: selectors.BaseSelector) -> None:
+    """In the forked process: become the worker `python -m <module> <args>` would have been,
+    then exit with its status. Never returns."""
+    code = 1
+    try:
+        os.setsid()
+        selector.close()  # closes this copy of the epoll descriptor; the server's registrations stay
+        for sock in [client, *sockets]:
+            os.close(sock.detach())
+        for fd in pidfds:
+            os.close(fd)
+        for target, fd in enumerate(fds):
+            os.dup2(fd, target)
+            os.close(fd)
+        for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2, signal.SIGQUIT):
+            signal.signal(sig, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        os.environ.clear()
+        os.environ.update(request["env"])
+        os.chdir(request["cwd"])
+        random.seed()  # each process its own stream, as a fresh interpreter has
+        atexit._clear()  # the server's exit functions are not this worker's
+        sys.argv = [request["module"], *request["argv"]]
+        code = _run_module(request["module"])
+    except BaseException:  # noqa: BLE001 - whatever happens here, this process must not return to the server's loop
+        with contextlib.suppress(BaseException):
+            traceback.print_exc()
+    finally:
+        os._exit(code)
+
+
+def _run_module(module: str) -> int:
+    """`python -m module` in this process: its exit status, after the interpreter's own
+    shutdown steps (non-daemon threads joined, exit functions run, streams flushed)."""
+    import threading
+
+    code = 0
+    # As in a fresh interpreter, the module runs as __main__ only (the server imported it to have
+    # its imports done): no second copy under its own name, no warning from runpy about one.
+    sys.modules.pop(module, None)
+    package, _, name = module.rpartition(".")
+    if package in sys.modules and hasattr(sys.modules[package], name):
+        delattr(sys.modules[package], name)
+    try:
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+    except SystemExit as stop:
+        if stop.code is None:
+            code = 0
+        elif isinstance(stop.code, int):
+            code = stop.code
+        else:
+            print(stop.code, file=sys.stderr)
+            code = 1
+    except KeyboardInterrupt:
+        traceback.print_exc()
+        code = -signal.SIGINT
+    except BaseException:  # noqa: BLE001 - printed as the interpreter prints an uncaught exception
+        traceback.print_exc()
+        code = 1
+    threading._shutdown()  # type: ignore[attr-defined]  # what Py_Finalize does first
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    if code < 0:  # as an uncaught KeyboardInterrupt ends an interpreter: by the signal
+        signal.signal(-code, signal.SIG_DFL)
+        os.kill(os.getpid(), -code)
+    return code & 0xFF
+
+
+if __name__ == "__main__":
+    serve(sys.argv[1])
