@@ -322,9 +322,11 @@ def static_warm(prefect_server: None, tmp_path_factory: pytest.TempPathFactory) 
 
 # Loaded by every warm worker of the test below (on PYTHONPATH): rank 1 is killed at its first
 # point-to-point send of live state, once (the marker file), while its peers wait for its bytes.
+# Loaded by a warm worker's interpreter, or by the forkserver its workers are forked from (they
+# inherit the patch): rank 1 kills itself at its first point-to-point send.
 KILL_WHILE_STATE_MOVES = """
 import os, signal, sys
-if "--serve" in sys.argv:
+if "--serve" in sys.argv or "parashift.trainer.forkserver" in sys.orig_argv:
     import torch.distributed as dist
     _isend = dist.isend
     def isend(*args, **kwargs):

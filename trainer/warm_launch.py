@@ -17,7 +17,6 @@ next segment: only the dead rank pays for a new interpreter.
 
 from __future__ import annotations
 
-import json
 import os
 import selectors
 import subprocess
@@ -93,9 +92,9 @@ def launch_warm(pool: WarmPool, spec: JobSpec, plan: Plan,
             output(line)
 
     def answer(rank: int, proc: subprocess.Popen[str]) -> None:
-        line = proc.stdout.readline()  # type: ignore[union-attr]
-        if line:
-            codes[rank] = int(json.loads(line)["rc"])
+        said = pool.read_answer(proc)
+        if said is not None:
+            codes[rank] = said
             if codes[rank] != 0 and not failed_at:  # its peers may wait on it: a moment to end too
                 failed_at.append(time.monotonic())
                 if result.failed_rank is None:
@@ -107,7 +106,7 @@ def launch_warm(pool: WarmPool, spec: JobSpec, plan: Plan,
             failed_at.append(time.monotonic())
         if result.failed_rank is None and result.hung_s is None:
             result.failed_rank = (rank, code)
-            on_line(f"warm worker rank {rank} (pid {proc.pid}) died ({'signal ' + str(-code) if code < 0 else code}): "
+            on_line(f"warm worker rank {rank} (pid {pool.worker_pid(proc)}) died ({'signal ' + str(-code) if code < 0 else code}): "
                     "another process (a spare, or a fresh one) takes its place; its peers end their job or are ended")
 
     with selectors.DefaultSelector() as selector:

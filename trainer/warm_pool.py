@@ -43,7 +43,7 @@ from parashift.specs.loader import resolve_model
 from parashift.specs.plan import Plan
 from parashift.trainer import events as worker_events
 from parashift.trainer.forkserver import import_what_jobs_use
-from parashift.trainer.launch import LaunchResult, PlanNotExecutable, worker_env
+from parashift.trainer.launch import LaunchResult, PlanNotExecutable, forkserver_env, worker_env
 from parashift.trainer.mesh import forget_meshes, job_plan_refusals
 
 # How long one job may run before the pool is presumed stuck (a collective waiting for a rank
@@ -68,12 +68,28 @@ class WarmPool:
         self._jobs = 0
         self._procs: list[subprocess.Popen[str]] = []
         self._spares: list[subprocess.Popen[str]] = []
+        self._worker_pids: dict[int, int] = {}  # by process started: the pid that runs its jobs
         self._start()
 
     def _spawn(self) -> subprocess.Popen[str]:
-        command = [sys.executable, "-m", "parashift.trainer.warm_pool", "--serve"]
+        """A warm worker: forked by this process's forkserver where it can (the process started
+        here is then its client, `trainer.forked`), else an interpreter of its own."""
+        env = worker_env(self.kind)
+        server = forkserver_env(self.kind, env)
+        serve = ["parashift.trainer.warm_pool", "--serve"]
+        command = [sys.executable, "-m", *(["parashift.trainer.forked", *serve] if server else serve)]
         return subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1,
-                                env=worker_env(self.kind), start_new_session=True)
+                                env={**env, **server}, start_new_session=True)
+
+    def read_answer(self, proc: subprocess.Popen[str]) -> int | None:
+        """A job's exit status from the worker that ran it (its pid recorded); None if it died
+        (its output ended)."""
+        line = proc.stdout.readline()  # type: ignore[union-attr]
+        if not line:
+            return None
+        said = json.loads(line)
+        self._worker_pids[proc.pid] = int(said["pid"])
+        return int(said["rc"])
 
     def _start(self) -> None:
         self._procs = [self._spawn() for _ in range(self.size)]
@@ -107,7 +123,13 @@ class WarmPool:
         return taken, started
 
     def pids(self, count: int) -> list[int]:
-        return [proc.pid for proc in self._procs[:count]]
+        """The processes that ran the first `count` ranks' last jobs (each worker's own pid: a
+        forked worker's client is another process)."""
+        return [self.worker_pid(proc) for proc in self._procs[:count]]
+
+    def worker_pid(self, proc: subprocess.Popen[str]) -> int:
+        """The pid that runs `proc`'s jobs, known once it answered one (else the one started)."""
+        return self._worker_pids.get(proc.pid, proc.pid)
 
     def kill(self, ranks: Iterable[int]) -> None:
         """SIGKILL these workers (a job's ranks that must not wait on a dead peer); `ensure`
@@ -132,6 +154,7 @@ class WarmPool:
         shutil.rmtree(self.root, ignore_errors=True)  # the jobs' folders: specs, plans, outputs
 
     def restart(self) -> None:
+        self._worker_pids.clear()
         for proc in self._procs + self._spares:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, 9)
@@ -185,11 +208,11 @@ class WarmPool:
             if not selector.select(timeout_s):
                 self.restart()
                 return -9
-        line = proc.stdout.readline()  # type: ignore[union-attr]
-        if not line:  # the process died
+        code = self.read_answer(proc)
+        if code is None:  # the process died
             self.restart()
             return -9
-        return int(json.loads(line)["rc"])
+        return code
 
     def output(self, rank: int = 0) -> str:
         """The newest job's output of `rank` (stdout and stderr), for a failure's message."""
@@ -258,7 +281,7 @@ def serve() -> None:
     gc.freeze()
     for line in sys.stdin:
         rc = _run_job(json.loads(line))
-        answers.write(json.dumps({"rc": rc}) + "\n")
+        answers.write(json.dumps({"rc": rc, "pid": os.getpid()}) + "\n")  # a forked worker's client is another pid
         _clean_up()
 
 
