@@ -23,13 +23,14 @@ from parashift.trainer.forkserver import PID_ENV, SOCKET_ENV, Forkserver
 # A module the forkserver never imported: it reports what it sees, then does what its arguments say.
 PROBE = '''
 import json, os, signal, sys, time
+what = sys.argv[1]
+if what == "wait":
+    signal.signal(signal.SIGUSR1, lambda *_: (print("usr1", flush=True), sys.exit(5)))
 print(json.dumps({"argv": sys.argv[1:], "cwd": os.getcwd(), "pid": os.getpid(), "parent": os.getppid(),
                   "said": os.environ.get("PARASHIFT_PROBE_SAYS"), "name": __name__, "stdin": sys.stdin.readline().strip()}),
       flush=True)
 print("to stderr", file=sys.stderr, flush=True)
-what = sys.argv[1]
 if what == "wait":
-    signal.signal(signal.SIGUSR1, lambda *_: (print("usr1", flush=True), sys.exit(5)))
     time.sleep(60)
 sys.exit(int(what))
 '''

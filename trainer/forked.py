@@ -78,24 +78,34 @@ def main(argv: list[str]) -> None:
         _exec(module, args, connected)
     sock = connected
     assert isinstance(sock, socket.socket)
+    # Signals are forwarded from before the request: one that arrives before the worker exists
+    # waits for it, rather than ending this process by its default action.
+    worker: list[int] = []
+    early: list[int] = []
+
+    def forward(signum: int, frame: object) -> None:
+        if not worker:
+            early.append(signum)
+            return
+        with contextlib.suppress(ProcessLookupError):
+            signal.pidfd_send_signal(worker[0], signum)
+
+    for sig in FORWARDED:
+        signal.signal(sig, forward)
     request = {"module": module, "argv": args, "env": dict(os.environ), "cwd": os.getcwd()}
     socket.send_fds(sock, [json.dumps(request).encode()], [0, 1, 2])
     reply = json.loads(sock.recv(MAX_MESSAGE) or b'{"refused": "the forkserver closed the connection"}')
     if "refused" in reply:
         sock.close()
+        for sig in FORWARDED:
+            signal.signal(sig, signal.SIG_DFL)
+        if early:  # asked to end before any worker existed
+            _end_as(-early[0])
         _exec(module, args, f"the forkserver refused ({reply['refused']})")
-    try:
-        worker = os.pidfd_open(reply["pid"])
-    except ProcessLookupError:
-        worker = None  # it has ended already: its status is on its way
-
-    def forward(signum: int, frame: object) -> None:
-        if worker is not None:
-            with contextlib.suppress(ProcessLookupError):
-                signal.pidfd_send_signal(worker, signum)
-
-    for sig in FORWARDED:
-        signal.signal(sig, forward)
+    with contextlib.suppress(ProcessLookupError):  # else it has ended already: its status is on its way
+        worker.append(os.pidfd_open(reply["pid"]))
+    while early:
+        forward(early.pop(0), None)
     ended = sock.recv(MAX_MESSAGE)
     if not ended:  # the server died with the worker still running: it must not run on unseen
         forward(signal.SIGKILL, None)

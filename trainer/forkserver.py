@@ -194,8 +194,9 @@ def serve(path: str) -> None:
                     selector.unregister(sys.stdin.fileno())
                     selector.unregister(listener)
                     listener.close()
-                    with contextlib.suppress(FileNotFoundError):
+                    with contextlib.suppress(OSError):
                         os.unlink(path)
+                        os.rmdir(os.path.dirname(path))  # the owner's folder for it, if the owner is gone
             elif what[0] == "request":
                 client = what[1]
                 selector.unregister(client)
