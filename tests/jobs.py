@@ -12,7 +12,8 @@ from parashift.specs import JobSpec
 from parashift.specs.plan import Plan
 from parashift.storage import CheckpointStore, job_store
 from parashift.trainer.checkpoint import load_tensors
-from parashift.trainer.launch import LaunchResult, descendants, kill_tree
+from parashift.trainer.launch import LaunchResult
+from parashift.trainer.processes import descendants, kill_tree
 from parashift.trainer.warm_pool import WarmPool
 
 __all__ = ["descendants", "kill_tree"]  # tests kill what they started, by PID tree

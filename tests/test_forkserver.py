@@ -19,6 +19,7 @@ import pytest
 from jobs import assert_bitwise_equal, final_state, mesh_plan, tiny_spec
 from parashift.trainer import launch
 from parashift.trainer.forkserver import PID_ENV, SOCKET_ENV, Forkserver
+from parashift.trainer.processes import parent_of
 
 # A module the forkserver never imported: it reports what it sees, then does what its arguments say.
 PROBE = '''
@@ -137,7 +138,7 @@ def test_training_on_forked_workers_equals_training_on_fresh_interpreters(tmp_pa
 
     def on_event(event: object) -> None:
         if isinstance(event, launch.StartEvent):
-            parents.extend(launch._parent_of(pid) or 0 for pid in event.pids)
+            parents.extend(parent_of(pid) or 0 for pid in event.pids)
 
     forked = launch.launch_workers(forked_spec, plan, on_event=on_event)
     assert forked.returncode == 0 and set(parents) <= launch.forkserver_pids() and len(parents) == 2

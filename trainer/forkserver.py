@@ -49,6 +49,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from parashift.trainer.processes import kill_tree
+
 SOCKET_ENV = "PARASHIFT_FORKSERVER"
 PID_ENV = "PARASHIFT_FORKSERVER_PID"
 # Set to 0 to start every worker as an interpreter of its own (the forkserver's fallback).
@@ -152,6 +154,8 @@ def _prepare() -> None:
     would otherwise touch, and so copy, every page the imports made."""
     import gc
 
+    import torch.distributed.run  # noqa: F401 - torchrun's agent is forked from here too
+
     import_what_jobs_use()
     gc.collect()
     gc.freeze()
@@ -185,6 +189,8 @@ def serve(path: str) -> None:
         for key, _ in selector.select():
             what = key.data
             if what == "accept":
+                if not accepting:  # the owner's end came first in this round: the listener is closed
+                    continue
                 client, _ = listener.accept()
                 requests.append(client)
                 selector.register(client, selectors.EVENT_READ, ("request", client))
@@ -207,11 +213,12 @@ def serve(path: str) -> None:
                     selector.register(child.pidfd, selectors.EVENT_READ, ("exit", child.pid))
                     selector.register(client, selectors.EVENT_READ, ("client", child.pid))
             elif what[0] == "client":  # a client sends nothing after its request: this is its end
-                child = children[what[1]]
+                child = children.get(what[1])
+                if child is None or child.client_gone:  # its worker's exit came first in this round
+                    continue
                 selector.unregister(child.client)
                 child.client_gone = True
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(child.pid, signal.SIGKILL)
+                _end(child.pid)
             elif what[0] == "exit":
                 child = children.pop(what[1])
                 selector.unregister(child.pidfd)
@@ -223,6 +230,14 @@ def serve(path: str) -> None:
                         child.client.send(json.dumps({"exit": os.waitstatus_to_exitcode(status)}).encode())
                 child.client.close()
     selector.close()
+
+
+def _end(pid: int) -> None:
+    """SIGKILL a forked process and everything it started: its session's group, and processes
+    in sessions of their own (a forked torchrun's worker clients, whose end ends their workers)."""
+    kill_tree(pid)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pid, signal.SIGKILL)
 
 
 def _answer(client: socket.socket, listener: socket.socket, selector: selectors.BaseSelector,
@@ -238,7 +253,9 @@ def _answer(client: socket.socket, listener: socket.socket, selector: selectors.
     try:
         if len(fds) != 3:
             raise ValueError(f"{len(fds)} file descriptors instead of stdin, stdout and stderr")
-        differences = environment_differences(started_with, request["env"])
+        # A variable the imports set is the same whether the request carries it or not (a forked
+        # torchrun's workers inherit it from their agent); another value of it is a difference.
+        differences = environment_differences({**started_with, **imports_set}, {**imports_set, **request["env"]})
         if differences:
             client.send(json.dumps({"refused": f"start-up environment differs: {', '.join(differences)}"}).encode())
             client.close()

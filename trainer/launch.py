@@ -39,6 +39,7 @@ from parashift.trainer.events import (
 from parashift.trainer.forkserver import Forkserver, startup_environment
 from parashift.trainer.forkserver import available as forkserver_available
 from parashift.trainer.mesh import job_plan_refusals
+from parashift.trainer.processes import kill_tree, parent_of
 
 import parashift
 
@@ -124,7 +125,7 @@ class RunningWorkers:
         with self._lock:
             launcher, pids = self._launcher, list(self._pids)
         parents = {launcher, *forkserver_pids()} if launcher is not None else set()
-        return [pid for pid in pids if _parent_of(pid) in parents]
+        return [pid for pid in pids if parent_of(pid) in parents]
 
     def kill(self) -> None:
         """End this launch's torchrun and every worker below it at once (the node is leaving,
@@ -152,36 +153,6 @@ class RunningWorkers:
             except ProcessLookupError:
                 pass
         return signalled
-
-
-def descendants(pid: int) -> list[int]:
-    """Every process below `pid` (children, grandchildren, ...), from /proc parent links."""
-    children: dict[int, list[int]] = {}
-    for proc in Path("/proc").iterdir():
-        if proc.name.isdigit() and (parent := _parent_of(int(proc.name))) is not None:
-            children.setdefault(parent, []).append(int(proc.name))
-    out, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            out.append(child)
-            todo.append(child)
-    return out
-
-
-def kill_tree(pid: int) -> None:
-    """SIGKILL a process this launcher started and everything below it (torchrun puts each
-    worker in a session of its own, so its process group does not reach them)."""
-    for victim in [*reversed(descendants(pid)), pid]:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(victim, signal.SIGKILL)
-
-
-def _parent_of(pid: int) -> int | None:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return int(stat.rsplit(")", 1)[1].split()[1])
 
 
 @dataclass(frozen=True)
@@ -217,16 +188,15 @@ def torchrun_command(devices: int, module: str, *args: str, log_dir: Path, node:
     `log_dir`: where torchrun keeps its per-run files (the workers' error files), a folder the
     caller removes; without it torchrun makes a `torchelastic_*` folder in the system's temporary
     directory for every launch and never removes it. `forked`: each worker is forked by the
-    forkserver its environment names (`trainer.forked`)."""
-    if forked:
-        module, args = "parashift.trainer.forked", (module, *args)
+    forkserver its environment names (`trainer.forked`), and so is torchrun's agent."""
     if node is None:
         where = ["--standalone"]
     else:
         where = [f"--nnodes={len(node.nodes)}", f"--node-rank={node.node_rank}", "--rdzv-backend=static",
                  f"--master-addr={node.master_addr}", f"--master-port={node.master_port}"]
-    return [sys.executable, "-m", "torch.distributed.run", *where, f"--nproc-per-node={devices}", f"--log-dir={log_dir}",
-            "-m", module, *args]
+    through = ["parashift.trainer.forked"] if forked else []
+    return [sys.executable, "-m", *through, "torch.distributed.run", *where, f"--nproc-per-node={devices}",
+            f"--log-dir={log_dir}", "-m", *through, module, *args]
 
 
 def worker_command(devices: int, spec_file: Path, plan_file: Path, until_step: int | None,

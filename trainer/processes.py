@@ -1,0 +1,41 @@
+"""Process trees from /proc (Linux): who started whom, so that what a launcher started can be
+ended with everything it started in turn, and nothing else. Stdlib only: the forkserver and its
+clients use it as well as the launcher."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+from pathlib import Path
+
+
+def parent_of(pid: int) -> int | None:
+    """`pid`'s parent (None: no such process)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(stat.rsplit(")", 1)[1].split()[1])
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid` (children, grandchildren, ...), from /proc parent links."""
+    children: dict[int, list[int]] = {}
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit() and (parent := parent_of(int(proc.name))) is not None:
+            children.setdefault(parent, []).append(int(proc.name))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL a process this process started and everything below it (torchrun puts each
+    worker in a session of its own, so its process group does not reach them)."""
+    for victim in [*reversed(descendants(pid)), pid]:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(victim, signal.SIGKILL)
