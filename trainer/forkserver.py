@@ -306,9 +306,20 @@ def _run_child(request: dict[str, Any], fds: list[int], client: socket.socket, s
         code = _run_module(request["module"])
     except BaseException:  # noqa: BLE001 - whatever happens here, this process must not return to the server's loop
         with contextlib.suppress(BaseException):
-            traceback.print_exc()
+            _print_exception()
     finally:
         os._exit(code)
+
+
+def _print_exception() -> None:
+    """The exception being handled, as the interpreter prints an uncaught one, in one write:
+    ranks that fail at the same moment share a pipe, and a traceback written line by line
+    interleaves with theirs (the run log gathers each traceback into one record)."""
+    text = traceback.format_exc().encode(errors="replace")
+    with contextlib.suppress(Exception):
+        sys.stderr.flush()
+    while text:
+        text = text[os.write(2, text):]
 
 
 def _run_module(module: str) -> int:
@@ -334,10 +345,10 @@ def _run_module(module: str) -> int:
             print(stop.code, file=sys.stderr)
             code = 1
     except KeyboardInterrupt:
-        traceback.print_exc()
+        _print_exception()
         code = -signal.SIGINT
     except BaseException:  # noqa: BLE001 - printed as the interpreter prints an uncaught exception
-        traceback.print_exc()
+        _print_exception()
         code = 1
     threading._shutdown()  # type: ignore[attr-defined]  # what Py_Finalize does first
     atexit._run_exitfuncs()
