@@ -18,6 +18,7 @@ import sys
 import time
 
 from parashift.trainer.forkserver import MAX_MESSAGE, PID_ENV, SOCKET_ENV
+from parashift.trainer.processes import running
 
 # How long a client waits for its forkserver to finish its imports and listen (it started with
 # the launch, beside torchrun): beyond this the worker starts as an interpreter of its own.
@@ -31,14 +32,6 @@ def _exec(module: str, args: list[str], why: str | None) -> None:
     os.execv(sys.executable, [sys.executable, "-m", module, *args])
 
 
-def _server_gone(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
-    except OSError:
-        return True
-
-
 def _connect(path: str, server_pid: int) -> socket.socket | str:
     """A connection to the server, or why there is none."""
     deadline = time.monotonic() + WAIT_FOR_SERVER_S
@@ -49,7 +42,7 @@ def _connect(path: str, server_pid: int) -> socket.socket | str:
             return sock
         except (FileNotFoundError, ConnectionRefusedError):
             sock.close()
-        if _server_gone(server_pid):
+        if not running(server_pid):
             return f"forkserver {server_pid} is gone"
         if time.monotonic() > deadline:
             return f"forkserver {server_pid} did not listen within {WAIT_FOR_SERVER_S:.0f} s"

@@ -21,8 +21,8 @@ The server is single-threaded (a fork copies only the calling thread: no lock ca
 held) and its children are in sessions of their own. It belongs to the process that started it
 (`Forkserver`): when that process closes its end of the server's stdin, or dies, the server
 stops accepting and exits once its children have. A client whose connection closes takes its
-worker with it (SIGKILL to the worker's process group): whatever ends the client (torchrun
-tearing its workers down, `kill -9`) ends the worker.
+worker with it (SIGKILL to the worker and everything below it): whatever ends the client
+(torchrun tearing its workers down, `kill -9`) ends the worker.
 
     server = Forkserver(worker_env("cpu"))
     env = {**worker_env("cpu"), **server.env()}   # torchrun ... -m parashift.trainer.forked <module> <args>
@@ -89,7 +89,6 @@ class Forkserver:
     its first clients wait for it."""
 
     def __init__(self, env: dict[str, str]) -> None:
-        self.startup = startup_environment(env)
         self._folder = Path(tempfile.mkdtemp(prefix="parashift-fork-"))
         self.path = str(self._folder / "socket")
         self._process = subprocess.Popen([sys.executable, "-m", "parashift.trainer.forkserver", self.path],

@@ -10,13 +10,25 @@ import signal
 from pathlib import Path
 
 
-def parent_of(pid: int) -> int | None:
-    """`pid`'s parent (None: no such process)."""
+def _stat_fields(pid: int) -> list[str] | None:
+    """/proc/<pid>/stat after the command name: state, parent, ... (None: no such process)."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
-    return int(stat.rsplit(")", 1)[1].split()[1])
+    return stat.rsplit(")", 1)[1].split()
+
+
+def parent_of(pid: int) -> int | None:
+    """`pid`'s parent (None: no such process)."""
+    fields = _stat_fields(pid)
+    return int(fields[1]) if fields else None
+
+
+def running(pid: int) -> bool:
+    """Whether `pid` exists and has not exited (a zombie waiting to be reaped has)."""
+    fields = _stat_fields(pid)
+    return bool(fields) and fields[0] not in ("Z", "X")
 
 
 def descendants(pid: int) -> list[int]:
