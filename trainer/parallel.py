@@ -217,7 +217,7 @@ InitialPart = Callable[[str, tuple[int, ...], Slice], torch.Tensor]
 
 @torch.no_grad()
 def materialize(model: nn.Module, device: torch.device, initial_part: InitialPart,
-                buffers: dict[str, torch.Tensor] | None = None) -> None:
+                buffers: dict[str, torch.Tensor] | None = None, *, fill: bool = True) -> None:
     """Give a model built on the meta device and parallelized there its memory on `device`, and
     fill each rank's part of every parameter from `initial_part(name, global shape, box)` (on
     the CPU), one parameter at a time (after torchtitan: build on meta, parallelize, then
@@ -225,7 +225,8 @@ def materialize(model: nn.Module, device: torch.device, initial_part: InitialPar
     tensors written here are the ones it keeps. A parameter shared by two modules (a head tied
     to the embedding) stays shared: `to_empty` gives each module its own copy, so the ties are
     taken before and made again after. `buffers`: the values of buffers by name (`to_empty`
-    leaves them uninitialised)."""
+    leaves them uninitialised). `fill` False: the parameters' memory is left as `to_empty` gives
+    it, for a caller that fills it itself (a restore; `initialize` where there is none)."""
     ties = _tied_parameters(model)
     model.to_empty(device=device)
     for module, name, owner, owner_name in ties:
@@ -233,7 +234,8 @@ def materialize(model: nn.Module, device: torch.device, initial_part: InitialPar
     for name, buffer in model.named_buffers():
         if buffers and name in buffers:
             buffer.copy_(buffers[name])
-    initialize(model, initial_part)
+    if fill:
+        initialize(model, initial_part)
 
 
 def _tied_parameters(model: nn.Module) -> list[tuple[nn.Module, str, nn.Module, str]]:
