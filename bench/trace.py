@@ -248,6 +248,8 @@ def static_run(store: Path, steps: int) -> tuple[dict[int, float], float]:
             timeline.step(event.step, event.step_s, event.loss)
 
     result = launch_workers(job_spec("trace-static", store, steps), Plan.data_parallel(START_DEVICES), on_event=listen)
+    if len(result.steps) != steps:
+        raise SystemExit(f"the static run trained {len(result.steps)} of {steps} steps (exit code {result.returncode})")
     return {e.step: e.loss for e in result.steps}, timeline.excess_s()
 
 

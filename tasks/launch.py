@@ -25,7 +25,7 @@ from parashift.tasks.events import ResourceWatcher
 from parashift.tasks.nodes import node_launch
 from parashift.tasks.records import SegmentResult
 from parashift.tasks.worker_log import WorkerLog
-from parashift.trainer.events import StartEvent, StepEvent, StoppedEvent, WorkerEvent
+from parashift.trainer.events import HeldEvent, StartEvent, StepEvent, StoppedEvent, WorkerEvent
 from parashift.trainer.launch import LaunchResult, RunningWorkers, launch_workers
 from parashift.trainer.warm_launch import launch_warm
 from parashift.trainer.warm_pool import WarmPool
@@ -252,13 +252,21 @@ def launch_training(spec: JobSpec, plan: Plan, until_step: int | None = None,
     # A segment that restored a step live ranks held by a pending manifest and committed nothing
     # has the commit before that step as its last committed one.
     durable = result.restoring.durable_step if result.restoring else None
+    last_commit = committed[-1][0] if committed else durable
+    # Warm workers that survived a peer's death and hold their last step whole: the next
+    # segment resumes there, not at the last commit (`trainer.checkpoint.live`).
+    held = max((e.step for e in result.of(HeldEvent)), default=None)
+    held = held if held is not None and held > (last_commit if last_commit is not None else start_step) else None
     outcome, reason, final_step = segment_outcome(
         start_step=start_step, ended_at=result.final_step, stopped=result.stopped, returncode=result.returncode,
-        committed_step=committed[-1][0] if committed else durable, fatal=fatal.message if fatal else None,
+        committed_step=held if held is not None else last_commit, fatal=fatal.message if fatal else None,
         left_nodes=left, failure=failure_reason(result, lines),
         stopped_for=decide(spec, job, pending) if pending is not None else None)
     if outcome == "fatal":
         logger.error("%s", reason)
+    elif outcome == "failed" and held is not None:
+        logger.error("workers failed: %s; the surviving workers hold step %d in memory (the last committed step "
+                     "is %s): the job resumes there", reason, final_step, last_commit)
     elif outcome == "failed":
         logger.error("workers failed: %s; the last committed step is %d", reason, final_step)
     rates = [e.tokens_per_s for e in result.steps[1:]]  # the first step pays for warm-up
@@ -284,7 +292,8 @@ def launch_training(spec: JobSpec, plan: Plan, until_step: int | None = None,
         mesh=dict(plan.mesh),
         first_step_at=stepped[0] if stepped else None,
         last_step_at=stepped[-1] if stepped else None,
-        held_unsaved=outcome != "failed" and any(e.pending for e in result.of(StoppedEvent)),
+        held_unsaved=(outcome != "failed" and any(e.pending for e in result.of(StoppedEvent)))
+        or (outcome == "failed" and held is not None),
     ))
 
 
@@ -296,7 +305,7 @@ def _ended(segment: SegmentResult) -> SegmentResult:
         return segment
     what = "workers failed" if segment.outcome == "failed" else "cannot go on"
     return Failed(data=segment, message=f"{what} on {segment.devices} devices ({segment.reason}); "  # type: ignore[return-value]
-                  f"the last committed step is {segment.final_step}")
+                  f"the job resumes from step {segment.final_step}")
 
 
 def segment_of(state: State[SegmentResult]) -> SegmentResult:

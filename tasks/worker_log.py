@@ -15,6 +15,7 @@ from parashift.trainer.events import (
     CheckpointStallEvent,
     FatalEvent,
     FinishedEvent,
+    HeldEvent,
     RestoringEvent,
     StartEvent,
     StepEvent,
@@ -53,6 +54,9 @@ def describe(event: WorkerEvent, total_steps: int | None = None) -> str:
             return f"step {event.step}: the loop waited {event.stall_s:.3f} s for a checkpoint"
         case FatalEvent():
             return event.message
+        case HeldEvent():
+            return (f"a peer died: this rank holds step {event.step} whole in memory "
+                    f"({event.samples_consumed:,} samples consumed); the job resumes there")
         case StoppedEvent() | FinishedEvent():
             return f"{event.event} at step {event.step} ({event.samples_consumed:,} samples consumed)"
     fields = ", ".join(f"{k}={v}" for k, v in event.model_dump(exclude={"event", "received_at"}).items())

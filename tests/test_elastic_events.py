@@ -339,6 +339,26 @@ if "--serve" in sys.argv or "parashift.trainer.forkserver" in sys.orig_argv:
 """
 
 
+# Rank 1 of a 3-rank job SIGKILLs itself as it begins the 4th step of its job: its peers are
+# then in that step's gradient reduction, past the last step they completed (deterministic,
+# unlike a kill from outside, which may land between a step's update and its report).
+KILL_AT_A_STEP = """
+import os, signal, sys
+if "--serve" in sys.argv or "parashift.trainer.forkserver" in sys.orig_argv:
+    from parashift.trainer import schedule
+    _learning_rate, _first = schedule.learning_rate, {}
+    def learning_rate(step, *args, **kwargs):
+        first = _first.setdefault(os.environ.get("MASTER_PORT"), step)
+        marker = os.environ["LIVE_FAULT_MARKER"]
+        if os.environ.get("RANK") == "1" and os.environ.get("WORLD_SIZE") == "3" and step == first + 3 \
+                and not os.path.exists(marker):
+            open(marker, "w").close()
+            os.kill(os.getpid(), signal.SIGKILL)
+        return _learning_rate(step, *args, **kwargs)
+    schedule.learning_rate = learning_rate
+"""
+
+
 @pytest.mark.parametrize("kill", ["training", "state-moving"])
 def test_warm_workers_outlive_a_change_and_replace_a_killed_rank(prefect_server: None, tmp_path: Path,
                                                                  monkeypatch: pytest.MonkeyPatch,
@@ -346,54 +366,59 @@ def test_warm_workers_outlive_a_change_and_replace_a_killed_rank(prefect_server:
     """resources.warm_workers: an event takes the job from 2 to 3 devices on the same two
     processes plus one, the state taken from the live workers' memory; a SIGKILL of one rank
     (three steps into that segment, or while live state moves to the new rank) is a failure
-    the job recovers from on 2 devices (that process replaced). Every step's loss equals the
-    static run's; every sample of each epoch is trained once."""
+    the job recovers from on 2 devices, resuming where the survivors stand (their memory holds
+    the whole replicated state). Every step's loss equals the static run's; every sample of
+    each epoch is trained once."""
     from parashift.tasks.events import ResourceEvent, emit_resource_change
 
     static_losses = static_warm
     monkeypatch.setenv("PARASHIFT_SAMPLE_LOG", str(tmp_path / "samples"))
-    if kill == "state-moving":
-        hooks = tmp_path / "hooks"
-        hooks.mkdir()
-        (hooks / "sitecustomize.py").write_text(KILL_WHILE_STATE_MOVES)
-        monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(hooks), *filter(None, [os.environ.get("PYTHONPATH")])]))
-        monkeypatch.setenv("LIVE_FAULT_MARKER", str(tmp_path / "killed"))
+    hooks = tmp_path / "hooks"
+    hooks.mkdir()
+    (hooks / "sitecustomize.py").write_text(KILL_WHILE_STATE_MOVES if kill == "state-moving" else KILL_AT_A_STEP)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(hooks), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    monkeypatch.setenv("LIVE_FAULT_MARKER", str(tmp_path / "killed"))
     # While state moves, no checkpoint is committed yet (the first is at step 50): the change is
     # a planned one, and the step it stops at is held in memory, not saved.
     spec = tiny_spec(f"warm-{kill}", f"file://{tmp_path}/warm",
                      training={**LONG, "checkpoint_every": 5 if kill == "training" else 50},
                      resources={"warm_workers": True})
     starts: list[StartEvent] = []
-    killed: list[int] = []
 
     def react(event: WorkerEvent) -> None:
         if isinstance(event, StartEvent):
             starts.append(event)
-        if not isinstance(event, StepEvent) or event.step != starts[-1].step + 3:
-            return
-        if len(starts) == 1:
+        if isinstance(event, StepEvent) and event.step == starts[-1].step + 3 and len(starts) == 1:
             emit_resource_change(spec.job_id, ResourceEvent(devices=3, epoch=10))
-        elif len(starts) == 2 and not killed and kill == "training":
-            killed.append(starts[-1].pids[1])
-            os.kill(killed[0], signal.SIGKILL)
 
     state = run_flow(spec, WorkerEvents(react))
     summary = state.result()
     assert [(s.devices, s.outcome) for s in summary.segments] == [(2, "rescaled"), (3, "failed"), (2, "finished")]
     assert "rank 1 killed by signal 9 (a warm worker" in (summary.segments[1].reason or "")
     if kill == "training":
+        assert (tmp_path / "killed").exists()
+        killed = [starts[1].pids[1]]
         first, second, third = (set(s.pids) for s in starts)
         assert first < second, "the 2 -> 3 change kept both processes and added one"
         assert killed[0] in second and killed[0] not in third
-        assert len(third & second) == 1, "rank 0 survived its peer's death (gloo failed its collective) and trains on"
+        assert third == second - set(killed), "both survivors of their peer's death (gloo failed its collective) train on"
         # The third rank and the dead rank's replacement were spares, booted ahead of time.
         assert len(run_log(state, "warm workers: 1 spare process took its place")) > 0
-        # The change's state came from the live workers' memory (the new rank's over the group);
-        # after the failure, from storage (what survived had moved past the committed step).
+        # The change's state came from the live workers' memory (the new rank's over the group).
         moved = summary.segments[1].restore_bytes or {}
         assert moved["network"] > 0 and moved["live"] == moved["read"] and moved["store"] == 0, moved
-        recovered = summary.segments[2].restore_bytes or {}
-        assert recovered["live"] == 0 and recovered["store"] == recovered["read"] > 0, recovered
+        # So did the failure's: the survivors kept the last step they completed, whole (dp
+        # replicates the state; every rank's generators too), and the job resumed there, past its
+        # last commit, with no step trained twice.
+        failed, recovering = summary.segments[1:]
+        recovered = recovering.restore_bytes or {}
+        assert recovered["live"] == recovered["read"] > 0 and recovered["store"] == 0, recovered
+        assert recovering.start_step == failed.final_step == failed.start_step + 3 == failed.losses[-1][0], \
+            (failed.losses[-3:], failed.final_step, recovering.start_step)
+        assert failed.final_step not in {int(url.rsplit("/", 2)[-2]) for url in failed.checkpoint_urls}
+        assert failed.held_unsaved
+        assert (recovering.resumed_from_url or "").endswith(f"/ckpt/pending/{failed.final_step:08d}.json")
+        assert len(run_log(state, f"this rank holds step {failed.final_step} whole in memory")) > 0
         # The run's summary shows each change: why, the plans, the downtime, where the state came from.
         markdown = read_artifact(f"{spec.job_id}-summary").data
         change = re.search(r"\| 1 \| rescaled: [^|]* \| 2 devices[^|]*→ 3 devices[^|]* \| (\d+\.\d+) \|", markdown)

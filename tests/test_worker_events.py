@@ -16,6 +16,7 @@ from parashift.trainer.events import (
     CommTimingsEvent,
     FatalEvent,
     FinishedEvent,
+    HeldEvent,
     RestoringEvent,
     StartEvent,
     StepEvent,
@@ -37,6 +38,7 @@ EVERY_KIND = [
     CheckpointStallEvent(step=9, stall_s=0.01),
     StoppedEvent(step=9, samples_consumed=72),
     FinishedEvent(step=12, samples_consumed=96),
+    HeldEvent(step=11, samples_consumed=88),
     FatalEvent(message="none of the 2 committed checkpoints fit"),
     CommTimingsEvent(timings={"group_size": 2, "all_reduce": [[16384, 1e-4]]}),
 ]

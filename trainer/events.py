@@ -100,6 +100,17 @@ class StoppedEvent(_Event):
     pending: bool = False
 
 
+class HeldEvent(_Event):
+    """A warm worker's peer died: this rank keeps the state of `step`, the last step it
+    completed, whole in its memory for the job's next segment, which resumes there
+    (`trainer.checkpoint.live`). Said by every such rank, not only rank 0 (which may be the
+    one that died)."""
+
+    event: Literal["held"] = "held"
+    step: int
+    samples_consumed: int = 0
+
+
 class FinishedEvent(_Event):
     """The workers reached their last step, committed."""
 
@@ -124,7 +135,7 @@ class CommTimingsEvent(_Event):
 
 WorkerEvent = Annotated[
     StartEvent | RestoringEvent | StepEvent | CheckpointEvent | CheckpointStallEvent | StoppedEvent | FinishedEvent
-    | FatalEvent | CommTimingsEvent,
+    | HeldEvent | FatalEvent | CommTimingsEvent,
     Field(discriminator="event"),
 ]
 _WORKER_EVENT: TypeAdapter[WorkerEvent] = TypeAdapter(WorkerEvent)
@@ -148,4 +159,4 @@ def parse(line: str) -> WorkerEvent | None:
 
 
 __all__ = ["PREFIX", "CheckpointEvent", "CheckpointStallEvent", "CommTimingsEvent", "FatalEvent", "FinishedEvent",
-           "RestoringEvent", "StartEvent", "StepEvent", "StoppedEvent", "WorkerEvent", "encode", "parse"]
+           "HeldEvent", "RestoringEvent", "StartEvent", "StepEvent", "StoppedEvent", "WorkerEvent", "encode", "parse"]

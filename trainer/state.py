@@ -155,10 +155,7 @@ class RandomState(StateKind):
                 for rank in range(devices) for device, size in rng_bytes.items()}
 
     def collect(self, held, *, local):
-        state = {f"rng/rank{held.rank:05d}/cpu": torch.get_rng_state()}
-        if held.device.type == "cuda":
-            state[f"rng/rank{held.rank:05d}/cuda"] = torch.cuda.get_rng_state(held.device)
-        return state
+        return generator_states(held.rank, held.device)
 
     def apply(self, tensors, held, *, adopt):
         cpu = tensors.get(f"rng/rank{held.rank:05d}/cpu")
@@ -170,6 +167,14 @@ class RandomState(StateKind):
 
 
 STATE_KINDS: tuple[StateKind, ...] = (Parameters(), OptimizerState(), RandomState())
+
+
+def generator_states(rank: int, device: torch.device) -> dict[str, torch.Tensor]:
+    """This rank's generator states as a checkpoint names them (copies)."""
+    state = {f"{RandomState.prefix}/rank{rank:05d}/cpu": torch.get_rng_state()}
+    if device.type == "cuda":
+        state[f"{RandomState.prefix}/rank{rank:05d}/cuda"] = torch.cuda.get_rng_state(device)
+    return state
 
 
 def rng_state_bytes(device: torch.device) -> dict[str, int]:

@@ -108,10 +108,10 @@ class WarmPool:
         more, from the spares first, else started now (a fresh interpreter the job waits
         for); the spares topped up behind them. Returns (taken from spares, started now)."""
         taken = started = 0
-        for i, proc in enumerate(self._procs):
-            if proc.poll() is not None:
-                self._procs[i], spare = self._fresh()
-                taken, started = taken + spare, started + (not spare)
+        # The live first: a job's first ranks are the processes that may hold its state (the
+        # survivors of a failure: `trainer.checkpoint.live`); replacements go after them.
+        live = [proc for proc in self._procs if proc.poll() is None]
+        size, self._procs = max(size, len(self._procs)), live
         while len(self._procs) < size:
             proc, spare = self._fresh()
             self._procs.append(proc)

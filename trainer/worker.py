@@ -49,6 +49,7 @@ from parashift.trainer.checkpoint import (
     restore_totals,
 )
 from parashift.trainer.checkpoint import live as live_state
+from parashift.trainer.checkpoint.group import broadcast
 from parashift.trainer.control import StopRequests
 from parashift.trainer.data import (
     DataPosition,
@@ -64,6 +65,7 @@ from parashift.trainer.events import (
     CheckpointStallEvent,
     FatalEvent,
     FinishedEvent,
+    HeldEvent,
     RestoringEvent,
     StartEvent,
     StepEvent,
@@ -88,6 +90,7 @@ from parashift.trainer.state import (
     OptimizerState,
     apply_state,
     collect_state,
+    generator_states,
     held_by_first,
     rank_private,
     restore_destinations,
@@ -303,6 +306,28 @@ def every_ranks_own(state: dict[str, torch.Tensor], world_size: int, group: Any)
     return {name: t for said in everyone for name, t in said.items()}
 
 
+class PeersGenerators:
+    """Every rank's generator states as of step `step`, kept by every warm rank: what a survivor
+    of a peer's death needs to hold that step whole (the dead rank's generators included).
+    Gathered at the start, and again after a step that moved any rank's generator (a flag in the
+    step's report: no collective while none moves, as in a model without dropout)."""
+
+    def __init__(self, rank: int, device: torch.device, world_size: int, step: int) -> None:
+        self.rank, self.device, self.world_size = rank, device, world_size
+        self.gather(step)
+
+    def gather(self, step: int) -> None:
+        """A collective on the default group (the loop's; the checkpoint's group is the saver's)."""
+        self.step = step
+        self.mine = generator_states(self.rank, self.device)
+        self.every = every_ranks_own(self.mine, self.world_size, None)
+
+    def moved(self) -> bool:
+        """Whether this rank's generators moved since the last gather."""
+        now = generator_states(self.rank, self.device)
+        return any(not torch.equal(now[name], self.mine[name]) for name in now)
+
+
 def _restored_url(store: Any, job_id: str, restored: Restored | None) -> str | None:
     """The manifest a segment started from: a committed one, or a pending one (live memory)."""
     if restored is None:
@@ -359,14 +384,30 @@ class Saves:
 
 @dataclass
 class Ended:
-    """Where the training loop ended: the step, the data position, whether it was asked to stop,
-    and whether that step still has to be saved (a planned change on warm workers: `Saves.pending`)."""
+    """Where the training loop ended (or, while it runs, stands): the step, the data position,
+    whether it was asked to stop, and whether that step still has to be saved (a planned change
+    on warm workers: `Saves.pending`). `consistent`: the model and optimizer are that step's
+    (False while the optimizer changes them)."""
 
     step: int
     position: DataPosition
     stopped: bool = False
     unsaved: bool = False
     loss: float | None = None
+    consistent: bool = True
+
+
+def hold_after_failure(spec: JobSpec, plan: Plan, built: Built, layout: Any, save: Saves, where: Ended,
+                       generators: PeersGenerators) -> None:
+    """A warm worker whose peer died: keep the state of the last step it completed for the job's
+    next segment (`trainer.checkpoint.live`), and say so where it holds that step whole."""
+    rank, device = generators.rank, generators.device
+    state = {**collect_state(built.module, built.optimizer, rank, device, local=True), **generators.mine}
+    facts = live_state.Unrecorded(layout, where.position.to_manifest(save.samples_per_epoch),
+                                  plan.model_dump(mode="json"), {**save.metadata, "loss": where.loss})
+    held = live_state.hold(spec.job_id, where.step, layout, rank, state, others=generators.every, unrecorded=facts)
+    if held.whole():
+        metrics.emit(HeldEvent(step=where.step, samples_consumed=where.position.samples_consumed))
 
 
 def holds_for_next(stops: StopRequests, layout: Any, rank: int, world_size: int, device: torch.device) -> bool:
@@ -383,8 +424,11 @@ def holds_for_next(stops: StopRequests, layout: Any, rank: int, world_size: int,
 
 def train(spec: JobSpec, plan: Plan, built: Built, batches: Batches, dims: ParallelDims, coords: Coordinates,
           mesh: Any, device: torch.device, world_size: int, rank: int, resumed: Resumed, end_step: int,
-          checkpointer: Checkpointer, save: Saves, stops: StopRequests, layout: Any = None) -> Ended:
-    """The training loop from `resumed` to `end_step` or a stop."""
+          checkpointer: Checkpointer, save: Saves, stops: StopRequests, layout: Any = None,
+          where: Ended | None = None, generators: PeersGenerators | None = None) -> Ended:
+    """The training loop from `resumed` to `end_step` or a stop. `where` follows it step by step
+    (what a warm worker holds when a peer dies mid-step); `generators`, every rank's generator
+    states with it."""
     train_spec, m = spec.training, spec.model
     module, runnable, optimizer, family = built.module, built.runnable, built.optimizer, built.family
     reader = batches.prefetcher(train_spec.global_batch, pipelined=dims.pp > 1)
@@ -405,6 +449,7 @@ def train(spec: JobSpec, plan: Plan, built: Built, batches: Batches, dims: Paral
     # The loss is counted once per dp rank: on the last stage, by tp rank 0.
     counts_loss = coords.tp_rank == 0 and coords.pp_rank == dims.pp - 1
     stopped = False
+    where = where if where is not None else Ended(step, position, loss=loss)
     sample_log = SampleLog.from_env(rank)
     reader.start(position.samples_consumed)
     try:
@@ -437,24 +482,33 @@ def train(spec: JobSpec, plan: Plan, built: Built, batches: Batches, dims: Paral
             if spec.optimizer.grad_clip:
                 clip_grad_norm_(list(module.parameters()), spec.optimizer.grad_clip, coords.within_stage())
             checkpointer.before_update()  # a save in flight may still be reading these tensors
+            where.consistent = False  # no collective until the step count follows the update
             optimizer.step()
             optimizer.zero_grad()
+            step += 1
+            position = DataPosition(position.samples_consumed + train_spec.global_batch)
+            where.step, where.position, where.loss, where.consistent = step, position, None, True
             if checkpointer.last_stall_s is not None:  # how long the newest save held the loop, slowest rank
                 stall = torch.tensor([checkpointer.last_stall_s], dtype=torch.float64, device=device)
                 if world_size > 1:
                     dist.all_reduce(stall, op=dist.ReduceOp.MAX)
                 if rank == 0:
-                    metrics.emit(CheckpointStallEvent(step=step + 1, stall_s=round(stall.item(), 4)))
+                    metrics.emit(CheckpointStallEvent(step=step, stall_s=round(stall.item(), 4)))
                 checkpointer.last_stall_s = None
-            step += 1
-            position = DataPosition(position.samples_consumed + train_spec.global_batch)
 
-            # one small all-reduce: the global loss and whether any rank was asked to stop
+            # one small all-reduce: the global loss, whether any rank was asked to stop, and
+            # whether any rank's generators moved (then every rank's are gathered again)
             report = torch.stack([loss_sum if counts_loss else torch.zeros_like(loss_sum),
-                                  torch.tensor(float(stops.requested()), device=device)])
+                                  torch.tensor(float(stops.requested()), device=device),
+                                  torch.tensor(float(generators is not None and generators.moved()), device=device)])
             if world_size > 1:
                 dist.all_reduce(report)
             loss, stop_now = report[0].item() / tokens_per_step, report[1].item() > 0
+            where.loss = loss
+            if generators is not None:
+                if report[2].item() > 0:
+                    generators.gather(step)
+                generators.step = step
             elapsed = time.perf_counter() - started
             # Every log_every steps, and the first and last of a segment (a change's downtime ends and starts there).
             if rank == 0 and (step % train_spec.log_every == 0 or step in (end_step, resumed.step + 1) or stop_now):
@@ -534,6 +588,9 @@ def main(argv: list[str] | None = None) -> int:
     if live_state.held(spec.job_id) is None:
         live_state.release()  # another job's state: not this one's to serve
     live = live_state.LivePeers.gather(spec.job_id, rank, ckpt_group) if warm else None
+    if live is not None and live.recorders:  # a failure's survivors hold a step nothing describes yet
+        newest = broadcast(max(checkpoints.manifest_steps(), default=-1) if rank == 0 else None, ckpt_group)
+        live.record(checkpoints, rank, newest)
     phases.done("layout_s")
     try:
         resumed, unusable = restore(spec, built, layout, checkpoints, tier, rank, ckpt_group, device, live), None
@@ -584,9 +641,11 @@ def main(argv: list[str] | None = None) -> int:
     source = {"source": json.loads(os.environ["PARASHIFT_SOURCE"])} if os.environ.get("PARASHIFT_SOURCE") else {}
     save = Saves(spec, plan, built, layout, checkpointer, batches.stream.samples_per_epoch, rank, device,
                  {"model": spec.model.model_dump(), "job": spec.name, "nodes": nodes, **source})
+    where = Ended(resumed.step, resumed.position, loss=resumed.loss)
+    generators = PeersGenerators(rank, device, world_size, resumed.step) if warm and world_size > 1 else None
     try:
         ended = train(spec, plan, built, batches, dims, coords, mesh, device, world_size, rank,
-                      resumed, end_step, checkpointer, save, stops, layout if warm else None)
+                      resumed, end_step, checkpointer, save, stops, layout if warm else None, where, generators)
     except DatasetError as error:  # a damaged shard, found as this rank read it: no retry can fix it
         metrics.emit(FatalEvent(message=f"data: {error}"))
         os._exit(metrics.EXIT_FATAL)  # the other ranks wait in a collective; torchrun ends them
@@ -594,6 +653,11 @@ def main(argv: list[str] | None = None) -> int:
         # A peer died, say. The save in flight must change nothing after this: a warm worker
         # goes on to serve the job's recovery, which may write the same step again.
         checkpointer.abandon()
+        if generators is not None and where.consistent and generators.step == where.step:
+            try:
+                hold_after_failure(spec, plan, built, layout, save, where, generators)
+            except Exception as error:  # noqa: BLE001 - the job resumes from its last commit instead
+                log.warning("rank %d: step %d not held after the failure (%s)", rank, where.step, error)
         raise
     step, position, stopped = ended.step, ended.position, ended.stopped
     if ended.unsaved and not save.pending(step, position, ended.loss):

@@ -11,11 +11,11 @@ import torch.distributed as dist
 Group = Any  # a torch.distributed ProcessGroup, or None for a single process
 
 
-def broadcast(value: Any, group: Group) -> Any:
+def broadcast(value: Any, group: Group, src: int = 0) -> Any:
     if group is None:
         return value
     box = [value]
-    dist.broadcast_object_list(box, src=0, group=group)
+    dist.broadcast_object_list(box, src=src, group=group)
     return box[0]
 
 

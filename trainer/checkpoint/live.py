@@ -12,6 +12,12 @@ CRC-32C chunks like any read: a holder whose memory is not the committed checkpo
 caught, and the reader reads those boxes from storage instead. A rank that dies while bytes
 move fails the collective: the segment fails and recovers from the committed checkpoint.
 
+A warm worker whose peer died mid-step keeps its state too, at the last step it completed
+(`Unrecorded`: nothing describes that step yet). Where one survivor holds every box of it (a
+replicated state, every rank's generator state included), the next segment's lowest such rank
+describes it as a pending manifest (`LivePeers.record`: one CRC pass over its memory) and the
+job resumes there instead of at its last commit: the failure costs no retrained steps.
+
 Why not torch.distributed.checkpoint: its reshard-on-load reads storage; nothing in it moves a
 live rank's shards to the ranks of another world size.
 """
@@ -21,6 +27,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -31,8 +38,9 @@ from parashift.ptc.codec import tensor_bytes, torch_dtype
 from parashift.ptc.dtensor import local_data
 from parashift.ptc.reconfig import LIVE, RankReads, Request, live_holder
 from parashift.ptc.transpose import copy_across_transpose
-from parashift.storage import ChecksumMismatch
-from parashift.trainer.checkpoint.group import Group
+from parashift.storage import ChecksumMismatch, LeaseToken, StorageError
+from parashift.trainer.checkpoint.group import Group, broadcast
+from parashift.trainer.checkpoint.saver import describe_held
 
 log = logging.getLogger("parashift.checkpoint")
 
@@ -40,25 +48,50 @@ HeldBox = tuple[str, Slice, tuple[int, ...]]  # tensor, box, stored dim order
 
 
 @dataclass
+class Unrecorded:
+    """What a pending manifest of a held step needs beyond its bytes, where nothing describes
+    that step yet (a failure's survivors): the layout it was trained under and its manifest's
+    fields."""
+
+    layout: Layout
+    data_position: dict[str, int]
+    plan: dict[str, Any]
+    metadata: dict[str, Any]
+
+
+@dataclass
 class HeldState:
-    """One rank's boxes of the committed checkpoint at `step` of `job_id`, as stored bytes."""
+    """One rank's boxes of the job's state at `step` of `job_id` (committed, or described by a
+    pending manifest, or `unrecorded`), as stored bytes."""
 
     job_id: str
     step: int
     boxes: list[HeldBox]
     data: list[torch.Tensor]  # uint8, each box's bytes in its stored dim order
+    unrecorded: Unrecorded | None = None
+
+    def stored(self) -> dict[tuple[str, Slice], torch.Tensor]:
+        return {(name, box): data for (name, box, _), data in zip(self.boxes, self.data, strict=True)}
+
+    def whole(self) -> bool:
+        """Whether this holds every box of its unrecorded step's layout (a replicated state)."""
+        if self.unrecorded is None:
+            return False
+        held = self.stored()
+        return all((name, box) in held for name, box, _ in self.unrecorded.layout.distinct_slices())
 
 
 _held: HeldState | None = None
 
 
 def hold(job_id: str, step: int, layout: Layout, rank: int, state: dict[str, torch.Tensor],
-         others: dict[str, torch.Tensor] | None = None) -> HeldState:
+         others: dict[str, torch.Tensor] | None = None, unrecorded: Unrecorded | None = None) -> HeldState:
     """Keep this rank's boxes of `state` (the training state as committed at `step`) for the
     job's next segment in this process. Host tensors in natural order are kept as they are;
     device tensors are copied to the host, permuted ones into their stored order. `others`:
     whole tensors of the layout this rank does not hold, kept as well (other ranks' generator
-    states: a few KB that make any survivor able to serve a rank that died)."""
+    states: a few KB that make any survivor able to serve a rank that died). `unrecorded`: the
+    step is neither committed nor described yet (see the module's note)."""
     global _held
     boxes, data = [], []
     mine = layout.boxes_of(rank)
@@ -80,7 +113,7 @@ def hold(job_id: str, step: int, layout: Layout, rank: int, state: dict[str, tor
             local = stored
         boxes.append((name, box, order))
         data.append(local.reshape(-1).view(torch.uint8))
-    _held = HeldState(job_id, step, boxes, data)
+    _held = HeldState(job_id, step, boxes, data, unrecorded)
     return _held
 
 
@@ -119,12 +152,14 @@ class LiveVerificationFailed(RuntimeError):
 
 @dataclass
 class LivePeers:
-    """What every rank of this segment holds of the job's committed `step` (rank -> boxes)."""
+    """What every rank of this segment holds of the job's `step` (rank -> boxes), and which of
+    them could describe that step, unrecorded, alone (`recorders`)."""
 
     step: int
     holdings: dict[int, list[HeldBox]]
     group: Group
     mine: HeldState | None
+    recorders: list[int]
 
     @classmethod
     def gather(cls, job_id: str, rank: int, group: Group) -> LivePeers | None:
@@ -132,8 +167,8 @@ class LivePeers:
         rank; `group` None: a job of one rank); None, on every rank, when no rank holds
         anything of this job."""
         mine = held(job_id)
-        said = (mine.step, mine.boxes) if mine is not None else None
-        everyone: list[tuple[int, list[HeldBox]] | None] = [said]
+        said = (mine.step, mine.boxes, mine.whole()) if mine is not None else None
+        everyone: list[tuple[int, list[HeldBox], bool] | None] = [said]
         if group is not None:
             everyone = [None] * dist.get_world_size(group)
             dist.all_gather_object(everyone, said, group=group)
@@ -142,7 +177,30 @@ class LivePeers:
             return None
         step = max(steps)
         holdings = {r: s[1] for r, s in enumerate(everyone) if s is not None and s[0] == step}
-        return cls(step, holdings, group, mine if mine is not None and mine.step == step else None)
+        recorders = [r for r, s in enumerate(everyone) if s is not None and s[0] == step and s[2]]
+        return cls(step, holdings, group, mine if mine is not None and mine.step == step else None, recorders)
+
+    def record(self, store: Any, rank: int, newest_committed: int) -> str | None:
+        """Describe the held step as a pending manifest where no commit reaches it and nothing
+        describes it yet (a failure's survivors hold it): written by the lowest rank that holds
+        it whole, from its memory, continuing `newest_committed` (which every rank passes
+        alike). A collective when there is such a rank; returns the manifest's URL, or None
+        (nothing to describe, or the write failed: the restore goes on from the newest commit)."""
+        if not self.recorders or self.step <= newest_committed:
+            return None
+        writer, said = self.recorders[0], None
+        if rank == writer:
+            assert self.mine is not None and self.mine.unrecorded is not None
+            facts = self.mine.unrecorded
+            try:
+                manifest = describe_held(store, facts.layout, self.step, self.mine.stored(), facts.data_position,
+                                         facts.plan, facts.metadata,
+                                         previous_step=newest_committed if newest_committed >= 0 else None)
+                said = store.write_pending(manifest, fence=LeaseToken.from_env())
+            except (StorageError, KeyError, ValueError) as error:  # the newest commit is there still
+                log.warning("rank %d: the state survivors hold of step %d not described (%s); resuming from "
+                            "the newest committed checkpoint", rank, self.step, error)
+        return broadcast(said, self.group, src=writer)
 
     def exchange(self, reads: RankReads | None, rank: int,
                  targets: list[list[memoryview]] | None = None) -> dict[int, torch.Tensor | None]:

@@ -469,6 +469,27 @@ def holding_copies(layout: Layout, ranks: list[int]) -> dict[tuple[str, Slice], 
     return out
 
 
+def describe_held(store: CheckpointStore, layout: Layout, step: int, stored: dict[tuple[str, Slice], torch.Tensor],
+                  data_position: dict[str, int], plan: dict[str, Any], metadata: dict[str, Any],
+                  previous_step: int | None) -> Manifest:
+    """The pending manifest of a step one process holds whole: `stored`, every distinct box of
+    `layout` as its stored bytes (uint8, stored dim order), described as every rank of
+    `layout` would have written it (the same records and CRCs), without writing a byte. What
+    the survivors of a failure hold of a replicated state (`trainer.checkpoint.live`)."""
+    objects, records = [], []
+    for rank in range(layout.world_size):
+        payloads = []
+        for name, box in layout.slices_to_write(rank):
+            write = _BoxToWrite.of(layout, name, box)
+            key = SliceKey(name, box.offsets, box.lengths)
+            payloads.append(SlicePayload.of_bytes(key, write.order, tensor_bytes(stored[name, box]),
+                                                  tuple(r * write.row_bytes for r in write.chunk_rows)))
+        obj, mine = store.pending_records(rank, payloads)
+        objects += [obj] if obj is not None else []
+        records += mine
+    return build_manifest(store.job_id, step, layout, objects, records, data_position, plan, metadata, previous_step)
+
+
 def build_manifest(job_id: str, step: int, layout: Layout, objects: list[ObjectRecord], records: list[SliceRecord],
                    data_position: dict[str, int], plan: dict[str, Any], metadata: dict[str, Any],
                    previous_step: int | None = None) -> Manifest:
