@@ -1,7 +1,11 @@
 """Stopping at a step boundary: a signal from the launcher on this node (SIGUSR1, or SIGTERM
 that torchrun forwards), a stop object in the job's storage (any node, any process), or a step
 fixed in advance. Ranks agree on the decision before acting on it (one all-reduce per step), so
-it is enough that one rank sees the request."""
+it is enough that one rank sees the request.
+
+A warm worker's launcher also says when a peer of the job died (`PEER_FAILED_SIGNAL`): the
+ranks that survive then leave the step they are computing at once (`PeerFailed`), instead of
+finding out at its next collective, up to a whole forward and backward pass later."""
 
 from __future__ import annotations
 
@@ -14,6 +18,30 @@ from parashift.storage import JobPaths, ObjectStore
 # The launcher's "stop at the next step boundary" (a rescale): SIGUSR1 is free in torch and
 # torchrun, and unlike SIGTERM it does not make torchrun tear the workers down itself.
 STOP_SIGNAL = signal.SIGUSR1
+# The launcher's "a peer of this job died" to warm workers (`trainer.warm_launch`).
+PEER_FAILED_SIGNAL = signal.SIGUSR2
+
+
+class PeerFailed(RuntimeError):
+    """A peer of this job died (the launcher said so): the step under way cannot complete."""
+
+
+_leaving_allowed = False
+
+
+def on_peer_failed(signum: int, frame: object) -> None:
+    """PEER_FAILED_SIGNAL's handler in a warm worker (installed for its whole life): raises
+    PeerFailed where the training loop allows it (`may_leave`), and is ignored elsewhere (the
+    loop's next collective fails then anyway)."""
+    if _leaving_allowed:
+        raise PeerFailed("a peer of this job died (its launcher says so): leaving the step under way")
+
+
+def may_leave(allowed: bool) -> None:
+    """Whether PeerFailed may interrupt the loop now: only while the state is a whole step's
+    (before the optimizer's update, never between it and the step count)."""
+    global _leaving_allowed
+    _leaving_allowed = allowed
 
 
 class StopRequests:

@@ -85,6 +85,11 @@ def launch_warm(pool: WarmPool, spec: JobSpec, plan: Plan,
     def end_pending() -> None:
         pool.kill([r for r in range(len(ranks)) if r not in codes])
 
+    def failed() -> None:
+        """A rank failed: its peers leave their step now (they may wait on it in a collective)."""
+        failed_at.append(time.monotonic())
+        pool.tell_peer_failed([r for r in range(len(ranks)) if r not in codes])
+
     output = WorkerOutput(result, workers, on_line, on_event)
 
     def drain(lines: list[str]) -> None:
@@ -96,14 +101,14 @@ def launch_warm(pool: WarmPool, spec: JobSpec, plan: Plan,
         if said is not None:
             codes[rank] = said
             if codes[rank] != 0 and not failed_at:  # its peers may wait on it: a moment to end too
-                failed_at.append(time.monotonic())
+                failed()
                 if result.failed_rank is None:
                     result.failed_rank = (rank, codes[rank])
             return
         code = proc.wait()  # the process died: its peers may wait for it in a collective
         codes[rank] = code
         if not failed_at:
-            failed_at.append(time.monotonic())
+            failed()
         if result.failed_rank is None and result.hung_s is None:
             result.failed_rank = (rank, code)
             on_line(f"warm worker rank {rank} (pid {pool.worker_pid(proc)}) died ({'signal ' + str(-code) if code < 0 else code}): "

@@ -29,6 +29,7 @@ import json
 import logging
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -42,6 +43,7 @@ from parashift.specs import JobSpec
 from parashift.specs.loader import resolve_model
 from parashift.specs.plan import Plan
 from parashift.trainer import events as worker_events
+from parashift.trainer.control import PEER_FAILED_SIGNAL, PeerFailed, on_peer_failed
 from parashift.trainer.forkserver import import_what_jobs_use
 from parashift.trainer.launch import LaunchResult, PlanNotExecutable, forkserver_env, worker_env
 from parashift.trainer.mesh import forget_meshes, job_plan_refusals
@@ -130,6 +132,13 @@ class WarmPool:
     def worker_pid(self, proc: subprocess.Popen[str]) -> int:
         """The pid that runs `proc`'s jobs, known once it answered one (else the one started)."""
         return self._worker_pids.get(proc.pid, proc.pid)
+
+    def tell_peer_failed(self, ranks: Iterable[int]) -> None:
+        """Tell these workers that a peer of their job died: they leave the step under way at
+        once (`trainer.control.PeerFailed`) instead of at its next collective."""
+        for proc in (self._procs[r] for r in ranks):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.worker_pid(proc), PEER_FAILED_SIGNAL)
 
     def kill(self, ranks: Iterable[int]) -> None:
         """SIGKILL these workers (a job's ranks that must not wait on a dead peer); `ensure`
@@ -239,6 +248,9 @@ def _run_job(request: dict[str, Any]) -> int:
             root.removeHandler(handler)
         try:
             return worker.main(request["argv"])
+        except PeerFailed as failed:  # the launcher knows why: no traceback
+            print(f"rank {rank}: {failed}", file=sys.stderr)
+            return 1
         except SystemExit as stop:
             if stop.code not in (None, 0):
                 print(stop.code, file=sys.stderr)
@@ -271,6 +283,7 @@ def _clean_up() -> None:
 
 def serve() -> None:
     """Answer job requests (one JSON line each on stdin) with their exit status (on stdout)."""
+    signal.signal(PEER_FAILED_SIGNAL, on_peer_failed)  # for the process's life: a job's peer died
     answers = os.fdopen(os.dup(sys.stdout.fileno()), "w", buffering=1)
     import_what_jobs_use()
 

@@ -50,7 +50,7 @@ from parashift.trainer.checkpoint import (
 )
 from parashift.trainer.checkpoint import live as live_state
 from parashift.trainer.checkpoint.group import broadcast
-from parashift.trainer.control import StopRequests
+from parashift.trainer.control import StopRequests, may_leave
 from parashift.trainer.data import (
     DataPosition,
     Prefetcher,
@@ -455,6 +455,7 @@ def train(spec: JobSpec, plan: Plan, built: Built, batches: Batches, dims: Paral
     try:
         while step < end_step:
             started = time.perf_counter()
+            may_leave(generators is not None)  # a warm rank may leave this step when a peer dies (trainer.control)
             lr = learning_rate(step, train_spec.steps, spec.optimizer)
             for group in optimizer.param_groups:
                 group["lr"] = lr
@@ -482,6 +483,7 @@ def train(spec: JobSpec, plan: Plan, built: Built, batches: Batches, dims: Paral
             if spec.optimizer.grad_clip:
                 clip_grad_norm_(list(module.parameters()), spec.optimizer.grad_clip, coords.within_stage())
             checkpointer.before_update()  # a save in flight may still be reading these tensors
+            may_leave(False)
             where.consistent = False  # no collective until the step count follows the update
             optimizer.step()
             optimizer.zero_grad()
@@ -526,6 +528,7 @@ def train(spec: JobSpec, plan: Plan, built: Built, batches: Batches, dims: Paral
                 stopped = True
                 break
     finally:
+        may_leave(False)
         reader.close()
     return Ended(step, position, stopped, loss=loss)
 
