@@ -7,9 +7,10 @@ importing torch and the trainer again: the seconds this exists to save), and a r
 a new world size still tears every worker down. Here the processes are the flow's own
 children and outlive every segment of the run: a change of device count costs a new process
 group and the model built again, not a new interpreter. A rank that dies takes its job's other
-ranks out of their collective (gloo fails it when the peer's connection closes; a peer that
-has not returned within PEER_GRACE_S is ended) and is replaced by a fresh process before the
-next segment: only the dead rank pays for a new interpreter.
+ranks out of their step (told at once, `WarmPool.tell_peer_failed`; gloo fails a collective
+when the peer's connection closes; a peer that has not returned within PEER_GRACE_S is ended)
+and is replaced by a fresh process before the next segment: only the dead rank pays for a new
+interpreter, and the survivors keep their state for the next segment (trainer.checkpoint.live).
 
     pool = WarmPool(4)
     result = launch_warm(pool, spec, plan, on_line=print, on_event=print)
