@@ -49,9 +49,16 @@ def job_reshard_plan(spec: JobSpec, plan: Plan, held_step: int | None = None) ->
 def plan_reshard(spec: JobSpec, plan: Plan, held_step: int | None = None) -> ReshardSummary | None:
     """Compute (without starting anything) each new rank's reads from the newest committed
     checkpoint (or the pending manifest of `held_step`, which warm workers hold); None when
-    there is none. The workers then execute exactly these reads (those a live rank holds from
+    there is none, or when `held_step` has no pending manifest yet (a failure's survivors hold
+    it). The workers then execute exactly these reads (those a live rank holds from
     its memory)."""
     with environment(storage_environment(spec)):
+        if held_step is not None and held_step not in job_store(spec).pending_steps():
+            # Held by the survivors of a failure: nothing describes that step until the next
+            # segment's ranks do (trainer.checkpoint.live), and they read none of it from storage.
+            get_run_logger().info("step %d is held whole in the surviving workers' memory: the next segment "
+                                  "describes it and restores it from there", held_step)
+            return None
         reconfig = job_reshard_plan(spec, plan, held_step)
     if reconfig is None:
         return None
