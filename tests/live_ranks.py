@@ -19,6 +19,7 @@ from parashift.storage import CheckpointStore, ObjectStore
 from parashift.trainer.checkpoint import Checkpointer, restore_latest, restore_totals
 from parashift.trainer.checkpoint import live as live_state
 from parashift.trainer.layout import state_layout
+from parashift.trainer.state import rank_private
 
 sys.path.insert(0, str(Path(__file__).parent))
 from states import box_of, global_state  # noqa: E402
@@ -53,14 +54,23 @@ def main() -> None:
                 mine = {name: box_of(later[name], box).clone() for name, box in old.boxes_of(rank).items()}
                 saver.write_pending(5, mine, {"samples_consumed": 40}, {}, {})
             saver.close()
-            kept = live_state.hold(case["job"], 5 if case.get("pending") else 3, old, rank, mine)
-            if rank == case.get("corrupt"):  # this rank's memory is no longer the committed bytes
+            kept = None
+            if "failure" not in case:
+                kept = live_state.hold(case["job"], 5 if case.get("pending") else 3, old, rank, mine)
+            elif rank != case["failure"]:  # a survivor of that rank's death: step 5, described by nothing
+                mine = {name: box_of(later[name], box).clone() for name, box in old.boxes_of(rank).items()}
+                generators = {name: t for name, t in later.items() if rank_private(name) is not None}
+                facts = live_state.Unrecorded(old, {"samples_consumed": 40}, {}, {"loss": 1.5})
+                kept = live_state.hold(case["job"], 5, old, rank, mine, others=generators, unrecorded=facts)
+            if kept is not None and rank == case.get("corrupt"):  # this rank's memory is no longer the committed bytes
                 kept.data[0][0] ^= 0xFF
             dist.destroy_process_group()
         if rank >= new.world_size:
             continue
         group = group_of(case["rendezvous"][1], rank, new.world_size)
         peers = live_state.LivePeers.gather(case["job"], rank, group)
+        if peers is not None and peers.recorders:  # a failure's survivors: the step described first
+            peers.record(store, rank, max(store.manifest_steps(), default=-1))
         seen = []
         # Every box this rank holds exactly is read into the held memory itself (the worker
         # offers the optimizer's; here all of them), then compared with storage like the rest.
@@ -84,6 +94,7 @@ def main() -> None:
             "holders": sorted({live_holder(r.object)[0] for r in seen[-1].requests if r.source == LIVE}),
             "totals": totals,
             "peers": None if peers is None else sorted(peers.holdings),
+            "recorders": None if peers is None else peers.recorders,
             "held": sorted(held),
             "wanted": sorted(wanted),
             "in_held_memory": sorted(n for n, t in held.items() if live.tensors[n].data_ptr() == t.data_ptr()),

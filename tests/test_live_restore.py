@@ -36,6 +36,13 @@ CASES = [
     # rank 1's memory differs from the pending manifest's CRCs: no storage has those bytes, so
     # the committed step 3 it is.
     {"job": "tp2-dp3-pending-corrupt", "old": "tp2", "new": "dp3", "pending": True, "corrupt": 1},
+    # A failure on warm workers: rank 1 of 4 replicas died after step 5, which nothing
+    # describes; the survivors hold it whole. 4 -> 3 ranks (the new rank 1 holds nothing): the
+    # lowest survivor describes step 5 from its memory, and every rank restores it from there.
+    {"job": "dp4-dp3-failure", "old": "dp4", "new": "dp3", "failure": 1},
+    # The same under tensor parallelism: no survivor holds rank 1's shards, nothing is
+    # described, and the ranks resume from the committed step 3.
+    {"job": "tp2-dp2-failure", "old": "tp2", "new": "dp2", "failure": 1},
 ]
 
 
@@ -114,6 +121,26 @@ def test_a_pending_step_is_restored_from_live_ranks_alone(results) -> None:
         assert row["pending_steps"] == [5] and row["folders"] == [3], row
     totals = rows[0]["totals"]
     assert totals["store"] == 0 and totals["live"] == totals["read"] == totals["needed"] > 0
+
+
+def test_a_step_the_survivors_of_a_failure_hold_whole_is_described_and_restored_from_them(results) -> None:
+    """Step 5 was never saved nor described: the lowest survivor that holds it whole wrote its
+    pending manifest, and every rank of the new segment restored it from the survivors' memory
+    (no byte from storage), equal to the state that was held; where survivors hold only shards,
+    the committed step 3 it is, as before."""
+    rows = [row for (job, _), row in sorted(results.items()) if job == "dp4-dp3-failure"]
+    assert len(rows) == 3
+    for row in rows:
+        assert row["recorders"] == [0, 2], row  # the new segment's ranks 0 and 2 survived; rank 1 is new
+        assert row["step"] == 5 and row["pending"] and row["slices"], row
+        assert row["pending_steps"] == [5] and row["folders"] == [3], row
+    totals = rows[0]["totals"]
+    assert totals["store"] == 0 and totals["live"] == totals["read"] == totals["needed"] > 0
+    assert results[("dp4-dp3-failure", 1)]["holders"], "the new rank read every box from a survivor"
+    sharded = [row for (job, _), row in sorted(results.items()) if job == "tp2-dp2-failure"]
+    for row in sharded:
+        assert row["recorders"] == [] and row["step"] == 3 and not row["pending"] and row["bitwise"], row
+        assert row["pending_steps"] == [], row
 
 
 @pytest.mark.parametrize("case", ["pp2xtp2-tp2-pending", "tp2-dp3-pending-corrupt"])
