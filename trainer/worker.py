@@ -365,8 +365,12 @@ class Saves:
                 raise SystemExit(f"rank {self.rank}: training state disagrees with its layout: " + "; ".join(problems[:5]))
             self.checked = True
         state = collect_state(module, optimizer, self.rank, self.device, local=True)
-        self.checkpointer.save(step, state, position.to_manifest(self.samples_per_epoch), self.plan.model_dump(mode="json"),
-                               {**self.metadata, "loss": loss})
+        self.checkpointer.save(step, state, *self.manifest_fields(position, loss))
+
+    def manifest_fields(self, position: DataPosition, loss: float | None) -> tuple[dict[str, int], dict[str, Any], dict[str, Any]]:
+        """A manifest's data position, plan and metadata for a step at `position` with `loss`:
+        the same for a save, a pending manifest and a step a failure's survivors hold."""
+        return position.to_manifest(self.samples_per_epoch), self.plan.model_dump(mode="json"), {**self.metadata, "loss": loss}
 
     def pending(self, step: int, position: DataPosition, loss: float | None) -> bool:
         """A planned change on warm workers: the step described by a pending manifest instead of
@@ -374,8 +378,7 @@ class Saves:
         where that failed: the caller saves it."""
         state = collect_state(self.built.module, self.built.optimizer, self.rank, self.device, local=True)
         try:
-            self.checkpointer.write_pending(step, state, position.to_manifest(self.samples_per_epoch),
-                                            self.plan.model_dump(mode="json"), {**self.metadata, "loss": loss})
+            self.checkpointer.write_pending(step, state, *self.manifest_fields(position, loss))
         except StorageError as error:
             log.warning("rank %d: %s; saving step %d instead", self.rank, error, step)
             return False
@@ -397,14 +400,13 @@ class Ended:
     consistent: bool = True
 
 
-def hold_after_failure(spec: JobSpec, plan: Plan, built: Built, layout: Any, save: Saves, where: Ended,
+def hold_after_failure(spec: JobSpec, built: Built, layout: Any, save: Saves, where: Ended,
                        generators: PeersGenerators) -> None:
     """A warm worker whose peer died: keep the state of the last step it completed for the job's
     next segment (`trainer.checkpoint.live`), and say so where it holds that step whole."""
     rank, device = generators.rank, generators.device
     state = {**collect_state(built.module, built.optimizer, rank, device, local=True), **generators.mine}
-    facts = live_state.Unrecorded(layout, where.position.to_manifest(save.samples_per_epoch),
-                                  plan.model_dump(mode="json"), {**save.metadata, "loss": where.loss})
+    facts = live_state.Unrecorded(layout, *save.manifest_fields(where.position, where.loss))
     held = live_state.hold(spec.job_id, where.step, layout, rank, state, others=generators.every, unrecorded=facts)
     if held.whole():
         metrics.emit(HeldEvent(step=where.step, samples_consumed=where.position.samples_consumed))
@@ -510,7 +512,8 @@ def train(spec: JobSpec, plan: Plan, built: Built, batches: Batches, dims: Paral
             if generators is not None:
                 if report[2].item() > 0:
                     generators.gather(step)
-                generators.step = step
+                else:  # nobody's moved: what was gathered is this step's too
+                    generators.step = step
             elapsed = time.perf_counter() - started
             # Every log_every steps, and the first and last of a segment (a change's downtime ends and starts there).
             if rank == 0 and (step % train_spec.log_every == 0 or step in (end_step, resumed.step + 1) or stop_now):
@@ -658,7 +661,7 @@ def main(argv: list[str] | None = None) -> int:
         checkpointer.abandon()
         if generators is not None and where.consistent and generators.step == where.step:
             try:
-                hold_after_failure(spec, plan, built, layout, save, where, generators)
+                hold_after_failure(spec, built, layout, save, where, generators)
             except Exception as error:  # noqa: BLE001 - the job resumes from its last commit instead
                 log.warning("rank %d: step %d not held after the failure (%s)", rank, where.step, error)
         raise
