@@ -25,6 +25,7 @@ import fcntl
 import hashlib
 import itertools
 import math
+import mmap
 import os
 import threading
 import uuid
@@ -385,7 +386,7 @@ class LocalFiles(FsspecObjects):
         _atomic_write_local(path, data)
 
     def put_stream(self, path: str, parts: Iterable[memoryview | bytes]) -> int:
-        return _atomic_write_local(path, parts)
+        return _atomic_write_local(path, parts, past_page_cache=True)
 
     def read_into(self, requests: Sequence[ReadInto]) -> None:
         for path, start, out in requests:
@@ -457,22 +458,24 @@ def _pread_exact(path: str, start: int, out: list[memoryview]) -> None:
         os.close(fd)
 
 
-def _atomic_write_local(path: str, data: bytes | Iterable[memoryview | bytes]) -> int:
-    """temp file in the same folder → write → fsync → os.replace → fsync the folder."""
+def _atomic_write_local(path: str, data: bytes | Iterable[memoryview | bytes], past_page_cache: bool = False) -> int:
+    """temp file in the same folder → write → fsync → os.replace → fsync the folder.
+    `past_page_cache`: a stream (a checkpoint object) is written with O_DIRECT where the
+    filesystem takes it (`_DirectWrites`)."""
     folder = os.path.dirname(path)
     os.makedirs(folder, exist_ok=True)
     tmp = os.path.join(folder, f".{os.path.basename(path)}.{uuid.uuid4().hex[:12]}{TMP_SUFFIX}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    parts = [data] if isinstance(data, bytes | bytearray) else data
     written = 0
     try:
-        with os.fdopen(fd, "wb", buffering=0) as f:
-            for part in [data] if isinstance(data, bytes | bytearray) else data:
-                view = memoryview(part).cast("B")
-                while view:  # an unbuffered write may be short
-                    n = f.write(view)
-                    written += n
-                    view = view[n:]
-            os.fsync(f.fileno())
+        if past_page_cache:
+            written = _DirectWrites.write(tmp, parts)
+        else:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+            with os.fdopen(fd, "wb", buffering=0) as f:
+                for part in parts:
+                    written += _write_all(f.fileno(), memoryview(part).cast("B"))
+                os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
@@ -489,6 +492,82 @@ def _atomic_write_local(path: str, data: bytes | Iterable[memoryview | bytes]) -
     finally:
         os.close(dir_fd)
     return written
+
+
+def _write_all(fd: int, view: memoryview) -> int:
+    """Write all of `view` (an unbuffered write may be short)."""
+    total = len(view)
+    while view:
+        view = view[os.write(fd, view):]
+    return total
+
+
+class _DirectWrites:
+    """A stream written past the page cache: O_DIRECT writes from one aligned buffer.
+
+    Why: a buffered write of a checkpoint object costs its every byte in kernel time to fill
+    the page cache (measured on the 2-core VM: 0.17 s of CPU for 73 MB, against 0.01 s with
+    O_DIRECT), and a save runs in the background of training, so that CPU is taken from the
+    steps it overlaps. O_DIRECT needs the buffer's address, each write's size and the file
+    offset aligned to the device's block: the parts are copied into one page-aligned buffer
+    (a pass the CRC's makes cheap; memory bandwidth, not kernel time), written whole; the
+    last block is padded and the file truncated to its size. A filesystem without O_DIRECT
+    (tmpfs on older kernels, a platform without the flag) or one that refuses the alignment
+    gets the same writes buffered."""
+
+    BLOCK = 4096  # alignment that covers 512- and 4096-byte logical blocks
+    BUFFER = 1 << 22  # bytes per write
+
+    @classmethod
+    def write(cls, tmp: str, parts: Iterable[memoryview | bytes]) -> int:
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
+        direct = getattr(os, "O_DIRECT", 0)
+        fd = -1
+        if direct:
+            try:
+                fd = os.open(tmp, flags | direct, 0o666)
+            except OSError as error:
+                if error.errno != errno.EINVAL:
+                    raise
+        if fd < 0:
+            fd = os.open(tmp, flags, 0o666)
+        buffer = mmap.mmap(-1, cls.BUFFER)  # anonymous: page aligned
+        try:
+            with memoryview(buffer) as view:
+                filled = written = 0
+                for part in parts:
+                    part = memoryview(part).cast("B")
+                    while part:
+                        n = min(len(part), cls.BUFFER - filled)
+                        view[filled : filled + n] = part[:n]
+                        filled, part = filled + n, part[n:]
+                        if filled == cls.BUFFER:
+                            written += cls._flush(fd, view)
+                            filled = 0
+                if filled:
+                    padded = -(-filled // cls.BLOCK) * cls.BLOCK
+                    cls._flush(fd, view[:padded])
+                    written += filled
+                    os.ftruncate(fd, written)
+            os.fsync(fd)
+            return written
+        finally:
+            buffer.close()
+            os.close(fd)
+
+    @staticmethod
+    def _flush(fd: int, view: memoryview) -> int:
+        """Write `view` at the file's end; where O_DIRECT refuses it (EINVAL: an alignment the
+        filesystem does not take), the file goes on buffered."""
+        try:
+            return _write_all(fd, view)
+        except OSError as error:
+            direct = getattr(os, "O_DIRECT", 0)
+            flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+            if error.errno != errno.EINVAL or not flags & direct:
+                raise
+            fcntl.fcntl(fd, fcntl.F_SETFL, flags & ~direct)
+            return _write_all(fd, view)
 
 
 def _create_local(path: str, data: bytes) -> None:

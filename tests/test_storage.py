@@ -7,6 +7,8 @@ uncommitted) and `load_manifest` on that step raises MalformedManifest, a Storag
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import logging
 import os
 import uuid
@@ -185,6 +187,55 @@ def test_local_put_is_atomic(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.undo()
     assert store.get("d/k") == b"old"
     assert os.listdir(tmp_path / "s" / "d") == ["k"]  # the temp file was removed
+
+
+
+# Part sizes that straddle the O_DIRECT block and the write buffer (shrunk to 3 blocks below).
+_STREAM_PARTS = [1, 4095, 4097, 3 * 4096, 3 * 4096 + 3, 5, 70_000]
+
+
+@pytest.mark.parametrize("refused", ["none", "open", "write"])
+def test_local_streams_are_written_past_the_page_cache_or_buffered(tmp_path, monkeypatch: pytest.MonkeyPatch,
+                                                                   refused: str) -> None:
+    """A local stream (a checkpoint object) is written with O_DIRECT through an aligned
+    buffer, its last block padded and the file cut to size; where the filesystem refuses
+    O_DIRECT at open or at a write (EINVAL), the same stream is written buffered. Either way
+    the object is exactly the parts' bytes."""
+    from parashift.storage import backends
+
+    direct = getattr(os, "O_DIRECT", 0)
+    if not direct:
+        pytest.skip("no O_DIRECT on this platform")
+    monkeypatch.setattr(backends._DirectWrites, "BUFFER", 3 * 4096)
+    opened_direct, writes = [], {"direct": 0, "buffered": 0}
+    real_open, real_write = os.open, os.write
+
+    def open_(path, flags, *args):
+        if flags & direct and refused == "open":
+            raise OSError(errno.EINVAL, "O_DIRECT not supported")
+        fd = real_open(path, flags, *args)
+        opened_direct.append(bool(flags & direct))
+        return fd
+
+    def write(fd, data):
+        is_direct = bool(fcntl.fcntl(fd, fcntl.F_GETFL) & direct)
+        if is_direct and refused == "write":
+            raise OSError(errno.EINVAL, "misaligned")
+        writes["direct" if is_direct else "buffered"] += 1
+        return real_write(fd, data)
+
+    monkeypatch.setattr(backends.os, "open", open_)
+    monkeypatch.setattr(backends.os, "write", write)
+    parts = [os.urandom(n) for n in _STREAM_PARTS]
+    store = ObjectStore(str(tmp_path / "s"))
+    assert store.put_stream("d/k", lambda: iter(parts)) == sum(_STREAM_PARTS)
+    assert store.get("d/k") == b"".join(parts)
+    assert store.list("d") == ["d/k"]  # no temporary file left
+    assert opened_direct[0] is (refused != "open")
+    if refused == "none":
+        assert writes["direct"] > 1 and writes["buffered"] == 0
+    else:
+        assert writes["direct"] == 0 and writes["buffered"] > 1
 
 
 def test_list_delete_exists_size(store: ObjectStore) -> None:
