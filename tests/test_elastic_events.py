@@ -348,7 +348,7 @@ if "--serve" in sys.argv or "parashift.trainer.forkserver" in sys.orig_argv:
     from parashift.trainer import schedule
     _learning_rate, _first = schedule.learning_rate, {}
     def learning_rate(step, *args, **kwargs):
-        first = _first.setdefault(os.environ.get("MASTER_PORT"), step)
+        first = _first.setdefault(os.environ.get("PARASHIFT_STORE_PREFIX"), step)  # one per job
         marker = os.environ["LIVE_FAULT_MARKER"]
         if os.environ.get("RANK") == "1" and os.environ.get("WORLD_SIZE") == "3" and step == first + 3 \
                 and not os.path.exists(marker):

@@ -96,6 +96,7 @@ from parashift.trainer.state import (
     restore_destinations,
     rng_state_bytes,
 )
+from torch.distributed.constants import default_pg_timeout
 
 log = logging.getLogger("parashift.worker")
 
@@ -124,8 +125,13 @@ def init_distributed(kind: str) -> tuple[int, int, torch.device]:
     # PARASHIFT_DIST_BACKEND overrides it: NCCL refuses two ranks on one GPU, gloo does not.
     backend = os.environ.get("PARASHIFT_DIST_BACKEND") or ("cpu:gloo,cuda:nccl" if kind == "cuda" else "gloo")
     nccl = "nccl" in backend
-    # A process started without torchrun has no rendezvous: it is a world of one, in memory.
+    # A process started without torchrun has no rendezvous: it is a world of one, in memory. A
+    # warm worker's job meets its peers under its own prefix of the pool's long-lived store.
     store = None if "MASTER_ADDR" in os.environ else dist.HashStore()
+    prefix = os.environ.get("PARASHIFT_STORE_PREFIX")
+    if store is None and prefix:
+        store = dist.PrefixStore(prefix, dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                                                       is_master=False, timeout=default_pg_timeout))
     dist.init_process_group(backend=backend, device_id=device if nccl else None, store=store,
                             rank=rank if store else -1, world_size=world_size if store else -1)
     return rank, world_size, device
