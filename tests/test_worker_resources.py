@@ -125,3 +125,61 @@ def test_a_warm_workers_first_job_imports_nothing_of_torch_or_the_trainer(tmp_pa
     assert done.returncode == 0, done.stderr[-3000:]
     imported = json.loads(done.stdout.strip().splitlines()[-1])
     assert [m for m in imported if m.split(".")[0] in ("torch", "parashift", "numpy", "fsspec")] == []
+
+
+# A launcher that starts a job on a warm pool of 2 and waits: the test kills it with SIGKILL.
+LAUNCHER = """
+import sys, time
+from pathlib import Path
+from parashift.specs import JobSpec
+from parashift.specs.plan import Plan
+from parashift.trainer.warm_pool import WarmPool
+pool = WarmPool(2)
+folder, _ = pool._submit(JobSpec.model_validate_json(Path(sys.argv[1]).read_text()), Plan.data_parallel(2), None, None)
+print(folder, flush=True)
+time.sleep(600)
+"""
+
+
+def test_warm_workers_end_with_their_killed_launcher(tmp_path: Path) -> None:
+    """The agent killed: a warm pool's launcher dies with SIGKILL while its job trains. Its
+    workers (forked, in sessions of their own) must not train on unseen, holding the cores a
+    rerun needs: every process it started is gone within seconds."""
+    import os
+    import shutil
+    import signal
+
+    from parashift.trainer.processes import descendants, kill_tree, running
+
+    spec = tiny_spec("orphans", store_url(tmp_path), training={"steps": 100_000, "checkpoint_every": 100_000,
+                                                                "log_every": 1})
+    (tmp_path / "spec.json").write_text(spec.model_dump_json())
+    launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER, str(tmp_path / "spec.json")], stdout=subprocess.PIPE,
+                                text=True, start_new_session=True)
+    started: list[int] = []
+    folder: Path | None = None
+    try:
+        assert launcher.stdout is not None
+        folder = Path(launcher.stdout.readline().strip())
+        deadline = time.monotonic() + 120
+        while '"event":"step"' not in ((folder / "rank0.out").read_text() if (folder / "rank0.out").exists() else ""):
+            assert time.monotonic() < deadline, "the job did not start training"
+            time.sleep(0.2)
+        started = descendants(launcher.pid)
+        assert len(started) >= 2
+        os.kill(launcher.pid, signal.SIGKILL)
+        launcher.wait()
+        deadline = time.monotonic() + 15
+        while [pid for pid in started if running(pid)] and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert [pid for pid in started if running(pid)] == [], "workers outlived their launcher"
+    finally:  # whatever failed: what the launcher started ends with it here
+        started = started or (descendants(launcher.pid) if launcher.poll() is None else [])
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
+        for pid in started:
+            if running(pid):
+                kill_tree(pid)
+        if folder is not None:
+            shutil.rmtree(folder.parent, ignore_errors=True)  # the pool's folder: its closer was killed

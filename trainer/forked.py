@@ -18,7 +18,7 @@ import sys
 import time
 
 from parashift.trainer.forkserver import MAX_MESSAGE, PID_ENV, SOCKET_ENV
-from parashift.trainer.processes import running
+from parashift.trainer.processes import end_with_parent, running
 
 # How long a client waits for its forkserver to finish its imports and listen (it started with
 # the launch, beside torchrun): beyond this the worker starts as an interpreter of its own.
@@ -85,6 +85,9 @@ def main(argv: list[str]) -> None:
 
     for sig in FORWARDED:
         signal.signal(sig, forward)
+    # This process ends with its launcher, and its worker with it (the server kills the worker
+    # of a closed connection).
+    end_with_parent()
     request = {"module": module, "argv": args, "env": dict(os.environ), "cwd": os.getcwd()}
     socket.send_fds(sock, [json.dumps(request).encode()], [0, 1, 2])
     reply = json.loads(sock.recv(MAX_MESSAGE) or b'{"refused": "the forkserver closed the connection"}')

@@ -7,6 +7,8 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import threading
+import time
 from pathlib import Path
 
 
@@ -51,3 +53,20 @@ def kill_tree(pid: int) -> None:
     for victim in [*reversed(descendants(pid)), pid]:
         with contextlib.suppress(ProcessLookupError):
             os.kill(victim, signal.SIGKILL)
+
+
+def end_with_parent(poll_s: float = 0.5) -> None:
+    """End this process (SIGKILL) once the process that started it has died. A worker whose
+    launcher (the flow's warm pool, torchrun) was killed must not train on unseen: it holds
+    devices and memory a rerun of the job needs, for as long as its segment would have run.
+    Why a thread polling the parent's pid, not prctl(PR_SET_PDEATHSIG): that signal follows
+    the parent *thread* that started the child, and a flow starts its workers from a task's
+    thread, which may end long before the flow does."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(poll_s)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="parashift-parent-watch", daemon=True).start()

@@ -46,6 +46,7 @@ from parashift.trainer.control import PEER_FAILED_SIGNAL, PeerFailed, on_peer_fa
 from parashift.trainer.forkserver import import_what_jobs_use
 from parashift.trainer.launch import LaunchResult, PlanNotExecutable, forkserver_env, worker_env
 from parashift.trainer.mesh import forget_meshes, job_plan_refusals
+from parashift.trainer.processes import end_with_parent
 
 # How long one job may run before the pool is presumed stuck (a collective waiting for a rank
 # that failed) and started afresh.
@@ -292,6 +293,7 @@ def _clean_up() -> None:
 def serve() -> None:
     """Answer job requests (one JSON line each on stdin) with their exit status (on stdout)."""
     signal.signal(PEER_FAILED_SIGNAL, on_peer_failed)  # for the process's life: a job's peer died
+    end_with_parent()  # the launcher killed: no job of it runs on (a forked worker's client ends it too)
     answers = os.fdopen(os.dup(sys.stdout.fileno()), "w", buffering=1)
     import_what_jobs_use()
 
