@@ -517,15 +517,15 @@ class _DirectWrites:
 
     BLOCK = 4096  # alignment that covers 512- and 4096-byte logical blocks
     BUFFER = 1 << 22  # bytes per write
+    FLAG = getattr(os, "O_DIRECT", 0)  # 0: a platform without it (macOS): buffered
 
     @classmethod
     def write(cls, tmp: str, parts: Iterable[memoryview | bytes]) -> int:
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
-        direct = getattr(os, "O_DIRECT", 0)
         fd = -1
-        if direct:
+        if cls.FLAG:
             try:
-                fd = os.open(tmp, flags | direct, 0o666)
+                fd = os.open(tmp, flags | cls.FLAG, 0o666)
             except OSError as error:
                 if error.errno != errno.EINVAL:
                     raise
@@ -555,18 +555,17 @@ class _DirectWrites:
             buffer.close()
             os.close(fd)
 
-    @staticmethod
-    def _flush(fd: int, view: memoryview) -> int:
+    @classmethod
+    def _flush(cls, fd: int, view: memoryview) -> int:
         """Write `view` at the file's end; where O_DIRECT refuses it (EINVAL: an alignment the
         filesystem does not take), the file goes on buffered."""
         try:
             return _write_all(fd, view)
         except OSError as error:
-            direct = getattr(os, "O_DIRECT", 0)
             flags = fcntl.fcntl(fd, fcntl.F_GETFL)
-            if error.errno != errno.EINVAL or not flags & direct:
+            if error.errno != errno.EINVAL or not flags & cls.FLAG:
                 raise
-            fcntl.fcntl(fd, fcntl.F_SETFL, flags & ~direct)
+            fcntl.fcntl(fd, fcntl.F_SETFL, flags & ~cls.FLAG)
             return _write_all(fd, view)
 
 
