@@ -24,7 +24,7 @@ import pytest
 from jobs import assert_each_sample_once, tiny_spec
 from parashift.corpus import open_dataset
 from parashift.specs import JobSpec
-from parashift.trainer.events import StartEvent, StepEvent, WorkerEvent
+from parashift.trainer.events import CheckpointEvent, StartEvent, StepEvent, WorkerEvent
 from test_flow import read_artifact
 
 # A job long enough that an event emitted at its 3rd step arrives long before its end.
@@ -65,17 +65,24 @@ class WorkerEvents:
 
 class SignalRank:
     """A worker-event listener that sends `sig` to one rank's process when the job reaches
-    `step` (once; `every_segment`: in each segment it reaches that step)."""
+    `step` (once; `every_segment`: in each segment it reaches that step). `after_commit`: not
+    before the checkpoint of that step is committed (at the first step heard from then on)."""
 
-    def __init__(self, rank: int, step: int, sig: int, every_segment: bool = False) -> None:
+    def __init__(self, rank: int, step: int, sig: int, every_segment: bool = False,
+                 after_commit: int | None = None) -> None:
         self.rank, self.step, self.sig, self.every_segment = rank, step, sig, every_segment
+        self.after_commit = after_commit
+        self.committed = after_commit is None
         self.pids: list[int] = []
         self.signalled: list[int] = []
 
     def __call__(self, event: WorkerEvent) -> None:
         if isinstance(event, StartEvent):
             self.pids = event.pids
-        if isinstance(event, StepEvent) and event.step == self.step and (self.every_segment or not self.signalled):
+        if isinstance(event, CheckpointEvent) and self.after_commit is not None and event.step >= self.after_commit:
+            self.committed = True
+        reached = event.step == self.step if self.after_commit is None else event.step >= self.step
+        if isinstance(event, StepEvent) and reached and self.committed and (self.every_segment or not self.signalled):
             pid = self.pids[self.rank]
             self.signalled.append(pid)
             os.kill(pid, self.sig)
@@ -280,7 +287,9 @@ def test_a_hung_worker_is_a_failure_the_job_recovers_from(prefect_server: None, 
     # a job of its own per case: the session's Prefect server would replay one case's failure event to the other
     spec = tiny_spec(f"hung-rank-{'warm' if warm else 'torchrun'}", f"file://{tmp_path}/store",
                      training={**LONG, "checkpoint_every": 5, "hang_timeout_s": 5}, resources={"devices": 3, "warm_workers": warm})
-    freeze = SignalRank(rank=2, step=7, sig=signal.SIGSTOP)
+    # Frozen once step 5's checkpoint is committed: a save in flight needs every rank (a tiny
+    # model's steps take ~16 ms, so on a loaded machine rank 2 could freeze before it commits).
+    freeze = SignalRank(rank=2, step=7, sig=signal.SIGSTOP, after_commit=5)
     state = run_flow(spec, freeze)
     summary = state.result()
     assert freeze.signalled
