@@ -311,6 +311,20 @@ class ParallelismSpec(_Section):
                           "axis (FSDP) where its cost model says it pays; false: data parallelism replicates them.",
     )
     precision: Literal["fp32", "bf16"] = Field("fp32", description="Compute precision.")
+    mixed_precision: Literal["autocast", "fsdp"] = Field(
+        "autocast",
+        description="How bf16 compute is had: 'autocast' over fp32 parameters, or 'fsdp': FSDP2's mixed-precision "
+                    "policy (bf16 parameters gathered and computed with, gradients reduced in fp32, fp32 master "
+                    "weights and optimizer state; torchtitan's default). Checkpoints hold the same fp32 state "
+                    "under both. Plans without a data-parallel axis run autocast.",
+    )
+    activation_checkpointing: Literal["auto", "none", "selective", "full"] = Field(
+        "auto",
+        description="What each decoder layer keeps for backward: 'none' everything, 'selective' the outputs of "
+                    "matmuls, attention and collectives (the rest recomputed), 'full' its input only (the layer "
+                    "recomputed in backward). 'auto': the planner's choice under strategy 'auto' (checkpointing "
+                    "only where the memory limit needs it), 'none' under 'data-parallel'.",
+    )
     memory_reserve: float = Field(
         0.08, ge=0.0, lt=1.0,
         description="Fraction of each device's memory the planner leaves free for what its cost model does not "

@@ -19,12 +19,24 @@ the other.
 from __future__ import annotations
 
 from math import prod
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 # Mesh axis names, outermost first. "dp" replicates (or shards) the training state and splits
 # the batch, "tp" splits op dimensions, "pp" splits the layer sequence into stages.
 MESH_AXES = ("pp", "dp", "tp")
+
+# Activation checkpointing of each decoder layer (trainer.parallel `apply_ac`): "none" keeps every
+# activation backward needs; "selective" keeps the outputs of matmuls, attention and collectives
+# and recomputes the rest (torchtitan's per-op policy); "full" keeps each layer's input only and
+# recomputes the whole layer in backward.
+ActivationCheckpointing = Literal["none", "selective", "full"]
+AC_MODES: tuple[str, ...] = ("none", "selective", "full")
+# How bf16 compute is had (with `precision: bf16`): "autocast" over fp32 parameters, or FSDP2's
+# MixedPrecisionPolicy (bf16 parameters gathered and computed with, gradients reduced in fp32,
+# fp32 master weights and optimizer state), which needs a data-parallel axis to hold it.
+MixedPrecision = Literal["autocast", "fsdp"]
 
 
 class TensorParallel(BaseModel):
@@ -102,6 +114,12 @@ class Plan(BaseModel):
                     "dp / dp_shard replicas, each sharded over dp_shard ranks")
     reshard_after_forward: bool = Field(
         default=True, description="sharded dp: free gathered parameters after forward (gather again in backward)")
+    activation_checkpointing: ActivationCheckpointing = Field(
+        default="none", description="what each decoder layer keeps for backward: everything (none), matmul, "
+                                    "attention and collective outputs (selective), or its input only (full)")
+    mixed_precision: MixedPrecision = Field(
+        default="autocast", description="with bf16 compute: autocast over fp32 parameters, or FSDP2's policy "
+                                        "(bf16 parameters, fp32 gradient reduction and master state)")
     # -- the planner's annotation --
     placements: list[OpPlacement] = Field(default_factory=list)
     estimated_step_s: float | None = None

@@ -50,6 +50,16 @@ def choose_plan(spec: JobSpec, searched: Plan, devices: int) -> Plan:
     )
 
 
+def with_memory_choices(spec: JobSpec, plan: Plan) -> Plan:
+    """The plan with the spec's pinned memory choices: its activation checkpointing where the
+    spec names one (else the planner's, 'none' for a data-parallel plan), and how bf16 compute
+    is had (autocast, or FSDP2's mixed-precision policy)."""
+    par = spec.parallelism
+    ac = plan.activation_checkpointing if par.activation_checkpointing == "auto" else par.activation_checkpointing
+    mixed = par.mixed_precision if par.precision == "bf16" else "autocast"
+    return plan.model_copy(update={"activation_checkpointing": ac, "mixed_precision": mixed})
+
+
 def default_read_bytes_per_s(url: str) -> float:
     """A store's read bandwidth before one was measured: local files ~1 GB/s, object stores ~100 MB/s."""
     return 1e9 if url.startswith(("file://", "/")) or "://" not in url else 1e8
@@ -131,6 +141,7 @@ def plan_parallelism(spec: JobSpec, model: ModelSummary, devices: int, step: int
                         f"cheaper over the {spec.training.steps - step} remaining steps")
                 best = Option(best.plan.model_copy(update={"notes": [*best.plan.notes, note]}), best.step_s, best.move_bytes)
             plan = best.plan
+    plan = with_memory_choices(spec, plan)
     for note in plan.notes:
         logger.info(note)
     rows = [

@@ -10,9 +10,13 @@ forward checks it from the allocator's side (bench/activation_memory.py).
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 
 import torch
 from parashift.models.layers import token_loss_sum
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 
 def kept_for_backward(model: torch.nn.Module, tokens: torch.Tensor, targets: torch.Tensor, precision: str) -> int:
@@ -32,3 +36,30 @@ def kept_for_backward(model: torch.nn.Module, tokens: torch.Tensor, targets: tor
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor), autocast:
         token_loss_sum(model(tokens), targets)
     return sum(kept.values())
+
+
+def alive_after(forward: Callable[[], torch.Tensor]) -> int:
+    """Bytes of the storages that `forward` (a forward pass and loss) created and that are
+    still alive when it returns, the result's own left out: what backward will use, however it
+    is held (autograd's saved tensors, an activation checkpoint's inputs, a selective policy's
+    cache), so checkpointed layers are counted too, which saved-tensor hooks cannot see."""
+    created: dict[int, tuple[StorageWeakRef, int]] = {}
+    before: set[int] = set()
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+            for t in tree_leaves((args, kwargs)):  # parameters and inputs: there before, never counted
+                if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in created:
+                    before.add(t.untyped_storage().data_ptr())
+            out = func(*args, **(kwargs or {}))
+            for t in tree_leaves(out):
+                if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                    storage = t.untyped_storage()
+                    if storage.data_ptr() not in before:  # not a view of a parameter (a transpose)
+                        created.setdefault(storage.data_ptr(), (StorageWeakRef(storage), storage.nbytes()))
+            return out
+
+    with Record():
+        result = forward()
+    own = result.untyped_storage().data_ptr()
+    return sum(n for ptr, (ref, n) in created.items() if ptr != own and not ref.expired())

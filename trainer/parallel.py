@@ -1,5 +1,7 @@
 """Apply a Plan to a family's single-device model with PyTorch's own machinery (torchtitan's
-order): tensor/sequence parallelism through `parallelize_module` -> optional compile -> the data axis.
+order): tensor/sequence parallelism through `parallelize_module` -> activation checkpointing
+(trainer.recompute) -> optional compile -> the data axis (FSDP2, with its mixed-precision policy
+where the Plan asks for it).
 
 What "tp" splits comes from the Plan's `TensorParallel` (specs/plan.py), part by part; which
 modules play each part comes from the family's sharding table (models/sharding.py):
@@ -26,9 +28,11 @@ from parashift.ptc import Slice
 from parashift.ptc.dtensor import local_box, local_data
 from parashift.specs.plan import Plan, TensorParallel
 from parashift.trainer.mesh import data_mesh
+from parashift.trainer.recompute import apply_ac
 from parashift.trainer.tp_styles import LocalColwiseParallel, LocalRowwiseParallel, RegionEntry
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
@@ -174,40 +178,60 @@ class ReplicatedRegion(ParallelStyle):
         return scatter._apply(gather._apply(module, device_mesh), device_mesh)
 
 
-def apply_dp(model: nn.Module, family: ModelFamily, plan: Plan, mesh: DeviceMesh) -> nn.Module:
+def fsdp_mixed_precision(plan: Plan, precision: str) -> bool:
+    """Whether FSDP2's mixed-precision policy gives this plan its bf16 compute (else autocast
+    does, or nothing in fp32): asked for, in bf16, and a data axis for FSDP2 to hold it."""
+    return precision == "bf16" and plan.mixed_precision == "fsdp" and plan.degree("dp") > 1
+
+
+def mixed_precision_policies(enabled: bool) -> tuple[MixedPrecisionPolicy, MixedPrecisionPolicy]:
+    """(per layer, at the root): bf16 parameters and compute, gradients reduced in fp32
+    (torchtitan's default); the root hands fp32 logits to the loss. Disabled: parameters as held."""
+    if not enabled:
+        return MixedPrecisionPolicy(), MixedPrecisionPolicy()
+    layer = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    root = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, output_dtype=torch.float32)
+    return layer, root
+
+
+def apply_dp(model: nn.Module, family: ModelFamily, plan: Plan, mesh: DeviceMesh, bf16_params: bool = False) -> nn.Module:
     """The data axis: FSDP2's `replicate` (DDP semantics, DTensor-aware, so it composes with
     tensor parallelism and pipeline stages) when the state is replicated; `fully_shard` per
     block and at the root (torchtitan's order: each block's parameters gathered just before it
     runs) when it is sharded, over a 2-D (replicate, shard) mesh for HSDP. Both reduce
-    gradients to their mean over the dp axis."""
+    gradients to their mean over the dp axis. `bf16_params`: FSDP2's mixed-precision policy
+    (`mixed_precision_policies`); the fp32 parameters stay what the optimizer and checkpoints see."""
+    layer_policy, root_policy = mixed_precision_policies(bf16_params)
     if plan.dp_shard == 1:
         from torch.distributed._composable.replicate_with_fsdp import replicate
 
-        return replicate(model, mesh=data_mesh(mesh))
+        return replicate(model, mesh=data_mesh(mesh), mp_policy=root_policy)
     from torch.distributed.fsdp import fully_shard
 
     dp_mesh = mesh["dp_replicate", "dp_shard"] if plan.dp_replicate > 1 else mesh["dp_shard"]
     for _, layer in family.layers(model):
-        fully_shard(layer, mesh=dp_mesh, reshard_after_forward=plan.reshard_after_forward)
+        fully_shard(layer, mesh=dp_mesh, reshard_after_forward=plan.reshard_after_forward, mp_policy=layer_policy)
     # The root's own parameters (embeddings, final norm, head) are gathered for the whole step.
-    fully_shard(model, mesh=dp_mesh, reshard_after_forward=False)
+    fully_shard(model, mesh=dp_mesh, reshard_after_forward=False, mp_policy=root_policy)
     return model
 
 
 def parallelize(model: nn.Module, family: ModelFamily, plan: Plan, mesh: DeviceMesh, regions: TensorParallel,
-                device: torch.device, compile: bool = False) -> nn.Module:
+                device: torch.device, compile: bool = False, precision: str = "fp32") -> nn.Module:
     """The Plan applied to a family's `model` (or a pipeline stage of it, on `device` or still on
-    the meta device): TP -> compile -> data parallel. Returns the module to call; parameters
-    keep their names (checkpoints rely on that)."""
+    the meta device): TP -> activation checkpointing -> compile -> data parallel (with FSDP2's
+    mixed precision where `fsdp_mixed_precision`). Returns the module to call; parameters keep
+    their names (checkpoints rely on that)."""
     if plan.degree("tp") > 1:
         apply_tp(model, family, mesh["tp"], regions)
         if any(m.p > 0 for m in model.modules() if isinstance(m, nn.Dropout)):
             apply_dropout_streams(model, family, mesh["tp"].get_local_rank(), regions, device)
+    apply_ac([layer for _, layer in family.layers(model)], plan.activation_checkpointing)
     if compile:
         for _, layer in family.layers(model):
             layer.compile()  # per layer, as torchtitan does: small graphs, shared across layers
     if plan.degree("dp") > 1:
-        model = apply_dp(model, family, plan, mesh)
+        model = apply_dp(model, family, plan, mesh, bf16_params=fsdp_mixed_precision(plan, precision))
     return model
 
 

@@ -76,6 +76,7 @@ from parashift.trainer.mesh import Coordinates, ParallelDims, job_plan_refusals
 from parashift.trainer.optim import LocalShardAdamW
 from parashift.trainer.parallel import (
     clip_grad_norm_,
+    fsdp_mixed_precision,
     gradient_sync,
     initialize,
     loss_context,
@@ -239,7 +240,8 @@ def build(spec: JobSpec, plan: Plan, dims: ParallelDims, coords: Coordinates, me
     n_layers = len(list(family.layers(model)))
     regions = plan.tp_regions(n_layers)
     module = build_stage(model, family, plan, n_layers, coords.pp_rank) if dims.pp > 1 else model
-    runnable = parallelize(module, family, plan, mesh, regions, device, compile=spec.parallelism.compile)
+    runnable = parallelize(module, family, plan, mesh, regions, device, compile=spec.parallelism.compile,
+                           precision=spec.parallelism.precision)
 
     def initial_part(name: str, shape: tuple[int, ...], box: Slice) -> torch.Tensor:
         return family.initial_part(m, name, shape, box, spec.training.seed)
@@ -442,9 +444,9 @@ def train(spec: JobSpec, plan: Plan, built: Built, batches: Batches, dims: Paral
     reader = batches.prefetcher(train_spec.global_batch, pipelined=dims.pp > 1)
     step, position, loss = resumed.step, resumed.position, resumed.loss
     tokens_per_step = train_spec.global_batch * m.seq_len
-    autocast = (
+    autocast = (  # bf16 by autocast, unless FSDP2's policy already computes in bf16
         torch.autocast(device.type, dtype=torch.bfloat16)
-        if spec.parallelism.precision == "bf16"
+        if spec.parallelism.precision == "bf16" and not fsdp_mixed_precision(plan, spec.parallelism.precision)
         else contextlib.nullcontext()
     )
     # Each dp rank's gradient is scaled by dp / global tokens: the mean over the dp axis then

@@ -1,0 +1,74 @@
+"""Activation checkpointing of decoder layers: what each layer keeps for backward, and what it
+recomputes instead (torchtitan's `apply_ac`, with torch's own machinery).
+
+- "full": the layer keeps its input only; backward runs its forward again.
+- "selective": the layer keeps the outputs of its matmuls, attention and collectives and
+  recomputes the rest (norms, activations, dropout, rotary, residual adds, autocast's
+  casts): torchtitan's per-op policy, which frees most of a layer's memory for a few percent
+  of its FLOPs.
+
+Applied with torch's composable `checkpoint` (hooks, not a wrapper module), so parameter names
+stay as they are: checkpoints, layouts and the Hugging Face adapters never see a difference.
+Recomputation restores the RNG state the forward saw (`preserve_rng_state`), so dropout draws
+the same masks and a recomputed step is the same step (tests/test_recompute.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from torch.distributed._composable import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+_aten = torch.ops.aten
+_c10d = torch.ops._c10d_functional
+
+
+def _saved_ops() -> frozenset[object]:
+    """The ops whose outputs selective checkpointing keeps: every GEMM and attention kernel
+    (CPU and CUDA variants) and the functional collectives tensor parallelism issues (so that
+    backward never repeats a collective)."""
+    names = [
+        (_aten, "mm"), (_aten, "addmm"), (_aten, "bmm"), (_aten, "baddbmm"),
+        (_aten, "_scaled_dot_product_flash_attention"), (_aten, "_scaled_dot_product_efficient_attention"),
+        (_aten, "_scaled_dot_product_cudnn_attention"), (_aten, "_scaled_dot_product_flash_attention_for_cpu"),
+        (_aten, "_flash_attention_forward"), (_aten, "_efficient_attention_forward"),
+        (_c10d, "all_reduce"), (_c10d, "reduce_scatter_tensor"), (_c10d, "all_gather_into_tensor"),
+        (_c10d, "all_to_all_single"),
+    ]
+    found = []
+    for namespace, name in names:
+        packet = getattr(namespace, name, None)
+        if packet is not None:
+            found.append(packet.default)
+    return frozenset(found)
+
+
+SAVED_OPS = _saved_ops()
+
+
+def _keep_gemms(ctx: object, op: object, *args: object, **kwargs: object) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _selective_contexts() -> tuple[object, object]:
+    return create_selective_checkpoint_contexts(_keep_gemms)
+
+
+def checkpoint_layer(layer: nn.Module, mode: str) -> None:
+    """Apply `mode` ("none", "selective" or "full") to one decoder layer, in place."""
+    if mode == "none":
+        return
+    if mode not in ("selective", "full"):
+        raise ValueError(f"activation checkpointing {mode!r}: expected none, selective or full")
+    options: dict[str, Callable[[], tuple[object, object]]] = (
+        {"context_fn": _selective_contexts} if mode == "selective" else {})
+    checkpoint(layer, preserve_rng_state=True, **options)
+
+
+def apply_ac(layers: list[nn.Module], mode: str) -> None:
+    """Checkpoint every decoder layer of a model (or of a pipeline stage) as `mode` says."""
+    for layer in layers:
+        checkpoint_layer(layer, mode)
