@@ -71,6 +71,7 @@ class OpCost:
     param_mem: np.ndarray  # bytes of parameter state held
     act_mem: np.ndarray  # bytes of activations saved for the backward pass, one evaluation
     cast_mem: np.ndarray  # bytes of low-precision weight copies kept for backward, once per step
+    recompute_mem: np.ndarray  # bytes a checkpointed layer's backward holds again (its share of one layer), once
     # Sharded dp (FSDP) only, else zeros: one all-gather of the weights, s; bytes of the
     # unsharded weights and of their unsharded gradients (held as problem.Weights says).
     gather: np.ndarray
@@ -130,7 +131,8 @@ class CostModel:
         share = 1.0 / (len(op.params) * self._unit_ops.get(op.block, 1))
         fixed = share * (link.latency_s + self.device.sharded_op_overhead_s / 2)
         ring = (group - 1) / group / link.bandwidth_Bps
-        return fixed + ring * local * self.graph.act_bytes, fixed + ring * local * self.graph.grad_bytes
+        gathered = self.graph.gather_bytes or self.graph.act_bytes
+        return fixed + ring * local * gathered, fixed + ring * local * self.graph.grad_bytes
 
     def _allreduce(self, op: Op, cfg: Config, tensor: tuple[str, ...], elem_bytes: int, bucketed: bool = False) -> float:
         """All-reduce of a tensor that is a partial sum over the axes splitting dims it lacks
@@ -152,7 +154,9 @@ class CostModel:
         configs = op_configs(op, self.mesh)
         n = len(configs)
         compute, comm, grad_comm = np.zeros(n), np.zeros(n), np.zeros(n)
-        param_mem, act_mem, cast_mem = np.zeros(n), np.zeros(n), np.zeros(n)
+        param_mem, act_mem, cast_mem, recompute_mem = np.zeros(n), np.zeros(n), np.zeros(n), np.zeros(n)
+        # Forward once, backward twice its FLOPs; a recomputed op runs its forward once more.
+        passes = 4.0 if op.recompute else 3.0
         gather, unsharded_weight, unsharded_grad = np.zeros(n), np.zeros(n), np.zeros(n)
         rate = dev.matmul_flops if op.kind in GEMM_KINDS else float("inf")
         gemm = gemm_output_dims(op) if op.kind in GEMM_KINDS else None
@@ -167,16 +171,17 @@ class CostModel:
             share = prod(cfg.counts)
             act = sum(local(t) for t in op.inputs) + local(op.output)
             params = sum(local(t) for t in op.params)
-            moved = 3.0 * g.act_bytes * (act + params)  # forward once, backward twice
+            moved = passes * g.act_bytes * (act + params)
             sharded = any(c > 1 for d, c in split.items() if d != g.batch_dim)
             host = dev.op_overhead_s + (dev.sharded_op_overhead_s if sharded else 0.0)
             efficiency = 1.0
             if gemm is not None:
                 batch, rows, cols = (prod(op.dims[d] // split[d] for d in dims) for dims in gemm)
                 efficiency = dev.gemm_efficiency(batch, rows, cols)
-            device_s = max(3.0 * op.flops / share / (rate * efficiency), moved / dev.memory_Bps)
+            device_s = max(passes * op.flops / share / (rate * efficiency), moved / dev.memory_Bps)
             compute[i] = max(device_s, host) if dev.host_async else device_s + host
-            comm[i] = self._allreduce(op, cfg, op.output, g.act_bytes) + sum(
+            forward = self._allreduce(op, cfg, op.output, g.act_bytes)
+            comm[i] = forward * (2.0 if op.recompute else 1.0) + sum(
                 self._allreduce(op, cfg, t, g.act_bytes) for t in op.inputs)
             grad_comm[i] = sum(self._allreduce(op, cfg, t, g.grad_bytes, bucketed=True) for t in op.params)
             for t in op.params:
@@ -184,7 +189,7 @@ class CostModel:
                 gather[i] += all_gather
                 grad_comm[i] += reduce_scatter
             if dp_axis is not None:
-                unsharded_weight[i] = g.act_bytes * params
+                unsharded_weight[i] = (g.gather_bytes or g.act_bytes) * params
                 unsharded_grad[i] = g.grad_bytes * params
             # The optimizer step reads and writes the parameter state of the local shard once:
             # replicas (dp, or ops replicated over tp) each pay it again.
@@ -194,8 +199,11 @@ class CostModel:
             act_mem[i] = sum(t.bytes * local(t.dims) for t in kept)
             if op.kind in GEMM_KINDS and op.params:  # the GEMM's weight operand (params[0]); biases stay fp32
                 cast_mem[i] = g.weight_cast_bytes * local(op.params[0])
-        return OpCost(configs, compute, comm, grad_comm, param_mem, act_mem, cast_mem, gather, unsharded_weight,
-                      unsharded_grad)
+            if op.checkpointed:  # one layer's worth live at a time, casts made again with it
+                again = sum(t.bytes * local(t.dims) for t in op.recomputed) + cast_mem[i]
+                recompute_mem[i], cast_mem[i] = again / g.recompute_layers, 0.0
+        return OpCost(configs, compute, comm, grad_comm, param_mem, act_mem, cast_mem, recompute_mem, gather,
+                      unsharded_weight, unsharded_grad)
 
     def _build_edge(self, src: Op, dst: Op, slot: int) -> np.ndarray:
         """Seconds to convert src's output layout to dst's input layout, and the gradient back."""

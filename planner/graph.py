@@ -117,6 +117,14 @@ class Op(BaseModel):
     tp_required: bool = False
     saved: tuple[Saved, ...] | None = Field(
         default=None, description="activations backward keeps (None: the output at the graph's act_bytes)")
+    # Activation checkpointing (planner/checkpointing.py sets these on a checkpointed layer's ops).
+    gemm_output: Dims | None = Field(
+        default=None, description="the GEMM's own result where the op's output is computed from it (gate and up "
+                                  "before SwiGLU's product): what selective checkpointing keeps; None: the output")
+    checkpointed: bool = Field(default=False, description="in a checkpointed layer (its weight casts are redone)")
+    recompute: bool = Field(default=False, description="its forward runs again in backward")
+    recomputed: tuple[Saved, ...] = Field(
+        default=(), description="what its recomputation holds while its layer's backward runs (one layer at a time)")
 
     def _tensors(self) -> Iterator[tuple[str, Dims]]:
         """Each tensor of the op with the name the JSON format gives it (`inputs[0]`, `output`...)."""
@@ -138,7 +146,7 @@ class Op(BaseModel):
     @model_validator(mode="after")
     def _tensors_use_own_dims(self) -> Op:
         known = set(self.dims)
-        kept = tuple(s.dims for s in self.saved or ())
+        kept = tuple(s.dims for s in self.saved or ()) + ((self.gemm_output,) if self.gemm_output else ())
         for tensor in (*self.inputs, self.output, *self.params, self.reduce, self.nosplit, *kept):
             unknown = set(tensor) - known
             if unknown:
@@ -197,6 +205,12 @@ class Graph(BaseModel):
     # backward pass: held once per step (it is cached across the micro-batches of one autocast
     # region), 2 bytes per weight element under bf16 autocast over fp32 weights.
     weight_cast_bytes: int = Field(0, ge=0)
+    # Bytes per element of a weight FSDP gathers: the parameters as held (fp32 under autocast),
+    # or FSDP2's bf16 parameter dtype (mixed precision). None: act_bytes.
+    gather_bytes: int | None = Field(None, ge=1)
+    # Checkpointed layers: one layer's recomputation is live at a time, so each op's `recomputed`
+    # counts 1/recompute_layers of itself (the sum is one layer's, exact for identical layers).
+    recompute_layers: int = Field(1, ge=1)
     ops: list[Op] = Field(default_factory=list)
     edges: list[Edge] = Field(default_factory=list)
 

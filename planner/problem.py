@@ -76,8 +76,9 @@ class Weights:
 
     def memory(self, c: OpCost) -> np.ndarray:
         """Bytes per device: parameter state once, activations of the micro-batches in flight,
-        autocast's weight copies once, and what FSDP keeps unsharded."""
-        out = c.param_mem + self.inflight * c.act_mem + c.cast_mem
+        autocast's weight copies once, one checkpointed layer's recomputation, and what FSDP
+        keeps unsharded."""
+        out = c.param_mem + self.inflight * c.act_mem + c.cast_mem + c.recompute_mem
         if self.holds_weights:
             out = out + c.unsharded_weight
         if self.holds_grads:

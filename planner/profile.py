@@ -111,6 +111,8 @@ class ModelProfile(BaseModel):
     reshard_after_forward: bool = Field(
         default=True, description="sharded dp: search with FSDP freeing gathered weights after forward (False: "
                                   "gathered once per evaluation, or once per step in a pipeline, and held)")
+    activation_checkpointing: str = Field(
+        default="none", description="the checkpointing the graph's layers are priced under (planner/checkpointing.py)")
 
 
 def measure_device(kind: str = "cpu", repeats: int = 3) -> DeviceModel:

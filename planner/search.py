@@ -24,6 +24,7 @@ import math
 
 from parashift.planner import dp
 from parashift.planner.baselines import baseline_assign, baseline_meshes
+from parashift.planner.checkpointing import checkpointed, with_precision
 from parashift.planner.configs import counts_mesh, dtensor_placements
 from parashift.planner.costs import CostModel
 from parashift.planner.execution import executable
@@ -127,7 +128,7 @@ def to_plan(best: Candidate, devices: int, base: dict[str, Candidate | None], li
     return executable(Plan(
         devices=devices, mesh=mesh, dp_shard=best.dp if sharded else 1, placements=placements,
         reshard_after_forward=not sharded or best.stages[0].weights.reshard_after_forward,
-        micro_batches=best.micro_batches,
+        micro_batches=best.micro_batches, activation_checkpointing=best.activation_checkpointing,
         estimated_step_s=best.time_s, memory_per_device_bytes=int(best.memory_bytes), strategy=best.name,
         baselines={k: c.time_s for k, c in base.items() if c is not None},
         baseline_memory_bytes={k: int(c.memory_bytes) for k, c in base.items() if c is not None},
@@ -146,7 +147,8 @@ def optimality(best: Candidate, searched: list[Candidate], limit: float | None) 
 
 def plan_model(source: ModelProfile | Graph, devices: int, memory_limit_bytes: int | None = None,
                max_tp: int | None = None, max_pp: int | None = None, *, device_kind: str = "cuda",
-               devices_per_node: int | None = None, method: Method = "dp", shard_dp: bool = True) -> Plan:
+               devices_per_node: int | None = None, method: Method = "dp", shard_dp: bool = True,
+               ac_modes: tuple[str, ...] = ("none",), mixed_precision: str | None = None) -> Plan:
     """The fastest strategy under the cost model that fits the memory limit, as a Plan.
 
     `memory_limit_bytes` None: the profile's device memory (unlimited if unknown). Baselines are
@@ -155,14 +157,26 @@ def plan_model(source: ModelProfile | Graph, devices: int, memory_limit_bytes: i
     `shard_dp`: the dp axis may also shard parameter state (FSDP): two more spaces (resharding
     after forward or not), each searched with the best fitting time so far as its incumbent;
     among equals the earlier space (replicated first) wins.
+    `ac_modes`: the activation checkpointing searched, each a space of its own (planner/
+    checkpointing.py; among equals the earlier mode wins, and recomputation only adds time, so
+    checkpointing is chosen only where the limit needs it or it lets a faster layout fit).
+    `mixed_precision`: how bf16 compute is had ("autocast" or "fsdp"); None: the graph as built.
     """
     profile = _as_profile(source, device_kind, devices_per_node)
+    if mixed_precision is not None:
+        profile = profile.model_copy(update={"graph": with_precision(profile.graph, mixed_precision)})
     limit = memory_limit_bytes if memory_limit_bytes is not None else profile.device.memory_bytes
-    base = baselines(profile, devices, max_tp, shard_dp)
+    first = checkpointed_space(profile, ac_modes[0])
+    base = baselines(first, devices, max_tp, shard_dp)
+    for c in base.values():
+        if c is not None:
+            c.activation_checkpointing = ac_modes[0]
     known = min((c.time_s for c in base.values() if c is not None and c.fits(limit)), default=float("inf"))
     pool: list[Candidate] = []
-    for space in spaces(profile, shard_dp):
+    for space in spaces(profile, shard_dp, ac_modes):
         found = candidates(space, devices, limit, max_tp, max_pp, method, known)
+        for c in found:
+            c.activation_checkpointing = space.activation_checkpointing
         known = min([known] + [c.time_s for c in found if c.fits(limit)])
         pool += found
     pool += [c for c in base.values() if c is not None]
@@ -174,8 +188,12 @@ def plan_model(source: ModelProfile | Graph, devices: int, memory_limit_bytes: i
     # fit is its least-memory assignment; the bound on weights skips no mesh here.
     g = profile.graph
     floor = g.n_params * g.param_state_bytes / devices
-    pool = [c for space in spaces(profile, shard_dp)
-            for c in candidates(space, devices, limit, max_tp, max_pp, method, prune=False, skip_unfit=False)]
+    pool = []
+    for space in spaces(profile, shard_dp, ac_modes):
+        found = candidates(space, devices, limit, max_tp, max_pp, method, prune=False, skip_unfit=False)
+        for c in found:
+            c.activation_checkpointing = space.activation_checkpointing
+        pool += found
     pool += [c for c in base.values() if c is not None]
     best = closest_to_fitting(pool)
     best.notes.append(f"nothing fits {limit / 2**30:.1f} GiB per device: this is the layout closest to fitting, "
@@ -208,12 +226,24 @@ def closest_to_fitting(pool: list[Candidate]) -> Candidate:
     return min(close, key=lambda c: (c.memory_bytes, c.time_s)) if close else best
 
 
-def spaces(profile: ModelProfile, shard_dp: bool) -> list[ModelProfile]:
-    """The search spaces: replicated dp and, where allowed, sharded dp (FSDP) freeing gathered
-    weights after forward or keeping them (a plan choice: fewer gathers for more memory)."""
-    if not shard_dp:
-        return [profile]
-    return [profile] + [profile.model_copy(update={"shard_dp": True, "reshard_after_forward": r}) for r in (True, False)]
+def checkpointed_space(profile: ModelProfile, mode: str) -> ModelProfile:
+    """`profile` with its graph's layers checkpointed as `mode` says."""
+    if mode == profile.activation_checkpointing:
+        return profile
+    return profile.model_copy(update={"graph": checkpointed(profile.graph, mode), "activation_checkpointing": mode})
+
+
+def spaces(profile: ModelProfile, shard_dp: bool, ac_modes: tuple[str, ...] = ("none",)) -> list[ModelProfile]:
+    """The search spaces: per activation checkpointing mode, replicated dp and, where allowed,
+    sharded dp (FSDP) freeing gathered weights after forward or keeping them (a plan choice:
+    fewer gathers for more memory)."""
+    out = []
+    for mode in ac_modes:
+        space = checkpointed_space(profile, mode)
+        out.append(space)
+        if shard_dp:
+            out += [space.model_copy(update={"shard_dp": True, "reshard_after_forward": r}) for r in (True, False)]
+    return out
 
 
 def exhaustive_search(source: ModelProfile | Graph, devices: int, memory_limit_bytes: int | None = None,

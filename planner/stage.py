@@ -81,6 +81,7 @@ class Candidate:
     # time of this candidate's mesh, micro-batches and split with any fitting assignment.
     proven: bool = True
     bound_s: float | None = None
+    activation_checkpointing: str = "none"  # of the space it was found in
 
     def lower_bound_s(self) -> float:
         return self.time_s if self.proven or self.bound_s is None else min(self.bound_s, self.time_s)

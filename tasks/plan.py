@@ -9,7 +9,7 @@ from parashift.planner.profile import ModelProfile
 from parashift.planner.replan import Option, comparison, pick
 from parashift.planner.search import plan_model, plan_options
 from parashift.specs import JobSpec
-from parashift.specs.plan import Plan
+from parashift.specs.plan import AC_MODES, Plan
 from parashift.tasks.artifacts import artifact_key
 from parashift.tasks.credentials import environment, storage_environment
 from parashift.tasks.profile import load_profile
@@ -87,18 +87,27 @@ _SEARCHED: dict[tuple[object, ...], Plan] = {}
 _SEARCHED_MAX = 64
 
 
+def ac_searched(spec: JobSpec) -> tuple[str, ...]:
+    """The activation checkpointing the planner may choose: the spec's pinned mode, or every mode."""
+    mode = spec.parallelism.activation_checkpointing
+    return AC_MODES if mode == "auto" else (mode,)
+
+
 def _search(spec: JobSpec, profile: ModelProfile | MeasuredProfile, devices: int, limit: int | None) -> Plan:
     """The planner's choice for `devices` (remembered: the search is deterministic)."""
     par, train = spec.parallelism, spec.training
+    ac_modes = ac_searched(spec)
     key = (hashlib.sha256(profile.model_dump_json().encode()).hexdigest(), devices, limit, par.max_tp, par.max_pp,
-           spec.resources.kind, par.shard_data_parallel, train.global_batch, train.micro_batch)
+           spec.resources.kind, par.shard_data_parallel, train.global_batch, train.micro_batch, ac_modes,
+           par.mixed_precision)
     if key not in _SEARCHED:
         if isinstance(profile, MeasuredProfile):  # no op graph: the data axis's options, measured
             searched = plan_measured(profile, devices, train.global_batch, train.micro_batch, limit,
                                      shard_dp=par.shard_data_parallel)
         else:
             searched = plan_model(profile, devices, limit, par.max_tp, par.max_pp, device_kind=spec.resources.kind,
-                                  shard_dp=par.shard_data_parallel)
+                                  shard_dp=par.shard_data_parallel, ac_modes=ac_modes,
+                                  mixed_precision=par.mixed_precision)
         if len(_SEARCHED) >= _SEARCHED_MAX:
             _SEARCHED.pop(next(iter(_SEARCHED)))
         _SEARCHED[key] = searched

@@ -49,14 +49,19 @@ def alive_after(forward: Callable[[], torch.Tensor]) -> int:
     class Record(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
             for t in tree_leaves((args, kwargs)):  # parameters and inputs: there before, never counted
-                if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in created:
-                    before.add(t.untyped_storage().data_ptr())
+                if isinstance(t, torch.Tensor):
+                    ptr = t.untyped_storage().data_ptr()
+                    if ptr not in created or created[ptr][0].expired():
+                        before.add(ptr)
             out = func(*args, **(kwargs or {}))
             for t in tree_leaves(out):
                 if isinstance(t, torch.Tensor) and t.device.type != "meta":
                     storage = t.untyped_storage()
-                    if storage.data_ptr() not in before:  # not a view of a parameter (a transpose)
-                        created.setdefault(storage.data_ptr(), (StorageWeakRef(storage), storage.nbytes()))
+                    ptr = storage.data_ptr()
+                    if ptr in before:  # a view of a parameter or an input (a transpose)
+                        continue
+                    if ptr not in created or created[ptr][0].expired():  # new, or a freed one's address reused
+                        created[ptr] = (StorageWeakRef(storage), storage.nbytes())
             return out
 
     with Record():

@@ -74,7 +74,7 @@ def build(spec: LlamaSpec, batch: int, precision: str) -> Graph:
         fc1 = g.add(p + "fc1", {"b": b, "s": s, "d": d, "g": 2, "f": f}, ("b", "s", "f"), srcs=(n2,), inputs=(bsd,),
                     kind="matmul", reduce=("d", "g"), nosplit=("g",),
                     params=(("d", "g", "f"), ("g", "f")) if spec.mlp_bias else (("d", "g", "f"),),
-                    flops=2.0 * b * s * d * 2 * f, block=blk, tp_dim="f",
+                    flops=2.0 * b * s * d * 2 * f, block=blk, tp_dim="f", gemm_output=("b", "s", "g", "f"),
                     saved=keep(*[(bsd, low)] * (2 if low < FP32 else 1), (("b", "s", "g", "f"), low),
                                (("b", "s", "f"), low)), **mlp)
         fc2 = g.add(p + "fc2", {"b": b, "s": s, "f": f, "d": d}, bsd, srcs=(fc1,), inputs=(("b", "s", "f"),),

@@ -57,13 +57,20 @@ def _refuse_oversized_exhaustive(profile: ModelProfile, label: str) -> None:
         raise typer.Exit(1)
 
 
+def _ac_modes(par: ParallelismSpec) -> tuple[str, ...]:
+    from parashift.specs.plan import AC_MODES
+
+    return AC_MODES if par.activation_checkpointing == "auto" else (par.activation_checkpointing,)
+
+
 def _solve(search: Callable[..., Plan], profile: ModelProfile, n: int, par: ParallelismSpec, label: str,
-           exhaustive: bool) -> Plan:
+           exhaustive: bool, ac_modes: tuple[str, ...] | None = None) -> Plan:
     """The search's Plan; any failure of it one line and exit 1, never a traceback: a ValueError
     it raises to explain itself, a MemoryError on a graph too wide, or a bug."""
     try:
         limit = par.plan_memory_bytes(profile.device.memory_bytes)  # the device less the reserve for transients
-        return search(profile, n, limit, par.max_tp, par.max_pp, shard_dp=par.shard_data_parallel)
+        return search(profile, n, limit, par.max_tp, par.max_pp, shard_dp=par.shard_data_parallel,
+                      ac_modes=ac_modes or _ac_modes(par), mixed_precision=par.mixed_precision)
     except Exception as error:
         typer.echo(f"{label}: cannot plan it{' exhaustively' if exhaustive else ''}: {_one_line(error)}", err=True)
         raise typer.Exit(1) from None
@@ -142,6 +149,13 @@ def plan(
     console.print(f"estimated step: {step:.4g} s ({result.strategy}), "
                   f"memory {result.memory_per_device_bytes / 2**30:.2f} GiB per device"
                   + ("" if result.feasible else " [red](over the limit)[/red]"))
+    console.print(f"  activation checkpointing: {result.activation_checkpointing}; bf16 by {par.mixed_precision}"
+                  if par.precision == "bf16" else f"  activation checkpointing: {result.activation_checkpointing}")
+    other = "none" if result.activation_checkpointing != "none" else "selective"
+    alternative = _solve(exhaustive_search if exhaustive else plan_model, profile, n, par, label, exhaustive, (other,))
+    console.print(f"  with {other} checkpointing instead: mesh {alternative.mesh}, {alternative.estimated_step_s or 0:.4g} s, "
+                  f"{(alternative.memory_per_device_bytes or 0) / 2**30:.2f} GiB per device"
+                  + ("" if alternative.feasible else " (over the limit)"))
     if result.proven_optimal:
         console.print("  proven optimal under the cost model (no fitting plan is faster)")
     elif result.lower_bound_s is not None:
