@@ -23,20 +23,25 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from parashift.models import family_of
 from parashift.models.layers import token_loss_sum
+from parashift.ptc import Slice
 from parashift.specs import JobSpec
 from parashift.specs.plan import Plan
 from parashift.trainer.data import micro_batches, rank_share
 from parashift.trainer.mesh import Coordinates, ParallelDims, forget_meshes
+from parashift.trainer.optim import LocalShardAdamW
 from parashift.trainer.parallel import (
     fsdp_mixed_precision,
     gradient_sync,
     loss_context,
+    materialize,
+    parallelize,
     plain,
     settle_gradients,
 )
-from parashift.trainer.pipeline import DEFAULT_SCHEDULE
-from parashift.trainer.worker import Built, build
+from parashift.trainer.pipeline import DEFAULT_SCHEDULE, build_stage
+from parashift.trainer.worker import Built
 from torch import nn
 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 from torch.distributed._tools.mem_tracker import MemTracker
@@ -69,8 +74,9 @@ def measure_step_peak(spec: JobSpec, plan: Plan, rank: int = 0, fake: bool = Tru
             from torch._subclasses.fake_tensor import FakeTensorMode
 
             mode = FakeTensorMode(allow_non_fake_inputs=True)  # the mesh's tensors are real
+        built = _build(spec, plan, dims, coords, mesh, mode)
         with mode:
-            snapshot = _step_snapshot(spec, plan, dims, coords, mesh)
+            snapshot = _step_snapshot(spec, plan, built, dims, coords)
     finally:
         dist.destroy_process_group()
         forget_meshes()
@@ -88,11 +94,39 @@ def measure_step_peak(spec: JobSpec, plan: Plan, rank: int = 0, fake: bool = Tru
     return out
 
 
-def _step_snapshot(spec: JobSpec, plan: Plan, dims: ParallelDims, coords: Coordinates, mesh: Any) -> dict[Any, Any]:
-    """Build this rank's part as the worker does, then one step under a tracker; the tracker's
-    per-device, per-category snapshot at the step's peak."""
+def _build(spec: JobSpec, plan: Plan, dims: ParallelDims, coords: Coordinates, mesh: Any,
+           mode: contextlib.AbstractContextManager[Any]) -> Built:
+    """`trainer.worker.build`'s steps, with only the allocation (`materialize`, unfilled) and the
+    optimizer under `mode`. Why not `build` inside FakeTensorMode: parameters made there on the
+    meta device are fake tensors, some of which the mode's converter memoizes (a weak reference,
+    depending on its dispatch cache), and `to_empty` then cannot swap them ("Cannot swap t1
+    because it has weakref associated with it"). Built on the real meta device, as the worker
+    builds, they are swapped for fake CPU tensors like any others."""
+    m, device = spec.model, torch.device("cpu")
+    family = family_of(m)
+    with torch.device("meta"):
+        model = family.build(m)
+    n_params = sum(p.numel() for p in model.parameters())
+    n_layers = len(list(family.layers(model)))
+    regions = plan.tp_regions(n_layers)
+    module = build_stage(model, family, plan, n_layers, coords.pp_rank) if dims.pp > 1 else model
+    runnable = parallelize(module, family, plan, mesh, regions, device, compile=spec.parallelism.compile,
+                           precision=spec.parallelism.precision)
+    buffers = family.initial_buffers(m)  # real CPU values, computed outside the mode
+
+    def initial_part(name: str, shape: tuple[int, ...], box: Slice) -> torch.Tensor:
+        return family.initial_part(m, name, shape, box, spec.training.seed)
+
+    with mode:
+        materialize(module, device, initial_part, buffers, fill=False)  # allocated before the tracker starts
+        optimizer = LocalShardAdamW(module, spec, device)
+    return Built(family, module, runnable, optimizer, n_params, regions, initial_part)
+
+
+def _step_snapshot(spec: JobSpec, plan: Plan, built: Built, dims: ParallelDims, coords: Coordinates) -> dict[Any, Any]:
+    """One step of `built` under a tracker: the tracker's per-device, per-category snapshot at
+    the step's peak."""
     device = torch.device("cpu")
-    built = build(spec, plan, dims, coords, mesh, device)  # allocated before the tracker starts
     train = spec.training
     _, share = rank_share(train.global_batch, dims.dp, coords.dp_rank)
     if dims.pp > 1:  # the pipeline splits the share into plan.micro_batches equal micro-batches
