@@ -17,6 +17,7 @@ of a shared machine better than a ratio of medians (both are printed). Last line
 JSON object with `modes: {mode: {ratio_vs_plain, ...}}` and ddp's ratio at the top level.
 
     OMP_NUM_THREADS=1 python -m bench.train_throughput [--family gpt] [--devices 2] [--rounds 5] [--steps 20] [--modes ddp,tp]
+        [--ac selective,full]   # also each activation checkpointing mode's step cost against none, same rounds
 """
 
 from __future__ import annotations
@@ -85,8 +86,9 @@ def median_rate(events: list[WorkerEvent]) -> float:
     return statistics.median(rates)
 
 
-def run_trainer(spec: JobSpec, plan: Plan, round_index: int) -> float:
-    spec = spec.model_copy(update={"name": f"bench-throughput-{round_index}"})
+def run_trainer(spec: JobSpec, plan: Plan, round_index: int, variant: str = "") -> float:
+    """The trainer's median tokens/s, as a job of its own (a name per round and variant: never a resume)."""
+    spec = spec.model_copy(update={"name": f"bench-throughput-{round_index}{variant}"})
     result = launch_workers(spec, plan)
     if result.returncode != 0:
         raise RuntimeError(f"trainer run failed with {result.returncode}")
@@ -101,18 +103,31 @@ def run_plain(spec: JobSpec, program: tuple[str, ...], devices: int, tmp: Path) 
     return median_rate([e for line in done.stdout.splitlines() if (e := parse(line))])
 
 
-def bench_mode(mode: str, devices: int, rounds_n: int, steps: int, tmp: Path, family: str = "gpt") -> dict:
+def bench_mode(mode: str, devices: int, rounds_n: int, steps: int, tmp: Path, family: str = "gpt",
+               ac_modes: tuple[str, ...] = ()) -> dict:
+    """Trainer against plain, round by round; `ac_modes`: in each round also the trainer with
+    that activation checkpointing (its step cost against the trainer without, paired per round)."""
     make_plan, program, split_batch = MODES[mode]
     spec = bench_spec(devices, steps, f"file://{tmp}/store-{mode}", split_batch, family)
     rounds = []
     for i in range(rounds_n):
         trainer = run_trainer(spec, make_plan(devices), i)
         plain = run_plain(spec, program, devices, tmp)
-        rounds.append({"trainer_tokens_per_s": trainer, "plain_tokens_per_s": plain, "ratio": trainer / plain})
-        print(f"{mode} round {i}: trainer {trainer:,.0f} tok/s, plain {plain:,.0f} tok/s, ratio {trainer / plain:.3f}", flush=True)
+        row = {"trainer_tokens_per_s": trainer, "plain_tokens_per_s": plain, "ratio": trainer / plain}
+        for ac in ac_modes:
+            checkpointed = run_trainer(spec, make_plan(devices).model_copy(update={"activation_checkpointing": ac}), i,
+                                       f"-{ac}")
+            row[f"{ac}_tokens_per_s"] = checkpointed
+            row[f"{ac}_step_cost"] = trainer / checkpointed  # a step with it / a step without
+        rounds.append(row)
+        print(f"{mode} round {i}: " + ", ".join(f"{k} {v:,.3f}" for k, v in row.items()), flush=True)
     trainer_median = statistics.median(r["trainer_tokens_per_s"] for r in rounds)
     plain_median = statistics.median(r["plain_tokens_per_s"] for r in rounds)
+    checkpointing = {ac: {"step_cost_vs_none": round(statistics.median(r[f"{ac}_step_cost"] for r in rounds), 4),
+                          "tokens_per_s": round(statistics.median(r[f"{ac}_tokens_per_s"] for r in rounds), 1)}
+                     for ac in ac_modes}
     return {
+        "activation_checkpointing": checkpointing,
         "devices": devices,
         "plain": " ".join(program),
         "trainer_tokens_per_s": round(trainer_median, 1),
@@ -130,11 +145,14 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--modes", default="ddp,tp", help=f"comma-separated, from {sorted(MODES)}")
     parser.add_argument("--family", default="gpt", choices=sorted(MODELS))
+    parser.add_argument("--ac", default="", help="comma-separated activation checkpointing modes to time beside "
+                                                  "the trainer without (selective, full)")
     args = parser.parse_args()
+    ac_modes = tuple(m for m in args.ac.split(",") if m)
     modes = {}
     with tempfile.TemporaryDirectory(prefix="parashift-bench-") as tmp:
         for mode in args.modes.split(","):
-            modes[mode] = bench_mode(mode, args.devices, args.rounds, args.steps, Path(tmp), args.family)
+            modes[mode] = bench_mode(mode, args.devices, args.rounds, args.steps, Path(tmp), args.family, ac_modes)
     headline = modes["ddp"]["ratio_vs_plain"] if "ddp" in modes else None
     print(json.dumps({"benchmark": "train_throughput", "family": args.family, "ratio_vs_plain": headline,
                       "modes": modes}))

@@ -333,3 +333,15 @@ def dense_dag_graph(n_ops: int = 40, fan_in: int = 8, seed: int = 0) -> Graph:
                       flops=float(rng.integers(10**8, 10**11)), tp_dim=dims[-1]))
         edges += [Edge(src=f"op{p}", dst=f"op{i}", slot=s) for s, p in enumerate(preds)]
     return Graph(name=f"dense{fan_in}-{n_ops}-{seed}", ops=ops, edges=edges)
+
+
+def fully_dense_graph(n_ops: int = 40, batch: int = 8, d: int = 64, e: int = 64) -> Graph:
+    """The densest DAG: op i is a matmul fed by every earlier op (one input slot each), so
+    n(n-1)/2 edges and in- and out-degrees up to n-1: no elimination order keeps dependent sets
+    small (a stress test of the bounded search on a user's graph)."""
+    g = GraphBuilder(f"fully-dense-{n_ops}")
+    for i in range(n_ops):
+        srcs = tuple(f"op{j}" for j in range(i))
+        g.add(f"op{i}", {"b": batch, "d": d, "e": e}, ("b", "e"), srcs=srcs, inputs=(("b", "d"),) * max(i, 1),
+              kind="matmul", reduce=("d",), params=(("d", "e"),), flops=2.0 * batch * d * e * max(i, 1), tp_dim="e")
+    return g.build()

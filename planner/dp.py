@@ -30,8 +30,12 @@ MAX_TABLE = 1 << 25
 # Table entries a solve may compute, as simulated over the whole graph (an overestimate where
 # identical layers are solved once): PaSE's Transformer is 2.2e9 at p = 64 (~1.7 s here) and
 # 8.8e9 at p = 128; past it the problem is narrowed and relaxed (solve_bounded): two solves of
-# at most this much work each (PaSE's Transformer at p = 512, a 5,000-op skip stack: < 25 s).
+# at most FALLBACK_WORK each.
 MAX_WORK = 4e9
+# Past MAX_WORK, each of the two bounded solves (relaxed, narrowed) gets at most this much: a
+# fully dense 40-op DAG at 8 devices spent 2 x 4e9 entries (49-62 s on a 2-core host) where
+# 1e9 each gave the same, proven plan (BENCHMARKS.md "Dense DAGs").
+FALLBACK_WORK = 1e9
 # Ops brute force can enumerate: its joint table has one array axis per op, and numpy arrays
 # have at most 64 (past it numpy fails with "maximum supported dimension", however few states).
 BRUTE_FORCE_MAX_OPS = 64
@@ -368,10 +372,17 @@ def solve_bounded(problem: Problem) -> Solved:
             pass
     lower, dropped, relaxed_assign = _relaxed(problem)
     best = Solved(relaxed_assign, evaluate(problem, relaxed_assign), lower, dropped)
+    if best.value <= lower * (1 + 1e-12):  # the relaxation's answer meets its bound: proven, nothing to narrow
+        return best
     narrowed = _narrowed(problem)
     if narrowed is not None and narrowed[1] < best.value:
         best.assign, best.value = narrowed
     return best
+
+
+def _fallback_work() -> float:
+    """The work each bounded solve may do (never more than MAX_WORK)."""
+    return min(MAX_WORK, FALLBACK_WORK)
 
 
 def _relaxed(problem: Problem) -> tuple[float, int, list[int]]:
@@ -381,7 +392,7 @@ def _relaxed(problem: Problem) -> tuple[float, int, list[int]]:
             if len(f.scope) == 2 and bool(np.isfinite(f.table).all())}
     for reach in sorted(set(span.values()), reverse=True):
         relaxed = Problem(problem.card, [f for f in problem.factors if span.get(id(f), 0) < reach], problem.block_of)
-        if predicted_work(relaxed) > MAX_WORK:
+        if predicted_work(relaxed) > _fallback_work():
             continue
         try:
             assign, lower = solve(relaxed)
@@ -407,7 +418,7 @@ def _narrowed(problem: Problem) -> tuple[list[int], float] | None:
     while lo < hi:
         mid = (lo + hi + 1) // 2
         shape = Problem([min(c, mid) for c in problem.card], problem.factors)  # work reads cards and scopes only
-        if predicted_work(shape) <= MAX_WORK:
+        if predicted_work(shape) <= _fallback_work():
             lo = mid
         else:
             hi = mid - 1

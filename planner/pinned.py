@@ -1,0 +1,52 @@
+"""The cost model's estimate of one given plan (not a search): what a pinned plan costs, and
+what bench/memory_truth.py compares with the trainer's measured peak.
+
+Covers single-stage plans (no pipeline) whose tp axis runs Megatron's layout (every op splits
+its `tp_dim`, the residual stream its sequence dim where the op allows it) or is absent, with
+the data axis replicated or fully sharded (FSDP) and `micro_batches` equal micro-batches.
+"""
+
+from __future__ import annotations
+
+from parashift.planner.checkpointing import checkpointed, with_precision
+from parashift.planner.configs import named_mesh
+from parashift.planner.costs import CostModel
+from parashift.planner.graph import Graph
+from parashift.planner.problem import Weights
+from parashift.planner.profile import ModelProfile
+from parashift.planner.stage import StageResult, stage_result
+from parashift.specs.plan import Plan
+
+
+def _megatron_assign(graph: Graph, costs: CostModel) -> list[int]:
+    """Per op, the configuration splitting the batch over "dp" and, over "tp", its `tp_dim`
+    (else the one dim of `tp_dims` it may split: the sequence of norms and residual adds)."""
+    mesh = costs.mesh
+    assign = []
+    for op in graph.ops:
+        tp_dim = op.tp_dim or (op.tp_dims[0] if op.tp_dims and len(op.tp_dims) == 1 else None)
+        want = [graph.batch_dim if name == "dp" else tp_dim for name in mesh.names]
+        target = tuple(tuple(a for a, w in enumerate(want) if w == d) for d in op.dims)
+        match = [i for i, c in enumerate(costs.op_cost(op).configs) if c.axes == target]
+        if not match:
+            raise ValueError(f"op {op.name}: no configuration splits {dict(zip(mesh.names, want, strict=True))}")
+        assign.append(match[0])
+    return assign
+
+
+def estimate(profile: ModelProfile, plan: Plan, mixed_precision: str | None = None) -> StageResult:
+    """Step time and per-device memory of `plan` under the cost model (`.time_s`,
+    `.memory_bytes`, per-op `.rows`). ValueError for a pipelined or HSDP plan."""
+    if plan.degree("pp") > 1 or 1 < plan.dp_shard < plan.degree("dp"):
+        raise ValueError("estimate covers single-stage plans with the data axis replicated or fully sharded")
+    graph = profile.graph if mixed_precision is None else with_precision(profile.graph, mixed_precision)
+    graph = checkpointed(graph, plan.activation_checkpointing)
+    m = plan.micro_batches
+    if m > 1:
+        size = graph.ops[0].dims[graph.batch_dim] // m
+        graph = graph.model_copy(update={"ops": [graph.op_with_batch(op, size) for op in graph.ops]})
+    mesh = named_mesh(plan.degree("dp"), plan.degree("tp"), profile.comm.devices_per_node, graph.batch_dim,
+                      shard_dp=plan.dp_shard > 1)
+    costs = CostModel(graph, profile.device, profile.comm, mesh)
+    weights = Weights.schedule(1, m, plan.reshard_after_forward)
+    return stage_result(graph, costs, _megatron_assign(graph, costs), weights, 0.0)
