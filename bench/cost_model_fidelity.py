@@ -38,12 +38,12 @@ import tempfile
 import time
 
 import numpy as np
+from parashift.launcher.launch import launch_workers, measure_comm_timings
 from parashift.planner.comm import comm_model_from_timings
 from parashift.planner.profile import ModelProfile, profile_gpt, share_cores
 from parashift.planner.search import baselines, candidates, spaces, to_plan
 from parashift.specs import JobSpec
 from parashift.specs.plan import Plan
-from parashift.trainer.launch import launch_workers, measure_comm_timings
 from parashift.trainer.mesh import job_plan_refusals, plan_refusals
 
 DEVICES = 4

@@ -40,12 +40,12 @@ from parashift.corpus.dataset import (
     chunk_checksums,
     encode_dataset_manifest,
 )
+from parashift.launcher.launch import launch_workers
 from parashift.specs import JobSpec
 from parashift.specs.plan import Plan
 from parashift.storage import ObjectStore
 from parashift.trainer.data import SampleStream
 from parashift.trainer.events import StartEvent, StepEvent, WorkerEvent
-from parashift.trainer.launch import launch_workers
 
 VOCAB = 128_256  # Llama 3's: ids need uint32
 SHARD_TOKENS = 64 * 2**20  # 256 MB of uint32 per shard

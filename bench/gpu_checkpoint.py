@@ -21,12 +21,12 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
+from parashift.launcher.launch import launch_workers
 from parashift.models.gpt.model import GPT, GPTConfig
 from parashift.specs import JobSpec, example_path, load_spec
 from parashift.specs.plan import Plan
 from parashift.storage import CheckpointStore, ObjectStore
 from parashift.trainer.checkpoint import Checkpointer, restore_latest
-from parashift.trainer.launch import launch_workers
 from parashift.trainer.layout import state_layout
 from parashift.trainer.optim import LocalShardAdamW
 from parashift.trainer.state import apply_state, collect_state, rng_state_bytes

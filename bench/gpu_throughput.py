@@ -18,11 +18,11 @@ import time
 
 import torch
 import torch.nn.functional as F
+from parashift.launcher.launch import launch_workers
 from parashift.models.gpt.family import FAMILY
 from parashift.models.gpt.model import GPT, GPTConfig
 from parashift.specs import JobSpec, example_path, load_spec
 from parashift.specs.plan import Plan
-from parashift.trainer.launch import launch_workers
 
 H200_BF16_DENSE_FLOPS = 989e12  # NVIDIA H200 SXM datasheet, dense BF16 tensor core peak
 WARMUP_STEPS = 10  # compilation and autotuning happen in the first steps

@@ -35,12 +35,12 @@ from parashift.bench.cost_model_fidelity import (
     plan_name,
     planner_plans,
 )
+from parashift.launcher.launch import measure_comm_timings
 from parashift.models import family_of
 from parashift.planner.comm import comm_model_from_timings
 from parashift.planner.profile import profile_graph, share_cores
 from parashift.planner.search import plan_model
 from parashift.tasks.plan import choose_plan
-from parashift.trainer.launch import measure_comm_timings
 
 MODELS = {
     "gpt": MODEL,

@@ -32,9 +32,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from parashift.launcher.launch import torchrun_command, worker_env
 from parashift.specs import JobSpec
 from parashift.specs.plan import Plan
-from parashift.trainer.launch import torchrun_command, worker_env
 
 # d 768 and 12 heads split over tp 2, 3 and 4; 3 layers + vocab 2048: 24.4M parameters, so
 # parameters + AdamW moments (+ steps and RNG) are ~293 MB.
@@ -93,7 +93,7 @@ def measure_stalls(plan: Plan, spec: JobSpec, env: dict[str, str], fenced: bool 
     """How long the trainer's loop waits for each save (capture + `before_update`, slowest
     rank), in real training with a checkpoint after every step (`fenced`: under the job's
     storage lease)."""
-    from parashift.trainer.launch import launch_workers
+    from parashift.launcher.launch import launch_workers
 
     training = spec.training.model_copy(update={"steps": 5, "checkpoint_every": 1, "log_every": 1})
     spec = spec.model_copy(update={"training": training, "name": spec.name + "-train"})

@@ -6,7 +6,7 @@ is killed, so 3; the job ends at step 24) is replayed on CPU workers with a GPT 
 state (bench.rescale_latency's), for:
 
 - `parashift`: the `train-job` flow against a real Prefect server (started here) with
-  `resources.warm_workers` (trainer/warm_launch.py): planned changes sent as resource events
+  `resources.warm_workers` (launcher/warm_launch.py): planned changes sent as resource events
   when the trace's step is reported, the failure a SIGKILL of rank 1; each change stops the
   workers at a step boundary, re-plans, and the same processes (plus or minus some) resume
   from the committed checkpoint, resharded out of the live workers' memory (their own, or a
@@ -196,8 +196,8 @@ def relaunch_round(store: Path, steps: int, round_no: int, warm: bool = False) -
 
 
 def stop_restart_round(store: Path, steps: int, round_no: int) -> dict[str, Any]:
+    from parashift.launcher.launch import torchrun_command, worker_env
     from parashift.trainer.events import StartEvent, StepEvent, parse
-    from parashift.trainer.launch import torchrun_command, worker_env
 
     spec = job_spec(f"trace-dcp-{round_no}", store, steps)
     spec_file = store / "spec.json"
@@ -236,9 +236,9 @@ def stop_restart_round(store: Path, steps: int, round_no: int) -> dict[str, Any]
 def static_run(store: Path, steps: int) -> tuple[dict[int, float], float]:
     """The job on START_DEVICES workers throughout: every step's loss, and its wall time beyond
     its median step (`Timeline.excess_s`)."""
+    from parashift.launcher.launch import launch_workers
     from parashift.specs.plan import Plan
     from parashift.trainer.events import StepEvent, WorkerEvent
-    from parashift.trainer.launch import launch_workers
 
     timeline = Timeline()
     timeline.start(START_DEVICES)

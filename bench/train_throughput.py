@@ -29,10 +29,10 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+from parashift.launcher.launch import launch_workers, torchrun_command, worker_env
 from parashift.specs import JobSpec
 from parashift.specs.plan import Plan, TensorParallel
 from parashift.trainer.events import StepEvent, WorkerEvent, parse
-from parashift.trainer.launch import launch_workers, torchrun_command, worker_env
 
 WARMUP_STEPS = 3  # the first steps pay for allocator growth and gradient bucket building
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import threading
 import time
 
+from parashift.launcher.launch import LaunchResult, RunningWorkers, launch_workers, run_measure_comm
 from parashift.specs import JobSpec
 from parashift.specs.plan import Plan
 from parashift.storage import LEASE_ENV, JobPaths, LeaseToken, open_store
@@ -21,7 +22,6 @@ from parashift.tasks.credentials import environment, storage_environment
 from parashift.tasks.nodes import NodeReport, meet, stop_workers_when
 from parashift.tasks.worker_log import WorkerLog, job_run_logger
 from parashift.trainer.events import WorkerEvent
-from parashift.trainer.launch import LaunchResult, RunningWorkers, launch_workers, run_measure_comm
 from prefect import flow
 from prefect.logging import get_run_logger
 

@@ -159,7 +159,7 @@ def reshard_plan(store: CheckpointStore, layout: Layout, manifest: Manifest | No
     with one WARNING line, as `restore_latest` skips it: the plan and the workers agree.
 
     Where each read comes from: on one node (`nodes` None), the objects `tier` holds. Across
-    `nodes` (node-major ranks, `trainer.launch.NodeRendezvous`) with tiers (`tier` not None:
+    `nodes` (node-major ranks, `launcher.launch.NodeRendezvous`) with tiers (`tier` not None:
     any node's, only its presence counts), the objects the manifest says were written on the
     reader's node, which that node's tier keeps (one that lost them is read around at restore
     time, from object storage)."""

@@ -14,6 +14,9 @@ import time
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
 
+from parashift.launcher.launch import LaunchResult, RunningWorkers, launch_workers
+from parashift.launcher.warm_launch import launch_warm
+from parashift.launcher.warm_pool import WarmPool
 from parashift.specs import JobSpec
 from parashift.specs.elastic import JobState, Replan, ResourceEvent, decide, segment_outcome
 from parashift.specs.plan import Plan
@@ -26,9 +29,6 @@ from parashift.tasks.nodes import node_launch
 from parashift.tasks.records import SegmentResult
 from parashift.tasks.worker_log import WorkerLog
 from parashift.trainer.events import HeldEvent, StartEvent, StepEvent, StoppedEvent, WorkerEvent
-from parashift.trainer.launch import LaunchResult, RunningWorkers, launch_workers
-from parashift.trainer.warm_launch import launch_warm
-from parashift.trainer.warm_pool import WarmPool
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 from prefect.logging import get_run_logger

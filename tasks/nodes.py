@@ -23,12 +23,12 @@ import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from parashift.launcher.launch import LaunchResult, NodeRendezvous, RunningWorkers
 from parashift.specs import JobSpec
 from parashift.specs.plan import Plan
 from parashift.storage import JobPaths, LeaseToken, ObjectStore, StorageError
 from parashift.tasks.artifacts import job_tags, node_tag
 from parashift.trainer.events import WorkerEvent
-from parashift.trainer.launch import LaunchResult, NodeRendezvous, RunningWorkers
 from pydantic import BaseModel, Field
 
 # How long the other nodes wait for node 0's endpoint, and the job for a node's launcher to start.

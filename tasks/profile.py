@@ -63,7 +63,7 @@ def exact_parameter_count(spec: JobSpec) -> tuple[int, int]:
 def build_profile(spec: JobSpec, comm: CommModel | None = None) -> ModelProfile | MeasuredProfile:
     """The planner's profile: GEMM rates timed here and collectives timed on the job's own
     workers when the planner will choose; the defaults for the device kind otherwise."""
-    from parashift.trainer.launch import measure_comm_timings
+    from parashift.launcher.launch import measure_comm_timings
 
     measure = needs_measurement(spec)
     res, m = spec.resources, spec.model

@@ -8,13 +8,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from parashift.launcher.launch import LaunchResult
+from parashift.launcher.processes import descendants, kill_tree
+from parashift.launcher.warm_pool import WarmPool
 from parashift.specs import JobSpec
 from parashift.specs.plan import Plan
 from parashift.storage import CheckpointStore, job_store
 from parashift.trainer.checkpoint import load_tensors
-from parashift.trainer.launch import LaunchResult
-from parashift.trainer.processes import descendants, kill_tree
-from parashift.trainer.warm_pool import WarmPool
 
 __all__ = ["descendants", "kill_tree"]  # tests kill what they started, by PID tree
 
@@ -67,9 +67,9 @@ def mesh_plan(mesh: dict[str, int], **fields: object) -> Plan:
 LOSS_RTOL = 1e-5
 
 
-# Warm workers shared by the whole test session (trainer.warm_pool): each job run through
+# Warm workers shared by the whole test session (launcher.warm_pool): each job run through
 # `run` skips torchrun and the interpreters' imports. Tests of launching itself (signals, a
-# killed worker, hangs) call trainer.launch.launch_workers.
+# killed worker, hangs) call launcher.launch.launch_workers.
 _POOL: list[WarmPool] = []
 POOL_SIZE = 4
 

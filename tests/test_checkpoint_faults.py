@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 from jobs import assert_bitwise_equal, checkpoint_store, final_state, kill_tree, tiny_spec
+from parashift.launcher import launch
+from parashift.launcher.launch import launch_workers
 from parashift.specs import JobSpec
 from parashift.specs.plan import Plan
-from parashift.trainer import launch
 from parashift.trainer.events import RestoringEvent, parse
-from parashift.trainer.launch import launch_workers
 
 pytestmark = pytest.mark.slow
 

@@ -271,8 +271,8 @@ def test_a_damaged_shard_stops_training_in_one_line_when_a_worker_reads_it(tmp_p
     """Opening a dataset reads no shard; the first worker to read a damaged chunk says which,
     once, and the job ends (fatal: no retry reads other bytes), never training on it."""
     from jobs import tiny_spec
+    from parashift.launcher.launch import launch_workers
     from parashift.specs.plan import Plan
-    from parashift.trainer.launch import launch_workers
 
     corpus = write_corpus(tmp_path / "corpus", files=1)
     manifest = prepare_dataset(f"file://{corpus}", f"file://{tmp_path}/ds", BYTES_TOKENIZER)

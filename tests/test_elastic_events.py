@@ -335,7 +335,7 @@ def static_warm(prefect_server: None, tmp_path_factory: pytest.TempPathFactory) 
 # inherit the patch): rank 1 kills itself at its first point-to-point send.
 KILL_WHILE_STATE_MOVES = """
 import os, signal, sys
-if "--serve" in sys.argv or "parashift.trainer.forkserver" in sys.orig_argv:
+if "--serve" in sys.argv or "parashift.launcher.forkserver" in sys.orig_argv:
     import torch.distributed as dist
     _isend = dist.isend
     def isend(*args, **kwargs):
@@ -353,7 +353,7 @@ if "--serve" in sys.argv or "parashift.trainer.forkserver" in sys.orig_argv:
 # unlike a kill from outside, which may land between a step's update and its report).
 KILL_AT_A_STEP = """
 import os, signal, sys
-if "--serve" in sys.argv or "parashift.trainer.forkserver" in sys.orig_argv:
+if "--serve" in sys.argv or "parashift.launcher.forkserver" in sys.orig_argv:
     from parashift.trainer import schedule
     _learning_rate, _first = schedule.learning_rate, {}
     def learning_rate(step, *args, **kwargs):

@@ -1,4 +1,4 @@
-"""Workers forked by a forkserver (trainer.forkserver) behave as `python -m <module>` in an
+"""Workers forked by a forkserver (launcher.forkserver) behave as `python -m <module>` in an
 interpreter of their own would, towards whoever started them: stdio, arguments, environment,
 working directory, exit status, signals; a killed client takes its worker with it; what the
 server cannot serve exactly starts as its own interpreter; and training through it is the
@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 from jobs import assert_bitwise_equal, final_state, mesh_plan, tiny_spec
-from parashift.trainer import launch
-from parashift.trainer.forkserver import Forkserver
-from parashift.trainer.processes import parent_of
+from parashift.launcher import launch
+from parashift.launcher.forkserver import Forkserver
+from parashift.launcher.processes import parent_of
 
 # A module the forkserver never imported: it reports what it sees, then does what its arguments say.
 PROBE = '''
@@ -54,7 +54,7 @@ def server(probe_env: dict[str, str]) -> Iterator[Forkserver]:
 
 
 def start(env: dict[str, str], *args: str, cwd: Path) -> subprocess.Popen[str]:
-    return subprocess.Popen([sys.executable, "-m", "parashift.trainer.forked", "probe_module", *args], cwd=cwd, env=env,
+    return subprocess.Popen([sys.executable, "-m", "parashift.launcher.forked", "probe_module", *args], cwd=cwd, env=env,
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -89,7 +89,7 @@ def test_signals_reach_the_worker_and_its_end_is_the_clients(server: Forkserver,
     env = {**probe_env, **server.env()}
     client = start(env, "wait", cwd=tmp_path)
     report(client)
-    client.send_signal(signal.SIGUSR1)  # what trainer.launch sends for a stop at a step boundary
+    client.send_signal(signal.SIGUSR1)  # what launcher.launch sends for a stop at a step boundary
     out, _ = client.communicate(timeout=60)
     assert "usr1" in out and client.returncode == 5
 
@@ -152,6 +152,6 @@ def test_training_on_forked_workers_equals_training_on_fresh_interpreters(tmp_pa
 
 
 def test_the_client_imports_no_torch() -> None:
-    code = "import sys, parashift.trainer.forked; print('torch' in sys.modules)"
+    code = "import sys, parashift.launcher.forked; print('torch' in sys.modules)"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=launch.worker_env("cpu"))
     assert done.stdout.strip() == "False", done.stderr

@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 from jobs import assert_losses_match, descendants, final_state, mesh_plan, run, tiny_spec
+from parashift.launcher.launch import launch_workers
 from parashift.specs import JobSpec
 from parashift.specs.plan import Plan
 from parashift.trainer.events import CheckpointEvent
-from parashift.trainer.launch import launch_workers
 
 pytestmark = pytest.mark.slow
 

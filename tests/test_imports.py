@@ -1,7 +1,8 @@
 """The rooms' import rules, read from the source (no imports executed): no package imports
 itself in a circle (counting imports inside functions, which only hide a circle until the
 first call), the trainer never imports the planner (the Plan contract lives in `specs`), and
-the engines never import Prefect."""
+the engines (the launcher among them) never import Prefect, and what a rank runs
+(`trainer`) never starts or supervises processes (that is `launcher`'s)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,10 @@ import json
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("specs", "corpus", "models", "planner", "ptc", "storage", "trainer", "tasks", "flows", "parashift")
-ENGINES = ("specs", "corpus", "models", "planner", "ptc", "storage", "trainer")
+PACKAGES = ("specs", "corpus", "models", "planner", "ptc", "storage", "trainer", "launcher", "tasks", "flows",
+            "parashift")
+# Usable and testable without an orchestrator: no Prefect in any of them.
+ENGINES = ("specs", "corpus", "models", "planner", "ptc", "storage", "trainer", "launcher")
 
 
 def modules() -> dict[str, Path]:
@@ -160,13 +163,13 @@ def test_every_module_imports_the_rooms_by_their_installed_name() -> None:
 def test_installing_adds_one_name_and_the_users_folders_never_shadow_it(tmp_path: Path) -> None:
     """The wheel holds `parashift/` (the rooms inside it) and its metadata, nothing else; from
     a working directory with `specs/`, `tasks/`, `storage/` ... folders of the user's own, the
-    CLI and the workers import parashift's (workers: `trainer.launch.worker_env`)."""
+    CLI and the workers import parashift's (workers: `launcher.launch.worker_env`)."""
     import shutil
     import subprocess
     import sys
     import zipfile
 
-    from parashift.trainer.launch import worker_env
+    from parashift.launcher.launch import worker_env
 
     source = tmp_path / "source"
     for name in [*PACKAGES, "bench"]:
@@ -247,3 +250,22 @@ def test_a_store_opened_by_hand_is_seen() -> None:
         "s = ObjectStore(spec.storage.url, dict(spec.storage.storage_options))\n"
         "c = storage.CheckpointStore(ObjectStore(self.spec.storage.url), spec.job_id)\n"
         "t = ObjectStore(tier_url)\n") == [1, 2, 2]
+
+
+# What starting or supervising processes takes: only `launcher` (and the CLI's server commands,
+# the tests and benchmarks) may use them. A rank handling the signals sent to it (a stop) is
+# the rank's own business.
+PROCESS_SUPERVISION = ("subprocess", "multiprocessing")
+
+
+def test_the_trainer_starts_and_supervises_no_processes() -> None:
+    bad = {(name, m) for name, deps in graph().items() if name.split(".")[0] == "trainer" for m in deps
+           if m.split(".")[0] in PROCESS_SUPERVISION}
+    assert bad == set()
+
+
+def test_the_trainer_never_imports_the_launcher() -> None:
+    """The launcher starts `trainer.worker` by module name; the trainer knows nothing of it."""
+    bad = {(name, m) for name, deps in graph().items() if name.split(".")[0] == "trainer" for m in deps
+           if m.split(".")[0] == "launcher"}
+    assert bad == set()

@@ -555,9 +555,9 @@ def test_a_paused_writer_whose_lease_was_taken_cannot_commit(tmp_path: Path) -> 
     import sys
 
     from jobs import tiny_spec
+    from parashift.launcher.launch import launch_workers
     from parashift.specs.plan import Plan
     from parashift.trainer.events import CheckpointEvent, StartEvent
-    from parashift.trainer.launch import launch_workers
 
     spec = tiny_spec("paused", f"file://{tmp_path}/store", training={"steps": 400, "checkpoint_every": 4})
     store = file_store(tmp_path)

@@ -19,11 +19,11 @@ from jobs import (
     run,
     tiny_spec,
 )
+from parashift.launcher.launch import launch_workers
 from parashift.planner.profile import profile_gpt
 from parashift.planner.search import plan_model
 from parashift.specs import JobSpec
 from parashift.specs.plan import Plan, TensorParallel
-from parashift.trainer.launch import launch_workers
 from parashift.trainer.mesh import plan_refusals
 
 pytestmark = pytest.mark.slow
@@ -189,7 +189,7 @@ def test_unexecutable_plans_are_refused_with_reasons() -> None:
 
 
 def test_launcher_refuses_an_unexecutable_plan_before_starting_processes(tmp_path: Path) -> None:
-    from parashift.trainer.launch import PlanNotExecutable
+    from parashift.launcher.launch import PlanNotExecutable
 
     spec = tiny_spec("refused", f"file://{tmp_path}/store", model={"n_heads": 2})
     with pytest.raises(PlanNotExecutable, match=r"n_heads \(2\) divisible by tp \(3\)"):

@@ -70,14 +70,14 @@ def test_the_options_of_a_resumed_job_reuse_the_search_already_run(monkeypatch: 
 def test_a_new_device_count_reuses_the_measured_collectives(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Re-planning onto another device count measures no collectives again: the comm model
     fitted on the first count (latency and bandwidth per link) is the profile's for any."""
-    import parashift.trainer.launch
+    import parashift.launcher.launch
     from parashift.planner.comm import CommModel, Link
     from parashift.tasks.profile import build_profile
 
     def measuring(*args: object) -> None:
         raise AssertionError("collectives measured again")
 
-    monkeypatch.setattr(parashift.trainer.launch, "measure_comm_timings", measuring)
+    monkeypatch.setattr(parashift.launcher.launch, "measure_comm_timings", measuring)
     spec = tiny_spec("reuse", f"file://{tmp_path}/store", resources={"devices": 3, "kind": "cpu"},
                      parallelism={"strategy": "auto"})
     link = Link(latency_s=1e-4, bandwidth_Bps=1e9)

@@ -10,10 +10,10 @@ from typing import Any
 
 import pytest
 from jobs import assert_bitwise_equal, checkpoint_store, final_state, kill_tree, tiny_spec
+from parashift.launcher.launch import LaunchResult, launch_workers
 from parashift.specs.plan import Plan
 from parashift.storage import JobPaths, open_store
 from parashift.trainer.events import CheckpointEvent, FatalEvent, StepEvent, WorkerEvent, parse
-from parashift.trainer.launch import LaunchResult, launch_workers
 
 pytestmark = pytest.mark.slow
 
@@ -81,7 +81,7 @@ def test_killed_workers_resume_from_last_commit_bitwise_equal(reference, tmp_pat
     spec = tiny_spec("killed", f"file://{tmp_path}/store", training={"checkpoint_every": 3})
     import subprocess
 
-    from parashift.trainer import launch
+    from parashift.launcher import launch
 
     spec_file, plan_file = tmp_path / "spec.json", tmp_path / "plan.json"
     spec_file.write_text(spec.model_dump_json())

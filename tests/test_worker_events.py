@@ -8,6 +8,7 @@ import json
 import math
 
 import pytest
+from parashift.launcher.launch import LaunchResult
 from parashift.trainer import metrics
 from parashift.trainer.events import (
     PREFIX,
@@ -24,7 +25,6 @@ from parashift.trainer.events import (
     encode,
     parse,
 )
-from parashift.trainer.launch import LaunchResult
 
 EVERY_KIND = [
     StartEvent(step=4, world_size=2, end_step=12, resumed=True, pids=[5, 6], nodes=["a", "a"], params=1000,

@@ -1,4 +1,4 @@
-"""What a worker process keeps: the memory a step frees (`trainer.launch.worker_env`), which the
+"""What a worker process keeps: the memory a step frees (`launcher.launch.worker_env`), which the
 next step's tensors reuse instead of faulting fresh pages in from the kernel; and, in a warm
 worker, nothing of a job that has ended (`trainer.mesh.forget_meshes`)."""
 
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 from jobs import mesh_plan, run, store_url, tiny_spec, warm_pool
-from parashift.trainer.launch import worker_env
+from parashift.launcher.launch import worker_env
 
 # A step's worth of tensors of mixed sizes (MiB), allocated, written and freed three times: the
 # fraction of their pages each pass faulted in.
@@ -91,7 +91,7 @@ def test_a_warm_worker_keeps_no_process_group_of_a_job_that_ended(tmp_path: Path
 
 def test_a_closed_warm_pool_leaves_no_folder() -> None:
     """Its jobs' specs, plans and outputs go with it (a pool per flow run: one folder each)."""
-    from parashift.trainer.warm_pool import WarmPool
+    from parashift.launcher.warm_pool import WarmPool
 
     pool = WarmPool(0)
     (pool.root / "job0001").mkdir()
@@ -102,7 +102,8 @@ def test_a_closed_warm_pool_leaves_no_folder() -> None:
 # A warm worker's boot, then a job of one rank in the same process: the modules the job imported.
 FIRST_JOB = """
 import json, os, sys
-from parashift.trainer import forkserver, worker
+from parashift.launcher import forkserver
+from parashift.trainer import worker
 forkserver.import_what_jobs_use()
 booted = set(sys.modules)
 os.environ["PARASHIFT_WARM_WORKER"] = "1"
@@ -133,7 +134,7 @@ import sys, time
 from pathlib import Path
 from parashift.specs import JobSpec
 from parashift.specs.plan import Plan
-from parashift.trainer.warm_pool import WarmPool
+from parashift.launcher.warm_pool import WarmPool
 pool = WarmPool(2)
 folder, _ = pool._submit(JobSpec.model_validate_json(Path(sys.argv[1]).read_text()), Plan.data_parallel(2), None, None)
 print(folder, flush=True)
@@ -149,7 +150,7 @@ def test_warm_workers_end_with_their_killed_launcher(tmp_path: Path) -> None:
     import shutil
     import signal
 
-    from parashift.trainer.processes import descendants, kill_tree, running
+    from parashift.launcher.processes import descendants, kill_tree, running
 
     spec = tiny_spec("orphans", store_url(tmp_path), training={"steps": 100_000, "checkpoint_every": 100_000,
                                                                 "log_every": 1})

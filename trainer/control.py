@@ -18,7 +18,7 @@ from parashift.storage import JobPaths, ObjectStore
 # The launcher's "stop at the next step boundary" (a rescale): SIGUSR1 is free in torch and
 # torchrun, and unlike SIGTERM it does not make torchrun tear the workers down itself.
 STOP_SIGNAL = signal.SIGUSR1
-# The launcher's "a peer of this job died" to warm workers (`trainer.warm_launch`).
+# The launcher's "a peer of this job died" to warm workers (`launcher.warm_launch`).
 PEER_FAILED_SIGNAL = signal.SIGUSR2
 
 

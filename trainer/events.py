@@ -1,7 +1,7 @@
 """What workers report: one pydantic model per event, a union discriminated by `event`.
 
 Rank 0 writes each event as one line, `PREFIX` + JSON, on its stdout (`trainer.metrics.emit`);
-the launcher (`trainer.launch`), the log relay (`tasks.worker_log`) and the job's flow read
+the launcher (`launcher.launch`), the log relay (`tasks.worker_log`) and the job's flow read
 them back through `parse`, the same models. A line that is not an event, or an event this
 code does not know (a malformed one, a newer worker's), stays log text.
 

@@ -151,7 +151,7 @@ def end_distributed(world_size: int) -> None:
 
 
 def is_warm_worker() -> bool:
-    """Whether this process is a warm worker (`trainer.warm_pool`), booted before this job and
+    """Whether this process is a warm worker (`launcher.warm_pool`), booted before this job and
     serving others after it."""
     return os.environ.get("PARASHIFT_WARM_WORKER") == "1"
 
@@ -172,7 +172,7 @@ class Phases:
     start and imports first (the largest part on a small machine), then each phase of `main`."""
 
     def __init__(self) -> None:
-        # A warm worker (trainer.warm_pool) booted long before this job: nothing of it is this launch's.
+        # A warm worker (launcher.warm_pool) booted long before this job: nothing of it is this launch's.
         self.seconds: dict[str, float | None] = {"boot_s": 0.0 if is_warm_worker() else seconds_since_process_start()}
         self._mark = time.perf_counter()
 

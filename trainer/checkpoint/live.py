@@ -1,5 +1,5 @@
 """State that live workers hold from the segment before: served to the next segment's ranks
-over the process group instead of read back from storage (warm workers, `trainer.warm_pool`).
+over the process group instead of read back from storage (warm workers, `launcher.warm_pool`).
 
 A warm worker that ends a segment at a committed checkpoint keeps its boxes of that step
 (`hold`): the tensors themselves, no copy, in the stored dim order the checkpoint wrote them

@@ -3,7 +3,7 @@ once, and forks a worker for each request, instead of each worker starting an in
 that imports them again (2.9 s of CPU a worker on the 2-core CI machine, against about 0.1 s
 for a fork).
 
-torchrun still launches every worker: its worker program is `parashift.trainer.forked`, a
+torchrun still launches every worker: its worker program is `parashift.launcher.forked`, a
 small interpreter without torch that asks this server for the real worker, passes it its
 stdin, stdout and stderr (SCM_RIGHTS), its environment, working directory and arguments, then
 forwards signals to it and exits as it exits. So torchrun's rendezvous, its failure summary
@@ -25,7 +25,7 @@ worker with it (SIGKILL to the worker and everything below it): whatever ends th
 (torchrun tearing its workers down, `kill -9`) ends the worker.
 
     server = Forkserver(worker_env("cpu"))
-    env = {**worker_env("cpu"), **server.env()}   # torchrun ... -m parashift.trainer.forked <module> <args>
+    env = {**worker_env("cpu"), **server.env()}   # torchrun ... -m parashift.launcher.forked <module> <args>
     server.close()
 """
 
@@ -49,7 +49,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from parashift.trainer.processes import kill_tree
+from parashift.launcher.processes import kill_tree
 
 SOCKET_ENV = "PARASHIFT_FORKSERVER"
 PID_ENV = "PARASHIFT_FORKSERVER_PID"
@@ -91,7 +91,7 @@ class Forkserver:
     def __init__(self, env: dict[str, str]) -> None:
         self._folder = Path(tempfile.mkdtemp(prefix="parashift-fork-"))
         self.path = str(self._folder / "socket")
-        self._process = subprocess.Popen([sys.executable, "-m", "parashift.trainer.forkserver", self.path],
+        self._process = subprocess.Popen([sys.executable, "-m", "parashift.launcher.forkserver", self.path],
                                          stdin=subprocess.PIPE, env=env, start_new_session=True)
 
     @property

@@ -21,6 +21,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+from parashift.launcher.forkserver import Forkserver, startup_environment
+from parashift.launcher.forkserver import available as forkserver_available
+from parashift.launcher.processes import kill_tree, parent_of
 from parashift.specs import JobSpec
 from parashift.specs.loader import resolve_model
 from parashift.specs.plan import Plan
@@ -36,10 +39,7 @@ from parashift.trainer.events import (
     WorkerEvent,
     parse,
 )
-from parashift.trainer.forkserver import Forkserver, startup_environment
-from parashift.trainer.forkserver import available as forkserver_available
 from parashift.trainer.mesh import job_plan_refusals
-from parashift.trainer.processes import kill_tree, parent_of
 
 import parashift
 
@@ -188,13 +188,13 @@ def torchrun_command(devices: int, module: str, *args: str, log_dir: Path, node:
     `log_dir`: where torchrun keeps its per-run files (the workers' error files), a folder the
     caller removes; without it torchrun makes a `torchelastic_*` folder in the system's temporary
     directory for every launch and never removes it. `forked`: each worker is forked by the
-    forkserver its environment names (`trainer.forked`), and so is torchrun's agent."""
+    forkserver its environment names (`launcher.forked`), and so is torchrun's agent."""
     if node is None:
         where = ["--standalone"]
     else:
         where = [f"--nnodes={len(node.nodes)}", f"--node-rank={node.node_rank}", "--rdzv-backend=static",
                  f"--master-addr={node.master_addr}", f"--master-port={node.master_port}"]
-    through = ["parashift.trainer.forked"] if forked else []
+    through = ["parashift.launcher.forked"] if forked else []
     return [sys.executable, "-m", *through, "torch.distributed.run", *where, f"--nproc-per-node={devices}",
             f"--log-dir={log_dir}", "-m", *through, module, *args]
 
@@ -263,7 +263,7 @@ def worker_env(kind: str) -> dict[str, str]:
     return env
 
 
-# This process's forkservers (trainer.forkserver), one for each start-up environment its launches
+# This process's forkservers (launcher.forkserver), one for each start-up environment its launches
 # asked for: started at the first launch, shared by every launch after it, closed at exit.
 _forkservers: dict[str, Forkserver] = {}
 _forkservers_lock = threading.Lock()

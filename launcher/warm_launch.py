@@ -1,4 +1,4 @@
-"""Launching a job's segment on warm workers (trainer.warm_pool) with `launch_workers`'
+"""Launching a job's segment on warm workers (launcher.warm_pool) with `launch_workers`'
 contract: output lines and worker events streamed while it runs, stops at a step boundary by
 signal and stop object, the hang watchdog, and a failed rank reported as such.
 
@@ -25,11 +25,11 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from parashift.launcher.launch import STOP_GRACE_S, LaunchResult, RunningWorkers, WorkerOutput
+from parashift.launcher.warm_pool import WarmPool
 from parashift.specs import JobSpec
 from parashift.specs.plan import Plan
 from parashift.trainer.events import WorkerEvent
-from parashift.trainer.launch import STOP_GRACE_S, LaunchResult, RunningWorkers, WorkerOutput
-from parashift.trainer.warm_pool import WarmPool
 
 POLL_S = 0.05
 # After a rank fails, how long its peers get to return by themselves (gloo fails their pending

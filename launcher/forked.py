@@ -1,5 +1,5 @@
-"""`python -m parashift.trainer.forked <module> <args>`: run `python -m <module> <args>` as a
-process forked by this node's forkserver (`trainer.forkserver`), standing in for it towards
+"""`python -m parashift.launcher.forked <module> <args>`: run `python -m <module> <args>` as a
+process forked by this node's forkserver (`launcher.forkserver`), standing in for it towards
 whoever started this one (torchrun): its stdio are the worker's, signals sent here are passed
 on, and this process ends as the worker ended (its exit code, or killed by the same signal).
 Without a forkserver that can serve it, this process becomes the worker itself (exec).
@@ -17,8 +17,8 @@ import socket
 import sys
 import time
 
-from parashift.trainer.forkserver import MAX_MESSAGE, PID_ENV, SOCKET_ENV
-from parashift.trainer.processes import end_with_parent, running
+from parashift.launcher.forkserver import MAX_MESSAGE, PID_ENV, SOCKET_ENV
+from parashift.launcher.processes import end_with_parent, running
 
 # How long a client waits for its forkserver to finish its imports and listen (it started with
 # the launch, beside torchrun): beyond this the worker starts as an interpreter of its own.
@@ -28,7 +28,7 @@ FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signa
 
 def _exec(module: str, args: list[str], why: str | None) -> None:
     if why:
-        print(f"parashift.trainer.forked: {why}; starting {module} as an interpreter of its own", file=sys.stderr)
+        print(f"parashift.launcher.forked: {why}; starting {module} as an interpreter of its own", file=sys.stderr)
     os.execv(sys.executable, [sys.executable, "-m", module, *args])
 
 
@@ -61,7 +61,7 @@ def _end_as(code: int) -> None:
 
 def main(argv: list[str]) -> None:
     if not argv:
-        raise SystemExit("usage: python -m parashift.trainer.forked <module> [args...]")
+        raise SystemExit("usage: python -m parashift.launcher.forked <module> [args...]")
     module, args = argv[0], argv[1:]
     path, server_pid = os.environ.get(SOCKET_ENV), os.environ.get(PID_ENV)
     if not path or not server_pid:
@@ -105,7 +105,7 @@ def main(argv: list[str]) -> None:
     ended = sock.recv(MAX_MESSAGE)
     if not ended:  # the server died with the worker still running: it must not run on unseen
         forward(signal.SIGKILL, None)
-        print("parashift.trainer.forked: the forkserver ended before the worker", file=sys.stderr)
+        print("parashift.launcher.forked: the forkserver ended before the worker", file=sys.stderr)
         _end_as(1)
     _end_as(int(json.loads(ended)["exit"]))
 

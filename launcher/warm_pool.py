@@ -12,11 +12,11 @@ in the job's folder, and the process group torn down after it.
 What a job here shares with the jobs before it in the same process is the interpreter: module
 state that is not reset between jobs (caches keyed by name, e.g. a Hugging Face checkpoint
 opened from the same path) carries over. Jobs that are meant to end a process (a worker killed
-with SIGKILL, a hung collective) belong to `trainer.launch`, not here: a job that does not end
+with SIGKILL, a hung collective) belong to `launcher.launch`, not here: a job that does not end
 within its timeout takes the pool down with it, and the pool starts afresh.
 
     pool = WarmPool(4)
-    result = pool.run(spec, plan, until_step=7)   # a trainer.launch.LaunchResult
+    result = pool.run(spec, plan, until_step=7)   # a launcher.launch.LaunchResult
     pool.close()
 """
 
@@ -38,15 +38,15 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from parashift.launcher.forkserver import import_what_jobs_use
+from parashift.launcher.launch import LaunchResult, PlanNotExecutable, forkserver_env, worker_env
+from parashift.launcher.processes import end_with_parent
 from parashift.specs import JobSpec
 from parashift.specs.loader import resolve_model
 from parashift.specs.plan import Plan
 from parashift.trainer import events as worker_events
 from parashift.trainer.control import PEER_FAILED_SIGNAL, PeerFailed, on_peer_failed
-from parashift.trainer.forkserver import import_what_jobs_use
-from parashift.trainer.launch import LaunchResult, PlanNotExecutable, forkserver_env, worker_env
 from parashift.trainer.mesh import forget_meshes, job_plan_refusals
-from parashift.trainer.processes import end_with_parent
 
 # How long one job may run before the pool is presumed stuck (a collective waiting for a rank
 # that failed) and started afresh.
@@ -82,11 +82,11 @@ class WarmPool:
 
     def _spawn(self) -> subprocess.Popen[str]:
         """A warm worker: forked by this process's forkserver where it can (the process started
-        here is then its client, `trainer.forked`), else an interpreter of its own."""
+        here is then its client, `launcher.forked`), else an interpreter of its own."""
         env = worker_env(self.kind)
         server = forkserver_env(self.kind, env)
-        serve = ["parashift.trainer.warm_pool", "--serve"]
-        command = [sys.executable, "-m", *(["parashift.trainer.forked", *serve] if server else serve)]
+        serve = ["parashift.launcher.warm_pool", "--serve"]
+        command = [sys.executable, "-m", *(["parashift.launcher.forked", *serve] if server else serve)]
         return subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1,
                                 env={**env, **server}, start_new_session=True)
 
