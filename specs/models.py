@@ -344,6 +344,16 @@ class ParallelismSpec(_Section):
         return max(int(device_bytes - reserve), 0)
 
 
+class MetricsSpec(_Section):
+    """What rank 0 records per logged step (loss, gradient norm, lr, tokens/s, TFLOP/s, MFU,
+    memory, data wait) besides the run log."""
+
+    tensorboard: bool = Field(
+        True, description="Write TensorBoard event files to the job's storage under jobs/{job}/metrics/ "
+                          "(`tensorboard --logdir` on that folder, or a copy of it).",
+    )
+
+
 class StorageSpec(_Section):
     """Where checkpoints, profiles and events are stored."""
 
@@ -442,6 +452,7 @@ class JobSpec(_Section):
     resources: ResourcesSpec = Field(default_factory=ResourcesSpec, description=ResourcesSpec.__doc__)
     parallelism: ParallelismSpec = Field(default_factory=ParallelismSpec, description=ParallelismSpec.__doc__)
     storage: StorageSpec = Field(default_factory=StorageSpec, description=StorageSpec.__doc__)
+    metrics: MetricsSpec = Field(default_factory=MetricsSpec, description=MetricsSpec.__doc__)
     elasticity: list[ResourceChange] = Field(
         default_factory=list, description="Scripted resource changes, in increasing at_step order."
     )

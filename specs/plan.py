@@ -123,6 +123,9 @@ class Plan(BaseModel):
     # -- the planner's annotation --
     placements: list[OpPlacement] = Field(default_factory=list)
     estimated_step_s: float | None = None
+    device_peak_flops: float | None = Field(
+        default=None, description="the device's GEMM rate the profile measured (FLOP/s): MFU's peak where no "
+                                  "table names the device (CPUs)")
     memory_per_device_bytes: int | None = None
     strategy: str = Field(default="data-parallel", description="how the plan was chosen")
     baselines: dict[str, float] = Field(default_factory=dict, description="baseline name -> estimated step s")

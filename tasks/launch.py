@@ -39,6 +39,20 @@ _FAILED_RANK = re.compile(r"^\s*rank\s*:\s*(\d+)")
 _EXIT_CODE = re.compile(r"^\s*exitcode\s*:\s*(-?\d+)")
 
 
+
+def plan_label(plan: Plan) -> str:
+    """What a segment ran, in one line: `dp 2 x tp 2, FSDP over 2, selective AC, 2 micro-batches`."""
+    parts = [" x ".join(f"{axis} {n}" for axis, n in plan.mesh.items())]
+    if plan.dp_shard > 1:
+        parts.append(f"FSDP over {plan.dp_shard}")
+    if plan.activation_checkpointing != "none":
+        parts.append(f"{plan.activation_checkpointing} AC")
+    if plan.mixed_precision == "fsdp" and plan.degree("dp") > 1:
+        parts.append("bf16 parameters")
+    if plan.micro_batches > 1:
+        parts.append(f"{plan.micro_batches} micro-batches")
+    return ", ".join(parts)
+
 def failure_reason(result: LaunchResult, lines: list[str]) -> str:
     """What killed the segment, from the root cause in torchrun's failure summary (the other
     ranks it lists were stopped by torchrun itself)."""
@@ -270,6 +284,7 @@ def launch_training(spec: JobSpec, plan: Plan, until_step: int | None = None,
     elif outcome == "failed":
         logger.error("workers failed: %s; the last committed step is %d", reason, final_step)
     rates = [e.tokens_per_s for e in result.steps[1:]]  # the first step pays for warm-up
+    mfus = [e.mfu for e in result.steps[1:] if e.mfu is not None]
     read = result.restoring
     restore_rate = None
     if read is not None and start is not None and start.restore_s and read.bytes_read > 0:
@@ -282,6 +297,8 @@ def launch_training(spec: JobSpec, plan: Plan, until_step: int | None = None,
         reason=reason,
         losses=[(e.step, e.loss) for e in result.steps],
         tokens_per_s=statistics.median(rates) if rates else None,
+        mfu=statistics.median(mfus) if mfus else None,
+        plan=plan_label(plan),
         checkpoint_urls=[url for _, url in committed],
         resumed_from_url=start.checkpoint_url if start else None,
         resumed_loss=start.checkpoint_loss if start else None,

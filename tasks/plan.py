@@ -150,7 +150,7 @@ def plan_parallelism(spec: JobSpec, model: ModelSummary, devices: int, step: int
                         f"cheaper over the {spec.training.steps - step} remaining steps")
                 best = Option(best.plan.model_copy(update={"notes": [*best.plan.notes, note]}), best.step_s, best.move_bytes)
             plan = best.plan
-    plan = with_memory_choices(spec, plan)
+    plan = with_memory_choices(spec, plan).model_copy(update={"device_peak_flops": profile.device.matmul_flops})
     for note in plan.notes:
         logger.info(note)
     rows = [

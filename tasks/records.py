@@ -28,6 +28,8 @@ class SegmentResult(BaseModel):
     reason: str | None = Field(default=None, description="why it stopped, rescaled or failed")
     losses: list[tuple[int, float]] = Field(default_factory=list)
     tokens_per_s: float | None = None
+    mfu: float | None = Field(default=None, description="model FLOPs utilisation per device (median of its steps)")
+    plan: str | None = Field(default=None, description="what ran: mesh, FSDP, activation checkpointing, micro-batches")
     checkpoint_urls: list[str] = Field(default_factory=list)
     resumed_from_url: str | None = Field(default=None, description="the checkpoint this segment started from")
     resumed_loss: float | None = Field(default=None, description="the loss recorded in that checkpoint")
@@ -86,6 +88,8 @@ class TrainSummary(BaseModel):
     first_loss: float | None
     tokens_per_s: float | None
     checkpoint_url: str | None
+    mfu: float | None = None
+    metrics_url: str | None = None
     segments: list[SegmentResult]
 
     @property

@@ -30,6 +30,7 @@ def sparkline(values: list[float]) -> str:
 def summarize(spec: JobSpec, segments: list[SegmentResult]) -> TrainSummary:
     losses = [loss for seg in segments for _, loss in seg.losses]
     rates = [seg.tokens_per_s for seg in segments if seg.tokens_per_s]
+    mfus = [seg.mfu for seg in segments if seg.mfu]
     urls = [url for seg in segments for url in ([seg.resumed_from_url] if seg.resumed_from_url else []) + seg.checkpoint_urls
             if not is_pending_manifest(url)]  # a step held in warm workers' memory is no checkpoint
     if not losses and segments and segments[-1].resumed_loss is not None:
@@ -41,6 +42,9 @@ def summarize(spec: JobSpec, segments: list[SegmentResult]) -> TrainSummary:
         final_loss=losses[-1] if losses else None,
         tokens_per_s=rates[-1] if rates else None,
         checkpoint_url=urls[-1] if urls else None,
+        mfu=mfus[-1] if mfus else None,
+        metrics_url=open_store(spec.storage).url_for(JobPaths(spec.job_id).job_key("metrics")) if spec.metrics.tensorboard
+        else None,
         segments=segments,
     )
 
@@ -61,6 +65,8 @@ def summary_markdown(summary: TrainSummary, model: ModelSummary) -> str:
         f"| first loss | {fmt(summary.first_loss, '.4f')} |",
         f"| final loss | {fmt(summary.final_loss, '.4f')} |",
         f"| tokens/s (median, last segment) | {fmt(summary.tokens_per_s, ',.0f')} |",
+        f"| MFU (median, last segment) | {fmt(summary.mfu, '.1%')} |",
+        f"| TensorBoard | {summary.metrics_url or 'off'} |",
         f"| last checkpoint | {summary.checkpoint_url or 'none'} |",
         f"| segments | {len(summary.segments)}{f', {len(summary.failures)} failed' if summary.failures else ''} |",
         "",
@@ -105,12 +111,12 @@ def _mesh(segment: SegmentResult) -> str:
 def segments_table(segments: list[SegmentResult]) -> list[str]:
     """The segments as markdown rows: a failed one in bold with its reason, so that a run that
     recovered still shows which launch went wrong and why."""
-    rows = ["| segment | devices | steps | outcome |", "|---|---|---|---|"]
+    rows = ["| segment | devices | plan | steps | outcome |", "|---|---|---|---|---|"]
     for i, s in enumerate(segments, 1):
         ended = s.ended.replace("|", "\\|")  # a reason's pipe would split the row
         if s.failed:
             ended = f"**{s.outcome}**{ended[len(s.outcome):]}"
-        rows.append(f"| {i} | {s.devices} | {s.start_step}→{s.final_step} | {ended} |")
+        rows.append(f"| {i} | {s.devices} | {s.plan or ''} | {s.start_step}→{s.final_step} | {ended} |")
     return rows
 
 

@@ -24,8 +24,8 @@ def recovered() -> TrainSummary:
 def test_the_summary_marks_the_failed_segment_with_its_reason() -> None:
     markdown = summary_markdown(recovered(), MODEL)
     assert "| segments | 2, 1 failed |" in markdown
-    assert "| 1 | 3 | 0→10 | **failed**: rank 1 killed by signal 9 (torchrun exited with 1) |" in markdown
-    assert "| 2 | 2 | 10→40 | finished |" in markdown
+    assert "| 1 | 3 |  | 0→10 | **failed**: rank 1 killed by signal 9 (torchrun exited with 1) |" in markdown
+    assert "| 2 | 2 |  | 10→40 | finished |" in markdown
 
 
 def test_a_reasons_pipe_does_not_split_its_row() -> None:

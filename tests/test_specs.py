@@ -434,6 +434,7 @@ def test_json_schema() -> None:
         "resources",
         "parallelism",
         "storage",
+        "metrics",
         "elasticity",
     }
     for name, definition in schema["$defs"].items():

@@ -69,6 +69,10 @@ class StepEvent(_Event):
     tokens_per_s: float
     data_wait_s: float | None = Field(None, description="of step_s, how long rank 0 waited for its data")
     data_tokens_per_s: float | None = Field(None, description="rank 0's reader: tokens read per second of reading")
+    grad_norm: float | None = Field(None, description="the gradients' global norm before clipping")
+    tflops: float | None = Field(None, description="model TFLOP/s per device (6N + attention per token)")
+    mfu: float | None = Field(None, description="model FLOPs utilisation: tflops / the device's peak")
+    memory_gib: float | None = Field(None, description="rank 0's peak memory (CUDA allocator, or resident set)")
 
 
 class CheckpointEvent(_Event):

@@ -86,6 +86,7 @@ from parashift.trainer.parallel import (
     settle_gradients,
 )
 from parashift.trainer.pipeline import DEFAULT_SCHEDULE, PipelineRunner, build_stage
+from parashift.trainer.scalars import Metrics
 from parashift.trainer.schedule import learning_rate
 from parashift.trainer.state import (
     OptimizerState,
@@ -435,10 +436,11 @@ def holds_for_next(stops: StopRequests, layout: Any, rank: int, world_size: int,
 def train(spec: JobSpec, plan: Plan, built: Built, batches: Batches, dims: ParallelDims, coords: Coordinates,
           mesh: Any, device: torch.device, world_size: int, rank: int, resumed: Resumed, end_step: int,
           checkpointer: Checkpointer, save: Saves, stops: StopRequests, layout: Any = None,
-          where: Ended | None = None, generators: PeersGenerators | None = None) -> Ended:
+          where: Ended | None = None, generators: PeersGenerators | None = None,
+          board: Metrics | None = None) -> Ended:
     """The training loop from `resumed` to `end_step` or a stop. `where` follows it step by step
     (what a warm worker holds when a peer dies mid-step); `generators`, every rank's generator
-    states with it."""
+    states with it; `board`, rank 0's metrics component (trainer.scalars)."""
     train_spec, m = spec.training, spec.model
     module, runnable, optimizer, family = built.module, built.runnable, built.optimizer, built.family
     reader = batches.prefetcher(train_spec.global_batch, pipelined=dims.pp > 1)
@@ -490,8 +492,12 @@ def train(spec: JobSpec, plan: Plan, built: Built, batches: Batches, dims: Paral
                     (micro_loss * loss_scale).backward()
                 loss_sum += plain(micro_loss.detach()).float()
             settle_gradients(list(module.parameters()))
-            if spec.optimizer.grad_clip:
-                clip_grad_norm_(list(module.parameters()), spec.optimizer.grad_clip, coords.within_stage())
+            # Every rank knows which steps are logged: the norm's collective runs on all or none.
+            logged = (step + 1) % train_spec.log_every == 0 or step + 1 in (end_step, resumed.step + 1)
+            grad_norm = None
+            if spec.optimizer.grad_clip or logged:
+                grad_norm = clip_grad_norm_(list(module.parameters()), spec.optimizer.grad_clip or float("inf"),
+                                            coords.within_stage())
             checkpointer.before_update()  # a save in flight may still be reading these tensors
             may_leave(False)
             where.consistent = False  # no collective until the step count follows the update
@@ -525,8 +531,16 @@ def train(spec: JobSpec, plan: Plan, built: Built, batches: Batches, dims: Paral
             elapsed = time.perf_counter() - started
             # Every log_every steps, and the first and last of a segment (a change's downtime ends and starts there).
             if rank == 0 and (step % train_spec.log_every == 0 or step in (end_step, resumed.step + 1) or stop_now):
-                metrics.emit(StepEvent(step=step, loss=loss, lr=lr, step_s=elapsed, tokens_per_s=tokens_per_step / elapsed,
-                                       data_wait_s=round(waited, 6), data_tokens_per_s=reader.tokens_per_s))
+                norm = float(grad_norm) if grad_norm is not None else None
+                numbers = board.numbers(tokens_per_step / elapsed) if board is not None else {}
+                event = StepEvent(step=step, loss=loss, lr=lr, step_s=elapsed, tokens_per_s=tokens_per_step / elapsed,
+                                  data_wait_s=round(waited, 6), data_tokens_per_s=reader.tokens_per_s,
+                                  grad_norm=norm, **numbers)
+                metrics.emit(event)
+                if board is not None:
+                    board.record(step, {"loss": loss, "grad_norm": norm, "lr": lr, "tokens_per_s": event.tokens_per_s,
+                                        "tflops": event.tflops, "mfu": event.mfu, "memory_gib": event.memory_gib,
+                                        "data_wait_s": event.data_wait_s})
             # Restored from live ranks' memory by a pending manifest (nothing stores that step):
             # the first step done is saved, whatever the schedule, in the background as any save.
             regular = (step % train_spec.checkpoint_every == 0 or step == end_step
@@ -657,9 +671,13 @@ def main(argv: list[str] | None = None) -> int:
                  {"model": spec.model.model_dump(), "job": spec.name, "nodes": nodes, **source})
     where = Ended(resumed.step, resumed.position, loss=resumed.loss)
     generators = PeersGenerators(rank, device, world_size, resumed.step) if warm and world_size > 1 else None
+    board = None
+    if rank == 0:
+        board = Metrics(store, spec.job_id, built.family.flops_per_token(spec.model, built.n_params), world_size, device,
+                        spec.parallelism.precision, plan.device_peak_flops, spec.metrics.tensorboard, resumed.step)
     try:
         ended = train(spec, plan, built, batches, dims, coords, mesh, device, world_size, rank,
-                      resumed, end_step, checkpointer, save, stops, layout if warm else None, where, generators)
+                      resumed, end_step, checkpointer, save, stops, layout if warm else None, where, generators, board)
     except DatasetError as error:  # a damaged shard, found as this rank read it: no retry can fix it
         metrics.emit(FatalEvent(message=f"data: {error}"))
         os._exit(metrics.EXIT_FATAL)  # the other ranks wait in a collective; torchrun ends them
@@ -673,6 +691,9 @@ def main(argv: list[str] | None = None) -> int:
             except Exception as error:  # noqa: BLE001 - the job resumes from its last commit instead
                 log.warning("rank %d: step %d not held after the failure (%s)", rank, where.step, error)
         raise
+    finally:
+        if board is not None:
+            board.close()
     step, position, stopped = ended.step, ended.position, ended.stopped
     if ended.unsaved and not save.pending(step, position, ended.loss):
         save(step, position, ended.loss)

@@ -88,5 +88,11 @@ def run(
         first = f"{summary.first_loss:.4f} -> " if trained and summary.first_loss is not None else ""
         console.print(f"  loss          {first}{summary.final_loss:.4f}")
     if summary.tokens_per_s:
-        console.print(f"  throughput    {summary.tokens_per_s:,.0f} tokens/s (median)")
+        mfu = f", MFU {summary.mfu:.1%}" if summary.mfu else ""
+        console.print(f"  throughput    {summary.tokens_per_s:,.0f} tokens/s (median{mfu})")
+    plans = [seg.plan for seg in summary.segments if seg.plan]
+    if plans:
+        console.print(f"  plan          {' -> '.join(dict.fromkeys(plans))}")
+    if summary.metrics_url:
+        console.print(f"  metrics       tensorboard --logdir {summary.metrics_url}")
     console.print(f"  checkpoint    {summary.checkpoint_url}")

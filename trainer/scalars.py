@@ -1,0 +1,124 @@
+"""The metrics component (after torchtitan's `components/metrics.py`): per logged step, loss,
+gradient norm, learning rate, tokens/s, TFLOP/s and MFU per device, memory and data wait, as
+TensorBoard event files in the job's storage under `jobs/{job}/metrics/`.
+
+Rank 0 writes them with TensorBoard's own writer into a local folder and copies each event
+file to the store in the background (any fsspec URL: local files, S3), so a slow store never
+holds a step. Every segment of a job (each launch, each device count) writes its own event
+file into the same folder: `tensorboard --logdir` shows an elastic run as one curve per tag
+over steps.
+
+MFU divides the model's training FLOPs per token (PaLM's 6N + attention, the family's
+`flops_per_token`) at the measured tokens/s, per device, by the device's peak: a GPU's dense
+bf16 (or fp32) rate from the table below by name, or on CPU the GEMM rate the job's profile
+measured (`Plan.device_peak_flops`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import resource
+import tempfile
+import threading
+from pathlib import Path
+from typing import Any
+
+import torch
+
+# Dense peak FLOP/s by device name (vendor data sheets, without sparsity): bf16, fp32.
+GPU_PEAK_FLOPS = {
+    "H200": (989e12, 67e12),
+    "H100": (989e12, 67e12),
+    "A100": (312e12, 19.5e12),
+    "L40S": (362e12, 91.6e12),
+    "A10G": (70e12, 31.2e12),
+}
+
+
+def peak_flops(device: torch.device, precision: str, measured: float | None) -> float | None:
+    """The device's peak FLOP/s for `precision`: by GPU name, else the measured GEMM rate."""
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        for key, (bf16, fp32) in GPU_PEAK_FLOPS.items():
+            if key in name:
+                return bf16 if precision == "bf16" else fp32
+    return measured
+
+
+def memory_bytes(device: torch.device) -> int:
+    """This process's peak memory: the CUDA allocator's, else the process's resident set."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+class _Uploader:
+    """Copies the local event file to the store, in a thread of its own: at most one copy in
+    flight, a request made during one is served by one more copy after it."""
+
+    def __init__(self, store: Any, key: str, path: Path) -> None:
+        self.store, self.key, self.path = store, key, path
+        self._wanted = threading.Event()
+        self._closing = False
+        self._thread = threading.Thread(target=self._run, name="metrics-upload", daemon=True)
+        self._thread.start()
+
+    def request(self) -> None:
+        self._wanted.set()
+
+    def _run(self) -> None:
+        while True:
+            self._wanted.wait()
+            self._wanted.clear()
+            with contextlib.suppress(Exception):  # metrics never fail a job; the next copy tries again
+                self.store.put(self.key, self.path.read_bytes())
+            if self._closing and not self._wanted.is_set():
+                return
+
+    def close(self) -> None:
+        self._closing = True
+        self._wanted.set()
+        self._thread.join(timeout=30)
+
+
+class Metrics:
+    """Rank 0's metrics for one segment of a job. `record` once per logged step; `close` at the end."""
+
+    def __init__(self, store: Any, job_id: str, flops_per_token: float, world_size: int, device: torch.device,
+                 precision: str, measured_peak_flops: float | None, tensorboard: bool = True,
+                 first_step: int = 0) -> None:
+        self.flops_per_token, self.world_size, self.device = flops_per_token, world_size, device
+        self.peak = peak_flops(device, precision, measured_peak_flops)
+        self._writer = None
+        self._uploader: _Uploader | None = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._folder = tempfile.TemporaryDirectory(prefix="parashift-metrics-")
+            self._writer = SummaryWriter(self._folder.name, filename_suffix=f".from-step-{first_step:08d}")
+            path = Path(self._writer.file_writer.event_writer._file_name)
+            self._uploader = _Uploader(store, f"jobs/{job_id}/metrics/{path.name}", path)
+
+    def numbers(self, tokens_per_s: float) -> dict[str, float | None]:
+        """TFLOP/s and MFU per device at a job-wide `tokens_per_s`, and this rank's memory."""
+        per_device = self.flops_per_token * tokens_per_s / self.world_size
+        mfu = per_device / self.peak if self.peak else None
+        return {"tflops": per_device / 1e12, "mfu": mfu, "memory_gib": memory_bytes(self.device) / 2**30}
+
+    def record(self, step: int, values: dict[str, float | None]) -> None:
+        """Write one logged step's scalars (None values are left out) and start their upload."""
+        if self._writer is None:
+            return
+        for name, value in values.items():
+            if value is not None:
+                self._writer.add_scalar(name, value, step)
+        self._writer.flush()
+        assert self._uploader is not None
+        self._uploader.request()
+
+    def close(self) -> None:
+        if self._writer is not None and self._uploader is not None:
+            self._writer.close()
+            self._uploader.close()
+            self._folder.cleanup()
+            self._writer = None
