@@ -97,6 +97,8 @@ def launch_warm(pool: WarmPool, spec: JobSpec, plan: Plan,
         for line in lines:
             output(line)
 
+    died: list[int] = []  # ranks whose process died (not answered)
+
     def answer(rank: int, proc: subprocess.Popen[str]) -> None:
         said = pool.read_answer(proc)
         if said is not None:
@@ -110,8 +112,11 @@ def launch_warm(pool: WarmPool, spec: JobSpec, plan: Plan,
         codes[rank] = code
         if not failed_at:
             failed()
-        if result.failed_rank is None and result.hung_s is None:
+        # A death is the cause; a peer that answered a failure first only saw its collective break.
+        if result.hung_s is None and (result.failed_rank is None or not died):
             result.failed_rank = (rank, code)
+        died.append(rank)
+        if result.failed_rank == (rank, code):
             on_line(f"warm worker rank {rank} (pid {pool.worker_pid(proc)}) died ({'signal ' + str(-code) if code < 0 else code}): "
                     "another process (a spare, or a fresh one) takes its place; its peers end their job or are ended")
 

@@ -53,6 +53,7 @@ def plan_label(plan: Plan) -> str:
         parts.append(f"{plan.micro_batches} micro-batches")
     return ", ".join(parts)
 
+
 def failure_reason(result: LaunchResult, lines: list[str]) -> str:
     """What killed the segment, from the root cause in torchrun's failure summary (the other
     ranks it lists were stopped by torchrun itself)."""
@@ -62,15 +63,37 @@ def failure_reason(result: LaunchResult, lines: list[str]) -> str:
         rank, code = result.failed_rank
         how = f"killed by signal {-code}" if code < 0 else f"exited with code {code}"
         return f"rank {rank} {how} (a warm worker; another process takes its place)"
-    roots = [i for i, line in enumerate(lines) if "Root Cause" in line]
-    lines = lines[roots[-1]:] if roots else lines
-    ranks = [int(m.group(1)) for line in lines if (m := _FAILED_RANK.match(line))]
-    codes = [int(m.group(1)) for line in lines if (m := _EXIT_CODE.match(line))]
-    if ranks and codes:
-        code = codes[0]
+    found = root_cause(lines)
+    if found is not None:
+        rank, code = found
         how = f"killed by signal {-code}" if code < 0 else f"exited with code {code}"
-        return f"rank {ranks[0]} {how} (torchrun exited with {result.returncode})"
+        return f"rank {rank} {how} (torchrun exited with {result.returncode})"
     return f"workers exited with code {result.returncode}"
+
+
+def root_cause(lines: list[str]) -> tuple[int, int] | None:
+    """(rank, exit code) of the rank that brought a torchrun launch down, from its failure
+    summary. torchrun's "Root Cause" is the first failure it happened to observe: when one rank
+    is killed its peers' collectives break ("Connection reset by peer") and they exit 1 within
+    the same poll, and torchrun may name one of them. A rank killed by a signal is the cause
+    its peers' exits follow from, so it wins; else torchrun's root cause; else the first listed."""
+    failures: list[tuple[int, int]] = []
+    rank: int | None = None
+    root_at: int | None = None
+    for line in lines:
+        if "Root Cause" in line:
+            root_at = len(failures)
+        if (m := _FAILED_RANK.match(line)) is not None:
+            rank = int(m.group(1))
+        elif (m := _EXIT_CODE.match(line)) is not None and rank is not None:
+            failures.append((rank, int(m.group(1))))
+            rank = None
+    if not failures:
+        return None
+    killed = [f for f in failures if f[1] < 0]
+    if killed:
+        return killed[0]
+    return failures[root_at] if root_at is not None and root_at < len(failures) else failures[0]
 
 
 # Warm workers of the jobs this process trains (resources.warm_workers), by job id: they outlive

@@ -118,3 +118,34 @@ def test_a_report_still_open_when_the_workers_exit_is_emitted_on_close() -> None
     lines = ["[rank1]: Traceback (most recent call last):", '[rank1]:   File "w.py", line 1, in f', "[rank1]: OSError: gone"]
     assert relayed(lines, close=False) == []
     assert relayed(lines) == [(logging.ERROR, "\n".join(lines))]
+
+
+def test_a_killed_rank_is_named_over_the_peers_whose_collectives_broke_after_it() -> None:
+    """torchrun's summary of a clean-clone failure (2026-12-04): rank 1 was SIGKILLed, rank 2's
+    gloo read got "Connection reset by peer" and exited 1, and torchrun called rank 2 the root
+    cause. The reason names rank 1."""
+    from parashift.tasks.launch import root_cause
+
+    summary = """
+Failures:
+[1]:
+  time      : 2026-12-04_10:01:02
+  host      : box
+  rank      : 1 (local_rank: 1)
+  exitcode  : -9 (pid: 4242)
+  error_file: <N/A>
+  traceback : Signal 9 (SIGKILL) received by PID 4242
+------------------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  time      : 2026-12-04_10:01:02
+  host      : box
+  rank      : 2 (local_rank: 2)
+  exitcode  : 1 (pid: 4243)
+  error_file: <N/A>
+  traceback : To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html
+""".splitlines()
+    assert root_cause(summary) == (1, -9)
+    peers_only = [line.replace("exitcode  : -9", "exitcode  : 1") for line in summary]
+    assert root_cause(peers_only) == (2, 1)  # no signal death: torchrun's root cause stands
+    assert root_cause(["nothing to see"]) is None
