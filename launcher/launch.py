@@ -56,6 +56,7 @@ class LaunchResult:
     events: list[WorkerEvent] = field(default_factory=list)
     hung_s: float | None = None  # set when the watchdog killed workers that reported nothing this long
     failed_rank: tuple[int, int] | None = None  # (rank, exit code; -signal) of the first rank that died, where known
+    first_exited: list[int] = field(default_factory=list)  # torchrun path: the ranks seen gone first (`ExitOrder`)
 
     def of(self, kind: type[E]) -> list[E]:
         """The events of one kind, in order: `result.of(RestoringEvent)`."""
@@ -303,15 +304,49 @@ def forkserver_pids() -> set[int]:
 STOP_GRACE_S = 60.0
 
 
+class ExitOrder:
+    """Which of this node's workers is gone first, by polling their pids (a zombie counts as
+    gone): the rank that died before its peers, whose collectives then broke and who exited
+    after it. torchrun's own "Root Cause" is only the first failure its agent observed, often a
+    peer's. Ranks seen gone in the same poll are listed together."""
+
+    POLL_S = 0.02
+
+    def __init__(self, pids: list[int], result: LaunchResult) -> None:
+        self.pids, self.result = pids, result
+        self._done = threading.Event()
+        threading.Thread(target=self._watch, name="exit-order", daemon=True).start()
+
+    @staticmethod
+    def gone(pid: int) -> bool:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            return True
+        return state in ("Z", "X")
+
+    def _watch(self) -> None:
+        while not self._done.wait(self.POLL_S):
+            first = [rank for rank, pid in enumerate(self.pids) if self.gone(pid)]
+            if first:
+                self.result.first_exited = first
+                return
+
+    def stop(self) -> None:
+        self._done.set()
+
+
 class WorkerOutput:
     """Where each output line of a launch's workers goes: to `on_line`; an event also into the
     result, the running workers' pids and `on_event`, and it resets the hang clock (armed by
     the first report: starting up is the launcher's to time out)."""
 
     def __init__(self, result: LaunchResult, workers: RunningWorkers, on_line: Callable[[str], None],
-                 on_event: Callable[[WorkerEvent], None]) -> None:
+                 on_event: Callable[[WorkerEvent], None], watch_exits: bool = False) -> None:
         self.result, self.workers, self.on_line, self.on_event = result, workers, on_line, on_event
         self.last_report: float | None = None
+        self.watch_exits = watch_exits
+        self.exits: ExitOrder | None = None
 
     def __call__(self, line: str) -> None:
         self.on_line(line)
@@ -321,6 +356,8 @@ class WorkerOutput:
             self.result.events.append(event)
             if isinstance(event, StartEvent):
                 self.workers._started(event.pids)
+                if self.watch_exits and self.exits is None:
+                    self.exits = ExitOrder(event.pids, self.result)
             self.on_event(event)
 
     def silent_s(self) -> float:
@@ -367,7 +404,7 @@ def launch_workers(
         assert process.stdout is not None
         workers = workers if workers is not None else RunningWorkers()
         workers._attach(process.pid)
-        output = WorkerOutput(result, workers, on_line, on_event)
+        output = WorkerOutput(result, workers, on_line, on_event, watch_exits=node is None)  # pids of this node only
         done = threading.Event()
 
         def watchdog(timeout_s: float) -> None:
@@ -397,5 +434,7 @@ def launch_workers(
         finally:
             result.returncode = process.wait()
             done.set()
+            if output.exits is not None:
+                output.exits.stop()
             workers._attach(None)
     return result

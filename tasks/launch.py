@@ -63,7 +63,7 @@ def failure_reason(result: LaunchResult, lines: list[str]) -> str:
         rank, code = result.failed_rank
         how = f"killed by signal {-code}" if code < 0 else f"exited with code {code}"
         return f"rank {rank} {how} (a warm worker; another process takes its place)"
-    found = root_cause(lines)
+    found = root_cause(lines, result.first_exited)
     if found is not None:
         rank, code = found
         how = f"killed by signal {-code}" if code < 0 else f"exited with code {code}"
@@ -71,12 +71,14 @@ def failure_reason(result: LaunchResult, lines: list[str]) -> str:
     return f"workers exited with code {result.returncode}"
 
 
-def root_cause(lines: list[str]) -> tuple[int, int] | None:
+def root_cause(lines: list[str], first_exited: list[int] | None = None) -> tuple[int, int] | None:
     """(rank, exit code) of the rank that brought a torchrun launch down, from its failure
     summary. torchrun's "Root Cause" is the first failure it happened to observe: when one rank
     is killed its peers' collectives break ("Connection reset by peer") and they exit 1 within
-    the same poll, and torchrun may name one of them. A rank killed by a signal is the cause
-    its peers' exits follow from, so it wins; else torchrun's root cause; else the first listed."""
+    the same poll, and torchrun may name one of them (then it kills the rest, by signal too).
+    The launcher's own order of exits (`first_exited`, launcher.launch.ExitOrder) decides where
+    it has one; among those ranks (or all, without it) one killed by a signal wins, since its
+    peers' exits follow from it; else torchrun's root cause; else the first listed."""
     failures: list[tuple[int, int]] = []
     rank: int | None = None
     root_at: int | None = None
@@ -90,6 +92,9 @@ def root_cause(lines: list[str]) -> tuple[int, int] | None:
             rank = None
     if not failures:
         return None
+    first = [f for f in failures if f[0] in (first_exited or [])]
+    if first:
+        failures, root_at = first, None
     killed = [f for f in failures if f[1] < 0]
     if killed:
         return killed[0]

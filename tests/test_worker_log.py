@@ -149,3 +149,7 @@ Root Cause (first observed failure):
     peers_only = [line.replace("exitcode  : -9", "exitcode  : 1") for line in summary]
     assert root_cause(peers_only) == (2, 1)  # no signal death: torchrun's root cause stands
     assert root_cause(["nothing to see"]) is None
+    # torchrun killed the remaining peer by signal too: the launcher's own order of exits decides.
+    both = [line.replace("exitcode  : 1 (pid: 4243)", "exitcode  : -9 (pid: 4243)") for line in summary]
+    assert root_cause(both, first_exited=[1]) == (1, -9)
+    assert root_cause(both, first_exited=[2]) == (2, -9)
