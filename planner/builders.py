@@ -136,7 +136,8 @@ def gpt_graph(n_layers: int, d_model: int, n_heads: int, vocab_size: int, seq_le
     # Backward keeps the fp32 log-probabilities and the int64 targets.
     g.add("loss", {"b": b, "s": s, "v": v}, ("b", "s"), srcs=(head,), inputs=(("b", "s", "v"),), kind="loss",
           reduce=("v",), flops=5.0 * b * s * v, tp_dim="v", tp_dims=("v",), tp_needs="head", part="loss",
-          saved=keep((("b", "s", "v"), FP32), (("b", "s"), INT64)))
+          saved=keep((("b", "s", "v"), FP32), (("b", "s"), INT64)),
+          transient=keep((("b", "s", "v"), FP32), (("b", "s", "v"), FP32)))  # the two fp32 logit gradients
     return g.build(act_bytes=low, weight_cast_bytes=2 if low < FP32 else 0)
 
 

@@ -12,7 +12,9 @@ layer: trainer/recompute.py):
 
 Either way a checkpointed layer holds what it would have kept without checkpointing again
 while its backward runs: one layer at a time (`Op.recomputed`, `Graph.recompute_layers`), and
-autocast's weight copies are made again in that backward instead of held for the step.
+autocast's weight copies are made again in that backward instead of held for the step. The
+loss's logit gradients (`Op.transient`) are freed before the last layer is recomputed, so the
+backward's peak holds the larger of the two (`Graph.recompute_share`).
 
 Mixed precision "fsdp" (FSDP2's policy): parameters are gathered and used in bf16, so there are
 no autocast copies to keep and a gather moves 2 bytes per element (autocast gathers the fp32
@@ -36,7 +38,7 @@ def _layer_input(op: Op, graph: Graph) -> tuple[Saved, ...]:
     """A checkpointed layer's input, kept by its first op: at the element size that op keeps it
     at where it does (the fp32 stream under autocast), else act_bytes."""
     known = {s.dims: s.bytes for s in _kept(op, graph)}
-    return tuple(Saved(dims=dims, bytes=known.get(dims, graph.act_bytes)) for dims in op.inputs[:1])
+    return tuple(Saved(dims=dims, bytes=graph.stream_bytes or known.get(dims, graph.act_bytes)) for dims in op.inputs[:1])
 
 
 def _selective_keeps(op: Op, graph: Graph) -> tuple[Saved, ...]:
@@ -88,12 +90,41 @@ def checkpointed(graph: Graph, mode: str) -> Graph:
             keeps, recompute = (*inputs, *_selective_keeps(op, graph)), op.kind not in GEMM_KINDS
         ops.append(op.model_copy(update={"saved": keeps, "recompute": recompute, "checkpointed": True,
                                          "recomputed": _without(before, keeps)}))
-    return graph.model_copy(update={"ops": ops, "recompute_layers": len(blocks)})
+    return graph.model_copy(update={"ops": ops, "recompute_layers": len(blocks),
+                                    "recompute_share": _recompute_share(graph, ops, len(blocks))})
+
+
+def _recompute_share(graph: Graph, ops: list[Op], layers: int) -> float:
+    """What part of one layer's recomputation raises the backward's peak above the loss's own
+    transients (held first, freed before the last layer is recomputed): the peak is the larger
+    of the two. Taken at the graph's own (unsplit) sizes, where both scale alike with the batch."""
+    layer = sum(t.bytes * op.numel(t.dims) for op in ops if op.checkpointed for t in op.recomputed) / layers
+    other = sum(t.bytes * op.numel(t.dims) for op in ops if not op.checkpointed for t in op.transient)
+    return max(0.0, 1.0 - other / layer) if layer > 0 else 1.0
 
 
 def with_precision(graph: Graph, mixed_precision: str) -> Graph:
     """`graph` (built for bf16 autocast, or fp32) under FSDP2's bf16 parameters ("fsdp"): no
     autocast weight copies, bf16 gathers. "autocast": weights gathered as held, in fp32."""
     if mixed_precision == "fsdp" and graph.act_bytes < 4:
-        return graph.model_copy(update={"weight_cast_bytes": 0, "gather_bytes": graph.act_bytes})
+        ops = [_with_bf16_parameters(op, graph) for op in graph.ops]
+        return graph.model_copy(update={"ops": ops, "weight_cast_bytes": 0, "gather_bytes": graph.act_bytes,
+                                        "stream_bytes": graph.act_bytes})
     return graph.model_copy(update={"gather_bytes": 4})
+
+
+def _with_bf16_parameters(op: Op, graph: Graph) -> Op:
+    """What an op keeps when parameters and the stream are bf16 (FSDP2's policy) instead of
+    autocast's: a GEMM keeps its input once, not one autocast copy per linear; fp32
+    activations (norm inputs and outputs) are bf16, except the loss's (the root hands it fp32
+    logits). Measured against the real forward: within 13% per model (BENCHMARKS.md)."""
+    if op.kind == "loss" or op.fp32_inside or op.saved is None:
+        return op
+    saved: list[Saved] = []
+    for t in op.saved:
+        if op.kind in GEMM_KINDS and t.dims in op.inputs and t in saved:
+            continue  # autocast's second and third copies of the same input
+        if t.bytes == 4 and graph.batch_dim in t.dims:
+            t = Saved(dims=t.dims, bytes=graph.act_bytes)
+        saved.append(t)
+    return op.model_copy(update={"saved": tuple(saved)})

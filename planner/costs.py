@@ -71,7 +71,8 @@ class OpCost:
     param_mem: np.ndarray  # bytes of parameter state held
     act_mem: np.ndarray  # bytes of activations saved for the backward pass, one evaluation
     cast_mem: np.ndarray  # bytes of low-precision weight copies kept for backward, once per step
-    recompute_mem: np.ndarray  # bytes a checkpointed layer's backward holds again (its share of one layer), once
+    recompute_mem: np.ndarray  # bytes held once at the backward's peak: a checkpointed layer's recomputation
+    # (its share of one layer) and the op's own transients (Op.transient)
     # Sharded dp (FSDP) only, else zeros: one all-gather of the weights, s; bytes of the
     # unsharded weights and of their unsharded gradients (held as problem.Weights says).
     gather: np.ndarray
@@ -201,7 +202,8 @@ class CostModel:
                 cast_mem[i] = g.weight_cast_bytes * local(op.params[0])
             if op.checkpointed:  # one layer's worth live at a time, casts made again with it
                 again = sum(t.bytes * local(t.dims) for t in op.recomputed) + cast_mem[i]
-                recompute_mem[i], cast_mem[i] = again / g.recompute_layers, 0.0
+                recompute_mem[i], cast_mem[i] = again * g.recompute_share / g.recompute_layers, 0.0
+            recompute_mem[i] += sum(t.bytes * local(t.dims) for t in op.transient)
         return OpCost(configs, compute, comm, grad_comm, param_mem, act_mem, cast_mem, recompute_mem, gather,
                       unsharded_weight, unsharded_grad)
 

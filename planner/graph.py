@@ -118,6 +118,12 @@ class Op(BaseModel):
     saved: tuple[Saved, ...] | None = Field(
         default=None, description="activations backward keeps (None: the output at the graph's act_bytes)")
     # Activation checkpointing (planner/checkpointing.py sets these on a checkpointed layer's ops).
+    fp32_inside: bool = Field(
+        default=False, description="computes in fp32 whatever its input (an upcasting norm): what it keeps stays "
+                                   "fp32 under bf16 parameters (planner/checkpointing.py `with_precision`)")
+    transient: tuple[Saved, ...] = Field(
+        default=(), description="what its backward allocates beside what is kept, at the step's peak (the "
+                                "loss's gradients of the logits), once per step")
     gemm_output: Dims | None = Field(
         default=None, description="the GEMM's own result where the op's output is computed from it (gate and up "
                                   "before SwiGLU's product): what selective checkpointing keeps; None: the output")
@@ -146,7 +152,8 @@ class Op(BaseModel):
     @model_validator(mode="after")
     def _tensors_use_own_dims(self) -> Op:
         known = set(self.dims)
-        kept = tuple(s.dims for s in self.saved or ()) + ((self.gemm_output,) if self.gemm_output else ())
+        kept = (tuple(s.dims for s in (*(self.saved or ()), *self.transient))
+                + ((self.gemm_output,) if self.gemm_output else ()))
         for tensor in (*self.inputs, self.output, *self.params, self.reduce, self.nosplit, *kept):
             unknown = set(tensor) - known
             if unknown:
@@ -211,6 +218,13 @@ class Graph(BaseModel):
     # Checkpointed layers: one layer's recomputation is live at a time, so each op's `recomputed`
     # counts 1/recompute_layers of itself (the sum is one layer's, exact for identical layers).
     recompute_layers: int = Field(1, ge=1)
+    # Bytes per element of the residual stream between layers (what a checkpointed layer keeps
+    # of its input); None: as its first op keeps its input (fp32 under autocast).
+    stream_bytes: int | None = Field(None, ge=1)
+    # The part of that one layer's recomputation counted on top of the ops' own transients (the
+    # loss's logit gradients, freed before any layer is recomputed): the backward's peak is the
+    # larger of the two, not their sum (planner/checkpointing.py).
+    recompute_share: float = Field(1.0, ge=0.0, le=1.0)
     ops: list[Op] = Field(default_factory=list)
     edges: list[Edge] = Field(default_factory=list)
 

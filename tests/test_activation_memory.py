@@ -57,7 +57,7 @@ def _caller_held(batch: int, seq_len: int) -> int:
     return 2 * batch * seq_len * 8
 
 
-@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+@pytest.mark.parametrize("precision", ["bf16", "fp32", "bf16-parameters"])
 @pytest.mark.parametrize("mode", ["none", "selective", "full"])
 @pytest.mark.parametrize("family_name", ["gpt", "llama"])
 def test_planned_checkpointed_activations_are_what_the_forward_leaves_alive(family_name: str, mode: str,
@@ -65,12 +65,13 @@ def test_planned_checkpointed_activations_are_what_the_forward_leaves_alive(fami
     """Under each activation checkpointing mode (trainer.recompute on every layer), the bytes a
     forward and loss leave alive for backward (autograd's, the checkpoint's inputs, the
     selective policy's cache) are the planner's count for the checkpointed graph
-    (planner.checkpointing), within 0.1%."""
+    (planner.checkpointing), within 0.5%: bf16 autocast over fp32 parameters, fp32, and bf16
+    parameters (FSDP2's mixed precision: the model in bf16, fp32 logits to the loss)."""
     import contextlib
 
     from parashift.models import family_of
     from parashift.models.layers import token_loss_sum
-    from parashift.planner.checkpointing import checkpointed
+    from parashift.planner.checkpointing import checkpointed, with_precision
     from parashift.specs import JobSpec
     from parashift.trainer.memory import alive_after
     from parashift.trainer.recompute import apply_ac
@@ -82,6 +83,8 @@ def test_planned_checkpointed_activations_are_what_the_forward_leaves_alive(fami
     family = family_of(spec)
     torch.manual_seed(0)
     model = family.build(spec)
+    if precision == "bf16-parameters":
+        model = model.to(torch.bfloat16)
     apply_ac([layer for _, layer in family.layers(model)], mode)
     batch = 4
     tokens, targets = torch.randint(0, spec.vocab_size, (2, batch, spec.seq_len))
@@ -89,8 +92,11 @@ def test_planned_checkpointed_activations_are_what_the_forward_leaves_alive(fami
 
     def forward() -> torch.Tensor:
         with autocast:
-            return token_loss_sum(family.logits(model, tokens), targets)
+            return token_loss_sum(family.logits(model, tokens).float(), targets)
 
     alive = alive_after(forward) + _caller_held(batch, spec.seq_len)
-    graph = checkpointed(family.graph(spec, batch, precision), mode)
-    assert data_parallel_activation_bytes(graph) == pytest.approx(alive, rel=1e-3)
+    if precision == "bf16-parameters":
+        graph = with_precision(family.graph(spec, batch, "bf16"), "fsdp")
+    else:
+        graph = family.graph(spec, batch, precision)
+    assert data_parallel_activation_bytes(checkpointed(graph, mode)) == pytest.approx(alive, rel=5e-3)

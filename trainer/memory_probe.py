@@ -1,16 +1,21 @@
 """One rank's peak memory over one training step of this trainer, measured without its peers.
 
-Why: the planner's memory model is an estimate; this runs the trainer's own code (`build`:
-meta build, pipeline stage, `parallelize`, `materialize`; the step as `train` runs it) for one
-rank of a world of `plan.devices`, on torch's fake process group (collectives return at once,
-no peers needed), and has torch's memory trackers (`torch.distributed._tools`) count every
+Why: the planner's memory model is an estimate; this runs the trainer's own code (the steps of
+`worker.build`: meta build, pipeline stage, `parallelize`, `materialize`; then one step as
+`worker.train` runs it, pipelines as torch.distributed.pipelining's 1F1B or GPipe holds them)
+for one rank of a world of `plan.devices`, on torch's fake process group (collectives return at
+once, no peers needed), and has torch's memory trackers (`torch.distributed._tools`) count every
 storage the step holds: parameters, gradients, optimizer state (made by the first step, so
-counted), activations, temporaries, FSDP's gathered parameters and collective buffers.
-Under FakeTensorMode no memory is allocated at all, so a Llama 3 70B rank is measured on a
-laptop; with `fake=False` the same step runs on real CPU tensors (values are meaningless on
-the fake group, memory is real), which checks the fake run.
-"""
+counted), activations, temporaries, FSDP's gathered parameters and collective buffers. Under
+FakeTensorMode nothing is allocated, so a Llama 3 70B rank is measured in a few hundred MB of
+host memory; with `fake=False` the same step runs on real CPU tensors (values are meaningless
+on the fake group, memory is real), which checks the fake run (they agree to the byte).
 
+Not measured: the allocator's caching and fragmentation (storages only), compiled layers (they
+run eagerly under the trackers' dispatch mode), and the split between activations and
+temporaries under activation checkpointing (torch's trackers document it as approximate; the
+total is exact).
+"""
 from __future__ import annotations
 
 import contextlib
@@ -32,6 +37,7 @@ from parashift.trainer.data import micro_batches, rank_share
 from parashift.trainer.mesh import Coordinates, ParallelDims, forget_meshes
 from parashift.trainer.optim import LocalShardAdamW
 from parashift.trainer.parallel import (
+    clip_grad_norm_,
     fsdp_mixed_precision,
     gradient_sync,
     loss_context,
@@ -43,6 +49,8 @@ from parashift.trainer.parallel import (
 from parashift.trainer.pipeline import DEFAULT_SCHEDULE, build_stage
 from parashift.trainer.worker import Built
 from torch import nn
+from torch._guards import TracingContext, tracing
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.distributed.fsdp import FSDPModule
@@ -71,12 +79,10 @@ def measure_step_peak(spec: JobSpec, plan: Plan, rank: int = 0, fake: bool = Tru
         coords = Coordinates.of(mesh, dims)
         mode: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
         if fake:
-            from torch._subclasses.fake_tensor import FakeTensorMode
-
             mode = FakeTensorMode(allow_non_fake_inputs=True)  # the mesh's tensors are real
         built = _build(spec, plan, dims, coords, mesh, mode)
         with mode:
-            snapshot = _step_snapshot(spec, plan, built, dims, coords)
+            snapshot = _step_snapshot(spec, plan, built, dims, coords, fake)
     finally:
         dist.destroy_process_group()
         forget_meshes()
@@ -123,41 +129,78 @@ def _build(spec: JobSpec, plan: Plan, dims: ParallelDims, coords: Coordinates, m
     return Built(family, module, runnable, optimizer, n_params, regions, initial_part)
 
 
-def _step_snapshot(spec: JobSpec, plan: Plan, built: Built, dims: ParallelDims, coords: Coordinates) -> dict[Any, Any]:
+def _step_snapshot(spec: JobSpec, plan: Plan, built: Built, dims: ParallelDims, coords: Coordinates,
+                   fake: bool, steady: bool = True) -> dict[Any, Any]:
     """One step of `built` under a tracker: the tracker's per-device, per-category snapshot at
-    the step's peak."""
-    device = torch.device("cpu")
-    train = spec.training
-    _, share = rank_share(train.global_batch, dims.dp, coords.dp_rank)
-    if dims.pp > 1:  # the pipeline splits the share into plan.micro_batches equal micro-batches
-        sizes = [share // plan.micro_batches] * plan.micro_batches
-    else:  # as rank_batches splits it
-        micro = train.micro_batch if plan.micro_batches == 1 else min(train.micro_batch, -(-share // plan.micro_batches))
-        sizes = [size for _, size in micro_batches(share, micro)]
-    seq, vocab = spec.model.seq_len, spec.model.vocab_size
-    batches = [(torch.randint(0, vocab, (b, seq), device=device), torch.randint(0, vocab, (b, seq), device=device))
-               for b in sizes]
+    the step's peak. FSDPMemTracker wherever FSDP2 holds the data axis (fully_shard, HSDP, and
+    `replicate`, which is FSDP2 too: its breakdown shows replicate's second, unsharded copy of
+    the parameters), MemTracker elsewhere; both count every storage alike. Under
+    FakeTensorMode, DTensor's sharding propagation gets a fake mode of its own (a
+    TracingContext's, which `detect_fake_mode` prefers): in ours, the trackers, which tell
+    propagation from the step's ops by the fake mode they run in, would count its global-shape
+    tensors (a tp step's peak read 4% high)."""
+    feeds = _feeds(spec, plan, built, dims, coords)  # the step's data, there before it starts
     optimizer = built.optimizer.inner  # the torch optimizer the trackers hook
-    tracker: MemTracker
-    if plan.dp_shard > 1 and isinstance(built.module, FSDPModule):
-        tracker = FSDPMemTracker(built.module, optimizer)
-        tracker.track_inputs(tuple(batches))
-    else:
-        tracker = MemTracker()
-        tracker.track_external(built.module, optimizer, *[t for batch in batches for t in batch])
     precision = spec.parallelism.precision
-    autocast = (torch.autocast(device.type, dtype=torch.bfloat16)
+    autocast = (torch.autocast("cpu", dtype=torch.bfloat16)
                 if precision == "bf16" and not fsdp_mixed_precision(plan, precision) else contextlib.nullcontext())
-    with tracker:
+
+    def propagation() -> contextlib.AbstractContextManager[Any]:  # one per use: `tracing` is not re-entrant
+        return tracing(TracingContext(FakeTensorMode())) if fake else contextlib.nullcontext()
+
+    def one_step() -> None:
+        kept: list[torch.Tensor] = []  # what outlives the forward and backward passes
         if dims.pp > 1:
             with autocast:
-                _pipelined_step(spec, built, batches, dims, coords, fsdp_mixed_precision(plan, precision))
+                kept = _pipelined_step(spec, built, feeds, dims, coords)
         else:
-            _step(spec, built, batches, dims, autocast)
-        settle_gradients(list(built.module.parameters()))
+            _step(spec, built, feeds, dims, autocast)
+        params = list(built.module.parameters())
+        settle_gradients(params)
+        # `train` takes the norm on every logged step, the first of a run among them (and clips with it)
+        clip_grad_norm_(params, spec.optimizer.grad_clip or float("inf"), coords.within_stage())
         built.optimizer.step()
         built.optimizer.zero_grad()
+        del kept
+
+    if steady:  # a step before the measured one: its optimizer state exists, as on every step but the first
+        with propagation():
+            one_step()
+    tracker: MemTracker  # made after that step: both trackers register the optimizer's state as they find it
+    if isinstance(built.module, FSDPModule):
+        tracker = FSDPMemTracker(built.module, optimizer)
+        tracker.track_inputs(tuple(feeds))
+    else:
+        tracker = MemTracker()
+        tracker.track_external(built.module, optimizer, *[t for feed in feeds for t in feed])
+    with tracker, propagation():
+        one_step()
     return tracker.get_tracker_snapshot("peak")
+
+
+def _feeds(spec: JobSpec, plan: Plan, built: Built, dims: ParallelDims,
+           coords: Coordinates) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(input, target) of each micro-batch of this rank's share, random token ids (B, T): as
+    `rank_batches` splits the share, or in plan.micro_batches equal parts for a pipeline. A
+    pipeline stage after the first takes (B, T', d) fp32 hidden states instead of ids (the
+    stream its predecessor sends: T' = T / tp under sequence parallelism), and one before the
+    last a gradient of that shape instead of targets: torch.distributed.pipelining holds a
+    receive buffer of each, for every micro-batch, through the step."""
+    train, m = spec.training, spec.model
+    _, share = rank_share(train.global_batch, dims.dp, coords.dp_rank)
+    if dims.pp > 1:
+        sizes = [share // plan.micro_batches] * plan.micro_batches
+    else:
+        micro = train.micro_batch if plan.micro_batches == 1 else min(train.micro_batch,
+                                                                        -(-share // plan.micro_batches))
+        sizes = [size for _, size in micro_batches(share, micro)]
+    stream = (m.seq_len // (dims.tp if built.regions.sequence else 1), m.d_model)
+    first, last = coords.pp_rank == 0, coords.pp_rank == dims.pp - 1
+    feeds = []
+    for b in sizes:
+        ids = torch.randint(0, m.vocab_size, (b, m.seq_len))
+        feeds.append((ids if first else torch.randn(b, *stream), ids.clone() if last else torch.ones(b, *stream)))
+    return feeds
 
 
 class _Call(nn.Module):
@@ -173,58 +216,70 @@ class _Call(nn.Module):
         return built.family.logits(built.runnable, inputs)
 
 
-def _step(spec: JobSpec, built: Built, batches: list[tuple[torch.Tensor, torch.Tensor]], dims: ParallelDims,
+def _step(spec: JobSpec, built: Built, feeds: list[tuple[torch.Tensor, torch.Tensor]], dims: ParallelDims,
           autocast: contextlib.AbstractContextManager[Any]) -> None:
     """Forward and backward of every micro-batch, as `train` runs them without a pipeline."""
     scale = dims.dp / (spec.training.global_batch * spec.model.seq_len)
     loss_sum = torch.zeros(())
-    calls = [_Call(built) for _ in batches]  # alive until the step ends: the trackers' backward hooks see them
-    for i, (inputs, targets) in enumerate(batches):
-        with gradient_sync(built.runnable, i == len(batches) - 1), loss_context(built.regions):
+    calls = [_Call(built) for _ in feeds]  # alive through the step: the trackers' backward hooks need them
+    for i, (inputs, targets) in enumerate(feeds):
+        with gradient_sync(built.runnable, i == len(feeds) - 1), loss_context(built.regions):
             with autocast:
                 loss = token_loss_sum(calls[i](inputs), targets)
             (loss * scale).backward()
         loss_sum += plain(loss.detach()).float()
 
 
-def _pipelined_step(spec: JobSpec, built: Built, batches: list[tuple[torch.Tensor, torch.Tensor]],
-                    dims: ParallelDims, coords: Coordinates, bf16: bool) -> None:
-    """This rank's stage over every micro-batch in the schedule's order, without its peers:
-    a stage after the first is fed hidden states, one before the last a gradient for its output.
-    1F1B keeps min(micro-batches, pp - stage) micro-batches' activations at once (GPipe all of
-    them), and under FSDP or replicate every backward runs as torch.distributed.pipelining runs
-    it: unsynced and unresharded, with the gradients reduced once at the end."""
-    first, last = coords.pp_rank == 0, coords.pp_rank == dims.pp - 1
+def _pipelined_step(spec: JobSpec, built: Built, feeds: list[tuple[torch.Tensor, torch.Tensor]],
+                    dims: ParallelDims, coords: Coordinates) -> list[torch.Tensor]:
+    """This rank's stage over every micro-batch in its schedule's order (`_feeds` stands in for
+    its peers). 1F1B runs min(micro-batches, pp - stage) forwards before the first backward
+    (GPipe all of them); under FSDP2 (fully_shard or replicate) each backward runs as
+    torch.distributed.pipelining runs it, unsynced and unresharded, and the gradients are
+    reduced once at the end by pipelining's own `perform_reduce_grad`. The last stage's
+    outputs (logits) are returned: `PipelineRunner.step` leaves the schedule's `return_outputs`
+    at True, so the stage keeps every micro-batch's logits until the next step and concatenates
+    them once after the last backward (a real pipeline's peak matched only with them)."""
+    last = coords.pp_rank == dims.pp - 1
     schedule = os.environ.get("PARASHIFT_PP_SCHEDULE", DEFAULT_SCHEDULE)
-    in_flight = len(batches) if schedule == "GPipe" else min(len(batches), dims.pp - coords.pp_rank)
+    in_flight = len(feeds) if schedule == "GPipe" else min(len(feeds), dims.pp - coords.pp_rank)
     scale = dims.dp / (spec.training.global_batch * spec.model.seq_len)
-    module, d_model = built.runnable, spec.model.d_model
-    tokens = spec.model.seq_len // (dims.tp if built.regions.sequence else 1)  # the stream between stages
+    module = built.runnable
     fsdp = isinstance(module, FSDPModule)
-    pending: deque[tuple[torch.Tensor, torch.Tensor | None]] = deque()
-    calls = [_Call(built) for _ in batches]  # alive until the step ends: the trackers' backward hooks see them
+    pending: deque[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = deque()
+    sent: list[torch.Tensor | None] = [None]  # the last input gradient, held until the next is sent
+    calls = [_Call(built) for _ in feeds]  # alive through the step: the trackers' backward hooks need them
 
     def backward() -> None:
-        output, grad = pending.popleft()
+        inputs, output, grad = pending.popleft()
         if fsdp:
             module.set_is_last_backward(False)
             module.set_reshard_after_backward(False)
             module.set_requires_gradient_sync(False)
-        output.backward(grad)
+        output.backward(None if last else grad)
+        sent[0], inputs.grad = inputs.grad, None
 
-    for call, (inputs, targets) in zip(calls, batches, strict=True):
-        if not first:
-            inputs = torch.randn(inputs.shape[0], tokens, d_model, dtype=torch.bfloat16 if bf16 else torch.float32,
-                                 requires_grad=True)
+    outputs: list[torch.Tensor] = []
+    held: torch.Tensor | None = None
+    for i, (call, (inputs, target)) in enumerate(zip(calls, feeds, strict=True)):
+        if inputs.is_floating_point():  # a received activation: its gradient goes back
+            inputs = inputs.detach().requires_grad_(True)
         output = call(inputs)
         if last:
-            output = token_loss_sum(output, targets) * scale
-        pending.append((output, None if last else torch.ones_like(output)))
+            outputs.append(output.detach())
+            output = token_loss_sum(output, target) * scale
+        elif i == in_flight - 2:  # its send's Work holds it until 1F1B's last forward is done
+            held = output
+        pending.append((inputs, output, target))
         if len(pending) == in_flight:
             backward()
+    del held
     while pending:
         backward()
-    if fsdp:  # pipelining's REDUCE_GRAD action, torch's own code
+    if fsdp:
         from torch.distributed.pipelining.stage import _PipelineStageBase
 
         _PipelineStageBase.perform_reduce_grad(types.SimpleNamespace(submod=module), 1)  # type: ignore[arg-type]
+    if outputs:
+        torch.cat(outputs)  # the schedule's merged output, which PipelineRunner drops
+    return outputs

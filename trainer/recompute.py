@@ -49,6 +49,23 @@ def _saved_ops() -> frozenset[object]:
 SAVED_OPS = _saved_ops()
 
 
+def _ignore_profiler_records() -> None:
+    """Have selective checkpointing ignore the profiler's record ops, as torch already does for
+    other bookkeeping ops (`SAC_IGNORED_OPS`). FSDP2's mixed-precision input cast wraps itself
+    in a profiler record only while a layer is recomputed, so the policy met an op in backward
+    it never saw in forward and failed ("encountered during backward but not found in storage").
+    torch has no per-policy way to say this: the set is torch's own."""
+    from torch.utils.checkpoint import SAC_IGNORED_OPS
+
+    for name in ("_record_function_enter", "_record_function_enter_new", "_record_function_exit"):
+        packet = getattr(torch.ops.profiler, name, None)
+        if packet is not None:
+            SAC_IGNORED_OPS.update(getattr(packet, overload) for overload in packet.overloads())
+
+
+_ignore_profiler_records()
+
+
 def _keep_gemms(ctx: object, op: object, *args: object, **kwargs: object) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_SAVE if op in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 

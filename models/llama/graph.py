@@ -25,6 +25,7 @@ def _rms_norm(g: GraphBuilder, name: str, src: str, b: int, s: int, d: int, bloc
     bsd = ("b", "s", "d")
     return g.add(name, {"b": b, "s": s, "d": d}, bsd, srcs=(src,), inputs=(bsd,), kind="norm", nosplit=("d",),
                  params=(("d",),), flops=4.0 * b * s * d, block=block,
+                 fp32_inside=True,
                  saved=keep((bsd, FP32), (bsd, FP32), (("b", "s"), FP32)), **tp)
 
 
@@ -88,5 +89,6 @@ def build(spec: LlamaSpec, batch: int, precision: str) -> Graph:
                  tp_dims=("v",), tp_group="head", part="head", saved=keep((bsd, low)))
     g.add("loss", {"b": b, "s": s, "v": v}, ("b", "s"), srcs=(head,), inputs=(("b", "s", "v"),), kind="loss",
           reduce=("v",), flops=5.0 * b * s * v, tp_dim="v", tp_dims=("v",), tp_needs="head", part="loss",
-          saved=keep((("b", "s", "v"), FP32), (("b", "s"), INT64)))
+          saved=keep((("b", "s", "v"), FP32), (("b", "s"), INT64)),
+          transient=keep((("b", "s", "v"), FP32), (("b", "s", "v"), FP32)))  # the two fp32 logit gradients
     return g.build(act_bytes=low, weight_cast_bytes=2 if low < FP32 else 0)
