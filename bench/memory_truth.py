@@ -99,6 +99,7 @@ def scale_cases(quick: bool) -> list[Case]:
         Case("llama3-8b-dp4xtp2-fsdp-selective", LLAMA3_8B, _plan({"dp": 4, "tp": 2}, "selective", True, "fsdp"), 8,
              **bf16),
     ]
+    out.append(Case("llama3-8b-planner-pick", LLAMA3_8B, planner_pick(LLAMA3_8B, 8, 8, 80.0), 8, **bf16))
     if not quick:
         # torchtitan's llama3_70b: tp 8 x FSDP 8, local batch 8 x 8192 (64 devices need >= 64 sequences).
         out += [Case("llama3-70b-tp8xfsdp8-selective", LLAMA3_70B,
@@ -106,6 +107,23 @@ def scale_cases(quick: bool) -> list[Case]:
                 Case("llama3-70b-tp8xfsdp8-full", LLAMA3_70B, _plan({"dp": 8, "tp": 8}, "full", True, "fsdp"), 64,
                      **bf16)]
     return out
+
+
+def planner_pick(model: dict[str, Any], devices: int, global_batch: int, memory_gb: float) -> Plan:
+    """What `parashift plan` picks for this model, batch and device memory (strategy auto, bf16
+    through FSDP2's policy, checkpointing the planner's choice), as the trainer would run it."""
+    from parashift.planner.search import plan_model
+    from parashift.specs.plan import AC_MODES
+
+    spec = JobSpec.model_validate({"name": "pick", "model": model, "training": {"global_batch": global_batch,
+                                   "micro_batch": 1}, "resources": {"devices": devices, "kind": "cuda",
+                                   "memory_gb": memory_gb}, "parallelism": {"strategy": "auto", "precision": "bf16",
+                                                                            "mixed_precision": "fsdp"}})
+    m, par = spec.model, spec.parallelism
+    profile = profile_graph(family_of(m).graph(m, global_batch, "bf16"), "cuda", memory_gb=memory_gb)
+    plan = plan_model(profile, devices, par.plan_memory_bytes(profile.device.memory_bytes), ac_modes=AC_MODES,
+                      mixed_precision="fsdp")
+    return plan.model_copy(update={"mixed_precision": "fsdp"})
 
 
 def run_case(case: Case) -> dict[str, Any]:
@@ -119,7 +137,7 @@ def run_case(case: Case) -> dict[str, Any]:
     measured = measure_step_peak(spec, case.plan, rank=0, fake=case.fake)
     plan = " x ".join(f"{axis}{n}" for axis, n in case.plan.mesh.items())
     if case.plan.dp_shard > 1:
-        plan += " (FSDP)"
+        plan += " (FSDP)" if case.plan.reshard_after_forward else " (FSDP, kept gathered after forward)"
     precision = case.precision if case.precision == "fp32" else f"bf16-{case.mixed_precision}"
     return {"name": case.name, "world": case.plan.devices, "plan": plan, "ac": case.plan.activation_checkpointing,
             "precision": precision, "fake": case.fake, "predicted_gib": round(predicted / GIB, 4),
