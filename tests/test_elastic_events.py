@@ -270,7 +270,7 @@ def test_a_killed_worker_is_a_failure_the_job_recovers_from(prefect_server: None
     assert {"devices:3", "devices:2"} <= set(run_tags(state))
     markdown = read_artifact("killed-rank-summary").data
     assert f"| 1 | 3 | dp 3 | 0→{at} | **failed**: rank 1 killed by signal 9" in markdown, markdown
-    assert f"| 2 | 2 | {at}→400 | finished |" in markdown
+    assert f"| 2 | 2 | dp 2 | {at}→400 | finished |" in markdown
     records = run_records(state, f"segment 1 (3 devices, steps 0→{at}) failed: rank 1 killed by signal 9")
     # torchrun's traceback and failure summary: one ERROR record, not a record per line.
     reports = [(level, m) for level, m in records if "Traceback (most recent call last)" in m]
