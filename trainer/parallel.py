@@ -349,16 +349,22 @@ def clip_grad_norm_(params: list[torch.Tensor], max_norm: float, coords: dict[st
     or sharded: every distinct gradient box counted once (replicas skipped), squares summed over
     all ranks. Gradients must be settled (`settle_gradients`). `coords`: as `_first_replica`."""
     grads = [p.grad for p in params if p.grad is not None]
-    device = grads[0].device if grads else torch.device("cpu")
-    total = torch.zeros((), dtype=torch.float32, device=device)
-    for g in grads:
-        if _first_replica(g, coords):
-            local = g.to_local() if isinstance(g, DTensor) else g
-            total += local.float().pow(2).sum()  # scalar
+    total = local_grad_squares(params, coords)
     if dist.is_initialized():
         dist.all_reduce(total)
     norm = total.sqrt()
     coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)  # torch's formula and epsilon
-    for g in grads:
-        (g.to_local() if isinstance(g, DTensor) else g).mul_(coef)
+    torch._foreach_mul_([g.to_local() if isinstance(g, DTensor) else g for g in grads], coef)
     return norm
+
+
+@torch.no_grad()
+def local_grad_squares(params: list[torch.Tensor], coords: dict[str, int]) -> torch.Tensor:
+    """This rank's part of the squared gradient norm (a scalar; summed over all ranks it is the
+    norm squared): its distinct boxes only, one fused pass (torch's clip_grad_norm_ does the same)."""
+    grads = [p.grad for p in params if p.grad is not None]
+    total = torch.zeros((), dtype=torch.float32, device=grads[0].device if grads else torch.device("cpu"))
+    mine = [g.to_local() if isinstance(g, DTensor) else g for g in grads if _first_replica(g, coords)]
+    if mine:
+        total += torch.stack([n.float() for n in torch._foreach_norm(mine)]).pow(2).sum()
+    return total

@@ -79,6 +79,7 @@ from parashift.trainer.parallel import (
     fsdp_mixed_precision,
     gradient_sync,
     initialize,
+    local_grad_squares,
     loss_context,
     materialize,
     parallelize,
@@ -492,12 +493,14 @@ def train(spec: JobSpec, plan: Plan, built: Built, batches: Batches, dims: Paral
                     (micro_loss * loss_scale).backward()
                 loss_sum += plain(micro_loss.detach()).float()
             settle_gradients(list(module.parameters()))
-            # Every rank knows which steps are logged: the norm's collective runs on all or none.
+            # The norm clips (its own collective), or is only logged: then each rank's part of it
+            # rides on the step's report below, and no collective is added.
             logged = (step + 1) % train_spec.log_every == 0 or step + 1 in (end_step, resumed.step + 1)
-            grad_norm = None
-            if spec.optimizer.grad_clip or logged:
-                grad_norm = clip_grad_norm_(list(module.parameters()), spec.optimizer.grad_clip or float("inf"),
-                                            coords.within_stage())
+            grad_norm, squares = None, torch.zeros((), device=device)
+            if spec.optimizer.grad_clip:
+                grad_norm = clip_grad_norm_(list(module.parameters()), spec.optimizer.grad_clip, coords.within_stage())
+            elif logged:
+                squares = local_grad_squares(list(module.parameters()), coords.within_stage())
             checkpointer.before_update()  # a save in flight may still be reading these tensors
             may_leave(False)
             where.consistent = False  # no collective until the step count follows the update
@@ -518,10 +521,13 @@ def train(spec: JobSpec, plan: Plan, built: Built, batches: Batches, dims: Paral
             # whether any rank's generators moved (then every rank's are gathered again)
             report = torch.stack([loss_sum if counts_loss else torch.zeros_like(loss_sum),
                                   torch.tensor(float(stops.requested()), device=device),
-                                  torch.tensor(float(generators is not None and generators.moved()), device=device)])
+                                  torch.tensor(float(generators is not None and generators.moved()), device=device),
+                                  squares.to(loss_sum.dtype)])
             if world_size > 1:
                 dist.all_reduce(report)
             loss, stop_now = report[0].item() / tokens_per_step, report[1].item() > 0
+            if grad_norm is None and logged:
+                grad_norm = report[3].sqrt()
             where.loss = loss
             if generators is not None:
                 if report[2].item() > 0:
