@@ -8,7 +8,10 @@ layer: trainer/recompute.py):
   runs its forward again in backward.
 - "selective" (torchtitan's per-op policy): GEMM and attention ops keep their outputs and are
   not recomputed; every other op (norms, activations, residual adds, autocast's casts) keeps
-  nothing and is recomputed.
+  nothing and is recomputed. The policy keeps collectives' outputs too: a column-parallel GEMM
+  split over tp (q/k/v, the MLP's up projection) keeps its input as the sequence-parallel
+  all-gather made it (`Op.gathered_input`; counted wherever the op splits over tp, also where
+  the stream is not sequence-parallel and no gather happens: an overcount on the safe side).
 
 Either way a checkpointed layer holds what it would have kept without checkpointing again
 while its backward runs: one layer at a time (`Op.recomputed`, `Graph.recompute_layers`), and
@@ -88,6 +91,9 @@ def checkpointed(graph: Graph, mode: str) -> Graph:
             keeps, recompute = inputs, True
         else:
             keeps, recompute = (*inputs, *_selective_keeps(op, graph)), op.kind not in GEMM_KINDS
+            gathered = op.kind == "matmul" and bool(op.tp_dims) and not any(
+                d in t for d in op.tp_dims or () for t in op.inputs[:1])
+            op = op.model_copy(update={"gathered_input": gathered})
         ops.append(op.model_copy(update={"saved": keeps, "recompute": recompute, "checkpointed": True,
                                          "recomputed": _without(before, keeps)}))
     return graph.model_copy(update={"ops": ops, "recompute_layers": len(blocks),

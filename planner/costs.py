@@ -162,6 +162,7 @@ class CostModel:
         rate = dev.matmul_flops if op.kind in GEMM_KINDS else float("inf")
         gemm = gemm_output_dims(op) if op.kind in GEMM_KINDS else None
         dp_axis = self._dp_axis()
+        tp_axis = self.mesh.names.index("tp") if "tp" in self.mesh.names else None
         state_share = 1 if dp_axis is None else self.mesh.sizes[dp_axis]  # FSDP: each rank holds 1/dp
         for i, cfg in enumerate(configs):
             split = dict(zip(op.dims, cfg.counts, strict=True))
@@ -198,6 +199,9 @@ class CostModel:
             param_mem[i] = g.param_state_bytes * params / state_share
             kept = op.saved if op.saved is not None else (Saved(dims=op.output, bytes=g.act_bytes),)
             act_mem[i] = sum(t.bytes * local(t.dims) for t in kept)
+            if op.gathered_input and tp_axis is not None and any(
+                    tp_axis in axes for d, axes in zip(op.dims, cfg.axes, strict=True) if d in (op.tp_dims or ())):
+                act_mem[i] += g.act_bytes * local(op.inputs[0])  # the all-gather's output, kept by selective AC
             if op.kind in GEMM_KINDS and op.params:  # the GEMM's weight operand (params[0]); biases stay fp32
                 cast_mem[i] = g.weight_cast_bytes * local(op.params[0])
             if op.checkpointed:  # one layer's worth live at a time, casts made again with it

@@ -127,6 +127,9 @@ class Op(BaseModel):
     gemm_output: Dims | None = Field(
         default=None, description="the GEMM's own result where the op's output is computed from it (gate and up "
                                   "before SwiGLU's product): what selective checkpointing keeps; None: the output")
+    gathered_input: bool = Field(
+        default=False, description="selective checkpointing keeps its input as gathered over tp (the sequence-parallel "
+                                   "all-gather's output, a collective's) where it splits over tp")
     checkpointed: bool = Field(default=False, description="in a checkpointed layer (its weight casts are redone)")
     recompute: bool = Field(default=False, description="its forward runs again in backward")
     recomputed: tuple[Saved, ...] = Field(
