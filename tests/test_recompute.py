@@ -52,9 +52,17 @@ PLANS = {
     ("gpt", "tp2"): lambda: mesh_plan({"tp": 2}),
     ("gpt", "pp2"): lambda: mesh_plan({"pp": 2}, micro_batches=2),
     ("gpt", "fsdp2"): lambda: Plan.fully_sharded(2),
+    ("gpt", "hsdp2x2"): lambda: mesh_plan({"dp": 4}, dp_shard=2),
+    ("gpt", "pp2xtp2"): lambda: mesh_plan({"pp": 2, "tp": 2}, micro_batches=2),
+    ("llama", "dp2"): lambda: Plan.data_parallel(2),
+    ("llama", "tp2"): lambda: mesh_plan({"tp": 2}),
+    ("llama", "pp2"): lambda: mesh_plan({"pp": 2}, micro_batches=2),
+    ("llama", "fsdp2"): lambda: Plan.fully_sharded(2),
     ("llama", "hsdp2x2"): lambda: mesh_plan({"dp": 4}, dp_shard=2),
     ("llama", "pp2xtp2"): lambda: mesh_plan({"pp": 2, "tp": 2}, micro_batches=2),
+    ("hf", "dp2"): lambda: Plan.data_parallel(2),
     ("hf", "fsdp2"): lambda: Plan.fully_sharded(2),
+    ("hf", "hsdp2x2"): lambda: mesh_plan({"dp": 4}, dp_shard=2),
 }
 
 
