@@ -70,19 +70,27 @@ def plan_name(plan: Plan) -> str:
     mesh = "x".join(f"{'fsdp' if axis == 'dp' and plan.dp_shard > 1 else axis}{n}" for axis, n in plan.mesh.items())
     if plan.dp_shard > 1 and not plan.reshard_after_forward:
         mesh += "-held"  # FSDP keeps the gathered weights (no reshard after forward)
-    return f"{mesh}-m{plan.micro_batches}" if plan.degree("pp") > 1 else f"{mesh}-{plan.strategy}"
+    if plan.activation_checkpointing != "none":
+        mesh += f"-ac-{plan.activation_checkpointing}"
+    # Job names allow [a-z0-9._-]: a strategy such as "pase-dp+pipeline" (accumulation) loses its "+".
+    return f"{mesh}-m{plan.micro_batches}" if plan.degree("pp") > 1 else f"{mesh}-{plan.strategy.replace('+', '-')}"
 
 
-def planner_plans(profile: ModelProfile, max_plans: int, spec: JobSpec | None = None) -> dict[str, Plan]:
+def planner_plans(profile: ModelProfile, max_plans: int, spec: JobSpec | None = None,
+                  limit: float | None = None, ac_modes: tuple[str, ...] = ("none",)) -> dict[str, Plan]:
     """Each mesh's best strategy and micro-batch count as the planner emits it, in every space
     it searches (dp replicating the weights, dp sharding them with and without resharding after
-    forward); runnable ones."""
+    forward; each activation checkpointing mode of `ac_modes`); runnable ones that fit `limit`."""
     base = baselines(profile, DEVICES, None)
-    pool = [c for space in spaces(profile, True) for c in candidates(space, DEVICES, None, None, None, "dp", prune=False)]
+    pool = []
+    for space in spaces(profile, True, ac_modes):
+        for cand in candidates(space, DEVICES, limit, None, None, "dp", prune=False):
+            cand.activation_checkpointing = space.activation_checkpointing
+            pool.append(cand)
     pool += [c for c in base.values() if c is not None]
     plans: dict[str, Plan] = {}
-    for cand in sorted(pool, key=lambda c: c.time_s):
-        plan = to_plan(cand, DEVICES, base, None, profile.graph)
+    for cand in sorted((c for c in pool if c.fits(limit)), key=lambda c: c.time_s):
+        plan = to_plan(cand, DEVICES, base, limit, profile.graph)
         sizes = {k: MODEL[k] for k in ("n_layers", "n_heads", "seq_len")}
         refused = job_plan_refusals(plan, spec) if spec is not None else plan_refusals(plan, **sizes, global_batch=GLOBAL_BATCH)
         if plan_name(plan) not in plans and not refused:

@@ -40,6 +40,7 @@ from parashift.models import family_of
 from parashift.planner.comm import comm_model_from_timings
 from parashift.planner.profile import profile_graph, share_cores
 from parashift.planner.search import plan_model
+from parashift.specs.plan import AC_MODES
 from parashift.tasks.plan import choose_plan
 
 MODELS = {
@@ -55,6 +56,10 @@ def main() -> None:
     parser.add_argument("--passes", type=int, default=2)
     parser.add_argument("--max-plans", type=int, default=12)
     parser.add_argument("--family", default="gpt", choices=sorted(MODELS))
+    parser.add_argument("--memory-fraction", type=float, default=None,
+                        help="plan under a per-device limit this far (0-1) from the least memory a plan needs with "
+                             "full checkpointing to the least it needs without (below 1: only checkpointed plans "
+                             "fit); the planner may then checkpoint, and only fitting plans are measured")
     args = parser.parse_args()
     comm = comm_model_from_timings(measure_comm_timings(DEVICES, "cpu"))
     with tempfile.TemporaryDirectory(prefix="parashift-quality-") as tmp:
@@ -63,8 +68,16 @@ def main() -> None:
         profile = profile_graph(graph, "cpu", True, comm=comm, tokens=GLOBAL_BATCH * spec.model.seq_len)
         profile = profile.model_copy(update={"device": share_cores(profile.device, DEVICES)})
         auto = spec.model_copy(update={"parallelism": spec.parallelism.model_copy(update={"strategy": "auto"})})
-        pick = choose_plan(auto, plan_model(profile, DEVICES), DEVICES)
-        plans = planner_plans(profile, args.max_plans, spec)
+        limit, ac_modes = None, ("none",)
+        if args.memory_fraction is not None:
+            # Nothing fits 1 byte: the least-memory plan, without checkpointing and with full.
+            least = plan_model(profile, DEVICES, 1).memory_per_device_bytes
+            least_full = plan_model(profile, DEVICES, 1, ac_modes=("full",)).memory_per_device_bytes
+            limit, ac_modes = least_full + args.memory_fraction * (least - least_full), AC_MODES
+        searched = plan_model(profile, DEVICES, limit, ac_modes=ac_modes)
+        pick = choose_plan(auto, searched, DEVICES).model_copy(
+            update={"activation_checkpointing": searched.activation_checkpointing})
+        plans = planner_plans(profile, args.max_plans, spec, limit, ac_modes)
         pick_name = plan_name(pick)
         plans.setdefault(pick_name, pick)
         measured: dict[str, list[float]] = {name: [] for name in plans}
@@ -79,10 +92,12 @@ def main() -> None:
     result = {
         "benchmark": "plan_quality", "machine": f"{platform.machine()}", "devices": DEVICES, "model": MODELS[args.family],
         "global_batch": GLOBAL_BATCH, "passes": args.passes, "pick": pick_name, "pick_mesh": pick.mesh,
+        "memory_limit_bytes": limit, "pick_ac": pick.activation_checkpointing,
         "pick_rank": ranking.index(pick_name) + 1, "plans_measured": len(ranking),
         "pick_s": best[pick_name], "best": ranking[0], "best_s": best[ranking[0]],
         "ratio": round(best[pick_name] / best[ranking[0]], 4),
         "plans": [{"plan": name, "mesh": plans[name].mesh, "micro_batches": plans[name].micro_batches,
+                   "ac": plans[name].activation_checkpointing, "memory_bytes": plans[name].memory_per_device_bytes,
                    "estimated_s": plans[name].estimated_step_s, "measured_s": best[name], "passes_s": measured[name]}
                   for name in ranking],
     }
