@@ -28,26 +28,21 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from parashift.models import family_of
 from parashift.models.layers import token_loss_sum
-from parashift.ptc import Slice
 from parashift.specs import JobSpec
 from parashift.specs.plan import Plan
 from parashift.trainer.data import micro_batches, rank_share
 from parashift.trainer.mesh import Coordinates, ParallelDims, forget_meshes
-from parashift.trainer.optim import LocalShardAdamW
 from parashift.trainer.parallel import (
     clip_grad_norm_,
     fsdp_mixed_precision,
     gradient_sync,
     loss_context,
-    materialize,
-    parallelize,
     plain,
     settle_gradients,
 )
-from parashift.trainer.pipeline import DEFAULT_SCHEDULE, build_stage
-from parashift.trainer.worker import Built
+from parashift.trainer.pipeline import DEFAULT_SCHEDULE
+from parashift.trainer.worker import Built, build
 from torch import nn
 from torch._guards import TracingContext, tracing
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -80,7 +75,11 @@ def measure_step_peak(spec: JobSpec, plan: Plan, rank: int = 0, fake: bool = Tru
         mode: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
         if fake:
             mode = FakeTensorMode(allow_non_fake_inputs=True)  # the mesh's tensors are real
-        built = _build(spec, plan, dims, coords, mesh, mode)
+        # Built outside the fake mode, allocated under it. Why: parameters made on the meta device
+        # inside FakeTensorMode are fake tensors the mode's converter may memoize (a weak
+        # reference), and `to_empty` then cannot swap them ("Cannot swap t1 because it has
+        # weakref associated with it").
+        built = build(spec, plan, dims, coords, mesh, torch.device("cpu"), allocate_in=mode)
         with mode:
             snapshot = _step_snapshot(spec, plan, built, dims, coords, fake)
     finally:
@@ -98,35 +97,6 @@ def measure_step_peak(spec: JobSpec, plan: Plan, rank: int = 0, fake: bool = Tru
                 out[CATEGORIES.get(name, name)] = out.get(CATEGORIES.get(name, name), 0.0) + nbytes
     out["seconds"] = time.perf_counter() - started
     return out
-
-
-def _build(spec: JobSpec, plan: Plan, dims: ParallelDims, coords: Coordinates, mesh: Any,
-           mode: contextlib.AbstractContextManager[Any]) -> Built:
-    """`trainer.worker.build`'s steps, with only the allocation (`materialize`, unfilled) and the
-    optimizer under `mode`. Why not `build` inside FakeTensorMode: parameters made there on the
-    meta device are fake tensors, some of which the mode's converter memoizes (a weak reference,
-    depending on its dispatch cache), and `to_empty` then cannot swap them ("Cannot swap t1
-    because it has weakref associated with it"). Built on the real meta device, as the worker
-    builds, they are swapped for fake CPU tensors like any others."""
-    m, device = spec.model, torch.device("cpu")
-    family = family_of(m)
-    with torch.device("meta"):
-        model = family.build(m)
-    n_params = sum(p.numel() for p in model.parameters())
-    n_layers = len(list(family.layers(model)))
-    regions = plan.tp_regions(n_layers)
-    module = build_stage(model, family, plan, n_layers, coords.pp_rank) if dims.pp > 1 else model
-    runnable = parallelize(module, family, plan, mesh, regions, device, compile=spec.parallelism.compile,
-                           precision=spec.parallelism.precision)
-    buffers = family.initial_buffers(m)  # real CPU values, computed outside the mode
-
-    def initial_part(name: str, shape: tuple[int, ...], box: Slice) -> torch.Tensor:
-        return family.initial_part(m, name, shape, box, spec.training.seed)
-
-    with mode:
-        materialize(module, device, initial_part, buffers, fill=False)  # allocated before the tracker starts
-        optimizer = LocalShardAdamW(module, spec, device)
-    return Built(family, module, runnable, optimizer, n_params, regions, initial_part)
 
 
 def _step_snapshot(spec: JobSpec, plan: Plan, built: Built, dims: ParallelDims, coords: Coordinates,

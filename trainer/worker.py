@@ -227,13 +227,15 @@ class Built:
     initial_part: Callable[[str, tuple[int, ...], Slice], torch.Tensor]  # a box's initial values, the same under any plan
 
 
-def build(spec: JobSpec, plan: Plan, dims: ParallelDims, coords: Coordinates, mesh: Any, device: torch.device) -> Built:
+def build(spec: JobSpec, plan: Plan, dims: ParallelDims, coords: Coordinates, mesh: Any, device: torch.device,
+          allocate_in: contextlib.AbstractContextManager[Any] | None = None) -> Built:
     """Built on the meta device (no memory), cut to this rank's stage, the Plan applied, then
     only this rank's parts allocated. Not filled: a job that resumes overwrites every value
     (the restore reads into the parameters in place), so drawing the initial weights first
     would cost every change of device count that CPU time (the weights of every rank's part
     drawn and copied, 0.1-0.2 s a rank here) for nothing. `restore` fills what it does not
-    restore."""
+    restore. `allocate_in`: a mode only the allocation and the optimizer run under
+    (trainer.memory_probe's FakeTensorMode: the model must be built outside it)."""
     m = spec.model
     family = family_of(m)
     with torch.device("meta"):
@@ -248,8 +250,11 @@ def build(spec: JobSpec, plan: Plan, dims: ParallelDims, coords: Coordinates, me
     def initial_part(name: str, shape: tuple[int, ...], box: Slice) -> torch.Tensor:
         return family.initial_part(m, name, shape, box, spec.training.seed)
 
-    materialize(module, device, initial_part, family.initial_buffers(m), fill=False)
-    return Built(family, module, runnable, LocalShardAdamW(module, spec, device), n_params, regions, initial_part)
+    buffers = family.initial_buffers(m)  # real CPU values, outside `allocate_in`
+    with allocate_in or contextlib.nullcontext():
+        materialize(module, device, initial_part, buffers, fill=False)
+        optimizer = LocalShardAdamW(module, spec, device)
+    return Built(family, module, runnable, optimizer, n_params, regions, initial_part)
 
 
 @dataclass
