@@ -140,9 +140,12 @@ def import_what_jobs_use() -> None:
     import fsspec.implementations.local  # noqa: F401
     import parashift.trainer.worker  # noqa: F401
     import torch._dynamo  # noqa: F401
-    import torch.profiler._cupti_monitor  # noqa: F401 - the optimizer's first step imports it (record_function)
     import torch.utils.tensorboard  # noqa: F401 - rank 0's metrics writer (trainer.scalars), 0.17 s
     from parashift.models import FAMILIES, family
+
+    # Newer torch imports it at the optimizer's first step (record_function); torch 2.11 has no such module.
+    with contextlib.suppress(ModuleNotFoundError):
+        import torch.profiler._cupti_monitor  # noqa: F401
 
     for name in FAMILIES:
         if name != "hf":
@@ -161,6 +164,15 @@ def _prepare() -> None:
     gc.freeze()
 
 
+def cuda_loaded(pid: int) -> bool:
+    """Whether process `pid` has NVIDIA's driver library mapped: it loads when CUDA initialises
+    (importing torch does not load it), and a process forked after that cannot use CUDA."""
+    try:
+        return "/libcuda.so" in Path(f"/proc/{pid}/maps").read_text()
+    except OSError:
+        return False
+
+
 def _listen(path: str) -> socket.socket:
     """Listen at `path`, which appears only once the server accepts (clients wait for it)."""
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -175,6 +187,10 @@ def serve(path: str) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C is for the workers' stop, not for this
     started_with = dict(os.environ)
     _prepare()
+    if cuda_loaded(os.getpid()):  # never listening: each client starts its worker as an interpreter of its own
+        print("parashift.launcher.forkserver: its imports initialised CUDA, which breaks a forked worker's; "
+              "not serving", file=sys.stderr, flush=True)
+        return
     # What the imports put in the environment (torch sets TORCHINDUCTOR_CACHE_DIR), as they would
     # have in the worker's own interpreter.
     imports_set = {k: v for k, v in os.environ.items() if started_with.get(k) != v}

@@ -270,12 +270,25 @@ _forkservers: dict[str, Forkserver] = {}
 _forkservers_lock = threading.Lock()
 
 
+# Set to 1 (in `env` or this process's environment) to fork CUDA jobs' workers too: off until a
+# GPU run shows relaunches get faster and training stays bit-equal (`bench.gpu.changes`).
+FORK_CUDA_ENV = "PARASHIFT_FORK_CUDA"
+
+
 def forkserver_env(kind: str, env: dict[str, str]) -> dict[str, str]:
     """What makes a launch's workers forked by a forkserver of this process for `env` (started
-    now if there is none): {} where workers start as interpreters of their own (CUDA: a fork
-    after torch's CUDA initialisation breaks the child, and no GPU check of it has run yet)."""
-    if kind != "cpu" or not forkserver_available():
+    now if there is none): {} where workers start as interpreters of their own, as a CUDA job's
+    do unless `env` sets PARASHIFT_FORK_CUDA=1 (no GPU run has shown yet that forking them pays).
+    A fork after CUDA's initialisation breaks the child: the forkserver imports torch but never
+    initialises CUDA, and serves nobody if its imports did (`forkserver.cuda_loaded`)."""
+    forked = kind == "cpu" or (kind == "cuda" and env.get(FORK_CUDA_ENV) == "1")
+    if not forked or not forkserver_available():
         return {}
+    # torchrun sets OMP_NUM_THREADS=1 for several local workers where it is unset (a CUDA job's
+    # environment leaves it), and the server refuses a worker whose start-up variables differ
+    # from its own: the server and every forked worker have it, a single worker too.
+    threads = {"OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", "1")}
+    env = {**env, **threads}
     key = json.dumps(startup_environment(env), sort_keys=True)
     with _forkservers_lock:
         server = _forkservers.get(key)
@@ -283,7 +296,7 @@ def forkserver_env(kind: str, env: dict[str, str]) -> dict[str, str]:
             if not _forkservers:
                 atexit.register(close_forkservers)
             server = _forkservers[key] = Forkserver(env)
-        return server.env()
+        return {**threads, **server.env()}
 
 
 def close_forkservers() -> None:

@@ -59,18 +59,22 @@ CATEGORIES = {
 }
 
 
-def measure_step_peak(spec: JobSpec, plan: Plan, rank: int = 0, fake: bool = True) -> dict[str, float]:
+def measure_step_peak(spec: JobSpec, plan: Plan, rank: int = 0, fake: bool = True,
+                      device: str = "cpu") -> dict[str, float]:
     """Rank `rank`'s peak bytes over one step of `spec` under `plan` ("peak_bytes"), its
     breakdown at that peak (`CATEGORIES`' names, bytes) and the measurement's wall time
     ("seconds"). `fake`: under FakeTensorMode (no memory used; any model size) rather than on
-    real CPU tensors. Owns the default process group while it runs: none may exist before."""
+    real tensors. `device` "cuda": real tensors on the current GPU, and the allocator's own
+    peak over the measured step as well ("cuda_peak_bytes", what the caching allocator handed
+    out; "cuda_reserved_bytes", what it held). Owns the default process group while it runs:
+    none may exist before."""
     started = time.perf_counter()
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     dist.init_process_group("fake", rank=rank, world_size=plan.devices, store=FakeStore())
     try:
         dims = ParallelDims.from_plan(plan)
-        mesh = dims.build_mesh("cpu")  # outside the fake mode: its coordinates are read as values
+        mesh = dims.build_mesh(device)  # outside the fake mode: its coordinates are read as values
         coords = Coordinates.of(mesh, dims)
         mode: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
         if fake:
@@ -79,9 +83,9 @@ def measure_step_peak(spec: JobSpec, plan: Plan, rank: int = 0, fake: bool = Tru
         # inside FakeTensorMode are fake tensors the mode's converter may memoize (a weak
         # reference), and `to_empty` then cannot swap them ("Cannot swap t1 because it has
         # weakref associated with it").
-        built = build(spec, plan, dims, coords, mesh, torch.device("cpu"), allocate_in=mode)
+        built = build(spec, plan, dims, coords, mesh, torch.device(device), allocate_in=mode)
         with mode:
-            snapshot = _step_snapshot(spec, plan, built, dims, coords, fake)
+            snapshot, allocator = _step_snapshot(spec, plan, built, dims, coords, fake, torch.device(device))
     finally:
         dist.destroy_process_group()
         forget_meshes()
@@ -95,12 +99,13 @@ def measure_step_peak(spec: JobSpec, plan: Plan, rank: int = 0, fake: bool = Tru
                 out["peak_bytes"] += nbytes
             else:
                 out[CATEGORIES.get(name, name)] = out.get(CATEGORIES.get(name, name), 0.0) + nbytes
+    out.update(allocator)
     out["seconds"] = time.perf_counter() - started
     return out
 
 
 def _step_snapshot(spec: JobSpec, plan: Plan, built: Built, dims: ParallelDims, coords: Coordinates,
-                   fake: bool, steady: bool = True) -> dict[Any, Any]:
+                   fake: bool, device: torch.device, steady: bool = True) -> tuple[dict[Any, Any], dict[str, float]]:
     """One step of `built` under a tracker: the tracker's per-device, per-category snapshot at
     the step's peak. FSDPMemTracker wherever FSDP2 holds the data axis (fully_shard, HSDP, and
     `replicate`, which is FSDP2 too: its breakdown shows replicate's second, unsharded copy of
@@ -109,10 +114,10 @@ def _step_snapshot(spec: JobSpec, plan: Plan, built: Built, dims: ParallelDims, 
     TracingContext's, which `detect_fake_mode` prefers): in ours, the trackers, which tell
     propagation from the step's ops by the fake mode they run in, would count its global-shape
     tensors (a tp step's peak read 4% high)."""
-    feeds = _feeds(spec, plan, built, dims, coords)  # the step's data, there before it starts
+    feeds = _feeds(spec, plan, built, dims, coords, device)  # the step's data, there before it starts
     optimizer = built.optimizer.inner  # the torch optimizer the trackers hook
     precision = spec.parallelism.precision
-    autocast = (torch.autocast("cpu", dtype=torch.bfloat16)
+    autocast = (torch.autocast(device.type, dtype=torch.bfloat16)
                 if precision == "bf16" and not fsdp_mixed_precision(plan, precision) else contextlib.nullcontext())
 
     def propagation() -> contextlib.AbstractContextManager[Any]:  # one per use: `tracing` is not re-entrant
@@ -143,13 +148,22 @@ def _step_snapshot(spec: JobSpec, plan: Plan, built: Built, dims: ParallelDims, 
     else:
         tracker = MemTracker()
         tracker.track_external(built.module, optimizer, *[t for feed in feeds for t in feed])
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
     with tracker, propagation():
         one_step()
-    return tracker.get_tracker_snapshot("peak")
+    allocator = {}
+    if cuda:
+        torch.cuda.synchronize(device)
+        allocator = {"cuda_peak_bytes": float(torch.cuda.max_memory_allocated(device)),
+                     "cuda_reserved_bytes": float(torch.cuda.max_memory_reserved(device))}
+    return tracker.get_tracker_snapshot("peak"), allocator
 
 
 def _feeds(spec: JobSpec, plan: Plan, built: Built, dims: ParallelDims,
-           coords: Coordinates) -> list[tuple[torch.Tensor, torch.Tensor]]:
+           coords: Coordinates, device: torch.device) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """(input, target) of each micro-batch of this rank's share, random token ids (B, T): as
     `rank_batches` splits the share, or in plan.micro_batches equal parts for a pipeline. A
     pipeline stage after the first takes (B, T', d) fp32 hidden states instead of ids (the
@@ -167,9 +181,10 @@ def _feeds(spec: JobSpec, plan: Plan, built: Built, dims: ParallelDims,
     stream = (m.seq_len // (dims.tp if built.regions.sequence else 1), m.d_model)
     first, last = coords.pp_rank == 0, coords.pp_rank == dims.pp - 1
     feeds = []
-    for b in sizes:
-        ids = torch.randint(0, m.vocab_size, (b, m.seq_len))
-        feeds.append((ids if first else torch.randn(b, *stream), ids.clone() if last else torch.ones(b, *stream)))
+    with device:
+        for b in sizes:
+            ids = torch.randint(0, m.vocab_size, (b, m.seq_len))
+            feeds.append((ids if first else torch.randn(b, *stream), ids.clone() if last else torch.ones(b, *stream)))
     return feeds
 
 
@@ -190,7 +205,7 @@ def _step(spec: JobSpec, built: Built, feeds: list[tuple[torch.Tensor, torch.Ten
           autocast: contextlib.AbstractContextManager[Any]) -> None:
     """Forward and backward of every micro-batch, as `train` runs them without a pipeline."""
     scale = dims.dp / (spec.training.global_batch * spec.model.seq_len)
-    loss_sum = torch.zeros(())
+    loss_sum = torch.zeros((), device=feeds[0][0].device)
     calls = [_Call(built) for _ in feeds]  # alive through the step: the trackers' backward hooks need them
     for i, (inputs, targets) in enumerate(feeds):
         with gradient_sync(built.runnable, i == len(feeds) - 1), loss_context(built.regions):
