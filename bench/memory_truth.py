@@ -48,6 +48,11 @@ class Case:
     precision: str = "fp32"
     mixed_precision: str = "autocast"
     fake: bool = False
+    rank: int = 0  # the rank measured: under a pipeline, its stage's prediction is the one compared
+
+    @property
+    def stage(self) -> int:
+        return self.rank // (self.plan.devices // self.plan.degree("pp"))
 
     def spec(self) -> JobSpec:
         share = self.global_batch // self.plan.degree("dp")
@@ -59,12 +64,13 @@ class Case:
         })
 
 
-def _plan(mesh: dict[str, int], ac: str = "none", sharded: bool = False, mixed: str = "autocast") -> Plan:
+def _plan(mesh: dict[str, int], ac: str = "none", sharded: bool = False, mixed: str = "autocast",
+          micro_batches: int = 1) -> Plan:
     devices = 1
     for n in mesh.values():
         devices *= n
     return Plan(devices=devices, mesh=mesh, dp_shard=mesh.get("dp", 1) if sharded else 1, strategy="hand",
-                activation_checkpointing=ac, mixed_precision=mixed)
+                activation_checkpointing=ac, mixed_precision=mixed, micro_batches=micro_batches)
 
 
 def cpu_cases() -> list[Case]:
@@ -85,6 +91,11 @@ def cpu_cases() -> list[Case]:
         Case("llama-fsdp2-bf16-fsdp", SMALL_LLAMA, _plan({"dp": 2}, sharded=True, mixed="fsdp"), 8, "bf16", "fsdp"),
         Case("llama-fsdp2-bf16-fsdp-selective", SMALL_LLAMA, _plan({"dp": 2}, "selective", True, "fsdp"), 8, "bf16",
              "fsdp"),
+        # Pipelines (1F1B): the first stage holds the most micro-batches in flight, the last the loss.
+        Case("llama-pp2xdp2-stage0", SMALL_LLAMA, _plan({"pp": 2, "dp": 2}, micro_batches=4), 16),
+        Case("llama-pp2xdp2-last-stage", SMALL_LLAMA, _plan({"pp": 2, "dp": 2}, micro_batches=4), 16, rank=3),
+        Case("llama-pp2xfsdp2xtp2-selective", SMALL_LLAMA, _plan({"pp": 2, "dp": 2, "tp": 2}, "selective", True,
+                                                                  micro_batches=4), 16),
     ]
     return out
 
@@ -105,7 +116,11 @@ def scale_cases(quick: bool) -> list[Case]:
         out += [Case("llama3-70b-tp8xfsdp8-selective", LLAMA3_70B,
                      _plan({"dp": 8, "tp": 8}, "selective", True, "fsdp"), 64, **bf16),
                 Case("llama3-70b-tp8xfsdp8-full", LLAMA3_70B, _plan({"dp": 8, "tp": 8}, "full", True, "fsdp"), 64,
-                     **bf16)]
+                     **bf16),
+                # With a pipeline: 2 stages of 40 layers, each tp 8 x FSDP 4; 16 micro-batches of one
+                # sequence per data rank (1F1B). Rank 0 is the first stage (2 micro-batches in flight).
+                Case("llama3-70b-pp2xfsdp4xtp8-selective", LLAMA3_70B,
+                     _plan({"pp": 2, "dp": 4, "tp": 8}, "selective", True, "fsdp", micro_batches=16), 64, **bf16)]
     return out
 
 
@@ -132,9 +147,9 @@ def run_case(case: Case) -> dict[str, Any]:
     graph = family_of(m).graph(m, case.global_batch, case.precision)
     profile = profile_graph(graph, "cuda")
     mixed = case.mixed_precision if case.precision == "bf16" else None
-    predicted = estimate(profile, case.plan, mixed).memory_bytes
+    predicted = estimate(profile, case.plan, mixed, stage=case.stage).memory_bytes
     started = time.perf_counter()
-    measured = measure_step_peak(spec, case.plan, rank=0, fake=case.fake)
+    measured = measure_step_peak(spec, case.plan, rank=case.rank, fake=case.fake)
     plan = " x ".join(f"{axis}{n}" for axis, n in case.plan.mesh.items())
     if case.plan.dp_shard > 1:
         plan += " (FSDP)" if case.plan.reshard_after_forward else " (FSDP, kept gathered after forward)"

@@ -75,83 +75,106 @@ def launch_warm(pool: WarmPool, spec: JobSpec, plan: Plan,
     # reaches warm workers through each job's request: they were started before it was set.
     env = {**{k: v for k, v in os.environ.items() if k.startswith("PARASHIFT_")}, **(extra_env or {})}
     folder, ranks = pool._submit(spec, plan, until_step, env)
-    result = LaunchResult(returncode=-1)
-    workers = workers if workers is not None else RunningWorkers()
-    workers._attach(os.getpid(), kill=lambda: pool.kill(range(plan.devices)))
-    tails = [_Tail(folder / f"rank{r}.{kind}") for r in range(plan.devices) for kind in ("out", "err")]
-    codes: dict[int, int] = {}
-    failed_at: list[float] = []  # when a rank returned an error
-    hang_s = spec.training.hang_timeout_s
+    segment = _WarmSegment(pool, ranks, folder, spec.training.hang_timeout_s,
+                           workers if workers is not None else RunningWorkers(), on_line, on_event)
+    return segment.watch()
 
-    def end_pending() -> None:
-        pool.kill([r for r in range(len(ranks)) if r not in codes])
 
-    def failed() -> None:
+class _WarmSegment:
+    """One job on the pool's first ranks, watched until every rank has answered or died: their
+    output relayed, a failure's peers told at once (and ended after PEER_GRACE_S), a silent
+    job ended as hung."""
+
+    def __init__(self, pool: WarmPool, ranks: list[subprocess.Popen[str]], folder: Path, hang_s: float | None,
+                 workers: RunningWorkers, on_line: Callable[[str], None],
+                 on_event: Callable[[WorkerEvent], None]) -> None:
+        self.pool, self.ranks, self.hang_s, self.workers, self.on_line = pool, ranks, hang_s, workers, on_line
+        self.result = LaunchResult(returncode=-1)
+        workers._attach(os.getpid(), kill=lambda: pool.kill(range(len(ranks))))
+        self.tails = [_Tail(folder / f"rank{r}.{kind}") for r in range(len(ranks)) for kind in ("out", "err")]
+        self.codes: dict[int, int] = {}
+        self.failed_at: float | None = None  # when a rank returned an error
+        self.died: list[int] = []  # ranks whose process died (not answered)
+        self.output = WorkerOutput(self.result, workers, on_line, on_event)
+
+    def end_pending(self) -> None:
+        self.pool.kill([r for r in range(len(self.ranks)) if r not in self.codes])
+
+    def failed(self) -> None:
         """A rank failed: its peers leave their step now (they may wait on it in a collective)."""
-        failed_at.append(time.monotonic())
-        pool.tell_peer_failed([r for r in range(len(ranks)) if r not in codes])
+        self.failed_at = time.monotonic()
+        self.pool.tell_peer_failed([r for r in range(len(self.ranks)) if r not in self.codes])
 
-    output = WorkerOutput(result, workers, on_line, on_event)
-
-    def drain(lines: list[str]) -> None:
+    def drain(self, lines: list[str]) -> None:
         for line in lines:
-            output(line)
+            self.output(line)
 
-    died: list[int] = []  # ranks whose process died (not answered)
-
-    def answer(rank: int, proc: subprocess.Popen[str]) -> None:
-        said = pool.read_answer(proc)
+    def answer(self, rank: int) -> None:
+        """Rank `rank`'s process spoke: its job's exit code, or its death."""
+        proc, result = self.ranks[rank], self.result
+        said = self.pool.read_answer(proc)
         if said is not None:
-            codes[rank] = said
-            if codes[rank] != 0 and not failed_at:  # its peers may wait on it: a moment to end too
-                failed()
+            self.codes[rank] = said
+            if said != 0 and self.failed_at is None:  # its peers may wait on it: a moment to end too
+                self.failed()
                 if result.failed_rank is None:
-                    result.failed_rank = (rank, codes[rank])
+                    result.failed_rank = (rank, said)
             return
         code = proc.wait()  # the process died: its peers may wait for it in a collective
-        codes[rank] = code
-        if not failed_at:
-            failed()
+        self.codes[rank] = code
+        if self.failed_at is None:
+            self.failed()
         # A death is the cause; a peer that answered a failure first only saw its collective break.
-        if result.hung_s is None and (result.failed_rank is None or not died):
+        if result.hung_s is None and (result.failed_rank is None or not self.died):
             result.failed_rank = (rank, code)
-        died.append(rank)
+        self.died.append(rank)
         if result.failed_rank == (rank, code):
-            on_line(f"warm worker rank {rank} (pid {pool.worker_pid(proc)}) died ({'signal ' + str(-code) if code < 0 else code}): "
-                    "another process (a spare, or a fresh one) takes its place; its peers end their job or are ended")
+            self.on_line(f"warm worker rank {rank} (pid {self.pool.worker_pid(proc)}) died "
+                         f"({'signal ' + str(-code) if code < 0 else code}): another process (a spare, or a fresh "
+                         "one) takes its place; its peers end their job or are ended")
 
-    with selectors.DefaultSelector() as selector:
-        for rank, proc in enumerate(ranks):
-            selector.register(proc.stdout, selectors.EVENT_READ, rank)  # type: ignore[arg-type]
-        try:
-            while len(codes) < len(ranks):
-                for key, _ in selector.select(POLL_S):
-                    selector.unregister(key.fileobj)
-                    answer(key.data, ranks[key.data])
-                for tail in tails:
-                    drain(tail.lines())
-                silent = output.silent_s()
-                if hang_s is not None and silent > hang_s and result.hung_s is None:
-                    result.hung_s = round(silent, 1)
-                    end_pending()
-                if failed_at and time.monotonic() - failed_at[0] > PEER_GRACE_S and len(codes) < len(ranks):
-                    failed_at[0] = float("inf")
-                    end_pending()
-        except KeyboardInterrupt:  # asked to stop at once
-            end_pending()
-            raise
-        except BaseException:  # e.g. the flow run cancelled: stop at a step boundary, briefly
-            workers.request_stop()
-            deadline = time.monotonic() + STOP_GRACE_S
-            while len(codes) < len(ranks) and time.monotonic() < deadline:
-                for key, _ in selector.select(POLL_S):
-                    selector.unregister(key.fileobj)
-                    answer(key.data, ranks[key.data])
-            end_pending()
-            raise
-        finally:
-            for tail in tails:
-                drain(tail.close())
-            result.returncode = max(codes.values(), key=abs) if codes else -9
-            workers._attach(None)
-    return result
+    def _answers(self, selector: selectors.BaseSelector) -> None:
+        for key, _ in selector.select(POLL_S):
+            selector.unregister(key.fileobj)
+            self.answer(key.data)
+
+    def _pending(self) -> bool:
+        return len(self.codes) < len(self.ranks)
+
+    def watch(self) -> LaunchResult:
+        with selectors.DefaultSelector() as selector:
+            for rank, proc in enumerate(self.ranks):
+                selector.register(proc.stdout, selectors.EVENT_READ, rank)  # type: ignore[arg-type]
+            try:
+                while self._pending():
+                    self._answers(selector)
+                    for tail in self.tails:
+                        self.drain(tail.lines())
+                    self._watchdogs()
+            except KeyboardInterrupt:  # asked to stop at once
+                self.end_pending()
+                raise
+            except BaseException:  # e.g. the flow run cancelled: stop at a step boundary, briefly
+                self.workers.request_stop()
+                deadline = time.monotonic() + STOP_GRACE_S
+                while self._pending() and time.monotonic() < deadline:
+                    self._answers(selector)
+                self.end_pending()
+                raise
+            finally:
+                for tail in self.tails:
+                    self.drain(tail.close())
+                self.result.returncode = max(self.codes.values(), key=abs) if self.codes else -9
+                self.workers._attach(None)
+        return self.result
+
+    def _watchdogs(self) -> None:
+        """A job silent for longer than its hang timeout is ended as hung; a failure's peers
+        that have not returned within PEER_GRACE_S are ended."""
+        silent = self.output.silent_s()
+        if self.hang_s is not None and silent > self.hang_s and self.result.hung_s is None:
+            self.result.hung_s = round(silent, 1)
+            self.end_pending()
+        if self.failed_at is not None and time.monotonic() - self.failed_at > PEER_GRACE_S and self._pending():
+            self.failed_at = float("inf")
+            self.end_pending()

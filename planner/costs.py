@@ -78,6 +78,9 @@ class OpCost:
     gather: np.ndarray
     unsharded_weight: np.ndarray
     unsharded_grad: np.ndarray
+    # Replicated dp only, else zeros: the bytes of FSDP2 `replicate`'s unsharded copy of the
+    # weights, which a pipeline stage keeps for the whole step (measured: trainer.memory_probe).
+    replica_weight: np.ndarray
 
 
 class CostModel:
@@ -158,10 +161,11 @@ class CostModel:
         param_mem, act_mem, cast_mem, recompute_mem = np.zeros(n), np.zeros(n), np.zeros(n), np.zeros(n)
         # Forward once, backward twice its FLOPs; a recomputed op runs its forward once more.
         passes = 4.0 if op.recompute else 3.0
-        gather, unsharded_weight, unsharded_grad = np.zeros(n), np.zeros(n), np.zeros(n)
+        gather, unsharded_weight, unsharded_grad, replica_weight = np.zeros(n), np.zeros(n), np.zeros(n), np.zeros(n)
         rate = dev.matmul_flops if op.kind in GEMM_KINDS else float("inf")
         gemm = gemm_output_dims(op) if op.kind in GEMM_KINDS else None
         dp_axis = self._dp_axis()
+        replicated_dp = dp_axis is None and "dp" in self.mesh.names
         tp_axis = self.mesh.names.index("tp") if "tp" in self.mesh.names else None
         state_share = 1 if dp_axis is None else self.mesh.sizes[dp_axis]  # FSDP: each rank holds 1/dp
         for i, cfg in enumerate(configs):
@@ -193,6 +197,8 @@ class CostModel:
             if dp_axis is not None:
                 unsharded_weight[i] = (g.gather_bytes or g.act_bytes) * params
                 unsharded_grad[i] = g.grad_bytes * params
+            elif replicated_dp:  # FSDP2's `replicate`: each weight's unsharded copy beside it
+                replica_weight[i] = (g.gather_bytes or g.act_bytes) * params
             # The optimizer step reads and writes the parameter state of the local shard once:
             # replicas (dp, or ops replicated over tp) each pay it again.
             grad_comm[i] += 2.0 * g.param_state_bytes * params / state_share / dev.memory_Bps
@@ -209,7 +215,7 @@ class CostModel:
                 recompute_mem[i], cast_mem[i] = again * g.recompute_share / g.recompute_layers, 0.0
             recompute_mem[i] += sum(t.bytes * local(t.dims) for t in op.transient)
         return OpCost(configs, compute, comm, grad_comm, param_mem, act_mem, cast_mem, recompute_mem, gather,
-                      unsharded_weight, unsharded_grad)
+                      unsharded_weight, unsharded_grad, replica_weight)
 
     def _build_edge(self, src: Op, dst: Op, slot: int) -> np.ndarray:
         """Seconds to convert src's output layout to dst's input layout, and the gradient back."""

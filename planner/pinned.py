@@ -1,9 +1,11 @@
 """The cost model's estimate of one given plan (not a search): what a pinned plan costs, and
 what bench/memory_truth.py compares with the trainer's measured peak.
 
-Covers single-stage plans (no pipeline) whose tp axis runs Megatron's layout (every op splits
-its `tp_dim`, the residual stream its sequence dim where the op allows it) or is absent, with
-the data axis replicated or fully sharded (FSDP) and `micro_batches` equal micro-batches.
+Covers plans whose tp axis runs Megatron's layout (every op splits its `tp_dim`, the residual
+stream its sequence dim where the op allows it) or is absent, with the data axis replicated or
+fully sharded (FSDP), `micro_batches` equal micro-batches, and pipeline stages cut at the
+plan's layers (`Plan.layers_per_stage`), each costed as the search costs a stage (1F1B's
+in-flight micro-batches, `Weights.schedule`).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from parashift.planner.checkpointing import checkpointed, with_precision
 from parashift.planner.configs import named_mesh
 from parashift.planner.costs import CostModel
 from parashift.planner.graph import Graph
+from parashift.planner.pipeline import block_order, stage_ops
 from parashift.planner.problem import Weights
 from parashift.planner.profile import ModelProfile
 from parashift.planner.stage import StageResult, stage_result
@@ -34,19 +37,30 @@ def _megatron_assign(graph: Graph, costs: CostModel) -> list[int]:
     return assign
 
 
-def estimate(profile: ModelProfile, plan: Plan, mixed_precision: str | None = None) -> StageResult:
+def estimate(profile: ModelProfile, plan: Plan, mixed_precision: str | None = None,
+             stage: int | None = None) -> StageResult:
     """Step time and per-device memory of `plan` under the cost model (`.time_s`,
-    `.memory_bytes`, per-op `.rows`). ValueError for a pipelined or HSDP plan."""
-    if plan.degree("pp") > 1 or 1 < plan.dp_shard < plan.degree("dp"):
-        raise ValueError("estimate covers single-stage plans with the data axis replicated or fully sharded")
+    `.memory_bytes`, per-op `.rows`). A pipelined plan: pipeline stage `stage`'s devices (by
+    default the stage that needs the most memory; its `.time_s` is that stage's, not the
+    pipeline's step). ValueError for an HSDP plan."""
+    if 1 < plan.dp_shard < plan.degree("dp"):
+        raise ValueError("estimate covers plans with the data axis replicated or fully sharded")
     graph = profile.graph if mixed_precision is None else with_precision(profile.graph, mixed_precision)
     graph = checkpointed(graph, plan.activation_checkpointing)
-    m = plan.micro_batches
+    m, pp = plan.micro_batches, plan.degree("pp")
     if m > 1:
         size = graph.ops[0].dims[graph.batch_dim] // m
         graph = graph.model_copy(update={"ops": [graph.op_with_batch(op, size) for op in graph.ops]})
     mesh = named_mesh(plan.degree("dp"), plan.degree("tp"), profile.comm.devices_per_node, graph.batch_dim,
                       shard_dp=plan.dp_shard > 1)
     costs = CostModel(graph, profile.device, profile.comm, mesh)
-    weights = Weights.schedule(1, m, plan.reshard_after_forward)
-    return stage_result(graph, costs, _megatron_assign(graph, costs), weights, 0.0)
+    weights = Weights.schedule(pp, m, plan.reshard_after_forward)
+    if pp == 1:
+        return stage_result(graph, costs, _megatron_assign(graph, costs), weights, 0.0)
+    blocks = block_order(graph)
+    counts = [len(layers) for layers in plan.layers_per_stage(len(blocks))]
+    results = []
+    for names in stage_ops(graph, blocks, counts):
+        sub = graph.subgraph(names)
+        results.append(stage_result(sub, costs, _megatron_assign(sub, costs), weights, 0.0))
+    return results[stage] if stage is not None else max(results, key=lambda r: r.memory_bytes)

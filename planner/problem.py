@@ -41,6 +41,7 @@ class Weights:
     holds_weights: bool = False  # FSDP: the stage's unsharded weights stay gathered
     holds_grads: bool = False  # FSDP: unsharded gradients accumulate over micro-batches
     reshard_after_forward: bool = True  # the plan choice these FSDP terms follow
+    pipelined: bool = False  # a pipeline stage: replicated dp's unsharded copies stay for the step
 
     @classmethod
     def schedule(cls, pp: int, micro_batches: int, reshard_after_forward: bool = True) -> Weights:
@@ -60,7 +61,7 @@ class Weights:
         else:
             gathers = float(m * (2 if reshard_after_forward else 1))
             holds_weights, holds_grads = not reshard_after_forward, m > 1
-        return cls(weight, float(min(m, pp)), gathers, holds_weights, holds_grads, reshard_after_forward)
+        return cls(weight, float(min(m, pp)), gathers, holds_weights, holds_grads, reshard_after_forward, pp > 1)
 
     def compute(self, c: OpCost) -> np.ndarray:
         """Seconds of compute per step, per configuration."""
@@ -83,6 +84,8 @@ class Weights:
             out = out + c.unsharded_weight
         if self.holds_grads:
             out = out + c.unsharded_grad
+        if self.pipelined:
+            out = out + c.replica_weight
         return out
 
     def edge(self, table: np.ndarray) -> np.ndarray:

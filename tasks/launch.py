@@ -13,6 +13,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime
+from typing import Any
 
 from parashift.launcher.launch import LaunchResult, RunningWorkers, launch_workers
 from parashift.launcher.warm_launch import launch_warm
@@ -200,13 +201,47 @@ def launch_training(spec: JobSpec, plan: Plan, until_step: int | None = None,
     """Train on `plan.devices` workers until `until_step` (or the end), resuming if possible.
     `job`: where the job stands (the policy's question for a change heard meanwhile: re-plan?)."""
     logger = get_run_logger()
-    credentials = storage_environment(spec)
-    with environment(credentials):
-        store = open_store(spec.storage)
-        stop_key = JobPaths(spec.job_id).stop()
-        store.delete(stop_key)  # a stop request belongs to the run it stopped
+    job = job if job is not None else JobState(devices=plan.devices, nodes=spec.resources.nodes)
+    watch = _SegmentWatch(spec, plan, job, resources, progress_bar, logger)
+    if resources is not None:
+        resources.on_change = watch.stop_for
+        pending = resources.newest_after(job.epoch)
+        if pending is not None:  # arrived while this segment was being planned
+            watch.stop_for(pending)
+    with _stoppers_lock:
+        _stoppers.add(watch.stop)
+    if _interrupted.is_set():  # asked before these workers existed: they stop at their first boundary
+        watch.stop("interrupted before the launch")
+    try:
+        result, left = _launch(spec, plan, until_step, watch)
+    finally:
+        watch.relay.close()  # a failure report still being gathered
+        with _stoppers_lock:
+            _stoppers.discard(watch.stop)
+        if resources is not None:
+            resources.on_change = None
+    return _ended(_segment_result(spec, plan, job, result, watch, left, resources))
 
-    def stop(reason: str, devices: int | None = None) -> None:
+
+class _SegmentWatch:
+    """What a segment's launch is watched by: the stop (at a step boundary, by stop object and
+    signal), the policy's reading of a change heard meanwhile, and the workers' output and
+    events relayed to the run log, the progress bar and the step listeners."""
+
+    def __init__(self, spec: JobSpec, plan: Plan, job: JobState, resources: ResourceWatcher | None,
+                 progress_bar: TrainingProgress | None, logger: Any) -> None:
+        self.spec, self.plan, self.job, self.logger, self.progress_bar = spec, plan, job, logger, progress_bar
+        self.credentials = storage_environment(spec)
+        with environment(self.credentials):
+            self.store = open_store(spec.storage)
+            self.stop_key = JobPaths(spec.job_id).stop()
+            self.store.delete(self.stop_key)  # a stop request belongs to the run it stopped
+        self.workers = RunningWorkers()
+        self.lines: list[str] = []
+        self.stepped: list[float] = []  # when the first and the newest step were heard, as they were reported
+        self.relay = WorkerLog(logger.log, spec.training.steps)
+
+    def stop(self, reason: str, devices: int | None = None) -> None:
         """Stop the workers at their next step boundary: the stop object reaches workers
         anywhere, the signal at once on this node. `devices`: the next segment's device count,
         when one follows on this node (warm workers then hold the step for it rather than save
@@ -214,76 +249,62 @@ def launch_training(spec: JobSpec, plan: Plan, until_step: int | None = None,
         said = {"reason": reason, "requested_at": datetime.now(UTC).isoformat()}
         if devices is not None:
             said["devices"] = devices
-            with environment(credentials):
-                store.put_json(stop_key, said)
-        workers.request_stop()
+            with environment(self.credentials):
+                self.store.put_json(self.stop_key, said)
+        self.workers.request_stop()
         if devices is None:
-            with environment(credentials):
-                store.put_json(stop_key, said)
+            with environment(self.credentials):
+                self.store.put_json(self.stop_key, said)
 
-    nodes = spec.resources.nodes
-    job = job if job is not None else JobState(devices=plan.devices, nodes=nodes)
-
-    def stop_for(change: ResourceEvent) -> None:
-        decision = decide(spec, job, change)
+    def stop_for(self, change: ResourceEvent) -> None:
+        decision = decide(self.spec, self.job, change)
         if not isinstance(decision, Replan):
             return  # the flow decides on it, and says why, when the segment ends
-        logger.warning("resource change (%s, epoch %d): %d devices -> %s; stopping at the next step boundary",
-                       change.reason, change.epoch, plan.devices, change.describe())
-        stop(f"rescale to {change.describe()} ({change.reason})", decision.devices if decision.nodes is None else None)
+        self.logger.warning("resource change (%s, epoch %d): %d devices -> %s; stopping at the next step boundary",
+                            change.reason, change.epoch, self.plan.devices, change.describe())
+        self.stop(f"rescale to {change.describe()} ({change.reason})",
+                  decision.devices if decision.nodes is None else None)
 
-    stepped: list[float] = []  # when the first and the newest step were heard, as they were reported
-
-    def on_event(event: WorkerEvent) -> None:
-        if isinstance(event, StepEvent) and nodes is None:  # across nodes the events arrive at the end
+    def on_event(self, event: WorkerEvent) -> None:
+        if isinstance(event, StepEvent) and self.spec.resources.nodes is None:  # across nodes they arrive at the end
             now = time.time()
-            stepped[:] = [stepped[0] if stepped else now, now]
+            self.stepped[:] = [self.stepped[0] if self.stepped else now, now]
         progress.publish(event)
-        if progress_bar is not None and isinstance(event, StepEvent | StartEvent):
+        if self.progress_bar is not None and isinstance(event, StepEvent | StartEvent):
             try:
-                progress_bar.update(event.step)
+                self.progress_bar.update(event.step)
             except Exception as error:  # noqa: BLE001 - a progress display never stops training
-                logger.debug("progress artifact not updated: %s", error)
+                self.logger.debug("progress artifact not updated: %s", error)
 
-    lines: list[str] = []
-    workers = RunningWorkers()
-    relay = WorkerLog(logger.log, spec.training.steps)
+    def on_line(self, line: str) -> None:
+        self.lines.append(line)
+        del self.lines[:-200]  # torchrun's failure summary is at the end
+        self.relay(line)
 
-    def on_line(line: str) -> None:
-        lines.append(line)
-        del lines[:-200]  # torchrun's failure summary is at the end
-        relay(line)
 
-    if resources is not None:
-        resources.on_change = stop_for
-        pending = resources.newest_after(job.epoch)
-        if pending is not None:  # arrived while this segment was being planned
-            stop_for(pending)
-    with _stoppers_lock:
-        _stoppers.add(stop)
-    if _interrupted.is_set():  # asked before these workers existed: they stop at their first boundary
-        stop("interrupted before the launch")
-    left: list[str] = []
-    try:
-        if nodes is None and spec.resources.warm_workers:
-            result = launch_warm(_warm_pool(spec, plan.devices), spec, plan, on_line=on_line, on_event=on_event,
-                                 until_step=until_step, extra_env=credentials, workers=workers)
-        elif nodes is None:
-            result = launch_workers(spec, plan, on_line=on_line, on_event=on_event, until_step=until_step,
-                                    extra_env=credentials, workers=workers)
-        else:  # one launcher per node, each on its node's Prefect worker
-            with environment(credentials):
-                across = node_launch(spec, plan, until_step, store, logger.info)
-                result, left = across.run()
-                lines += across.tail()
-            for event in result.events:
-                on_event(event)
-    finally:
-        relay.close()  # a failure report still being gathered
-        with _stoppers_lock:
-            _stoppers.discard(stop)
-        if resources is not None:
-            resources.on_change = None
+def _launch(spec: JobSpec, plan: Plan, until_step: int | None, watch: _SegmentWatch) -> tuple[LaunchResult, list[str]]:
+    """The segment on warm workers, torchrun's, or one launcher per node (each on its node's
+    Prefect worker); the nodes that left, if any."""
+    if spec.resources.nodes is None and spec.resources.warm_workers:
+        return launch_warm(_warm_pool(spec, plan.devices), spec, plan, on_line=watch.on_line, on_event=watch.on_event,
+                           until_step=until_step, extra_env=watch.credentials, workers=watch.workers), []
+    if spec.resources.nodes is None:
+        return launch_workers(spec, plan, on_line=watch.on_line, on_event=watch.on_event, until_step=until_step,
+                              extra_env=watch.credentials, workers=watch.workers), []
+    with environment(watch.credentials):
+        across = node_launch(spec, plan, until_step, watch.store, watch.logger.info)
+        result, left = across.run()
+        watch.lines += across.tail()
+    for event in result.events:
+        watch.on_event(event)
+    return result, left
+
+
+def _segment_result(spec: JobSpec, plan: Plan, job: JobState, result: LaunchResult, watch: _SegmentWatch,
+                    left: list[str], resources: ResourceWatcher | None) -> SegmentResult:
+    """How the segment ended, as the elastic policy reads it (`segment_outcome`), with what the
+    flow and the summary need of it; said in the run log where it failed."""
+    logger, lines = watch.logger, watch.lines
     start = result.start
     # Workers that failed before they started training were resuming the step they read, or
     # else the job's last committed one.
@@ -317,12 +338,8 @@ def launch_training(spec: JobSpec, plan: Plan, until_step: int | None = None,
     restore_rate = None
     if read is not None and start is not None and start.restore_s and read.bytes_read > 0:
         restore_rate = read.bytes_read * start.world_size / start.restore_s
-    return _ended(SegmentResult(
-        devices=plan.devices,
-        start_step=start_step,
-        final_step=final_step,
-        outcome=outcome,
-        reason=reason,
+    return SegmentResult(
+        devices=plan.devices, start_step=start_step, final_step=final_step, outcome=outcome, reason=reason,
         losses=[(e.step, e.loss) for e in result.steps],
         tokens_per_s=statistics.median(rates) if rates else None,
         mfu=statistics.median(mfus) if mfus else None,
@@ -332,14 +349,14 @@ def launch_training(spec: JobSpec, plan: Plan, until_step: int | None = None,
         resumed_loss=start.checkpoint_loss if start else None,
         restore_bytes_per_s=restore_rate,
         restore_bytes=start.restore_bytes if start else None,
-        nodes=nodes,
+        nodes=spec.resources.nodes,
         left_nodes=left,
         mesh=dict(plan.mesh),
-        first_step_at=stepped[0] if stepped else None,
-        last_step_at=stepped[-1] if stepped else None,
+        first_step_at=watch.stepped[0] if watch.stepped else None,
+        last_step_at=watch.stepped[-1] if watch.stepped else None,
         held_unsaved=(outcome != "failed" and any(e.pending for e in result.of(StoppedEvent)))
         or (outcome == "failed" and held is not None),
-    ))
+    )
 
 
 def _ended(segment: SegmentResult) -> SegmentResult:

@@ -269,3 +269,29 @@ def test_the_trainer_never_imports_the_launcher() -> None:
     bad = {(name, m) for name, deps in graph().items() if name.split(".")[0] == "trainer" for m in deps
            if m.split(".")[0] == "launcher"}
     assert bad == set()
+
+
+# The rooms between orchestration and training, where a newcomer reads most: no function longer
+# than a screen or two (a long one is split into named steps: `trainer.trainer.Trainer`).
+READABLE_ROOMS = ("trainer", "launcher", "tasks", "flows")
+MAX_FUNCTION_LINES = 80
+
+
+def long_functions(rooms: tuple[str, ...] = READABLE_ROOMS, limit: int = MAX_FUNCTION_LINES) -> list[str]:
+    found = []
+    for room in rooms:
+        for path in sorted((ROOT / room).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                    lines = node.end_lineno - node.lineno + 1  # type: ignore[operator]
+                    if lines > limit:
+                        found.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name} ({lines} lines)")
+    return found
+
+
+def test_no_function_of_the_middle_rooms_exceeds_80_lines() -> None:
+    assert long_functions() == []
+
+
+def test_a_long_function_is_seen() -> None:
+    assert long_functions(("trainer",), limit=10)

@@ -13,6 +13,10 @@ CASES = {
     "tp2": Case("tp2", SMALL_LLAMA, _plan({"tp": 2}), 4),
     "fsdp2-bf16-parameters": Case("fsdp2-bf16", SMALL_LLAMA, _plan({"dp": 2}, sharded=True, mixed="fsdp"), 8,
                                   "bf16", "fsdp"),
+    # A pipeline's first stage (1F1B: two micro-batches in flight; FSDP2's replicate keeps an
+    # unsharded copy of each weight for the step) and its last (the loss).
+    "pp2xdp2-first-stage": Case("pp2-first", SMALL_LLAMA, _plan({"pp": 2, "dp": 2}, micro_batches=4), 16),
+    "pp2xdp2-last-stage": Case("pp2-last", SMALL_LLAMA, _plan({"pp": 2, "dp": 2}, micro_batches=4), 16, rank=3),
 }
 
 

@@ -54,8 +54,12 @@ def test_sharded_costs_price_gathers_and_unsharded_tensors() -> None:
         # keeping the gathered weights saves one gather per evaluation and holds them
         assert np.allclose(free.time(s) - held.time(s), s.gather)
         assert np.allclose(held.memory(s) - free.memory(s), s.unsharded_weight)
-        # replicated dp: the schedule changes nothing
+        # replicated dp: the schedule changes nothing, but a pipeline stage keeps FSDP2
+        # replicate's unsharded copy of its weights for the whole step
         assert np.allclose(free.time(r), held.time(r)) and np.allclose(free.memory(r), held.memory(r))
+        assert np.allclose(r.replica_weight, g.act_bytes * params) and not s.replica_weight.any()
+        stage = Weights.schedule(2, 1, True)
+        assert np.allclose(stage.memory(r) - free.memory(r), r.replica_weight + (stage.inflight - 1) * r.act_mem)
 
 
 # As memory tightens: replicated dp (fastest), then FSDP keeping the gathered weights (state

@@ -18,8 +18,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from parashift.trainer import metrics
+from parashift.trainer.distributed import init_distributed
 from parashift.trainer.events import CommTimingsEvent
-from parashift.trainer.worker import init_distributed
 
 
 def time_collectives(group: Any = None, sizes: tuple[int, ...] = (1 << 14, 1 << 18, 1 << 22),

@@ -1,8 +1,8 @@
 """One rank's peak memory over one training step of this trainer, measured without its peers.
 
 Why: the planner's memory model is an estimate; this runs the trainer's own code (the steps of
-`worker.build`: meta build, pipeline stage, `parallelize`, `materialize`; then one step as
-`worker.train` runs it, pipelines as torch.distributed.pipelining's 1F1B or GPipe holds them)
+`trainer.build.build`: meta build, pipeline stage, `parallelize`, `materialize`; then one step as
+`Trainer.train_step` runs it, pipelines as torch.distributed.pipelining's 1F1B or GPipe holds them)
 for one rank of a world of `plan.devices`, on torch's fake process group (collectives return at
 once, no peers needed), and has torch's memory trackers (`torch.distributed._tools`) count every
 storage the step holds: parameters, gradients, optimizer state (made by the first step, so
@@ -31,6 +31,7 @@ import torch.distributed as dist
 from parashift.models.layers import token_loss_sum
 from parashift.specs import JobSpec
 from parashift.specs.plan import Plan
+from parashift.trainer.build import Built, build
 from parashift.trainer.data import micro_batches, rank_share
 from parashift.trainer.mesh import Coordinates, ParallelDims, forget_meshes
 from parashift.trainer.parallel import (
@@ -42,7 +43,6 @@ from parashift.trainer.parallel import (
     settle_gradients,
 )
 from parashift.trainer.pipeline import DEFAULT_SCHEDULE
-from parashift.trainer.worker import Built, build
 from torch import nn
 from torch._guards import TracingContext, tracing
 from torch._subclasses.fake_tensor import FakeTensorMode
