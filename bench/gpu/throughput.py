@@ -64,16 +64,16 @@ def hf_spec(llama: JobSpec) -> JobSpec:
                                    "model": model, "parallelism": parallelism.model_dump()})
 
 
-def trainer_rates(spec: JobSpec) -> list[float]:
+def trainer_rates(spec: JobSpec, warmup: int) -> list[float]:
     """Tokens/s of each step after the warm-up, as the trainer's workers report them."""
     result = launch_workers(spec, Plan.data_parallel(1), on_line=lambda line: print(line, file=sys.stderr, flush=True))
     if result.returncode != 0:
         raise RuntimeError(f"the trainer failed with {result.returncode}")
-    return [e.tokens_per_s for e in result.steps][WARMUP_STEPS:]
+    return [e.tokens_per_s for e in result.steps][warmup:]
 
 
 def plain_rates(spec: JobSpec, device: torch.device, model: torch.nn.Module, forward: Callable[[Any], torch.Tensor],
-                layers: list[torch.nn.Module]) -> list[float]:
+                layers: list[torch.nn.Module], warmup: int) -> list[float]:
     """The reference loop: autocast, per-layer compile where the spec compiles, fused AdamW,
     gradient clipping, the loss read every step (as the trainer does)."""
     train, opt = spec.training, spec.optimizer
@@ -98,20 +98,20 @@ def plain_rates(spec: JobSpec, device: torch.device, model: torch.nn.Module, for
         optimizer.zero_grad(set_to_none=True)
         loss.item()
         rates.append(train.global_batch * seq / (time.perf_counter() - started))
-    return rates[WARMUP_STEPS:]
+    return rates[warmup:]
 
 
-def plain_llama(spec: JobSpec, device: torch.device) -> list[float]:
+def plain_llama(spec: JobSpec, device: torch.device, warmup: int) -> list[float]:
     family = family_of(spec.model)
     torch.manual_seed(spec.training.seed)
     with torch.device(device):
         model = family.build(spec.model)
     for p in model.parameters():
         torch.nn.init.normal_(p, std=0.02)  # values do not matter here; no NaNs do
-    return plain_rates(spec, device, model, model, [layer for _, layer in family.layers(model)])
+    return plain_rates(spec, device, model, model, [layer for _, layer in family.layers(model)], warmup)
 
 
-def plain_hf(spec: JobSpec, device: torch.device) -> list[float]:
+def plain_hf(spec: JobSpec, device: torch.device, warmup: int) -> list[float]:
     from parashift.models.hf.family import transformers_config
     from transformers import AutoModelForCausalLM
 
@@ -120,7 +120,7 @@ def plain_hf(spec: JobSpec, device: torch.device) -> list[float]:
     torch.manual_seed(spec.training.seed)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    return plain_rates(spec, device, model, lambda ids: model(input_ids=ids).logits, [])
+    return plain_rates(spec, device, model, lambda ids: model(input_ids=ids).logits, [], warmup)
 
 
 def report(fields: dict[str, Any], spec: JobSpec, params: int, trainer: list[float], plain: list[float] | None,
@@ -138,7 +138,8 @@ def report(fields: dict[str, Any], spec: JobSpec, params: int, trainer: list[flo
 def main() -> None:
     args = part_args(__doc__)
     device = torch.device(args.device)
-    steps = WARMUP_STEPS + (3 if args.tiny else 12)
+    warmup = 1 if args.tiny else WARMUP_STEPS  # toy sizes compile nothing
+    steps = warmup + (2 if args.tiny else 12)
     # The final checkpoint (the whole state, every run saves one) stays in the worker's memory:
     # minutes on the device go to steps, and part 3 measures saves.
     store = "memory://gpu-throughput"
@@ -149,21 +150,21 @@ def main() -> None:
         spec = llama_spec(args.device, args.tiny, steps, store)
         fields.update(device=device_name(device), torch=torch.__version__, seq_len=spec.model.seq_len,
                       global_batch=spec.training.global_batch, compile=spec.parallelism.compile)
-        trainer = trainer_rates(spec)
-        plain_none = plain_llama(spec, device)
+        trainer = trainer_rates(spec, warmup)
+        plain_none = plain_llama(spec, device, warmup)
         with torch.device("meta"):
             params = sum(p.numel() for p in family_of(spec.model).build(spec.model).parameters())
         report(fields, spec, params, trainer, plain_none, peak)
     free_cuda()
     with case(PART, "llama-1b-selective") as fields:
         spec = llama_spec(args.device, args.tiny, steps, store, ac="selective")
-        report(fields, spec, params, trainer_rates(spec), plain_none, peak)
+        report(fields, spec, params, trainer_rates(spec, warmup), plain_none, peak)
         fields["ratio_is_against"] = "the plain loop without checkpointing"
     free_cuda()
     with case(PART, "hf-llama-1b") as fields:
         spec = hf_spec(llama_spec(args.device, args.tiny, steps, store))
-        trainer = trainer_rates(spec)
-        plain = plain_hf(spec, device)
+        trainer = trainer_rates(spec, warmup)
+        plain = plain_hf(spec, device, warmup)
         report(fields, spec, params, trainer, plain, peak)
         fields["compile"] = False
 
