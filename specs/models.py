@@ -334,6 +334,10 @@ class ParallelismSpec(_Section):
         1.0, ge=0.0, le=1e6, description="The least memory left free per device, in GiB (the larger of the two counts).",
     )
     compile: bool = Field(False, description="torch.compile the model.")
+    pp_schedule: Literal["1F1B", "GPipe"] = Field(
+        "1F1B", description="torch.distributed.pipelining's schedule for plans with pipeline stages: '1F1B' holds "
+                            "at most as many micro-batches in flight as there are stages, 'GPipe' all of them.",
+    )
 
     def plan_memory_bytes(self, device_bytes: int | None) -> int | None:
         """What the planner may fill of a device of `device_bytes` (None: unknown, unlimited):

@@ -83,9 +83,10 @@ def warm_pool() -> WarmPool:
 
 def run(spec: JobSpec, plan: Plan, until_step: int | None = None, schedule: str | None = None) -> LaunchResult:
     """Train `spec` under `plan` (on warm workers) until `until_step` or the end; must succeed."""
-    env = {"PARASHIFT_PP_SCHEDULE": schedule} if schedule else None
+    if schedule:
+        spec = spec.model_copy(update={"parallelism": spec.parallelism.model_copy(update={"pp_schedule": schedule})})
     pool = warm_pool()
-    result = pool.run(spec, plan, until_step=until_step, extra_env=env)
+    result = pool.run(spec, plan, until_step=until_step)
     assert result.returncode == 0, pool.output(0)[-8000:]
     return result
 

@@ -19,7 +19,6 @@ total is exact).
 from __future__ import annotations
 
 import contextlib
-import os
 import time
 import types
 from collections import deque
@@ -42,7 +41,6 @@ from parashift.trainer.parallel import (
     plain,
     settle_gradients,
 )
-from parashift.trainer.pipeline import DEFAULT_SCHEDULE
 from torch import nn
 from torch._guards import TracingContext, tracing
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -226,7 +224,7 @@ def _pipelined_step(spec: JobSpec, built: Built, feeds: list[tuple[torch.Tensor,
     at True, so the stage keeps every micro-batch's logits until the next step and concatenates
     them once after the last backward (a real pipeline's peak matched only with them)."""
     last = coords.pp_rank == dims.pp - 1
-    schedule = os.environ.get("PARASHIFT_PP_SCHEDULE", DEFAULT_SCHEDULE)
+    schedule = spec.parallelism.pp_schedule
     in_flight = len(feeds) if schedule == "GPipe" else min(len(feeds), dims.pp - coords.pp_rank)
     scale = dims.dp / (spec.training.global_batch * spec.model.seq_len)
     module = built.runnable

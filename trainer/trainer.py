@@ -60,7 +60,7 @@ from parashift.trainer.parallel import (
     plain,
     settle_gradients,
 )
-from parashift.trainer.pipeline import DEFAULT_SCHEDULE, PipelineRunner
+from parashift.trainer.pipeline import PipelineRunner
 from parashift.trainer.resume import restore, restored_url
 from parashift.trainer.saves import Ended, Saves
 from parashift.trainer.scalars import Metrics
@@ -238,8 +238,7 @@ class Trainer:
         self.pipeline = None
         if dims.pp > 1:
             self.pipeline = PipelineRunner(self.built.runnable, self.mesh["pp"], device, self.plan.micro_batches,
-                                           token_loss_sum, self.loss_scale,
-                                           os.environ.get("PARASHIFT_PP_SCHEDULE", DEFAULT_SCHEDULE))
+                                           token_loss_sum, self.loss_scale, spec.parallelism.pp_schedule)
         self.sample_log = SampleLog.from_env(self.rank)
         step, position, loss = resumed.step, resumed.position, resumed.loss
         self.reader.start(position.samples_consumed)

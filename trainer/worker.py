@@ -5,7 +5,7 @@ finish). Warm workers (`launcher.warm_pool`) call `main` once per job.
 Every plan takes one path: the ("pp", "dp", "tp") mesh (`trainer.mesh`), this rank's pipeline
 stage (the whole model without "pp"), `trainer.parallel.parallelize` (DTensor tensor and
 sequence parallelism, activation checkpointing, then FSDP2's replicate or fully_shard on dp),
-and with "pp" the `trainer.pipeline` schedule (1F1B; PARASHIFT_PP_SCHEDULE=GPipe overrides it)
+and with "pp" the `trainer.pipeline` schedule (`parallelism.pp_schedule`: 1F1B or GPipe)
 over plan.micro_batches micro-batches.
 
     torchrun --standalone --nproc-per-node N -m trainer.worker --spec spec.json --plan plan.json
