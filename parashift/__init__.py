@@ -1,6 +1,6 @@
 """parashift: train PyTorch models whose parallelism changes while they run.
 
-Its rooms (specs, corpus, models, storage, trainer, planner, ptc, tasks, flows, bench) keep
+Its rooms (specs, corpus, models, storage, trainer, launcher, planner, ptc, pool, tasks, flows, bench) keep
 their folders at the top of the source tree and are imported as `parashift.<room>`: installed,
 they live inside this package (pyproject's package-dir); run from a source tree without an
 install (torchrun workers on a machine that was only given the tree), the tree's top is part of

@@ -11,10 +11,10 @@ import json
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("specs", "corpus", "models", "planner", "ptc", "storage", "trainer", "launcher", "tasks", "flows",
-            "parashift")
+PACKAGES = ("specs", "corpus", "models", "planner", "ptc", "storage", "trainer", "launcher", "pool", "tasks",
+            "flows", "parashift")
 # Usable and testable without an orchestrator: no Prefect in any of them.
-ENGINES = ("specs", "corpus", "models", "planner", "ptc", "storage", "trainer", "launcher")
+ENGINES = ("specs", "corpus", "models", "planner", "ptc", "storage", "trainer", "launcher", "pool")
 
 
 def modules() -> dict[str, Path]:
