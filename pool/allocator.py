@@ -13,13 +13,15 @@ What it promises (docs/pool.md):
   most (MAX_PRIORITY - p + 1) x aging_s before it outranks every other job (then lower-ranked
   jobs give up their devices at that event).
 - **The rest for throughput.** The devices left go where they add the most priority-weighted
-  speedup (a job's rate at n devices over its rate at its minimum; weight 2 ** priority), within
-  each job's `max_devices` and the device counts its plans exist for: an exact dynamic program
-  over jobs and devices (a multiple-choice knapsack).
-- **No change that does not pay.** A job's allocation is valued over a horizon; a running job
-  whose device count changes loses its change's downtime from that horizon (its measured
-  downtime, or the cost model's before one is measured). The optimum over these values keeps
-  every allocation whose change would not gain more than it costs.
+  progress over a horizon (steps a job does in it at n devices, counted in seconds of the job
+  at its smallest count, so jobs of any size compare; weight 2 ** priority; a job that would
+  finish within the horizon gains nothing from more devices), within each job's `max_devices`
+  and the device counts its plans exist for: an exact dynamic program over jobs and devices (a
+  multiple-choice knapsack).
+- **No change that does not pay.** A running job whose device count changes loses its
+  change's downtime from the horizon (its measured downtime, or the cost model's before one is
+  measured; never less than MIN_CHANGE_COST_S). The optimum over these values changes nothing
+  whose gain would not exceed its cost, and keeps what runs where values tie.
 """
 
 from __future__ import annotations
@@ -29,6 +31,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 MAX_PRIORITY = 9
+# The least a change costs (a stop at a step boundary): equal values keep what runs.
+MIN_CHANGE_COST_S = 1e-3
+TIE_MARGIN = 1e-9  # relative: where a change's value only ties, what runs is kept
 
 
 @dataclass(frozen=True)
@@ -106,14 +111,15 @@ def admit(jobs: list[PoolJob], devices: int, now: float, policy: PoolPolicy) -> 
 
 
 def horizon_value(job: PoolJob, n: int, policy: PoolPolicy) -> float:
-    """Priority-weighted speedup at n devices over the horizon (shortened to the time the job
-    has left at what it holds now), less the change's downtime where n differs from what a
-    running job holds: a change pays only if its speedup gained outlasts its downtime."""
-    now_at = job.devices if job.devices in job.step_s else min(job.step_s)
-    horizon = min(policy.horizon_s, job.remaining_steps * job.step_s[now_at])
-    if job.devices and n != job.devices:
-        horizon = max(horizon - job.change_cost_s, 0.0)
-    return (2.0 ** min(job.priority, MAX_PRIORITY)) * job.speedup(n) * horizon
+    """Priority-weighted progress at n devices within the horizon, in seconds of the job at its
+    smallest count (steps done x that count's step time): the job's speedup over the horizon,
+    capped where it would finish sooner (devices beyond that add nothing). A running job whose
+    count changes loses its change's downtime from the horizon, and a change is never free."""
+    changed = bool(job.devices) and n != job.devices
+    horizon = policy.horizon_s - (max(job.change_cost_s, MIN_CHANGE_COST_S) if changed else 0.0)
+    steps = min(float(job.remaining_steps), max(horizon, 0.0) / job.step_s[n])
+    value = (2.0 ** min(job.priority, MAX_PRIORITY)) * steps * job.step_s[min(job.step_s)]
+    return value * (1.0 - TIE_MARGIN) if changed else value  # a change that gains nothing is not made
 
 
 def allocate(jobs: list[PoolJob], devices: int, now: float = 0.0, policy: PoolPolicy | None = None) -> Allocation:
