@@ -56,21 +56,40 @@ def local_folder(url: str) -> Path:
     return target
 
 
+class CheckpointUnreadable(RuntimeError):
+    """An `init_from` folder the workers cannot read weights from: no retry can fix it."""
+
+
 def read_config(url: str) -> dict[str, Any]:
-    """The folder's config.json (from a remote URL: that file alone, no weights)."""
+    """The folder's config.json (from a remote URL: that file alone, no weights). Refused here,
+    where a spec is validated, if the folder holds no safetensors weights: workers would fail on
+    that later, each of them, after the launch."""
     try:
         if _is_local(url):
-            text = (local_folder(url) / CONFIG_NAME).read_text()
+            folder = local_folder(url)
+            names = [p.name for p in folder.iterdir()] if folder.is_dir() else []
+            text = (folder / CONFIG_NAME).read_text()
         else:
             import fsspec
 
             fs, root = fsspec.core.url_to_fs(url)
+            names = [p.rsplit("/", 1)[-1] for p in fs.ls(root, detail=False)]
             text = fs.cat_file(f"{root.rstrip('/')}/{CONFIG_NAME}").decode()
-        return json.loads(text)
+        config = json.loads(text)
     except FileNotFoundError:
         raise FieldIssues([(("init_from",), f"{url} holds no {CONFIG_NAME}")]) from None
     except ValueError as error:
         raise FieldIssues([(("init_from",), f"{url}/{CONFIG_NAME} is not JSON: {error}")]) from None
+    if SINGLE_NAME not in names and INDEX_NAME not in names:
+        raise FieldIssues([(("init_from",), no_safetensors(url, names))])
+    return config
+
+
+def no_safetensors(where: str | Path, names: list[str]) -> str:
+    pickled = sorted(n for n in names if n.endswith(".bin"))
+    why = f" ({', '.join(pickled)}: pickle, never loaded)" if pickled else ""
+    return (f"{where} holds no {SINGLE_NAME} or {INDEX_NAME}{why}; save it with transformers' "
+            "save_pretrained(..., safe_serialization=True)")
 
 
 class Weights:
@@ -85,9 +104,7 @@ class Weights:
         elif (folder / SINGLE_NAME).exists():
             files = [SINGLE_NAME]
         else:
-            pickled = sorted(p.name for p in folder.glob("*.bin"))
-            why = f" ({', '.join(pickled)}: pickle, never loaded)" if pickled else ""
-            raise FileNotFoundError(f"{folder} holds no *.safetensors checkpoint{why}")
+            raise CheckpointUnreadable(no_safetensors(folder, [p.name for p in folder.glob("*")]))
         self.where: dict[str, Any] = {}
         for name in files:
             handle = safe_open(str(folder / name), framework="pt")
@@ -96,18 +113,18 @@ class Weights:
 
     def get(self, name: str) -> Any:
         if name not in self.where:
-            raise KeyError(f"the checkpoint has no tensor {name}")
+            raise CheckpointUnreadable(f"the checkpoint has no tensor {name}")
         return self.where[name].get_tensor(name)
 
     def shape(self, name: str) -> tuple[int, ...]:
         if name not in self.where:
-            raise KeyError(f"the checkpoint has no tensor {name}")
+            raise CheckpointUnreadable(f"the checkpoint has no tensor {name}")
         return tuple(self.where[name].get_slice(name).get_shape())
 
     def part(self, name: str, index: tuple[slice, ...]) -> Any:
         """The `index` of tensor `name`, reading only its bytes (safetensors' slices)."""
         if name not in self.where:
-            raise KeyError(f"the checkpoint has no tensor {name}")
+            raise CheckpointUnreadable(f"the checkpoint has no tensor {name}")
         return self.where[name].get_slice(name)[index]
 
 

@@ -107,6 +107,38 @@ def test_a_folder_that_is_not_a_llama_is_refused_in_one_line(tmp_path: Path) -> 
         load_spec(spec_file)
 
 
+def test_a_folder_of_pickled_weights_is_refused_where_the_spec_is_read(tmp_path: Path) -> None:
+    """Workers would fail on it one by one after the launch: `validate` says it, at the field."""
+    folder = transformers_folder(tmp_path, "llama")
+    for saved in folder.glob("*.safetensors"):
+        saved.unlink()
+    (folder / "pytorch_model.bin").write_bytes(b"not read")  # torch.save's pickle: never loaded
+    spec_file = tmp_path / "job.yaml"
+    spec_file.write_text(f"name: pickled\nmodel:\n  family: llama\n  init_from: {folder}\n")
+    with pytest.raises(Exception, match=r"job.yaml:4:14: model.init_from: .* holds no model.safetensors .*"
+                                        r"pytorch_model.bin: pickle, never loaded"):
+        load_spec(spec_file)
+
+
+def test_weights_that_do_not_fit_the_model_end_the_job_at_once(tmp_path: Path) -> None:
+    """An input every retry would read again is fatal, with its reason, not a crash to retry."""
+    from jobs import warm_pool
+    from parashift.trainer.metrics import EXIT_FATAL
+    from safetensors.torch import load_file, save_file
+
+    folder = transformers_folder(tmp_path, "llama")
+    weights = load_file(str(folder / "model.safetensors"))
+    del weights["model.norm.weight"]
+    save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    base = tiny_spec("bad-weights", f"file://{tmp_path / 'store'}")
+    spec = resolve_model(JobSpec.model_validate({**base.model_dump(exclude={"model"}),
+                                                  "model": {"family": "llama", "init_from": str(folder), "seq_len": 24}}))
+    result = warm_pool().run(spec, Plan.data_parallel(2))
+    assert result.returncode == EXIT_FATAL, result
+    assert result.fatal is not None and "model.init_from" in result.fatal.message
+    assert "has no tensor model.norm.weight" in result.fatal.message
+
+
 # ---------------------------------------------------------------------------------- plans
 
 PLANS = {

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from parashift.corpus import DatasetError, TokenizerError
+from parashift.models.hub import CheckpointUnreadable
 from parashift.models.layers import token_loss_sum
 from parashift.specs import JobSpec
 from parashift.specs.plan import Plan
@@ -154,6 +155,8 @@ class Trainer:
                                              self.ckpt_group, self.device, live), None
         except CheckpointsUnusable as error:
             unusable = str(error)  # outside the handler: its traceback's frames hold the model
+        except CheckpointUnreadable as error:  # the initial weights' folder: every retry would read it again
+            unusable = f"model.init_from: {error}"
         live = None
         live_state.release()  # restored (or refused): the old state's memory goes back
         if unusable is not None:

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from parashift.models.base import ModelFamily
 from parashift.models.hf.spec import HFSpec
-from parashift.models.hub import checkpoint_weights
+from parashift.models.hub import CheckpointUnreadable, checkpoint_weights
 from parashift.models.layers import box_index, seeded_normal
 from torch import nn
 
@@ -54,7 +54,7 @@ class HFFamily(ModelFamily):
         if spec.init_from is not None:
             tensor = checkpoint_weights(spec.init_from).get(name).float()
             if tuple(tensor.shape) != tuple(shape):
-                raise ValueError(f"{spec.init_from}: {name} is {list(tensor.shape)}, the model needs {list(shape)}")
+                raise CheckpointUnreadable(f"{spec.init_from}: {name} is {list(tensor.shape)}, the model needs {list(shape)}")
             return tensor
         if len(shape) >= 2:
             std = float((spec.config or {}).get("initializer_range", 0.02))
@@ -66,7 +66,7 @@ class HFFamily(ModelFamily):
             return self.initial_value(spec, name, shape, seed)[box_index(box)]
         weights = checkpoint_weights(spec.init_from)
         if weights.shape(name) != tuple(shape):
-            raise ValueError(f"{spec.init_from}: {name} is {list(weights.shape(name))}, the model needs {list(shape)}")
+            raise CheckpointUnreadable(f"{spec.init_from}: {name} is {list(weights.shape(name))}, the model needs {list(shape)}")
         return weights.part(name, box_index(box)).float().contiguous()
 
     def initial_buffers(self, spec: HFSpec) -> dict[str, torch.Tensor]:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from parashift.models.hub import CONFIG_NAME, checkpoint_weights, read_config
+from parashift.models.hub import CONFIG_NAME, CheckpointUnreadable, checkpoint_weights, read_config
 from parashift.models.llama.spec import Llama3RopeScaling, LlamaSpec
 from parashift.specs.base import FieldIssues
 
@@ -172,7 +172,7 @@ def part_from_checkpoint(spec: LlamaSpec, name: str, shape: tuple[int, ...], ind
     weights = checkpoint_weights(spec.init_from)
     stored = weights.shape(key)
     if (stored[::-1] if transposed else stored) != tuple(shape):
-        raise ValueError(f"{spec.init_from}: {key} is {list(stored)}, the model's {name} needs {list(shape)}"
+        raise CheckpointUnreadable(f"{spec.init_from}: {key} is {list(stored)}, the model's {name} needs {list(shape)}"
                          + (" (transposed)" if transposed else ""))
     tensor = weights.part(key, index[::-1]).t() if transposed else weights.part(key, index)
     return tensor.float().contiguous()
