@@ -20,6 +20,7 @@ from parashift.specs.base import (
     _raise_if,
     _Section,
 )
+from parashift.specs.plan import Plan, pinned_plan, plan_refusals
 from parashift.specs.urls import DATA_SCHEMES, STORAGE_SCHEMES, check_url
 from pydantic import Discriminator, Field, Tag, field_validator, model_validator
 
@@ -299,8 +300,18 @@ class ResourcesSpec(_Section):
 class ParallelismSpec(_Section):
     """Limits for the parallelization planner."""
 
-    strategy: Literal["data-parallel", "auto"] = Field(
-        "data-parallel", description="'data-parallel' only, or 'auto': let the planner search all placements."
+    strategy: Literal["data-parallel", "auto", "pinned"] = Field(
+        "data-parallel", description="'data-parallel' only, 'auto': let the planner search all placements, or "
+                                     "'pinned': the plan `mesh` names (the data axis takes the devices left).",
+    )
+    mesh: dict[Literal["pp", "dp", "tp"], Annotated[int, Field(ge=1)]] | None = Field(
+        None, description="With strategy 'pinned': the plan's degrees, e.g. {dp: 4, tp: 2} (torchtitan's way of "
+                          "saying it). Their product must be resources.devices; on a change of device count tp and "
+                          "pp stay and dp takes the rest (where it cannot, the planner's choice, and the run log "
+                          "says why). The data axis is sharded (FSDP) where shard_data_parallel is true.",
+    )
+    micro_batches: int = Field(
+        1, ge=1, le=1 << 16, description="With strategy 'pinned': micro-batches per step (pipelines need >= pp).",
     )
     max_tp: int | None = Field(
         None, ge=1, description="Largest tensor-parallel degree to consider (null: any)."
@@ -338,6 +349,23 @@ class ParallelismSpec(_Section):
         "1F1B", description="torch.distributed.pipelining's schedule for plans with pipeline stages: '1F1B' holds "
                             "at most as many micro-batches in flight as there are stages, 'GPipe' all of them.",
     )
+
+    @model_validator(mode="after")
+    def _pinned_needs_a_mesh(self) -> Self:
+        if self.strategy == "pinned" and not self.mesh:
+            _raise_if([(("mesh",), "strategy 'pinned' needs the plan's mesh, e.g. {dp: 4, tp: 2}")])
+        if self.mesh and self.strategy != "pinned":
+            _raise_if([(("strategy",), f"is {self.strategy!r} but a mesh is pinned: say strategy: pinned, or "
+                                      "remove the mesh")])
+        return self
+
+    def pinned(self, devices: int) -> Plan:
+        """The pinned plan on `devices` (`specs.plan.pinned_plan`); ValueError where it cannot be."""
+        assert self.mesh is not None
+        ac = "none" if self.activation_checkpointing == "auto" else self.activation_checkpointing
+        return pinned_plan(dict(self.mesh), devices, sharded=self.shard_data_parallel, micro_batches=self.micro_batches,
+                           activation_checkpointing=ac,
+                           mixed_precision=self.mixed_precision if self.precision == "bf16" else "autocast")
 
     def plan_memory_bytes(self, device_bytes: int | None) -> int | None:
         """What the planner may fill of a device of `device_bytes` (None: unknown, unlimited):
@@ -556,5 +584,24 @@ class JobSpec(_Section):
                         "every device needs at least one sequence per step",
                     )
                 )
+        issues += self._pinned_plan_issues()
         _raise_if(issues)
         return self
+
+    def _pinned_plan_issues(self) -> list[tuple[Loc, str]]:
+        """A pinned plan that cannot run on this model, batch and device count is refused here,
+        with the trainer's reasons (those any family has; a family's own come at the launch)."""
+        par = self.parallelism
+        if par.strategy != "pinned" or not par.mesh:
+            return []
+        devices = 1
+        for degree in par.mesh.values():
+            devices *= degree
+        if devices != self.resources.devices:
+            return [(("parallelism", "mesh"), f"its degrees multiply to {devices} devices, but resources.devices is "
+                                              f"{self.resources.devices}")]
+        m = self.model
+        reasons = plan_refusals(par.pinned(devices), n_layers=max(m.n_layers, 1),
+                                n_heads=getattr(m, "n_heads", None) or 1, seq_len=m.seq_len,
+                                global_batch=self.training.global_batch, n_kv_heads=getattr(m, "n_kv_heads", None))
+        return [(("parallelism", "mesh"), f"the trainer cannot run it: {reason}") for reason in reasons]

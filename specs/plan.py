@@ -202,3 +202,60 @@ class Plan(BaseModel):
     def fully_sharded(cls, devices: int, **fields: object) -> Plan:
         """FSDP (ZeRO-3): every device a share of the batch and of the training state."""
         return cls(devices=devices, mesh={"dp": devices}, dp_shard=devices, strategy="fsdp", **fields)
+
+
+def plan_refusals(plan: Plan, *, n_layers: int, n_heads: int, seq_len: int, global_batch: int,
+                  n_kv_heads: int | None = None) -> list[str]:
+    """Why this plan cannot run on this model and batch (empty: it can): what any family's layers,
+    heads and batch allow. No processes, no torch (a pinned plan is checked where the spec is read);
+    a family adds its own reasons (`trainer.mesh.job_plan_refusals`)."""
+    reasons = list(plan.trainer_refusals)
+    tp, dp, pp = plan.degree("tp"), plan.degree("dp"), plan.degree("pp")
+    if tp > 1:
+        regions = plan.tp_regions(n_layers)
+        beyond = sorted(i for i in {*regions.attention, *regions.mlp} if i >= n_layers)
+        if beyond:
+            reasons.append(f"tensor-parallel layers {beyond} do not exist in a model of {n_layers} layers")
+        if regions.attention and n_heads % tp:
+            reasons.append(f"tensor-parallel attention needs n_heads ({n_heads}) divisible by tp ({tp})")
+        elif regions.attention and n_kv_heads is not None and n_kv_heads % tp:
+            reasons.append(f"tensor-parallel attention splits the key/value heads: n_kv_heads ({n_kv_heads}) must be "
+                           f"divisible by tp ({tp}) (grouped-query attention keeps each query head with its kv head)")
+        if regions.sequence and seq_len % tp:
+            reasons.append(f"sequence parallelism needs seq_len ({seq_len}) divisible by tp ({tp}) (DTensor cannot shard an uneven sequence)")
+    if global_batch < dp:
+        reasons.append(f"global batch {global_batch} is smaller than the data-parallel degree {dp}")
+    if pp > 1:
+        try:
+            plan.layers_per_stage(n_layers)
+        except ValueError as error:
+            reasons.append(str(error))
+        if plan.micro_batches < pp:
+            reasons.append(f"a pipeline of {pp} stages needs at least {pp} micro-batches (the plan has "
+                           f"{plan.micro_batches})")
+        base, extra = divmod(global_batch, dp)
+        for share in {base, base + 1} if extra else {base}:
+            if share % plan.micro_batches:
+                reasons.append(
+                    f"a data-parallel share of {share} samples does not split into {plan.micro_batches} equal "
+                    "pipeline micro-batches (pipelining needs equal micro-batch shapes)"
+                )
+    return reasons
+
+
+PINNED_AXES = ("pp", "dp", "tp")
+
+
+def pinned_plan(mesh: dict[str, int], devices: int, *, sharded: bool, micro_batches: int,
+                activation_checkpointing: str = "none", mixed_precision: str = "autocast") -> Plan:
+    """The user's pinned plan (`parallelism.mesh`) on `devices`: tensor and pipeline degrees as
+    pinned, the data axis taking the rest (how a pinned job re-pins after a resource change).
+    ValueError where `devices` is not a multiple of tp x pp."""
+    tp, pp = mesh.get("tp", 1), mesh.get("pp", 1)
+    if devices % (tp * pp):
+        raise ValueError(f"{devices} devices are not a multiple of the pinned tp x pp ({tp} x {pp})")
+    dp = devices // (tp * pp)
+    axes = {"pp": pp, "dp": dp, "tp": tp}
+    named = {axis: axes[axis] for axis in PINNED_AXES if axes[axis] > 1} or {"dp": 1}
+    return Plan(devices=devices, mesh=named, dp_shard=dp if sharded and dp > 1 else 1, micro_batches=micro_batches,
+                strategy="pinned", activation_checkpointing=activation_checkpointing, mixed_precision=mixed_precision)

@@ -50,6 +50,37 @@ def choose_plan(spec: JobSpec, searched: Plan, devices: int) -> Plan:
     )
 
 
+def pinned_for(spec: JobSpec, devices: int) -> tuple[Plan | None, str | None]:
+    """The spec's pinned plan re-pinned on `devices` (tp and pp as pinned, dp the rest), or why
+    it cannot be (then the planner chooses). (None, None) where nothing is pinned."""
+    par = spec.parallelism
+    if par.strategy != "pinned":
+        return None, None
+    try:
+        plan = par.pinned(devices)
+    except ValueError as error:
+        return None, f"the pinned plan {dict(par.mesh or {})} cannot be re-pinned on {devices} devices: {error}"
+    reasons = executable_reasons(spec, plan)
+    if reasons:
+        return None, (f"the pinned plan {dict(par.mesh or {})} re-pinned on {devices} devices as {plan.mesh} cannot "
+                      f"run: {'; '.join(reasons)}")
+    return plan, None
+
+
+def pinned_with_estimate(plan: Plan, profile: ModelProfile | MeasuredProfile, spec: JobSpec) -> Plan:
+    """The pinned plan with the cost model's step time and memory where it can estimate them."""
+    from parashift.planner.pinned import estimate
+
+    if isinstance(profile, MeasuredProfile):
+        return plan
+    par = spec.parallelism
+    try:
+        result = estimate(profile, plan, par.mixed_precision if par.precision == "bf16" else None)
+    except ValueError:  # a layout the estimate does not cover (HSDP): the plan runs unestimated
+        return plan
+    return plan.model_copy(update={"estimated_step_s": result.time_s, "memory_per_device_bytes": int(result.memory_bytes)})
+
+
 def with_memory_choices(spec: JobSpec, plan: Plan) -> Plan:
     """The plan with the spec's pinned memory choices: its activation checkpointing where the
     spec names one (else the planner's, 'none' for a data-parallel plan), and how bf16 compute
@@ -127,8 +158,16 @@ def plan_parallelism(spec: JobSpec, model: ModelSummary, devices: int, step: int
     if limit is not None:
         logger.info("planning within %.2f GiB of each device's %.2f GiB (%.2f GiB reserved for transient buffers)",
                     limit / 2**30, profile.device.memory_bytes / 2**30, (profile.device.memory_bytes - limit) / 2**30)
-    searched = _search(spec, profile, devices, limit)
-    plan = choose_plan(spec, searched, devices)
+    pinned, refused = pinned_for(spec, devices)
+    if pinned is not None:
+        plan = pinned_with_estimate(pinned, profile, spec)
+        searched = plan
+    else:
+        searched = _search(spec, profile, devices, limit)
+        plan = choose_plan(spec, searched, devices)
+        if refused:  # pinned, but not on this many devices: said, and the planner's choice instead
+            logger.warning(refused)
+            plan = plan.model_copy(update={"notes": [*plan.notes, refused]})
     if spec.parallelism.strategy == "auto" and step > 0:
         if isinstance(profile, MeasuredProfile):
             candidates = measured_options(profile, devices, train.global_batch, train.micro_batch, limit,

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 from parashift.models import family_of
 from parashift.specs import JobSpec
-from parashift.specs.plan import Plan
+from parashift.specs.plan import Plan, plan_refusals
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 # The mesh as built: dp split into its replicate and shard parts (rank order is unchanged:
@@ -141,40 +141,3 @@ def job_plan_refusals(plan: Plan, spec: JobSpec) -> list[str]:
         return own or plan_refusals(plan, n_layers=1, n_heads=1, seq_len=m.seq_len, global_batch=spec.training.global_batch)
     return plan_refusals(plan, n_layers=m.n_layers, n_heads=m.n_heads, seq_len=m.seq_len,
                          global_batch=spec.training.global_batch, n_kv_heads=m.n_kv_heads) + family.refusals(m, plan)
-
-
-def plan_refusals(plan: Plan, *, n_layers: int, n_heads: int, seq_len: int, global_batch: int,
-                  n_kv_heads: int | None = None) -> list[str]:
-    """Why this plan cannot run on this model and batch (empty: it can). No processes needed."""
-    reasons = list(plan.trainer_refusals)
-    tp, dp, pp = plan.degree("tp"), plan.degree("dp"), plan.degree("pp")
-    if tp > 1:
-        regions = plan.tp_regions(n_layers)
-        beyond = sorted(i for i in {*regions.attention, *regions.mlp} if i >= n_layers)
-        if beyond:
-            reasons.append(f"tensor-parallel layers {beyond} do not exist in a model of {n_layers} layers")
-        if regions.attention and n_heads % tp:
-            reasons.append(f"tensor-parallel attention needs n_heads ({n_heads}) divisible by tp ({tp})")
-        elif regions.attention and n_kv_heads is not None and n_kv_heads % tp:
-            reasons.append(f"tensor-parallel attention splits the key/value heads: n_kv_heads ({n_kv_heads}) must be "
-                           f"divisible by tp ({tp}) (grouped-query attention keeps each query head with its kv head)")
-        if regions.sequence and seq_len % tp:
-            reasons.append(f"sequence parallelism needs seq_len ({seq_len}) divisible by tp ({tp}) (DTensor cannot shard an uneven sequence)")
-    if global_batch < dp:
-        reasons.append(f"global batch {global_batch} is smaller than the data-parallel degree {dp}")
-    if pp > 1:
-        try:
-            plan.layers_per_stage(n_layers)
-        except ValueError as error:
-            reasons.append(str(error))
-        if plan.micro_batches < pp:
-            reasons.append(f"a pipeline of {pp} stages needs at least {pp} micro-batches (the plan has "
-                           f"{plan.micro_batches})")
-        base, extra = divmod(global_batch, dp)
-        for share in {base, base + 1} if extra else {base}:
-            if share % plan.micro_batches:
-                reasons.append(
-                    f"a data-parallel share of {share} samples does not split into {plan.micro_batches} equal "
-                    "pipeline micro-batches (pipelining needs equal micro-batch shapes)"
-                )
-    return reasons

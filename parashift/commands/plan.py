@@ -163,5 +163,26 @@ def plan(
     for name, t in result.baselines.items():
         mem = result.baseline_memory_bytes.get(name, 0) / 2**30
         console.print(f"  {name:>14}: {t:.4g} s ({t / step if step else float('nan'):.2f}x), {mem:.2f} GiB per device")
+    if par.strategy == "pinned" and graph is None:
+        console.print(_pinned_line(job, profile, n, step))
     for note in result.notes:
         console.print(f"  note: {note}")
+
+
+def _pinned_line(job: object, profile: ModelProfile, n: int, searched_s: float) -> str:
+    """The spec's pinned plan on `n` devices beside the planner's pick: its estimate, or why it
+    cannot run there (the job then runs the planner's pick)."""
+    from parashift.planner.pinned import estimate
+    from parashift.tasks.plan import pinned_for
+
+    plan, refused = pinned_for(job, n)  # type: ignore[arg-type]
+    if plan is None:
+        return f"  pinned: {refused}; the job runs the planner's pick"
+    par = job.parallelism  # type: ignore[attr-defined]
+    try:
+        got = estimate(profile, plan, par.mixed_precision if par.precision == "bf16" else None)
+    except ValueError as error:
+        return f"  pinned: mesh {plan.mesh} (what the job runs); no estimate: {error}"
+    ratio = got.time_s / searched_s if searched_s else float("nan")
+    return (f"  pinned: mesh {plan.mesh} (what the job runs): {got.time_s:.4g} s ({ratio:.2f}x the pick), "
+            f"{got.memory_bytes / 2**30:.2f} GiB per device")
