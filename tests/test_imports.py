@@ -117,6 +117,7 @@ def test_validating_any_familys_spec_imports_no_torch(tmp_path: Path) -> None:
     (tmp_path / "ckpt" / "config.json").write_text(json.dumps({
         "architectures": ["LlamaForCausalLM"], "num_hidden_layers": 1, "hidden_size": 32, "num_attention_heads": 2,
         "intermediate_size": 64, "vocab_size": 256}))
+    (tmp_path / "ckpt" / "model.safetensors").write_bytes(b"")  # named, not read, where a spec is read
     spec = tmp_path / "job.yaml"
     spec.write_text(f"name: job\nmodel: {{family: llama, init_from: {tmp_path / 'ckpt'}}}\n")
     code = ("import sys; from parashift.specs import load_spec; s = load_spec(sys.argv[1]); assert s.model.d_model == 32; "
