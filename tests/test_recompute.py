@@ -15,11 +15,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from jobs import final_state, mesh_plan, run, tiny_spec
+from jobs import checkpoint_store, final_state, mesh_plan, run, tiny_spec
+from parashift.models.layers import box_index
 from parashift.specs import JobSpec
 from parashift.specs.loader import resolve_model
 from parashift.specs.plan import Plan
+from parashift.trainer.checkpoint import restore_latest
+from parashift.trainer.layout import state_layout
 from parashift.trainer.recompute import SAVED_OPS, checkpoint_layer
+from parashift.trainer.state import rng_state_bytes
 from torch import nn
 
 pytestmark = pytest.mark.slow
@@ -119,7 +123,8 @@ def test_a_checkpoint_moves_exactly_between_checkpointing_precision_and_plans(tm
     """Saved at step 10 under FSDP 2 with bf16 parameters (FSDP2's policy) and full
     checkpointing: the state is fp32, named and shaped as without either. Restored from two
     copies of that checkpoint, under tp 2 with selective checkpointing and under one process
-    without, in fp32: steps 11-20 agree, so both restored the same state."""
+    without, in fp32: each tp rank's restore is its box of the saved tensors bit for bit, and
+    steps 11-20 agree, so both restored the same state."""
     spec = job("moves", tmp_path, "llama", precision="bf16", mixed_precision="fsdp")
     run(spec, with_ac(Plan.fully_sharded(2, mixed_precision="fsdp"), "full"), until_step=10)
     saved = final_state(spec, 10)
@@ -129,6 +134,18 @@ def test_a_checkpoint_moves_exactly_between_checkpointing_precision_and_plans(tm
     assert saved.keys() == expected.keys()
     for name, tensor in saved.items():
         assert tensor.dtype == expected[name].dtype and tensor.shape == expected[name].shape, name
+    # Bitwise: what each rank of the other plan reads back (the workers' own restore) is its box
+    # of the saved tensors, byte for byte.
+    other = with_ac(mesh_plan({"tp": 2}), "selective")
+    layout = state_layout(other, spec.model, rng_state_bytes(torch.device("cpu")))
+    for rank in range(other.devices):
+        restored = restore_latest(checkpoint_store(spec), layout, rank)
+        assert restored is not None and restored.step == 10
+        boxes = {n: t for n, t in restored.tensors.items() if n in saved}
+        assert boxes and any(box.numel() < saved[name].numel() for name, box in boxes.items())  # tp splits some
+        for name, box in boxes.items():
+            want = saved[name][box_index(layout.tensors[name].holders[rank])]
+            assert box.dtype == want.dtype and torch.equal(box, want.reshape(box.shape)), name
     shutil.copytree(tmp_path / "store", tmp_path / "copy")
     fp32 = {"precision": "fp32"}
     tp = job("moves", tmp_path, "llama", **fp32)
