@@ -314,7 +314,7 @@ def _pipelined(spec: CandidateSpec, bound: float | None) -> Candidate | None:
     name = "pase-dp+pipeline" if ctx.method == "dp" else "exhaustive+pipeline"
     return Candidate(name, spec.pp, spec.dp, spec.tp, spec.m, results, time_s, memory, spec.notes(),
                      proven=all(r.proven for r in results),
-                     bound_s=ctx.share * max(r.bound for r in results) + spec.boundary)
+                     bound_s=ctx.share * max(r.bound for r in results) + spec.boundary, boundary_s=spec.boundary)
 
 
 def evaluate(spec: CandidateSpec) -> Candidate:

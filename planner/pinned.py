@@ -45,22 +45,32 @@ def estimate(profile: ModelProfile, plan: Plan, mixed_precision: str | None = No
     pipeline's step). ValueError for an HSDP plan."""
     if 1 < plan.dp_shard < plan.degree("dp"):
         raise ValueError("estimate covers plans with the data axis replicated or fully sharded")
-    graph = profile.graph if mixed_precision is None else with_precision(profile.graph, mixed_precision)
-    graph = checkpointed(graph, plan.activation_checkpointing)
+    base = profile.graph if mixed_precision is None else with_precision(profile.graph, mixed_precision)
     m, pp = plan.micro_batches, plan.degree("pp")
-    if m > 1:
-        size = graph.ops[0].dims[graph.batch_dim] // m
-        graph = graph.model_copy(update={"ops": [graph.op_with_batch(op, size) for op in graph.ops]})
-    mesh = named_mesh(plan.degree("dp"), plan.degree("tp"), profile.comm.devices_per_node, graph.batch_dim,
+    mesh = named_mesh(plan.degree("dp"), plan.degree("tp"), profile.comm.devices_per_node, base.batch_dim,
                       shard_dp=plan.dp_shard > 1)
-    costs = CostModel(graph, profile.device, profile.comm, mesh)
     weights = Weights.schedule(pp, m, plan.reshard_after_forward)
+    by_mode: dict[str, tuple[Graph, CostModel]] = {}
+
+    def costed(mode: str) -> tuple[Graph, CostModel]:
+        """The whole graph as `mode` checkpoints it, at the micro-batch size, with its costs."""
+        if mode not in by_mode:
+            graph = checkpointed(base, mode)
+            if m > 1:
+                size = graph.ops[0].dims[graph.batch_dim] // m
+                graph = graph.model_copy(update={"ops": [graph.op_with_batch(op, size) for op in graph.ops]})
+            by_mode[mode] = graph, CostModel(graph, profile.device, profile.comm, mesh)
+        return by_mode[mode]
+
     if pp == 1:
+        graph, costs = costed(plan.ac_of_stage(0))
         return stage_result(graph, costs, _megatron_assign(graph, costs), weights, 0.0)
+    graph, _ = costed(plan.ac_of_stage(0))
     blocks = block_order(graph)
     counts = [len(layers) for layers in plan.layers_per_stage(len(blocks))]
     results = []
-    for names in stage_ops(graph, blocks, counts):
-        sub = graph.subgraph(names)
-        results.append(stage_result(sub, costs, _megatron_assign(sub, costs), weights, 0.0))
+    for s, names in enumerate(stage_ops(graph, blocks, counts)):
+        whole, costs = costed(plan.ac_of_stage(s))
+        sub = whole.subgraph(names)
+        results.append(stage_result(sub, costs, _megatron_assign(sub, costs), weights.of_stage(s, pp, m), 0.0))
     return results[stage] if stage is not None else max(results, key=lambda r: r.memory_bytes)

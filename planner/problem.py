@@ -15,6 +15,7 @@ a layer's attention group adds nothing the layer's edges do not already connect.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -62,6 +63,12 @@ class Weights:
             gathers = float(m * (2 if reshard_after_forward else 1))
             holds_weights, holds_grads = not reshard_after_forward, m > 1
         return cls(weight, float(min(m, pp)), gathers, holds_weights, holds_grads, reshard_after_forward, pp > 1)
+
+    def of_stage(self, stage: int, pp: int, micro_batches: int) -> Weights:
+        """The same weights for pipeline stage `stage` as 1F1B runs it: it holds min(m, pp - stage)
+        micro-batches' activations at once (the first stage the most, the last one). The search
+        charges every stage the first's (`schedule`): a bound, where this is each stage's own."""
+        return dataclasses.replace(self, inflight=float(min(micro_batches, pp - stage)))
 
     def compute(self, c: OpCost) -> np.ndarray:
         """Seconds of compute per step, per configuration."""

@@ -30,6 +30,7 @@ from parashift.planner.costs import CostModel
 from parashift.planner.execution import executable
 from parashift.planner.graph import Graph
 from parashift.planner.outer import branch_and_bound, enumerate_specs, evaluate_all
+from parashift.planner.pipeline import step_time
 from parashift.planner.problem import UNPIPELINED, tie_factors
 from parashift.planner.profile import ModelProfile, profile_graph
 from parashift.planner.stage import (
@@ -119,6 +120,8 @@ def to_plan(best: Candidate, devices: int, base: dict[str, Candidate | None], li
     if not feasible:
         notes.append(f"no strategy fits {limit / 2**30:.1f} GiB per device")
     proven, lower = optimality(best, searched, limit) if feasible and searched is not None else (None, None)
+    if best.stage_ac:  # outside the searched space (one mode per candidate): its optimality is not claimed
+        proven, lower = None, None
     if proven is False and lower is not None:
         notes.append(f"not proven optimal (a stage's search stopped at its budget, or its DP ran relaxed on a "
                      f"graph too wide to solve whole); every fitting plan takes "
@@ -129,12 +132,51 @@ def to_plan(best: Candidate, devices: int, base: dict[str, Candidate | None], li
         devices=devices, mesh=mesh, dp_shard=best.dp if sharded else 1, placements=placements,
         reshard_after_forward=not sharded or best.stages[0].weights.reshard_after_forward,
         micro_batches=best.micro_batches, activation_checkpointing=best.activation_checkpointing,
+        stage_activation_checkpointing=best.stage_ac,
         estimated_step_s=best.time_s, memory_per_device_bytes=int(best.memory_bytes), strategy=best.name,
         baselines={k: c.time_s for k, c in base.items() if c is not None},
         baseline_memory_bytes={k: int(c.memory_bytes) for k, c in base.items() if c is not None},
         stages=stages if len(stages) > 1 else [], feasible=feasible, notes=notes,
         proven_optimal=proven, lower_bound_s=lower,
     ), graph)
+
+
+def per_stage_ac(profile: ModelProfile, best: Candidate, ac_modes: tuple[str, ...], limit: float | None) -> Candidate:
+    """A pipeline whose stages each take the fastest checkpointing that fits, keeping the
+    search's per-op layout: under 1F1B stage s holds min(m, pp - s) micro-batches' activations
+    (the search charges every stage the first's, a bound), so a limit that only the first
+    stages strain needs checkpointing there alone. `best` itself where no stage gains (or
+    nothing is pipelined); the search's uniform choice is one of the combinations tried, and
+    each stage's memory here is at most what the search charged, so the result is never slower
+    and still fits."""
+    if best.pp == 1 or len(ac_modes) < 2 or not best.stages:
+        return best
+    first = best.stages[0].graph
+    size = first.ops[0].dims[first.batch_dim]
+    wholes: dict[str, Graph] = {}
+    for mode in ac_modes:
+        whole = checkpointed(profile.graph, mode)
+        wholes[mode] = whole.model_copy(update={"ops": [whole.op_with_batch(op, size) for op in whole.ops]})
+    stages, modes = [], []
+    for s, st in enumerate(best.stages):
+        names = [op.name for op in st.graph.ops]
+        weights = st.weights.of_stage(s, best.pp, best.micro_batches)  # 1F1B: the later stages hold fewer
+        options = []
+        for mode in ac_modes:
+            costs = CostModel(wholes[mode], profile.device, profile.comm, st.mesh)
+            options.append((mode, stage_result(wholes[mode].subgraph(names), costs, st.assign, weights, 0.0)))
+        fitting = [o for o in options if limit is None or o[1].memory_bytes <= limit]
+        mode, result = min(fitting, key=lambda o: o[1].time_s) if fitting else (best.activation_checkpointing, st)
+        stages.append(result)
+        modes.append(mode)
+    time_s = step_time(stages, best.micro_batches, best.boundary_s, profile.device.core_share)
+    if len(set(modes)) == 1 or time_s >= best.time_s * (1 - 1e-9):
+        return best
+    note = ("activation checkpointing chosen per pipeline stage after the search, with its per-op layout kept: "
+            + ", ".join(f"stage {s} {mode}" for s, mode in enumerate(modes)))
+    return Candidate(best.name, best.pp, best.dp, best.tp, best.micro_batches, stages, time_s,
+                     max(r.memory_bytes for r in stages), [*best.notes, note], proven=False, bound_s=None,
+                     activation_checkpointing=modes[0], boundary_s=best.boundary_s, stage_ac=modes)
 
 
 def optimality(best: Candidate, searched: list[Candidate], limit: float | None) -> tuple[bool, float]:
@@ -182,7 +224,8 @@ def plan_model(source: ModelProfile | Graph, devices: int, memory_limit_bytes: i
     pool += [c for c in base.values() if c is not None]
     fitting = [c for c in pool if c.fits(limit)]
     if fitting:
-        return to_plan(min(fitting, key=lambda c: c.time_s), devices, base, limit, profile.graph, pool)
+        best = per_stage_ac(profile, min(fitting, key=lambda c: c.time_s), ac_modes, limit)
+        return to_plan(best, devices, base, limit, profile.graph, pool)
     # Nothing fits: say so, and return the layout closest to fitting (least memory, then time),
     # with the memory it needs (feasible=False). Searched with the limit, every stage that cannot
     # fit is its least-memory assignment; the bound on weights skips no mesh here.

@@ -82,6 +82,8 @@ class Candidate:
     proven: bool = True
     bound_s: float | None = None
     activation_checkpointing: str = "none"  # of the space it was found in
+    boundary_s: float = 0.0  # a pipeline's sends across stage boundaries per step
+    stage_ac: list[str] = field(default_factory=list)  # per stage, where chosen per stage (search.per_stage_ac)
 
     def lower_bound_s(self) -> float:
         return self.time_s if self.proven or self.bound_s is None else min(self.bound_s, self.time_s)

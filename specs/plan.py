@@ -117,6 +117,10 @@ class Plan(BaseModel):
     activation_checkpointing: ActivationCheckpointing = Field(
         default="none", description="what each decoder layer keeps for backward: everything (none), matmul, "
                                     "attention and collective outputs (selective), or its input only (full)")
+    stage_activation_checkpointing: list[ActivationCheckpointing] = Field(
+        default_factory=list, description="per pipeline stage, where the stages differ (the first stage holds the "
+                                          "most micro-batches in flight under 1F1B); empty: every stage runs "
+                                          "activation_checkpointing")
     mixed_precision: MixedPrecision = Field(
         default="autocast", description="with bf16 compute: autocast over fp32 parameters, or FSDP2's policy "
                                         "(bf16 parameters, fp32 gradient reduction and master state)")
@@ -159,7 +163,15 @@ class Plan(BaseModel):
             flat = [i for stage in self.stage_layers for i in stage]
             if any(not stage for stage in self.stage_layers) or flat != list(range(len(flat))):
                 raise ValueError(f"pipeline stages must hold contiguous, non-empty runs of layers from 0; got {self.stage_layers}")
+        if self.stage_activation_checkpointing and len(self.stage_activation_checkpointing) != self.degree("pp"):
+            raise ValueError(f"{len(self.stage_activation_checkpointing)} stage checkpointing modes for a pp degree "
+                             f"of {self.degree('pp')}")
         return self
+
+    def ac_of_stage(self, stage: int) -> str:
+        """The activation checkpointing pipeline stage `stage` runs."""
+        return self.stage_activation_checkpointing[stage] if self.stage_activation_checkpointing \
+            else self.activation_checkpointing
 
     def degree(self, axis: str) -> int:
         """Size of a mesh axis; 1 when the plan does not use it."""

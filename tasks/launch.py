@@ -46,7 +46,9 @@ def plan_label(plan: Plan) -> str:
     parts = [" x ".join(f"{axis} {n}" for axis, n in plan.mesh.items())]
     if plan.dp_shard > 1:
         parts.append(f"FSDP over {plan.dp_shard}")
-    if plan.activation_checkpointing != "none":
+    if plan.stage_activation_checkpointing:
+        parts.append("AC per stage " + "/".join(plan.stage_activation_checkpointing))
+    elif plan.activation_checkpointing != "none":
         parts.append(f"{plan.activation_checkpointing} AC")
     if plan.mixed_precision == "fsdp" and plan.degree("dp") > 1:
         parts.append("bf16 parameters")

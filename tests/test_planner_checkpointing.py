@@ -86,3 +86,27 @@ def test_fsdp_mixed_precision_gathers_bf16_and_keeps_no_autocast_copies() -> Non
     prof = profile_gpt(4, 1024, 8, 8192, 256, 16, "cuda")
     by = {mp: plan_model(prof, 8, None, max_tp=1, max_pp=1, mixed_precision=mp) for mp in ("autocast", "fsdp")}
     assert by["fsdp"].baseline_memory_bytes["fsdp"] < by["autocast"].baseline_memory_bytes["fsdp"]
+
+
+def test_pipeline_stages_take_their_own_checkpointing_where_only_the_first_is_short() -> None:
+    """Under 1F1B the first stage holds the most micro-batches: at a limit only it strains, the
+    planner checkpoints that stage alone (after its search, the per-op layout kept), never
+    slower than one mode for every stage, and still within the limit by the estimate of each
+    stage as it runs (planner.pinned)."""
+    from parashift.models import family_of
+    from parashift.planner.pinned import estimate
+    from parashift.planner.profile import profile_graph
+    from parashift.specs import JobSpec
+
+    model = {"family": "llama", "n_layers": 8, "d_model": 2048, "n_heads": 16, "n_kv_heads": 8, "ffn_dim": 5632,
+             "vocab_size": 32000, "seq_len": 2048}
+    m = JobSpec.model_validate({"name": "x", "model": model, "training": {"global_batch": 16}}).model
+    profile = profile_graph(family_of(m).graph(m, 16, "fp32"), "cuda")
+    limit = 6 * 2**30
+    plan = plan_model(profile, 2, limit, max_tp=1, ac_modes=AC_MODES, shard_dp=False)
+    assert plan.mesh == {"pp": 2} and plan.stage_activation_checkpointing == ["selective", "none"], plan
+    assert plan.proven_optimal is None and any("per pipeline stage" in note for note in plan.notes)
+    uniform = plan_model(profile, 2, limit, max_tp=1, ac_modes=("selective",), shard_dp=False)
+    assert plan.estimated_step_s <= uniform.estimated_step_s
+    for stage in (0, 1):
+        assert estimate(profile, plan, stage=stage).memory_bytes <= limit

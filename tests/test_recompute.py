@@ -82,6 +82,27 @@ def test_checkpointed_layers_train_exactly_as_kept_ones(model: str, kind: str, t
             assert abs(got - want) <= 1e-6 * abs(want), f"{mode}, step {step}: {got} vs {want}"
 
 
+def test_pipeline_stages_checkpointing_differently_train_exactly_as_without(tmp_path: Path) -> None:
+    """A plan whose first stage checkpoints fully and whose second keeps everything (what the
+    planner picks where only the first stage, holding the most micro-batches, is short of
+    memory): each stage executes its own mode, and the losses are the run without checkpointing's."""
+    plain = run(job("stages-none", tmp_path / "none", "gpt"), mesh_plan({"pp": 2}, micro_batches=2))
+    mixed_plan = mesh_plan({"pp": 2}, micro_batches=2, stage_activation_checkpointing=["full", "none"])
+    assert (mixed_plan.ac_of_stage(0), mixed_plan.ac_of_stage(1)) == ("full", "none")
+    mixed = run(job("stages-mixed", tmp_path / "mixed", "gpt"), mixed_plan)
+    want, got = [e.loss for e in plain.steps], [e.loss for e in mixed.steps]
+    assert len(got) == 20
+    for step, (a, b) in enumerate(zip(got, want, strict=True), 1):
+        assert abs(a - b) <= 1e-6 * abs(b), f"step {step}: {a} vs {b}"
+    # each stage ran its own mode: the first holds less than without checkpointing, the second the same
+    from parashift.trainer.memory_probe import measure_step_peak
+
+    spec = job("stages-probe", tmp_path / "probe", "gpt")
+    peaks = {name: [measure_step_peak(spec, plan, rank=r, fake=False)["activations"] for r in (0, 1)]
+             for name, plan in (("none", mesh_plan({"pp": 2}, micro_batches=2)), ("mixed", mixed_plan))}
+    assert peaks["mixed"][0] < peaks["none"][0] and peaks["mixed"][1] == peaks["none"][1], peaks
+
+
 def test_selective_checkpointing_keeps_matmul_outputs_and_recomputes_the_rest() -> None:
     """The policy itself, on one layer: under selective checkpointing, autograd keeps the
     layer's input and the outputs of its GEMMs, fewer bytes than without; under full, only the

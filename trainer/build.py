@@ -92,7 +92,7 @@ def build(spec: JobSpec, plan: Plan, dims: ParallelDims, coords: Coordinates, me
     regions = plan.tp_regions(n_layers)
     module = build_stage(model, family, plan, n_layers, coords.pp_rank) if dims.pp > 1 else model
     runnable = parallelize(module, family, plan, mesh, regions, device, compile=spec.parallelism.compile,
-                           precision=spec.parallelism.precision)
+                           precision=spec.parallelism.precision, stage=coords.pp_rank)
 
     def initial_part(name: str, shape: tuple[int, ...], box: Slice) -> torch.Tensor:
         return family.initial_part(m, name, shape, box, spec.training.seed)

@@ -219,10 +219,9 @@ def _pipelined_step(spec: JobSpec, built: Built, feeds: list[tuple[torch.Tensor,
     its peers). 1F1B runs min(micro-batches, pp - stage) forwards before the first backward
     (GPipe all of them); under FSDP2 (fully_shard or replicate) each backward runs as
     torch.distributed.pipelining runs it, unsynced and unresharded, and the gradients are
-    reduced once at the end by pipelining's own `perform_reduce_grad`. The last stage's
-    outputs (logits) are returned: `PipelineRunner.step` leaves the schedule's `return_outputs`
-    at True, so the stage keeps every micro-batch's logits until the next step and concatenates
-    them once after the last backward (a real pipeline's peak matched only with them)."""
+    reduced once at the end by pipelining's own `perform_reduce_grad`. The last stage keeps no
+    micro-batch's logits past its backward: `PipelineRunner.step` asks for no outputs
+    (`return_outputs=False`). Returns what outlives the step (nothing)."""
     last = coords.pp_rank == dims.pp - 1
     schedule = spec.parallelism.pp_schedule
     in_flight = len(feeds) if schedule == "GPipe" else min(len(feeds), dims.pp - coords.pp_rank)
@@ -242,14 +241,12 @@ def _pipelined_step(spec: JobSpec, built: Built, feeds: list[tuple[torch.Tensor,
         output.backward(None if last else grad)
         sent[0], inputs.grad = inputs.grad, None
 
-    outputs: list[torch.Tensor] = []
     held: torch.Tensor | None = None
     for i, (call, (inputs, target)) in enumerate(zip(calls, feeds, strict=True)):
         if inputs.is_floating_point():  # a received activation: its gradient goes back
             inputs = inputs.detach().requires_grad_(True)
         output = call(inputs)
         if last:
-            outputs.append(output.detach())
             output = token_loss_sum(output, target) * scale
         elif i == in_flight - 2:  # its send's Work holds it until 1F1B's last forward is done
             held = output
@@ -263,6 +260,4 @@ def _pipelined_step(spec: JobSpec, built: Built, feeds: list[tuple[torch.Tensor,
         from torch.distributed.pipelining.stage import _PipelineStageBase
 
         _PipelineStageBase.perform_reduce_grad(types.SimpleNamespace(submod=module), 1)  # type: ignore[arg-type]
-    if outputs:
-        torch.cat(outputs)  # the schedule's merged output, which PipelineRunner drops
-    return outputs
+    return []

@@ -217,16 +217,17 @@ def apply_dp(model: nn.Module, family: ModelFamily, plan: Plan, mesh: DeviceMesh
 
 
 def parallelize(model: nn.Module, family: ModelFamily, plan: Plan, mesh: DeviceMesh, regions: TensorParallel,
-                device: torch.device, compile: bool = False, precision: str = "fp32") -> nn.Module:
+                device: torch.device, compile: bool = False, precision: str = "fp32", stage: int = 0) -> nn.Module:
     """The Plan applied to a family's `model` (or a pipeline stage of it, on `device` or still on
     the meta device): TP -> activation checkpointing -> compile -> data parallel (with FSDP2's
-    mixed precision where `fsdp_mixed_precision`). Returns the module to call; parameters keep
-    their names (checkpoints rely on that)."""
+    mixed precision where `fsdp_mixed_precision`). `stage`: the pipeline stage `model` is (its
+    checkpointing mode). Returns the module to call; parameters keep their names (checkpoints
+    rely on that)."""
     if plan.degree("tp") > 1:
         apply_tp(model, family, mesh["tp"], regions)
         if any(m.p > 0 for m in model.modules() if isinstance(m, nn.Dropout)):
             apply_dropout_streams(model, family, mesh["tp"].get_local_rank(), regions, device)
-    apply_ac([layer for _, layer in family.layers(model)], plan.activation_checkpointing)
+    apply_ac([layer for _, layer in family.layers(model)], plan.ac_of_stage(stage))
     if compile:
         for _, layer in family.layers(model):
             layer.compile()  # per layer, as torchtitan does: small graphs, shared across layers

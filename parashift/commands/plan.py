@@ -149,8 +149,10 @@ def plan(
     console.print(f"estimated step: {step:.4g} s ({result.strategy}), "
                   f"memory {result.memory_per_device_bytes / 2**30:.2f} GiB per device"
                   + ("" if result.feasible else " [red](over the limit)[/red]"))
-    console.print(f"  activation checkpointing: {result.activation_checkpointing}; bf16 by {par.mixed_precision}"
-                  if par.precision == "bf16" else f"  activation checkpointing: {result.activation_checkpointing}")
+    chosen = (", ".join(f"stage {s} {mode}" for s, mode in enumerate(result.stage_activation_checkpointing))
+              if result.stage_activation_checkpointing else result.activation_checkpointing)
+    console.print(f"  activation checkpointing: {chosen}; bf16 by {par.mixed_precision}"
+                  if par.precision == "bf16" else f"  activation checkpointing: {chosen}")
     other = "none" if result.activation_checkpointing != "none" else "selective"
     alternative = _solve(exhaustive_search if exhaustive else plan_model, profile, n, par, label, exhaustive, (other,))
     console.print(f"  with {other} checkpointing instead: mesh {alternative.mesh}, {alternative.estimated_step_s or 0:.4g} s, "
