@@ -117,7 +117,8 @@ def test_the_embedded_api_may_start_slower_than_prefects_default(tmp_path: Path)
     first `parashift run` failed "Timed out while attempting to connect". Simulated here: the API
     server's process (the one Prefect marks PREFECT__SERVER_EPHEMERAL) sleeps 25 s before it
     starts, no startup timeout in the environment; the run gets through to its flow, which
-    refuses the job at once (this test holds the job's storage lease), not a timeout."""
+    refuses the job at once (this test holds the job's storage lease), not a timeout. The
+    terminal gets that reason and the log file's path, no traceback."""
     from parashift.storage import ObjectStore
     from parashift.storage.lease import JobLease
 
@@ -142,6 +143,11 @@ def test_the_embedded_api_may_start_slower_than_prefects_default(tmp_path: Path)
     output = done.stdout + done.stderr
     assert "Timed out" not in output, output[-3000:]
     assert done.returncode == 1 and "job slow-api is already running" in output, output[-3000:]
+    # Without -v: the reason and where the whole log is, no traceback; the file has the rest.
+    assert "Traceback" not in output, output[-3000:]
+    log = re.search(r"full log: (\S+)", output)
+    assert log is not None, output[-3000:]
+    assert "already running" in (tmp_path / log.group(1)).read_text()
 
 
 def test_s3_credentials_come_from_a_prefect_secret_block(

@@ -15,8 +15,25 @@ def _prefect_defaults(verbose: bool) -> None:
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     # The ephemeral API gives up after 20 s by default, which a busy 2-core machine exceeds (measured).
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
-    if not verbose:  # the run log still has everything; the terminal shows progress and the summary
-        os.environ.setdefault("PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL", "WARNING")
+    if not verbose:  # the log file has everything (`_log_to_file`); the terminal shows progress and the outcome
+        os.environ.setdefault("PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL", "CRITICAL")
+
+
+def _log_to_file(job: str) -> Path:
+    """Every line of the run's log (the flow's, its tasks', the workers' relayed output) into
+    `.parashift/logs/` of the working directory: without -v the terminal shows progress and one
+    line of outcome, and a failure says where the rest is."""
+    import logging
+    import time
+
+    folder = Path(".parashift") / "logs"
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{job}-{time.strftime('%Y%m%d-%H%M%S')}.log"
+    handler = logging.FileHandler(path, encoding="utf-8")
+    handler.setLevel(logging.INFO)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.getLogger().addHandler(handler)  # Prefect's run loggers propagate to the root's handlers
+    return path
 
 
 def run(
@@ -45,6 +62,7 @@ def run(
     from parashift.tasks.launch import stop_on_signals
     from parashift.trainer.events import StartEvent, StepEvent, WorkerEvent
 
+    log_path = _log_to_file(spec.name)
     console = Console(soft_wrap=True)
     stop_on_signals(lambda name: console.print(f"[bold yellow]{name}[/]: stopping at the next step boundary "
                                                "(again to stop at once)"))
@@ -71,8 +89,7 @@ def run(
         except Exception as error:  # noqa: BLE001 - the run log has the trace; the terminal gets the reason
             bar.stop()
             console.print(f"[bold red]failed[/]: {error}")
-            if not verbose:
-                console.print("  (the flow run's log in Prefect has every line; run with -v to see it here)")
+            console.print(f"  full log: {log_path}" + ("" if verbose else " (or run with -v to see it here)"))
             raise typer.Exit(1) from None
         finally:
             progress_events.remove_listener(on_event)
@@ -96,3 +113,4 @@ def run(
     if summary.metrics_url:
         console.print(f"  metrics       tensorboard --logdir {summary.metrics_url}")
     console.print(f"  checkpoint    {summary.checkpoint_url}")
+    console.print(f"  log           {log_path}")
