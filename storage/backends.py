@@ -532,23 +532,31 @@ class _DirectWrites:
         if fd < 0:
             fd = os.open(tmp, flags, 0o666)
         buffer = mmap.mmap(-1, cls.BUFFER)  # anonymous: page aligned
+        failure: OSError | None = None
         try:
             with memoryview(buffer) as view:
                 filled = written = 0
-                for part in parts:
-                    part = memoryview(part).cast("B")
-                    while part:
-                        n = min(len(part), cls.BUFFER - filled)
-                        view[filled : filled + n] = part[:n]
-                        filled, part = filled + n, part[n:]
-                        if filled == cls.BUFFER:
-                            written += cls._flush(fd, view)
-                            filled = 0
-                if filled:
-                    padded = -(-filled // cls.BLOCK) * cls.BLOCK
-                    cls._flush(fd, view[:padded])
-                    written += filled
-                    os.ftruncate(fd, written)
+                try:
+                    for part in parts:
+                        part = memoryview(part).cast("B")
+                        while part:
+                            n = min(len(part), cls.BUFFER - filled)
+                            view[filled : filled + n] = part[:n]
+                            filled, part = filled + n, part[n:]
+                            if filled == cls.BUFFER:
+                                written += cls._flush(fd, view)
+                                filled = 0
+                    if filled:
+                        padded = -(-filled // cls.BLOCK) * cls.BLOCK
+                        cls._flush(fd, view[:padded])
+                        written += filled
+                        os.ftruncate(fd, written)
+                except OSError as error:
+                    # Its traceback's frames hold slices of `view`: releasing the view would then
+                    # raise BufferError in place of the write's own error (a full disk, say).
+                    failure = error.with_traceback(None)
+            if failure is not None:
+                raise failure
             os.fsync(fd)
             return written
         finally:

@@ -119,3 +119,35 @@ def test_reader_killed_during_a_restore(reference, tmp_path: Path) -> None:
     resumed = run_to_end(spec)
     assert resumed.start is not None and resumed.start.step == 4 and resumed.final_step == 8
     assert_bitwise_equal(final_state(spec), reference)
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path):  # noqa: ANN201 - a generator fixture
+    """A 2.5 MB tmpfs: room for one checkpoint of the job below, not two (needs root)."""
+    folder = tmp_path / "small-disk"
+    folder.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2500k", "tmpfs", str(folder)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
+    try:
+        yield folder
+    finally:
+        subprocess.run(["umount", "-l", str(folder)], check=False)  # lazily: warm workers may hold a file open
+
+
+def test_a_full_disk_ends_the_job_with_its_reason_and_keeps_the_last_commit(small_disk: Path) -> None:
+    """The save of step 10 finds no space: the job ends at once (a retry would write into the
+    same full disk) saying so, with the store and the last committed step, which stays whole."""
+    from jobs import warm_pool
+    from parashift.trainer.metrics import EXIT_FATAL
+
+    spec = tiny_spec("full-disk", f"file://{small_disk}/store",
+                     model={"n_layers": 2, "d_model": 64, "n_heads": 2, "vocab_size": 256, "seq_len": 32},
+                     training={"global_batch": 8, "micro_batch": 4, "steps": 20, "checkpoint_every": 5})
+    result = warm_pool().run(spec, Plan.data_parallel(2))
+    assert result.returncode == EXIT_FATAL, result
+    assert result.fatal is not None
+    assert result.fatal.message == (f"no space left on device writing checkpoint 10 to file://{small_disk}/store; "
+                                    "the last committed step is 5")
+    assert checkpoint_store(spec).latest().step == 5
+    assert final_state(spec, 5)  # its every object reads back (checksums verified)

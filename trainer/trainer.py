@@ -38,6 +38,7 @@ from parashift.trainer.checkpoint import (
     restore_totals,
 )
 from parashift.trainer.checkpoint import live as live_state
+from parashift.trainer.checkpoint.saver import failed_write
 from parashift.trainer.control import StopRequests, may_leave
 from parashift.trainer.data import DataPosition, SampleLog
 from parashift.trainer.distributed import end_distributed, init_distributed, where_ranks_run
@@ -218,10 +219,19 @@ class Trainer:
         except DatasetError as error:  # a damaged shard, found as this rank read it: no retry can fix it
             metrics.emit(FatalEvent(message=f"data: {error}"))
             os._exit(metrics.EXIT_FATAL)  # the other ranks wait in a collective; torchrun ends them
-        except BaseException:
+        except BaseException as error:
             # A peer died, say. The save in flight must change nothing after this: a warm worker
             # goes on to serve the job's recovery, which may write the same step again.
             self.checkpointer.abandon()
+            full = failed_write(error)
+            if full is not None and full.no_space:  # every retry would write into the same full disk
+                committed = max(self.checkpoints.manifest_steps(), default=None)
+                metrics.emit(FatalEvent(message=f"no space left on device writing checkpoint {full.step} to "
+                                                f"{self.spec.storage.url}; the last committed step is "
+                                                f"{committed if committed is not None else 'none'}"))
+                if self.warm is not None:  # the pool's process serves on: the job ends with this code
+                    raise SystemExit(metrics.EXIT_FATAL) from None
+                os._exit(metrics.EXIT_FATAL)  # the other ranks wait in a collective; torchrun ends them
             if self.warm is not None:
                 self.warm.after_failure(self.built, self.layout, self.save, self.where)
             raise

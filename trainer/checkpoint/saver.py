@@ -14,6 +14,7 @@ started writing the same step.
 from __future__ import annotations
 
 import contextlib
+import errno
 import itertools
 import logging
 import threading
@@ -107,6 +108,38 @@ class SaveReport:
     bytes_written: int = 0
     write_s: float = 0.0
     url: str | None = None
+
+
+NO_SPACE = "no space left on device: "  # how a rank tells rank 0 its save found the disk full
+
+
+class CheckpointWriteFailed(StorageError):
+    """A save of step `step` that committed nothing; `no_space`: because the store's disk is
+    full (a retry would write into the same full disk)."""
+
+    def __init__(self, step: int, message: str, no_space: bool = False) -> None:
+        super().__init__(message)
+        self.step, self.no_space = step, no_space
+
+
+def out_of_space(error: BaseException | None) -> bool:
+    """Whether `error` or anything that caused it is a full disk or an exceeded quota."""
+    seen = 0
+    while error is not None and seen < 20:
+        if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        error, seen = error.__cause__ or error.__context__, seen + 1
+    return False
+
+
+def failed_write(error: BaseException | None) -> CheckpointWriteFailed | None:
+    """The failed save in `error`'s chain, if a failed save is what it is."""
+    seen = 0
+    while error is not None and seen < 20:
+        if isinstance(error, CheckpointWriteFailed):
+            return error
+        error, seen = error.__cause__ or error.__context__, seen + 1
+    return None
 
 
 class Checkpointer:
@@ -372,18 +405,22 @@ class Checkpointer:
             consumed.set()  # written (or failed): the loop may change its tensors again
         if self._abandoned.is_set():  # no gather: the peers may be gone
             raise SaveAbandoned(f"rank {self.rank}: save of step {step} abandoned")
-        mine = (repr(error) if error else None, obj.model_dump() if obj else None, [r.model_dump() for r in records], kept)
+        said = None if error is None else (NO_SPACE if out_of_space(error) else "") + repr(error)
+        mine = (said, obj.model_dump() if obj else None, [r.model_dump() for r in records], kept)
         gathered = [mine]
         if self.group is not None:
             gathered = [None] * self.world_size if self.rank == 0 else None
             dist.gather_object(mine, gathered, dst=0, group=self.group)
         if error is not None:
-            raise StorageError(f"rank {self.rank}: checkpoint at step {step} failed; nothing was committed") from error
+            raise CheckpointWriteFailed(step, f"rank {self.rank}: checkpoint at step {step} failed; nothing was "
+                                              "committed", no_space=out_of_space(error)) from error
         report.bytes_written = obj.nbytes if obj else 0
         if self.rank == 0:
             failed = [(r, e) for r, (e, _, _, _) in enumerate(gathered) if e]
             if failed:
-                raise StorageError(f"checkpoint at step {step} not committed: " + "; ".join(f"rank {r}: {e}" for r, e in failed))
+                raise CheckpointWriteFailed(step, f"checkpoint at step {step} not committed: "
+                                            + "; ".join(f"rank {r}: {e}" for r, e in failed),
+                                            no_space=any(e.startswith(NO_SPACE) for _, e in failed))
             objects = [ObjectRecord(**o) for _, o, _, _ in gathered if o is not None]
             copies = holding_copies(self.layout, [r for r, (_, _, _, k) in enumerate(gathered) if k])
             records = [SliceRecord(**{**r, "copies": copies.get((r["tensor"], Slice(tuple(r["offsets"]), tuple(r["lengths"]))), [])})
