@@ -17,7 +17,7 @@ import json
 import os
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -217,8 +217,7 @@ class Trainer:
         try:
             return self._loop()
         except DatasetError as error:  # a damaged shard, found as this rank read it: no retry can fix it
-            metrics.emit(FatalEvent(message=f"data: {error}"))
-            os._exit(metrics.EXIT_FATAL)  # the other ranks wait in a collective; torchrun ends them
+            self._end_fatally(f"data: {error}")
         except BaseException as error:
             # A peer died, say. The save in flight must change nothing after this: a warm worker
             # goes on to serve the job's recovery, which may write the same step again.
@@ -226,18 +225,24 @@ class Trainer:
             full = failed_write(error)
             if full is not None and full.no_space:  # every retry would write into the same full disk
                 committed = max(self.checkpoints.manifest_steps(), default=None)
-                metrics.emit(FatalEvent(message=f"no space left on device writing checkpoint {full.step} to "
-                                                f"{self.spec.storage.url}; the last committed step is "
-                                                f"{committed if committed is not None else 'none'}"))
-                if self.warm is not None:  # the pool's process serves on: the job ends with this code
-                    raise SystemExit(metrics.EXIT_FATAL) from None
-                os._exit(metrics.EXIT_FATAL)  # the other ranks wait in a collective; torchrun ends them
+                self._end_fatally(f"no space left on device writing checkpoint {full.step} to "
+                                  f"{self.spec.storage.url}; the last committed step is "
+                                  f"{committed if committed is not None else 'none'}")
             if self.warm is not None:
                 self.warm.after_failure(self.built, self.layout, self.save, self.where)
             raise
         finally:
             if self.board is not None:
                 self.board.close()
+
+    def _end_fatally(self, message: str) -> NoReturn:
+        """An error no retry can fix, met mid-step: said, and this rank ends at once (the other
+        ranks may wait in a collective; their launcher ends them). A warm worker's process
+        serves on: only its job ends, with the fatal exit code."""
+        metrics.emit(FatalEvent(message=message))
+        if self.warm is not None:
+            raise SystemExit(metrics.EXIT_FATAL) from None
+        os._exit(metrics.EXIT_FATAL)
 
     def _loop(self) -> Ended:
         spec, train_spec, dims, device = self.spec, self.spec.training, self.dims, self.device
