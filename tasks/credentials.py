@@ -12,7 +12,7 @@ import contextlib
 import json
 import os
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 
 from parashift.specs import JobSpec
 
@@ -38,10 +38,15 @@ def storage_environment(spec: JobSpec) -> dict[str, str]:
 
 
 @contextlib.contextmanager
-def environment(extra: dict[str, str]) -> Iterator[None]:
-    """Set `extra` in this process's environment for the duration (nothing when empty)."""
+def environment(extra: Mapping[str, str | None]) -> Iterator[None]:
+    """Set `extra` in this process's environment for the duration (nothing when empty; a None
+    value unsets its variable)."""
     saved = {key: os.environ.get(key) for key in extra}
-    os.environ.update(extra)
+    for key, value in extra.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
     try:
         yield
     finally:

@@ -33,7 +33,7 @@ import shutil
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -55,6 +55,7 @@ from parashift.launcher.warm_pool import WarmPool
 from parashift.specs import JobSpec
 from parashift.specs.plan import Plan
 from parashift.storage import JobPaths, job_store, open_store
+from parashift.tasks.credentials import environment  # Prefect-free: the device has no Prefect
 from parashift.trainer.checkpoint import load_tensors
 from parashift.trainer.events import StartEvent, StepEvent, StoppedEvent, WorkerEvent
 
@@ -81,26 +82,6 @@ def job_spec(name: str, device: str, tiny: bool, root: Path) -> JobSpec:
         "parallelism": {"precision": "fp32", "compile": False},
         "storage": {"url": f"file://{root / name}"},
     })
-
-
-@contextlib.contextmanager
-def environ(**values: str | None) -> Iterator[None]:
-    """These variables set (None: unset) in this process for the duration: what the launcher
-    reads from its own environment (PARASHIFT_FORK_WORKERS) and passes on to workers."""
-    saved = {key: os.environ.get(key) for key in values}
-    for key, value in values.items():
-        if value is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = value
-    try:
-        yield
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
 
 
 class Segment:
@@ -290,7 +271,7 @@ def main() -> None:
     env = {"PARASHIFT_DIST_BACKEND": "gloo"} if device == "cuda" else {}
     runs: dict[str, tuple[JobSpec, list[Segment]]] = {}
 
-    with case(PART, "relaunch") as fields, environ(PARASHIFT_FORK_WORKERS="0"):
+    with case(PART, "relaunch") as fields, environment({"PARASHIFT_FORK_WORKERS": "0"}):
         spec = job_spec("gpu-changes-relaunch", device, args.tiny, root)
         segments = [Segment(2), Segment(1)]
         runs["relaunch"] = (spec, segments)
@@ -299,7 +280,7 @@ def main() -> None:
         finally:
             fields["segments"] = [s.report() for s in segments]
 
-    with case(PART, "warm") as fields, environ(PARASHIFT_FORK_WORKERS="0"):  # pool processes as on CUDA
+    with case(PART, "warm") as fields, environment({"PARASHIFT_FORK_WORKERS": "0"}):  # pool processes as on CUDA
         spec = job_spec("gpu-changes-warm", device, args.tiny, root)
         segments = [Segment(2), Segment(2), Segment(1)]
         runs["warm"] = (spec, segments)
@@ -308,7 +289,7 @@ def main() -> None:
         finally:
             fields["segments"] = [s.report() for s in segments]
 
-    with case(PART, "forked_relaunch") as fields, environ(PARASHIFT_FORK_WORKERS=None):
+    with case(PART, "forked_relaunch") as fields, environment({"PARASHIFT_FORK_WORKERS": None}):
         close_forkservers()  # this case's server starts with its first launch, as in a flow run
         spec = job_spec("gpu-changes-forked", device, args.tiny, root)
         segments = [Segment(2), Segment(1)]
