@@ -26,7 +26,7 @@ parameters themselves).
 
 from __future__ import annotations
 
-from parashift.planner.graph import Graph, Op, Saved
+from parashift.planner.graph import Graph, Op, Saved, recompute_share
 
 MODES = ("none", "selective", "full")
 GEMM_KINDS = frozenset({"matmul", "conv", "attention"})
@@ -97,16 +97,7 @@ def checkpointed(graph: Graph, mode: str) -> Graph:
         ops.append(op.model_copy(update={"saved": keeps, "recompute": recompute, "checkpointed": True,
                                          "recomputed": _without(before, keeps)}))
     return graph.model_copy(update={"ops": ops, "recompute_layers": len(blocks),
-                                    "recompute_share": _recompute_share(graph, ops, len(blocks))})
-
-
-def _recompute_share(graph: Graph, ops: list[Op], layers: int) -> float:
-    """What part of one layer's recomputation raises the backward's peak above the loss's own
-    transients (held first, freed before the last layer is recomputed): the peak is the larger
-    of the two. Taken at the graph's own (unsplit) sizes, where both scale alike with the batch."""
-    layer = sum(t.bytes * op.numel(t.dims) for op in ops if op.checkpointed for t in op.recomputed) / layers
-    other = sum(t.bytes * op.numel(t.dims) for op in ops if not op.checkpointed for t in op.transient)
-    return max(0.0, 1.0 - other / layer) if layer > 0 else 1.0
+                                    "recompute_share": recompute_share(ops, len(blocks))})
 
 
 def with_precision(graph: Graph, mixed_precision: str) -> Graph:

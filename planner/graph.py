@@ -343,12 +343,26 @@ class Graph(BaseModel):
         return self.model_copy(update={"ops": ops})
 
     def subgraph(self, names: Iterable[str]) -> Graph:
-        """The ops named, and the edges between them (inputs from outside become graph inputs)."""
+        """The ops named, and the edges between them (inputs from outside become graph inputs).
+        A checkpointed graph's one-layer recomputation is the subgraph's own: a pipeline stage
+        recomputes one of its layers at a time, so each of its layer ops counts 1/(its layers)."""
         keep = set(names)
-        return self.model_copy(update={
-            "ops": [op for op in self.ops if op.name in keep],
-            "edges": [e for e in self.edges if e.src in keep and e.dst in keep],
-        })
+        ops = [op for op in self.ops if op.name in keep]
+        update: dict[str, object] = {"ops": ops, "edges": [e for e in self.edges if e.src in keep and e.dst in keep]}
+        layers = len({op.block for op in ops if op.checkpointed})
+        if layers:
+            update["recompute_layers"] = layers
+            update["recompute_share"] = recompute_share(ops, layers)
+        return self.model_copy(update=update)
+
+
+def recompute_share(ops: list[Op], layers: int) -> float:
+    """What part of one layer's recomputation raises the backward's peak above the loss's own
+    transients (held first, freed before the last layer is recomputed): the peak is the larger
+    of the two. Taken at the graph's own (unsplit) sizes, where both scale alike with the batch."""
+    layer = sum(t.bytes * op.numel(t.dims) for op in ops if op.checkpointed for t in op.recomputed) / layers
+    other = sum(t.bytes * op.numel(t.dims) for op in ops if not op.checkpointed for t in op.transient)
+    return max(0.0, 1.0 - other / layer) if layer > 0 else 1.0
 
 
 def graph_to_json(graph: Graph) -> str:

@@ -143,6 +143,7 @@ class _Context:
         sigs = sig if size is None else {n: f"{s}@{size}" for n, s in sig.items()}
         # Byte sizes are the graph's, whatever the batch; ops come resized from `self.ops`.
         self.costs = CostModel(g, profile.device, profile.comm, mesh, signatures=sigs, ops=self.ops)
+        self._profile, self._mesh, self._sigs = profile, mesh, sigs
         self._graph: Graph | None = None
         self._least: dict[str, float] = {}
         self._rep = {}
@@ -171,6 +172,15 @@ class _Context:
             self._least[sig] = float(self.w.time(self.costs.op_cost(self.ops[self._rep[sig]])).min())
         return self._least[sig]
 
+    def stage_costs(self, names: list[str]) -> CostModel:
+        """The cost tables a stage of `names` is solved with: the context's, except that a
+        checkpointed stage recomputes one of its own layers at a time (`Graph.subgraph`)."""
+        sub = self.base.subgraph(names)
+        if sub.recompute_layers == self.base.recompute_layers:
+            return self.costs
+        return CostModel(sub, self._profile.device, self._profile.comm, self._mesh, signatures=self._sigs,
+                         ops=self.ops)
+
     def stage(self, key: tuple, names: list[str], counts: tuple[tuple[str, int], ...]) -> _Stage:
         if key not in self.stages:
             self.stages[key] = _Stage(self, names, sum(n * self.least_time(s) for s, n in counts))
@@ -188,8 +198,10 @@ class _Stage:
     def solver(self) -> StageSolver:
         if self._solver is None:
             ctx = self.ctx
-            sub = ctx.graph if len(self.names) == len(ctx.base.ops) else ctx.graph.subgraph(self.names)
-            self._solver = StageSolver(sub, ctx.costs, ctx.limit, ctx.w, ctx.method)
+            whole = len(self.names) == len(ctx.base.ops)
+            sub = ctx.graph if whole else ctx.graph.subgraph(self.names)
+            costs = ctx.costs if whole else ctx.stage_costs(self.names)
+            self._solver = StageSolver(sub, costs, ctx.limit, ctx.w, ctx.method)
         return self._solver
 
 

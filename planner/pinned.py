@@ -70,7 +70,8 @@ def estimate(profile: ModelProfile, plan: Plan, mixed_precision: str | None = No
     counts = [len(layers) for layers in plan.layers_per_stage(len(blocks))]
     results = []
     for s, names in enumerate(stage_ops(graph, blocks, counts)):
-        whole, costs = costed(plan.ac_of_stage(s))
-        sub = whole.subgraph(names)
+        whole, _ = costed(plan.ac_of_stage(s))
+        sub = whole.subgraph(names)  # its own layers: a stage recomputes one of them at a time
+        costs = CostModel(sub, profile.device, profile.comm, mesh)
         results.append(stage_result(sub, costs, _megatron_assign(sub, costs), weights.of_stage(s, pp, m), 0.0))
     return results[stage] if stage is not None else max(results, key=lambda r: r.memory_bytes)

@@ -163,8 +163,9 @@ def per_stage_ac(profile: ModelProfile, best: Candidate, ac_modes: tuple[str, ..
         weights = st.weights.of_stage(s, best.pp, best.micro_batches)  # 1F1B: the later stages hold fewer
         options = []
         for mode in ac_modes:
-            costs = CostModel(wholes[mode], profile.device, profile.comm, st.mesh)
-            options.append((mode, stage_result(wholes[mode].subgraph(names), costs, st.assign, weights, 0.0)))
+            sub = wholes[mode].subgraph(names)  # its own layers: a stage recomputes one of them at a time
+            costs = CostModel(sub, profile.device, profile.comm, st.mesh)
+            options.append((mode, stage_result(sub, costs, st.assign, weights, 0.0)))
         fitting = [o for o in options if limit is None or o[1].memory_bytes <= limit]
         mode, result = min(fitting, key=lambda o: o[1].time_s) if fitting else (best.activation_checkpointing, st)
         stages.append(result)
