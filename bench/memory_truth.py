@@ -49,6 +49,7 @@ class Case:
     mixed_precision: str = "autocast"
     fake: bool = False
     rank: int = 0  # the rank measured: under a pipeline, its stage's prediction is the one compared
+    device: str = "cpu"  # where the measured rank's real tensors live (bench.gpu.memory: "cuda")
 
     @property
     def stage(self) -> int:
@@ -59,9 +60,16 @@ class Case:
         return JobSpec.model_validate({
             "name": f"memory-{self.name}", "model": self.model,
             "training": {"global_batch": self.global_batch, "micro_batch": max(share // self.plan.micro_batches, 1)},
-            "resources": {"devices": self.plan.devices, "kind": "cpu"},
+            "resources": {"devices": self.plan.devices, "kind": self.device},
             "parallelism": {"precision": self.precision, "mixed_precision": self.mixed_precision},
         })
+
+    def predicted_bytes(self) -> float:
+        """The cost model's peak for the measured rank's stage of this plan (`planner.pinned`)."""
+        m = self.spec().model
+        profile = profile_graph(family_of(m).graph(m, self.global_batch, self.precision), "cuda")
+        mixed = self.mixed_precision if self.precision == "bf16" else None
+        return estimate(profile, self.plan, mixed, stage=self.stage).memory_bytes
 
 
 def _plan(mesh: dict[str, int], ac: str = "none", sharded: bool = False, mixed: str = "autocast",
@@ -143,11 +151,7 @@ def planner_pick(model: dict[str, Any], devices: int, global_batch: int, memory_
 
 def run_case(case: Case) -> dict[str, Any]:
     spec = case.spec()
-    m = spec.model
-    graph = family_of(m).graph(m, case.global_batch, case.precision)
-    profile = profile_graph(graph, "cuda")
-    mixed = case.mixed_precision if case.precision == "bf16" else None
-    predicted = estimate(profile, case.plan, mixed, stage=case.stage).memory_bytes
+    predicted = case.predicted_bytes()
     started = time.perf_counter()
     measured = measure_step_peak(spec, case.plan, rank=case.rank, fake=case.fake)
     plan = " x ".join(f"{axis}{n}" for axis, n in case.plan.mesh.items())

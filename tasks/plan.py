@@ -50,23 +50,6 @@ def choose_plan(spec: JobSpec, searched: Plan, devices: int) -> Plan:
     )
 
 
-def pinned_for(spec: JobSpec, devices: int) -> tuple[Plan | None, str | None]:
-    """The spec's pinned plan re-pinned on `devices` (tp and pp as pinned, dp the rest), or why
-    it cannot be (then the planner chooses). (None, None) where nothing is pinned."""
-    par = spec.parallelism
-    if par.strategy != "pinned":
-        return None, None
-    try:
-        plan = par.pinned(devices)
-    except ValueError as error:
-        return None, f"the pinned plan {dict(par.mesh or {})} cannot be re-pinned on {devices} devices: {error}"
-    reasons = executable_reasons(spec, plan)
-    if reasons:
-        return None, (f"the pinned plan {dict(par.mesh or {})} re-pinned on {devices} devices as {plan.mesh} cannot "
-                      f"run: {'; '.join(reasons)}")
-    return plan, None
-
-
 def pinned_with_estimate(plan: Plan, profile: ModelProfile | MeasuredProfile, spec: JobSpec) -> Plan:
     """The pinned plan with the cost model's step time and memory where it can estimate them."""
     from parashift.planner.pinned import estimate
@@ -158,7 +141,9 @@ def plan_parallelism(spec: JobSpec, model: ModelSummary, devices: int, step: int
     if limit is not None:
         logger.info("planning within %.2f GiB of each device's %.2f GiB (%.2f GiB reserved for transient buffers)",
                     limit / 2**30, profile.device.memory_bytes / 2**30, (profile.device.memory_bytes - limit) / 2**30)
-    pinned, refused = pinned_for(spec, devices)
+    from parashift.trainer.mesh import pinned_plan_for  # torch: imported where a plan is made
+
+    pinned, refused = pinned_plan_for(spec, devices)
     if pinned is not None:
         plan = pinned_with_estimate(pinned, profile, spec)
         searched = plan

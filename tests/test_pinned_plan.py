@@ -10,7 +10,7 @@ import pytest
 from jobs import assert_losses_match, run, tiny_spec
 from parashift.specs import load_spec
 from parashift.specs.plan import Plan
-from parashift.tasks.plan import pinned_for
+from parashift.trainer.mesh import pinned_plan_for
 
 LLAMA = "{family: llama, n_layers: 2, d_model: 64, n_heads: 4, n_kv_heads: 2, ffn_dim: 128, vocab_size: 256, seq_len: 32}"
 
@@ -44,10 +44,10 @@ def test_a_mesh_without_the_pinned_strategy_is_refused(tmp_path: Path) -> None:
 
 def test_a_change_of_device_count_re_pins_tp_and_pp_and_gives_dp_the_rest(tmp_path: Path) -> None:
     spec = load_spec(spec_file(tmp_path, "{pp: 2, dp: 1, tp: 2}", extra="  micro_batches: 2\n"))
-    plan, refused = pinned_for(spec, 8)
+    plan, refused = pinned_plan_for(spec, 8)
     assert refused is None and plan is not None
     assert plan.mesh == {"pp": 2, "dp": 2, "tp": 2} and plan.dp_shard == 2 and plan.micro_batches == 2
-    plan, refused = pinned_for(spec, 6)
+    plan, refused = pinned_plan_for(spec, 6)
     assert plan is None and "6 devices are not a multiple of the pinned tp x pp (2 x 2)" in refused
 
 
@@ -55,7 +55,7 @@ def test_the_pinned_plan_trains_as_pinned(tmp_path: Path) -> None:
     spec = load_spec(spec_file(tmp_path, "{dp: 2, tp: 2}"))
     spec = spec.model_copy(update={"storage": tiny_spec("x", f"file://{tmp_path / 'store'}").storage,
                                    "data": tiny_spec("x", "file://unused").data})
-    plan, _ = pinned_for(spec, 4)
+    plan, _ = pinned_plan_for(spec, 4)
     assert plan is not None and plan.mesh == {"dp": 2, "tp": 2}
     pinned = run(spec, plan)
     reference = run(spec.model_copy(update={"name": "pinned-reference"}), Plan.data_parallel(1))

@@ -141,3 +141,20 @@ def job_plan_refusals(plan: Plan, spec: JobSpec) -> list[str]:
         return own or plan_refusals(plan, n_layers=1, n_heads=1, seq_len=m.seq_len, global_batch=spec.training.global_batch)
     return plan_refusals(plan, n_layers=m.n_layers, n_heads=m.n_heads, seq_len=m.seq_len,
                          global_batch=spec.training.global_batch, n_kv_heads=m.n_kv_heads) + family.refusals(m, plan)
+
+
+def pinned_plan_for(spec: JobSpec, devices: int) -> tuple[Plan | None, str | None]:
+    """The spec's pinned plan re-pinned on `devices` (tp and pp as pinned, dp the rest), or why
+    it cannot be (then the planner chooses). (None, None) where nothing is pinned."""
+    par = spec.parallelism
+    if par.strategy != "pinned":
+        return None, None
+    try:
+        plan = par.pinned(devices)
+    except ValueError as error:
+        return None, f"the pinned plan {dict(par.mesh or {})} cannot be re-pinned on {devices} devices: {error}"
+    reasons = job_plan_refusals(plan, spec)
+    if reasons:
+        return None, (f"the pinned plan {dict(par.mesh or {})} re-pinned on {devices} devices as {plan.mesh} cannot "
+                      f"run: {'; '.join(reasons)}")
+    return plan, None

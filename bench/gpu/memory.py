@@ -14,15 +14,11 @@ layers as the estimate fits in 80% of the device. `ratio` = predicted / measured
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from parashift.bench.gpu.common import case, device_name, free_cuda, part_args
-from parashift.models import family_of
-from parashift.planner.pinned import estimate
-from parashift.planner.profile import profile_graph
-from parashift.specs import JobSpec
+from parashift.bench.memory_truth import Case
 from parashift.specs.plan import Plan
 from parashift.trainer.memory_probe import measure_step_peak
 
@@ -36,27 +32,9 @@ TINY = {"family": "llama", "n_layers": 4, "d_model": 128, "n_heads": 4, "n_kv_he
         "vocab_size": 1024, "seq_len": 128}
 
 
-@dataclass
-class Case:
-    name: str
-    model: dict[str, Any]
-    plan: Plan
-    global_batch: int
-    precision: str = "bf16"
-
-    def spec(self, device: str) -> JobSpec:
-        share = self.global_batch // self.plan.degree("dp")
-        return JobSpec.model_validate({
-            "name": f"gpu-memory-{self.name}", "model": self.model,
-            "training": {"global_batch": self.global_batch, "micro_batch": share},
-            "resources": {"devices": self.plan.devices, "kind": device},
-            "parallelism": {"precision": self.precision, "mixed_precision": self.plan.mixed_precision, "compile": False},
-        })
-
-    def predicted_bytes(self, device: str) -> float:
-        m = self.spec(device).model
-        profile = profile_graph(family_of(m).graph(m, self.global_batch, self.precision), "cuda")
-        return estimate(profile, self.plan, self.plan.mixed_precision if self.precision == "bf16" else None).memory_bytes
+def gpu_case(name: str, model: dict[str, Any], plan: Plan, global_batch: int, device: str) -> Case:
+    """A memory-truth case in bf16 (autocast, or FSDP2's policy as the plan says) on `device`."""
+    return Case(name, model, plan, global_batch, "bf16", plan.mixed_precision, device=device)
 
 
 def one_gpu(ac: str) -> Plan:
@@ -71,9 +49,9 @@ def fsdp(world: int, ac: str) -> Plan:
 def cases(tiny: bool, capacity_bytes: float, device: str) -> list[Case]:
     small, large = (TINY, TINY) if tiny else (LLAMA3_1B, LLAMA3_8B)
     batch = 2 if tiny else 8
-    out = [Case(f"llama3-1b-1gpu-{ac}", small, one_gpu(ac), batch) for ac in ("none", "selective", "full")]
-    out.append(Case("llama3-1b-fsdp8-selective-bf16", small, fsdp(8, "selective"), 8 * batch))
-    out.append(Case("llama3-8b-fsdp8-selective-bf16", large, fsdp(8, "selective"), 8))
+    out = [gpu_case(f"llama3-1b-1gpu-{ac}", small, one_gpu(ac), batch, device) for ac in ("none", "selective", "full")]
+    out.append(gpu_case("llama3-1b-fsdp8-selective-bf16", small, fsdp(8, "selective"), 8 * batch, device))
+    out.append(gpu_case("llama3-8b-fsdp8-selective-bf16", large, fsdp(8, "selective"), 8, device))
     out.append(most_layers_that_fit(large, capacity_bytes, device))
     return out
 
@@ -83,9 +61,9 @@ def most_layers_that_fit(model: dict[str, Any], capacity_bytes: float, device: s
     cut to as many layers as the estimate fits in 80% of the device."""
     best = None
     for layers in range(1, model["n_layers"] + 1):
-        candidate = Case(f"llama3-8b-1gpu-{layers}-layers-selective", {**model, "n_layers": layers},
-                         one_gpu("selective"), 1)
-        if candidate.predicted_bytes(device) > 0.8 * capacity_bytes:
+        candidate = gpu_case(f"llama3-8b-1gpu-{layers}-layers-selective", {**model, "n_layers": layers},
+                             one_gpu("selective"), 1, device)
+        if candidate.predicted_bytes() > 0.8 * capacity_bytes:
             break
         best = candidate
     if best is None:
@@ -94,9 +72,9 @@ def most_layers_that_fit(model: dict[str, Any], capacity_bytes: float, device: s
 
 
 def run_case(c: Case, device: str) -> dict[str, Any]:
-    predicted = c.predicted_bytes(device)
+    predicted = c.predicted_bytes()
     started = time.perf_counter()
-    measured = measure_step_peak(c.spec(device), c.plan, rank=0, fake=False, device=device)
+    measured = measure_step_peak(c.spec(), c.plan, rank=0, fake=False, device=device)
     truth = measured.get("cuda_peak_bytes", measured["peak_bytes"])
     return {"world": c.plan.devices, "layers": c.model["n_layers"], "ac": c.plan.activation_checkpointing,
             "precision": f"bf16-{c.plan.mixed_precision}" if c.precision == "bf16" else c.precision,

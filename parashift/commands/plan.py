@@ -175,9 +175,9 @@ def _pinned_line(job: object, profile: ModelProfile, n: int, searched_s: float) 
     """The spec's pinned plan on `n` devices beside the planner's pick: its estimate, or why it
     cannot run there (the job then runs the planner's pick)."""
     from parashift.planner.pinned import estimate
-    from parashift.tasks.plan import pinned_for
+    from parashift.trainer.mesh import pinned_plan_for
 
-    plan, refused = pinned_for(job, n)  # type: ignore[arg-type]
+    plan, refused = pinned_plan_for(job, n)  # type: ignore[arg-type]
     if plan is None:
         return f"  pinned: {refused}; the job runs the planner's pick"
     par = job.parallelism  # type: ignore[attr-defined]
