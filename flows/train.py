@@ -22,6 +22,7 @@ from parashift.tasks.exclusive import one_run_per_job, one_writer_per_job
 from parashift.tasks.launch import launch_training, segment_of, signals_stop_training, warm_workers
 from parashift.tasks.node_watch import follow_nodes
 from parashift.tasks.plan import plan_parallelism
+from parashift.tasks.pool_devices import pool_devices
 from parashift.tasks.preflight import preflight_job
 from parashift.tasks.profile import profile_model
 from parashift.tasks.records import SegmentResult, TrainSummary, failed_segments
@@ -88,8 +89,9 @@ def _train(spec: JobSpec, lease: JobLease | None = None) -> TrainSummary:
             # workers its first computation for a plan would otherwise add ~0.15 s to the change).
             reshard = plan_reshard.submit(here, plan, held)
             tag_devices(job.devices)
-            launched = launch_training(here, plan, scripted.at_step if scripted else None, resources, progress, job,
-                                       return_state=True)  # Failed when the workers failed: the policy decides what next
+            with pool_devices(spec, job.devices):  # in a pool: its devices, held while the workers run
+                launched = launch_training(here, plan, scripted.at_step if scripted else None, resources, progress,
+                                           job, return_state=True)  # Failed when the workers failed: the policy decides
             shown = reshard.result(raise_on_failure=False)
             if isinstance(shown, BaseException):  # the workers' own reads decide the segment, not this view
                 logger.warning("%s: the reshard view of %d devices failed: %s", spec.job_id, job.devices, shown)

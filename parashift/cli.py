@@ -8,6 +8,7 @@ import typer
 from parashift.commands import data as data_commands
 from parashift.commands import export as export_command
 from parashift.commands import plan as plan_command
+from parashift.commands import pool as pool_commands
 from parashift.commands import reshard as reshard_command
 from parashift.commands import run as run_command
 from parashift.commands import scale as scale_command
@@ -31,6 +32,8 @@ app.command("stop")(stop_command.stop)
 app.command("scale")(scale_command.scale)
 app.command("serve")(serve_command.serve)
 app.command("export")(export_command.export)
+app.command("submit")(pool_commands.submit)
+app.command("pool")(pool_commands.pool)
 app.command("prepare-data")(data_commands.prepare_data)
 app.add_typer(data_commands.tokenizer_app, name="tokenizer")
 

@@ -15,7 +15,7 @@ What it promises (docs/pool.md):
 - **The rest for throughput.** The devices left go where they add the most priority-weighted
   progress over a horizon (steps a job does in it at n devices, counted in seconds of the job
   at its smallest count, so jobs of any size compare; weight 2 ** priority; a job that would
-  finish within the horizon gains nothing from more devices), within each job's `max_devices`
+  finish within the horizon gains its mean rate for each second sooner), within each job's `max_devices`
   and the device counts its plans exist for: an exact dynamic program over jobs and devices (a
   multiple-choice knapsack).
 - **No change that does not pay.** A running job whose device count changes loses its
@@ -112,13 +112,20 @@ def admit(jobs: list[PoolJob], devices: int, now: float, policy: PoolPolicy) -> 
 
 def horizon_value(job: PoolJob, n: int, policy: PoolPolicy) -> float:
     """Priority-weighted progress at n devices within the horizon, in seconds of the job at its
-    smallest count (steps done x that count's step time): the job's speedup over the horizon,
-    capped where it would finish sooner (devices beyond that add nothing). A running job whose
-    count changes loses its change's downtime from the horizon, and a change is never free."""
+    smallest count (steps done x that count's step time): the job's speedup over the horizon.
+    A job that would finish within it has done all its steps, and gains for each second sooner
+    its mean rate over the horizon (finishing sooner frees its devices and ends its wait; so
+    spare devices never sit idle beside a job they would speed up, yet a job near its end gains
+    far less from a device than one with the horizon ahead of it). A running job whose count
+    changes loses its change's downtime from the horizon, and a change is never free."""
     changed = bool(job.devices) and n != job.devices
-    horizon = policy.horizon_s - (max(job.change_cost_s, MIN_CHANGE_COST_S) if changed else 0.0)
-    steps = min(float(job.remaining_steps), max(horizon, 0.0) / job.step_s[n])
-    value = (2.0 ** min(job.priority, MAX_PRIORITY)) * steps * job.step_s[min(job.step_s)]
+    downtime = max(job.change_cost_s, MIN_CHANGE_COST_S) if changed else 0.0
+    weight = (2.0 ** min(job.priority, MAX_PRIORITY)) * job.step_s[min(job.step_s)]
+    finish = downtime + job.remaining_steps * job.step_s[n]
+    if finish <= policy.horizon_s:  # all its steps, and each second sooner its devices are free
+        value = weight * job.remaining_steps * (2.0 - finish / policy.horizon_s)
+    else:
+        value = weight * max(policy.horizon_s - downtime, 0.0) / job.step_s[n]
     return value * (1.0 - TIE_MARGIN) if changed else value  # a change that gains nothing is not made
 
 

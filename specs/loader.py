@@ -73,6 +73,12 @@ _Loader.add_implicit_resolver(
 
 def load_spec(path: str | Path) -> JobSpec:
     """Read and validate the job spec at `path`; raise SpecError on any problem."""
+    return parse_spec(read_source(path), str(path))
+
+
+def read_source(path: str | Path) -> str:
+    """The UTF-8 text of a spec-language file (a job spec, a pool file); SpecError, at the
+    file's first line or the undecodable byte, when it cannot be read."""
     file = str(path)
     try:
         raw = Path(path).read_bytes()
@@ -84,24 +90,36 @@ def load_spec(path: str | Path) -> JobSpec:
         reason = (error.strerror or str(error)).lower()
         raise SpecError([SpecIssue(file, 1, 1, ROOT, f"cannot read file: {reason}")]) from None
     try:
-        text = raw.decode("utf-8")
+        return raw.decode("utf-8")
     except UnicodeDecodeError as error:
         line_start = raw.rfind(b"\n", 0, error.start) + 1
         line = raw.count(b"\n", 0, error.start) + 1
         column = len(raw[line_start : error.start].decode("utf-8", errors="replace")) + 1
         message = f"not valid UTF-8: byte 0x{raw[error.start]:02x} cannot be decoded (save the file as UTF-8)"
         raise SpecError([SpecIssue(file, line, column, ROOT, message)]) from None
-    return parse_spec(text, file)
+
+
+M = typing.TypeVar("M", bound=BaseModel)
+
+
+def parse_document(text: str, source: str, model: type[M]) -> M:
+    """Validate the YAML `text` as `model` (a section of the spec language: a job spec, a pool
+    file), every problem a SpecError line at its place in `source`."""
+    return _validated(text, source, model)[1]
+
+
+def _validated(text: str, source: str, model: type[M]) -> tuple[yaml.MappingNode, M]:
+    root, data = _read_yaml(text.removeprefix("\ufeff"), source)
+    try:
+        return root, model.model_validate(data)
+    except ValidationError as error:
+        raise SpecError(_issues_from(error, root, source, model)) from None
 
 
 def parse_spec(text: str, source: str) -> JobSpec:
     """Validate the YAML `text` as a job spec, and read what its model refers to (a checkpoint
     folder's config: models.resolve_section); `source` names it in error messages."""
-    root, data = _read_yaml(text.removeprefix("\ufeff"), source)
-    try:
-        spec = JobSpec.model_validate(data)
-    except ValidationError as error:
-        raise SpecError(_issues_from(error, root, source)) from None
+    root, spec = _validated(text, source, JobSpec)
     try:
         return resolve_model(spec)
     except FieldIssues as issues:
@@ -230,7 +248,8 @@ def _issue(source: str, mark: yaml.Mark, path: str, message: str) -> SpecIssue:
 # ---- pydantic errors -> issues ---------------------------------------------------------------
 
 
-def _issues_from(error: ValidationError, root: yaml.Node, source: str) -> list[SpecIssue]:
+def _issues_from(error: ValidationError, root: yaml.Node, source: str,
+                 model: type[BaseModel] = JobSpec) -> list[SpecIssue]:
     issues: list[SpecIssue] = []
     for detail in error.errors():
         loc = tuple(part for part in detail["loc"] if not (isinstance(part, str) and "[" in part))
@@ -239,7 +258,7 @@ def _issues_from(error: ValidationError, root: yaml.Node, source: str) -> list[S
             loc = (*loc, "family")
             names = ", ".join(repr(name) for name in MODEL_SECTIONS)
             detail = {**detail, "msg": f"must be one of {names}, got {_describe(family)}"}
-        known = _known_keys(detail["loc"][:-1]) if detail["type"] == "extra_forbidden" else []
+        known = _known_keys(detail["loc"][:-1], model) if detail["type"] == "extra_forbidden" else []
         loc = _without_family_tag(loc)
         cause = detail.get("ctx", {}).get("error")
         if isinstance(cause, FieldIssues):
@@ -311,10 +330,10 @@ def _message(detail: Any, loc: Loc, known: list[str]) -> str:
     return message
 
 
-def _known_keys(loc: Loc) -> list[str]:
+def _known_keys(loc: Loc, model: type[BaseModel] = JobSpec) -> list[str]:
     """The field names of the model that `loc` (pydantic's, family tags included) points into
     (empty if it is not a model)."""
-    current: Any = JobSpec
+    current: Any = model
     for part in loc:
         if part in MODEL_SECTIONS and not (isinstance(current, type) and issubclass(current, BaseModel)):
             current = MODEL_SECTIONS[str(part)]  # the family `model:` was validated as

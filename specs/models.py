@@ -246,6 +246,24 @@ class ResourcesSpec(_Section):
             "devices = nodes x devices_per_node (given nodes and devices_per_node, devices may be left out)."
         ),
     )
+    min_devices: int | None = Field(
+        None, ge=1, le=65536,
+        description="In a pool (docs/pool.md): the fewest devices the job runs on; it waits rather than run on fewer "
+                    "(null: 1).",
+    )
+    max_devices: int | None = Field(
+        None, ge=1, le=65536,
+        description="In a pool: the most devices the job is given (null: training.global_batch, one sequence each).",
+    )
+    priority: int = Field(
+        0, ge=0, le=9,
+        description="In a pool: a job of priority p counts 2**p times a job of priority 0 (0..9).",
+    )
+    pool: str | None = Field(
+        None, max_length=63,
+        description="The pool whose devices the job holds while it runs (`parashift submit --pool` sets it): each "
+                    "segment takes its devices from the pool's Prefect concurrency limit, so no run oversubscribes it.",
+    )
     node_deployment: str = Field(
         "node-launcher/parashift-node",
         max_length=300,
@@ -273,6 +291,15 @@ class ResourcesSpec(_Section):
                 issues.append(((i,), f"names node {name!r} twice"))
         _raise_if(issues)
         return nodes
+
+    @model_validator(mode="after")
+    def _pool_bounds(self) -> Self:
+        low, high = self.min_devices or 1, self.max_devices
+        if high is not None and low > high:
+            _raise_if([(("min_devices",), f"must be <= max_devices ({low} > {high})")])
+        if self.pool is not None and not _JOB_NAME.fullmatch(self.pool):
+            _raise_if([(("pool",), f"must be a pool name of lower-case letters, digits, '.', '_' or '-' (got {self.pool!r})")])
+        return self
 
     @model_validator(mode="after")
     def _devices_on_nodes(self) -> Self:
@@ -551,6 +578,9 @@ class JobSpec(_Section):
                 )
             )
         batch = self.training.global_batch
+        if (self.resources.min_devices or 1) > batch:
+            issues.append((("resources", "min_devices"),
+                           f"must be <= training.global_batch ({self.resources.min_devices} > {batch})"))
         if self.resources.devices > batch:
             issues.append(
                 (

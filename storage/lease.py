@@ -184,11 +184,11 @@ def lease_key(job_id: str) -> str:
     return f"jobs/{job_id}/lease.json"
 
 
-def read_lease(store: ObjectStore, job_id: str) -> tuple[LeaseRecord | None, str] | None:
-    """(record, version tag) of the job's lease; record None when the file is not a lease
-    (edited by hand); None when there is no lease."""
+def read_lease(store: ObjectStore, job_id: str, key: str | None = None) -> tuple[LeaseRecord | None, str] | None:
+    """(record, version tag) of the job's lease (or of the lease at `key`); record None when the
+    file is not a lease (edited by hand); None when there is no lease."""
     try:
-        raw, tag = store.get_tagged(lease_key(job_id))
+        raw, tag = store.get_tagged(key or lease_key(job_id))
     except ObjectNotFound:
         return None
     try:
@@ -226,12 +226,13 @@ class JobLease:
     leaving the `with` block then raises LeaseLost."""
 
     def __init__(self, store: ObjectStore, job_id: str, *, ttl_s: float = LEASE_TTL_S, run_id: str | None = None,
-                 clock: Callable[[], float] = time.time, on_lost: Callable[[str], None] | None = None) -> None:
+                 clock: Callable[[], float] = time.time, on_lost: Callable[[str], None] | None = None,
+                 key: str | None = None) -> None:
         if ttl_s <= 0:
             raise ValueError("a lease needs a positive TTL")
         self.store, self.job_id, self.ttl_s, self.clock, self.on_lost = store, job_id, float(ttl_s), clock, on_lost
         self.run_id = run_id or uuid.uuid4().hex[:16]
-        self.key = lease_key(job_id)  # validates the id
+        self.key = key or lease_key(job_id)  # validates the id; `key`: another writer's lease (a pool's)
         self.record: LeaseRecord | None = None
         self.previous: LeaseRecord | None = None  # the lease this one took over, if any
         self.lost_reason: str | None = None
@@ -261,7 +262,7 @@ class JobLease:
         """Take the lease: create it, or take over an expired or released one (generation + 1).
         JobLeaseHeld when another run holds it live."""
         for _ in range(MAX_TRIES):
-            found = read_lease(self.store, self.job_id)
+            found = read_lease(self.store, self.job_id, self.key)
             if found is None:
                 record = self._fresh(1)
                 try:
@@ -316,7 +317,7 @@ class JobLease:
                 return
             except (WriteConflict, ObjectNotFound):
                 pass
-            found = read_lease(self.store, self.job_id)
+            found = read_lease(self.store, self.job_id, self.key)
             current = found[0] if found else None
             if current is not None and current.token == record.token and found is not None:
                 # Ours still (an earlier renewal whose answer was lost): renew on top of it.

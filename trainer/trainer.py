@@ -391,7 +391,9 @@ class Trainer:
         if self.board is not None:
             self.board.record(step, {"loss": done.loss, "grad_norm": done.grad_norm, "lr": done.lr,
                                      "tokens_per_s": rate, "tflops": event.tflops, "mfu": event.mfu,
-                                     "memory_gib": event.memory_gib, "data_wait_s": event.data_wait_s})
+                                     "memory_gib": event.memory_gib, "data_wait_s": event.data_wait_s,
+                                     # per device count: what a pool learns a job's speed from (pool/measured.py)
+                                     "step_s": done.elapsed_s, "devices": float(self.board.world_size)})
 
     # -- finish -----------------------------------------------------------------------------
 

@@ -1,0 +1,149 @@
+"""The pool controller's bookkeeping, without Prefect: pool events in, the allocator run, what to
+do out. The flow (`flows/pool.py`) observes (submissions, run states, the jobs' metrics), calls
+this, and acts (starts train-job runs, sends resource events, writes stop requests); tests drive
+the same code with recorded observations.
+
+Reconciling, not commanding: each job has the devices the allocator gives it (`devices`) and the
+count it was last told (`told`). A running job is told again only once it logs steps (its event
+subscription is up then: Prefect does not replay events sent before it), and told again with a
+newer epoch if it still runs elsewhere `RESEND_S` later (an event lost with a restarted server).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from parashift.pool.allocator import PoolJob, PoolPolicy, allocate
+from parashift.pool.state import Decision, JobRecord, PoolState
+from parashift.pool.step_times import Measured, blended
+from parashift.specs import JobSpec
+
+RESEND_S = 60.0
+# Before a job has measured a change: a planned change's downtime on CPU workers is 1.2-1.9 s
+# warm and a relaunch ~8 s (BENCHMARKS.md, bench.trace and bench.dcp_restart).
+DEFAULT_CHANGE_COST_S = {True: 2.0, False: 10.0}
+MAX_DECISIONS = 500  # kept in the state; older ones are in the flow's logs and artifacts
+
+
+@dataclass(frozen=True)
+class Start:
+    job_id: str
+    spec: JobSpec  # on its devices, in the pool
+
+
+@dataclass(frozen=True)
+class Resize:
+    job_id: str
+    devices: int
+    before: int
+
+
+@dataclass(frozen=True)
+class Preempt:
+    job_id: str
+    why: str
+
+
+Action = Start | Resize | Preempt
+
+
+class PoolBook:
+    """The pool's state and the rules that change it; `clock` for tests."""
+
+    def __init__(self, state: PoolState, policy: PoolPolicy, clock: Callable[[], float] = time.time) -> None:
+        self.state, self.policy, self.clock = state, policy, clock
+
+    # -- events ------------------------------------------------------------------------------
+
+    def submitted(self, key: str, submitted_at: float, spec: JobSpec | str,
+                  predict: Callable[[JobSpec], dict[int, float]]) -> str:
+        """A submission taken in (or refused, with why); the event's description."""
+        self.state.submissions_seen.append(key)
+        if isinstance(spec, str):
+            return f"refused a submission: {spec}"
+        known = self.state.jobs.get(spec.job_id)
+        if known is not None and known.active:
+            return f"refused {spec.job_id}: it is already in the pool ({known.status})"
+        pooled = spec.model_copy(update={"resources": spec.resources.model_copy(update={"pool": self.state.pool})})
+        predicted = predict(pooled)
+        record = JobRecord(job_id=spec.job_id, spec=pooled, submitted_at=submitted_at, predicted_step_s=predicted)
+        self.state.jobs[spec.job_id] = record
+        if not predicted:
+            record.status, record.reason, record.finished_at = "failed", "no plan of it fits this pool", self.clock()
+            return f"refused {spec.job_id}: no plan of it fits a device count of this pool"
+        return f"{spec.job_id} submitted"
+
+    def ended(self, job_id: str, status: str, reason: str | None = None) -> str:
+        """A run of the job ended: finished, failed for good, or stopped (preempted: it waits
+        again and resumes from its checkpoint when it is given devices)."""
+        job = self.state.jobs[job_id]
+        job.flow_run_id, job.told = None, 0
+        if status == "stopped":
+            job.status = "waiting"
+            return f"{job_id} stopped (preempted); it waits"
+        job.status, job.reason, job.finished_at, job.devices = status, reason, self.clock(), 0  # type: ignore[assignment]
+        return f"{job_id} {status}" + (f": {reason}" if reason else "")
+
+    def observed(self, job_id: str, seen: Measured) -> str | None:
+        """What the job's metrics say; an event when it measured a device count for the first time
+        (its speed there is known now, and may change what it should have)."""
+        job = self.state.jobs[job_id]
+        new = sorted(set(seen.step_s) - set(job.measured_step_s))
+        job.measured_step_s = dict(seen.step_s)
+        job.steps_done = max(job.steps_done, seen.last_step)
+        if seen.change_cost_s is not None:
+            job.change_cost_s = seen.change_cost_s
+        return f"{job_id} measured on {', '.join(map(str, new))} device(s)" if new else None
+
+    # -- decisions ---------------------------------------------------------------------------
+
+    def pool_job(self, job: JobRecord) -> PoolJob:
+        res = job.spec.resources
+        step_s = blended(job.predicted_step_s, job.measured_step_s)
+        cost = job.change_cost_s if job.change_cost_s is not None else DEFAULT_CHANGE_COST_S[res.warm_workers]
+        return PoolJob(job.job_id, step_s, max(job.spec.training.steps - job.steps_done, 1), job.submitted_at,
+                       priority=res.priority, min_devices=res.min_devices or 1, max_devices=res.max_devices,
+                       devices=job.devices if job.status == "running" else 0, change_cost_s=cost)
+
+    def allocate(self, events: list[str]) -> Decision:
+        """Run the allocator over the active jobs; record and return the decision."""
+        now = self.clock()
+        jobs = self.state.active()
+        allocation = allocate([self.pool_job(job) for job in jobs], self.state.devices, now, self.policy)
+        for job in jobs:
+            job.devices = allocation.devices[job.job_id]
+        decision = Decision(at=now, event="; ".join(events), devices=dict(allocation.devices),
+                            reasons={d.job_id: d.why for d in allocation.decisions})
+        self.state.decisions = [*self.state.decisions[-(MAX_DECISIONS - 1):], decision]
+        return decision
+
+    def actions(self, seen: dict[str, Measured]) -> list[Action]:
+        """What to do now so that every job runs on what it was given: starts, resource events,
+        stop requests. Marks them done in the state (the caller acts before it saves)."""
+        now, out = self.clock(), []
+        for job in self.state.active():
+            if job.devices and job.flow_run_id is None:  # to start (or started by a controller that died)
+                out.append(Start(job.job_id, job.spec.on_devices(job.devices)))
+                job.status, job.told, job.told_at = "running", job.devices, now
+                job.started_at = job.started_at or now
+            elif job.status == "running" and job.devices == 0 and job.told:
+                out.append(Preempt(job.job_id, "the pool gives its devices to jobs ranked before it"))
+                job.told, job.told_at = 0, now
+            elif job.status == "running" and job.devices and self._should_tell(job, seen.get(job.job_id), now):
+                out.append(Resize(job.job_id, job.devices, job.told))
+                job.changes += job.devices != job.told
+                job.told, job.told_at = job.devices, now
+        return out
+
+    @staticmethod
+    def _should_tell(job: JobRecord, seen: Measured | None, now: float) -> bool:
+        if seen is None or seen.devices_now is None:
+            return False  # not stepping yet: an event now could arrive before it listens
+        if job.devices != job.told:
+            return True
+        return seen.devices_now != job.told and now - job.told_at > RESEND_S
+
+    def idle(self) -> bool:
+        return not self.state.active()

@@ -1,0 +1,134 @@
+"""A pool's state in its storage: the jobs submitted to it, what each holds, every decision.
+
+    pools/{name}/state.json              # PoolState under a sha256 digest, written by the controller alone
+    pools/{name}/lease.json              # the controller's lease (storage.lease): one writer per pool
+    pools/{name}/submitted/{ms}-{job}.json   # one per submission (`parashift submit --pool`), never rewritten
+
+Everything is JSON validated by pydantic (never unpickled), and the state carries a digest of its
+own body: a corrupted object is refused with its URL, never loaded. A controller restarted (or a
+new one after a `kill -9`) reads it back and goes on: nothing of the pool lives only in memory.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from typing import Literal
+
+from parashift.specs import JobSpec
+from parashift.storage import ObjectNotFound, ObjectStore, StorageError
+from pydantic import BaseModel, Field, ValidationError
+
+Status = Literal["waiting", "running", "finished", "failed"]
+DIGEST = "sha256:"
+
+
+def pool_key(pool: str, *parts: str) -> str:
+    return "/".join(("pools", pool, *parts))
+
+
+class JobRecord(BaseModel):
+    """One job of the pool as the controller keeps it."""
+
+    job_id: str
+    spec: JobSpec
+    submitted_at: float
+    status: Status = "waiting"
+    devices: int = Field(0, description="what the allocator gives it now (0: it waits)")
+    told: int = Field(0, description="the device count the job was started on or last sent in a resource event")
+    told_at: float = 0.0
+    flow_run_id: str | None = None
+    started_at: float | None = None
+    finished_at: float | None = None
+    reason: str | None = None
+    predicted_step_s: dict[int, float] = Field(default_factory=dict)
+    measured_step_s: dict[int, float] = Field(default_factory=dict)
+    change_cost_s: float | None = Field(None, description="the job's own measured downtime per change")
+    steps_done: int = 0
+    changes: int = 0
+
+    @property
+    def active(self) -> bool:
+        return self.status in ("waiting", "running")
+
+
+class Decision(BaseModel):
+    """One run of the allocator: on what event, what each job gets, and why."""
+
+    at: float
+    event: str
+    devices: dict[str, int]
+    reasons: dict[str, str]
+
+
+class PoolState(BaseModel):
+    pool: str
+    devices: int
+    jobs: dict[str, JobRecord] = Field(default_factory=dict)
+    decisions: list[Decision] = Field(default_factory=list)
+    submissions_seen: list[str] = Field(default_factory=list)
+
+    def active(self) -> list[JobRecord]:
+        return [job for job in self.jobs.values() if job.active]
+
+
+class PoolStateCorrupt(StorageError):
+    """The pool's state object fails its digest or its schema: refused, never loaded."""
+
+
+def encode_state(state: PoolState) -> bytes:
+    body = state.model_dump_json()
+    digest = DIGEST + hashlib.sha256(body.encode()).hexdigest()
+    return json.dumps({"digest": digest, "state": json.loads(body)}, sort_keys=True).encode()
+
+
+def decode_state(raw: bytes, where: str) -> PoolState:
+    """The state in `raw`, checked against its digest (over the state as this schema writes it)."""
+    try:
+        document = json.loads(raw)
+        state = PoolState.model_validate(document["state"])
+    except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, ValidationError) as error:
+        raise PoolStateCorrupt(f"{where} is not a pool state ({type(error).__name__}): refused, not loaded") from None
+    if document.get("digest") != DIGEST + hashlib.sha256(state.model_dump_json().encode()).hexdigest():
+        raise PoolStateCorrupt(f"{where} fails its sha256 digest (corrupted): refused, not loaded")
+    return state
+
+
+def read_state(store: ObjectStore, pool: str, devices: int) -> PoolState:
+    """The pool's state; a new, empty one when it has none yet."""
+    key = pool_key(pool, "state.json")
+    try:
+        raw = store.get(key)
+    except ObjectNotFound:
+        return PoolState(pool=pool, devices=devices)
+    state = decode_state(raw, store.url_for(key))
+    state.devices = devices  # the pool file says how many it has now
+    return state
+
+
+def write_state(store: ObjectStore, state: PoolState) -> None:
+    store.put(pool_key(state.pool, "state.json"), encode_state(state))
+
+
+def submit(store: ObjectStore, pool: str, spec: JobSpec, now: float | None = None) -> str:
+    """Put a job in the pool's queue (the controller takes it at its next look); the key."""
+    stamp = int((now if now is not None else time.time()) * 1000)
+    key = pool_key(pool, "submitted", f"{stamp:013d}-{spec.job_id}.json")
+    store.create(key, json.dumps({"submitted_at": stamp / 1000, "spec": spec.model_dump(mode="json")}).encode())
+    return key
+
+
+def submissions(store: ObjectStore, pool: str, seen: set[str]) -> list[tuple[str, float, JobSpec | str]]:
+    """New submissions in order: (key, submitted_at, spec), or the reason instead of a spec when
+    one cannot be read (it is refused, with that reason, and never retried)."""
+    out: list[tuple[str, float, JobSpec | str]] = []
+    for key in sorted(store.list(pool_key(pool, "submitted"))):
+        if key in seen or not key.endswith(".json"):
+            continue
+        try:
+            document = json.loads(store.get(key))
+            out.append((key, float(document["submitted_at"]), JobSpec.model_validate(document["spec"])))
+        except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, ValueError, ValidationError) as error:
+            out.append((key, time.time(), f"{store.url_for(key)} is not a submission: {' '.join(str(error).split())[:300]}"))
+    return out

@@ -1,0 +1,63 @@
+"""A pool file (`pool.yaml`): the devices a pool shares among its jobs, where it keeps its state,
+and its policy's settings. Loaded like a job spec: every problem names the file, line and field.
+
+    name: local
+    devices: 4                 # this machine's devices (worker processes) the pool hands out
+    kind: cpu
+    storage: {url: "file://./parashift-store"}   # pools/{name}/ holds its state
+    policy: {horizon_s: 600, aging_s: 900}
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from parashift.specs.base import _JOB_NAME, Section
+from parashift.specs.models import StorageSpec
+from pydantic import Field, field_validator
+
+
+class PoolPolicySpec(Section):
+    """The allocator's settings (docs/pool.md says what each promises)."""
+
+    horizon_s: float = Field(600.0, gt=0, le=30 * 86400,
+                             description="How far ahead a change's gain is counted against its downtime.")
+    aging_s: float = Field(900.0, gt=0, le=30 * 86400,
+                           description="A waiting job's rank rises by one priority per this many seconds of waiting.")
+
+
+class PoolSpec(Section):
+    """A pool of devices on this machine, shared by the jobs submitted to it."""
+
+    name: str = Field(description="Pool name: lower-case letters, digits, '.', '_', '-'.")
+    devices: int = Field(ge=1, le=65536, description="Devices (worker processes) the pool hands out.")
+    kind: Literal["cpu", "cuda"] = Field("cpu", description="Device type of every job in the pool.")
+    storage: StorageSpec = Field(default_factory=StorageSpec,
+                                 description="Where the pool keeps its state (pools/{name}/), submissions included.")
+    policy: PoolPolicySpec = Field(default_factory=PoolPolicySpec, description=PoolPolicySpec.__doc__)
+    deployment: str = Field("train-job/train-job", max_length=300,
+                            description="The deployment each job of the pool runs as (prefect.yaml's train-job).")
+    tick_s: float = Field(2.0, gt=0, le=600, description="How often the controller looks for pool events.")
+
+    @field_validator("name")
+    @classmethod
+    def _safe_name(cls, name: str) -> str:
+        if not _JOB_NAME.fullmatch(name) or ".." in name:
+            raise ValueError(f"must be lower-case letters, digits, '.', '_' or '-', at most 63 characters (got {name!r})")
+        return name
+
+
+    def with_storage_root(self, root: str) -> PoolSpec:
+        """Relative local storage made absolute under `root` (as `JobSpec.with_storage_root`)."""
+        from parashift.specs import JobSpec
+
+        rooted = JobSpec(name="pool", storage=self.storage).with_storage_root(root).storage
+        return self.model_copy(update={"storage": rooted})
+
+
+def load_pool(path: str | Path) -> PoolSpec:
+    """Read and validate a pool file; SpecError (file:line:col: field: message) on any problem."""
+    from parashift.specs.loader import parse_document, read_source
+
+    return parse_document(read_source(path), str(path), PoolSpec)
