@@ -20,8 +20,9 @@ from typing import Any
 from parashift.pool.allocator import PoolPolicy
 from parashift.pool.chart import allocation_png
 from parashift.pool.controller import Action, PoolBook, Preempt, Resize, Start
-from parashift.pool.state import pool_key, read_state, submissions, write_state
+from parashift.pool.state import pool_key, read_state, submissions, submit, write_state
 from parashift.pool.step_times import Measured, counts_for, measured
+from parashift.specs import JobSpec
 from parashift.specs.pool import PoolSpec
 from parashift.storage import JobLease, JobPaths, ObjectStore, open_store
 from parashift.tasks.artifacts import artifact_key
@@ -52,6 +53,14 @@ def pool_controller(pool: PoolSpec, until_idle: bool = False, max_s: float | Non
             time.sleep(pool.tick_s)
     return {job.job_id: job.model_dump(include={"status", "submitted_at", "started_at", "finished_at", "reason",
                                                 "changes"}) for job in book.state.jobs.values()}
+
+
+@flow(name="submit-to-pool", flow_run_name="submit-{spec.name}-to-{pool.name}")
+def submit_to_pool(pool: PoolSpec, spec: JobSpec) -> str:
+    """Queue a job in a pool (its controller takes it at its next look); the submission's key."""
+    key = submit(open_store(pool.storage), pool.name, spec)
+    get_run_logger().info("%s submitted to pool %s (%s)", spec.job_id, pool.name, key)
+    return key
 
 
 def tick(pool: PoolSpec, store: ObjectStore, book: PoolBook) -> bool:

@@ -77,22 +77,27 @@ class PoolStateCorrupt(StorageError):
     """The pool's state object fails its digest or its schema: refused, never loaded."""
 
 
+def _digest(data: object) -> str:
+    """sha256 of the state's data as canonical JSON (sorted keys, no spaces)."""
+    canonical = json.dumps(data, sort_keys=True, separators=(",", ":"), allow_nan=False)
+    return DIGEST + hashlib.sha256(canonical.encode()).hexdigest()
+
+
 def encode_state(state: PoolState) -> bytes:
-    body = state.model_dump_json()
-    digest = DIGEST + hashlib.sha256(body.encode()).hexdigest()
-    return json.dumps({"digest": digest, "state": json.loads(body)}, sort_keys=True).encode()
+    data = json.loads(state.model_dump_json())
+    return json.dumps({"digest": _digest(data), "state": data}, sort_keys=True).encode()
 
 
 def decode_state(raw: bytes, where: str) -> PoolState:
-    """The state in `raw`, checked against its digest (over the state as this schema writes it)."""
+    """The state in `raw`, checked against its digest before it is read as a state."""
     try:
         document = json.loads(raw)
-        state = PoolState.model_validate(document["state"])
-    except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, ValidationError) as error:
+        data = document["state"]
+        if document.get("digest") != _digest(data):
+            raise PoolStateCorrupt(f"{where} fails its sha256 digest (corrupted): refused, not loaded")
+        return PoolState.model_validate(data)
+    except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, ValueError, ValidationError) as error:
         raise PoolStateCorrupt(f"{where} is not a pool state ({type(error).__name__}): refused, not loaded") from None
-    if document.get("digest") != DIGEST + hashlib.sha256(state.model_dump_json().encode()).hexdigest():
-        raise PoolStateCorrupt(f"{where} fails its sha256 digest (corrupted): refused, not loaded")
-    return state
 
 
 def read_state(store: ObjectStore, pool: str, devices: int) -> PoolState:

@@ -1,0 +1,140 @@
+"""The pool controller's bookkeeping without Prefect (pool.controller, pool.state): what it starts,
+tells and stops for recorded observations, and its state in storage refusing what is corrupt."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from parashift.pool.allocator import PoolPolicy
+from parashift.pool.controller import RESEND_S, PoolBook, Preempt, Resize, Start
+from parashift.pool.state import (
+    PoolState,
+    PoolStateCorrupt,
+    pool_key,
+    read_state,
+    submissions,
+    submit,
+    write_state,
+)
+from parashift.pool.step_times import Measured, blended, counts_for
+from parashift.specs import JobSpec, SpecError
+from parashift.specs.models import StorageSpec
+from parashift.specs.pool import load_pool
+from parashift.storage import open_store
+
+LINEAR = {1: 1.0, 2: 0.5, 3: 0.34, 4: 0.26}
+
+
+def job(name: str, steps: int = 1000, **resources: object) -> JobSpec:
+    return JobSpec.model_validate({"name": name, "training": {"steps": steps, "global_batch": 16},
+                                   "resources": resources})
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def book_of(devices: int = 4) -> tuple[PoolBook, Clock]:
+    clock = Clock()
+    return PoolBook(PoolState(pool="p", devices=devices), PoolPolicy(horizon_s=600.0), clock), clock
+
+
+def test_a_pool_file_error_names_file_line_and_field(tmp_path: Path) -> None:
+    path = tmp_path / "pool.yaml"
+    path.write_text("name: p\ndevices: 0\npolicy: {horizon: 5}\n")
+    with pytest.raises(SpecError) as error:
+        load_pool(path)
+    lines = error.value.lines()
+    assert lines[0].startswith(f"{path}:2:10: devices: must be greater than or equal to 1"), lines
+    assert lines[1].startswith(f"{path}:3:10: policy.horizon: unknown key 'horizon'; did you mean 'horizon_s'?"), lines
+
+
+def test_state_round_trips_and_a_corrupted_state_is_refused(tmp_path: Path) -> None:
+    store = open_store(StorageSpec(url=f"file://{tmp_path}"))
+    book, _ = book_of()
+    book.submitted("k", 1.0, job("a"), lambda spec: LINEAR)
+    write_state(store, book.state)
+    assert read_state(store, "p", 4) == book.state
+    path = tmp_path / pool_key("p", "state.json")
+    raw = path.read_bytes()
+    assert raw.count(b'"submitted_at": 1.0') == 1
+    path.write_bytes(raw.replace(b'"submitted_at": 1.0', b'"submitted_at": 2.0'))  # valid JSON, wrong bytes
+    with pytest.raises(PoolStateCorrupt, match="fails its sha256 digest"):
+        read_state(store, "p", 4)
+
+
+def test_submissions_are_taken_once_and_a_bad_one_is_refused_with_why(tmp_path: Path) -> None:
+    store = open_store(StorageSpec(url=f"file://{tmp_path}"))
+    first = submit(store, "p", job("a"), now=1.0)
+    store.put(pool_key("p", "submitted", "0000000005000-b.json"), b"{not json")
+    book, _ = book_of()
+    found = submissions(store, "p", set())
+    events = [book.submitted(key, at, spec, lambda spec: LINEAR) for key, at, spec in found]
+    assert events[0] == "a submitted" and events[1].startswith("refused a submission:"), events
+    assert book.state.jobs["a"].spec.resources.pool == "p"  # a pool job holds the pool's devices
+    assert submissions(store, "p", set(book.state.submissions_seen)) == []
+    submit(store, "p", job("a"), now=3.0)
+    again = submissions(store, "p", set(book.state.submissions_seen))
+    assert first not in [key for key, _, _ in again]
+    assert book.submitted(*again[0], lambda spec: LINEAR) == "refused a: it is already in the pool (waiting)"
+
+
+def test_a_running_job_is_told_its_devices_only_once_it_steps_and_again_if_unheard() -> None:
+    book, clock = book_of()
+    book.submitted("k1", 1.0, job("a"), lambda spec: LINEAR)
+    book.allocate(["a submitted"])
+    (start,) = book.actions({})
+    assert isinstance(start, Start) and start.spec.resources.devices == 4
+    book.state.jobs["a"].flow_run_id = "run-a"
+    clock.now += 5
+    book.submitted("k2", 2.0, job("b"), lambda spec: LINEAR)
+    book.allocate(["b submitted"])
+    assert book.state.jobs["a"].devices + book.state.jobs["b"].devices == 4 and book.state.jobs["b"].devices
+    actions = book.actions({})  # a has logged no step yet: not told (its subscription may not be up)
+    assert [type(a) for a in actions] == [Start]
+    book.state.jobs["b"].flow_run_id = "run-b"
+    stepping = {"a": Measured(step_s={4: 0.26}, last_step=3, devices_now=4)}
+    (resize,) = book.actions(stepping)
+    assert resize == Resize("a", book.state.jobs["a"].devices, 4)
+    assert book.actions(stepping) == []  # told; still on 4 a moment later: not told again yet
+    clock.now += RESEND_S + 1
+    (again,) = book.actions(stepping)  # an event lost (a server restarted): told again
+    assert again.devices == resize.devices
+    book.ended("b", "finished")
+    book.allocate(["b finished"])
+    assert book.state.jobs["a"].devices == 4 and book.state.jobs["b"].devices == 0
+
+
+def test_a_higher_priority_job_preempts_and_the_preempted_job_resumes_later() -> None:
+    book, clock = book_of(devices=2)
+    book.submitted("k1", 1.0, job("low", min_devices=2), lambda spec: {2: 1.0})
+    book.allocate(["low submitted"])
+    book.actions({})
+    book.state.jobs["low"].flow_run_id = "run-low"
+    clock.now += 1
+    book.submitted("k2", 2.0, job("high", min_devices=2, priority=3), lambda spec: {2: 1.0})
+    book.allocate(["high submitted"])
+    actions = book.actions({"low": Measured(step_s={2: 1.0}, devices_now=2)})
+    # high's run starts at once: its first segment waits for the pool's slots until low has stopped
+    assert sorted(actions, key=lambda a: a.job_id) == [
+        Start("high", book.state.jobs["high"].spec.on_devices(2)),
+        Preempt("low", "the pool gives its devices to jobs ranked before it")]
+    assert book.ended("low", "stopped") == "low stopped (preempted); it waits"
+    book.state.jobs["high"].flow_run_id = "run-high"
+    book.ended("high", "finished")
+    book.allocate(["high finished"])
+    (restart,) = book.actions({})
+    assert restart == Start("low", book.state.jobs["low"].spec.on_devices(2))
+
+
+def test_measured_step_times_replace_and_rescale_predictions() -> None:
+    predicted = {1: 1.0, 2: 0.5, 3: 0.4}
+    assert blended(predicted, {}) == predicted
+    assert blended(predicted, {2: 1.0}) == {1: 2.0, 2: 1.0, 3: 0.8}  # a host 2x slower than the model
+    spec = job("c", min_devices=2, max_devices=3)
+    assert counts_for(spec, 8) == [2, 3]

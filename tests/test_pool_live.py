@@ -1,0 +1,113 @@
+"""A pool live on this machine: a real Prefect server, train-job deployed to a process worker,
+the pool's controller as `parashift pool` (a process of its own). Two jobs of different
+families share 2 CPU devices; the first, alone on both, shrinks to one when the second (of
+higher priority) arrives, and the second waits for the slot it frees.
+The controller is killed with -9 in the middle and started again: it goes on from the pool's
+state in storage. Each job trains every step once, with the losses of its own static run."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from jobs import LOSS_RTOL, run
+from parashift.pool.state import read_state
+from parashift.specs import JobSpec
+from parashift.specs.plan import Plan
+from parashift.specs.pool import PoolSpec
+from parashift.storage import open_store
+from test_metrics_board import scalars
+
+from parashift.commands.serve import REPO, deploy_all, stop_group
+
+pytestmark = pytest.mark.slow
+
+
+def pool_job(name: str, store: str, model: dict[str, Any], steps: int, **resources: Any) -> JobSpec:
+    return JobSpec.model_validate({
+        "name": name, "model": model, "data": {"max_bytes": 400_000},
+        "optimizer": {"lr": 1e-3, "min_lr": 1e-4, "warmup_steps": 2},
+        "training": {"global_batch": 12, "micro_batch": 2, "steps": steps, "seed": 3, "checkpoint_every": 10},
+        "resources": {"devices": 1, "warm_workers": True, **resources}, "storage": {"url": store}})
+
+
+def wait_for(condition: Any, what: str, timeout_s: float) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        found = condition()
+        if found:
+            return found
+        time.sleep(0.5)
+    raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
+
+
+def cli(*args: str, env: dict[str, str], log: Path | None = None) -> subprocess.Popen[bytes]:
+    out = open(log, "ab") if log is not None else subprocess.DEVNULL  # noqa: SIM115 - the process owns it
+    return subprocess.Popen([sys.executable, "-m", "parashift.cli", *args], cwd=REPO, env=env, stdout=out,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def test_a_pool_shares_devices_exactly_and_survives_its_controller_killed(prefect_server: None, tmp_path: Path) -> None:
+    from prefect.client.orchestration import get_client
+    from prefect.settings import PREFECT_API_URL
+
+    env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value(), "PREFECT_HOME": str(tmp_path / "home"),
+           "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "OMP_NUM_THREADS": "1"}
+    deploy_all(env)
+    store = f"file://{tmp_path}/store"
+    pool = PoolSpec(name="live", devices=2, storage={"url": store}, tick_s=0.5)  # type: ignore[arg-type]
+    (tmp_path / "pool.yaml").write_text(f"name: live\ndevices: 2\nstorage: {{url: '{store}'}}\ntick_s: 0.5\n")
+    long = pool_job("long-gpt", store, {"n_layers": 6, "d_model": 256, "n_heads": 4, "vocab_size": 256,
+                                        "seq_len": 96}, steps=40)
+    short = pool_job("short-llama", store, {"family": "llama", "n_layers": 2, "d_model": 96, "n_heads": 4,
+                                            "n_kv_heads": 2, "vocab_size": 256, "seq_len": 96}, steps=20, priority=1)
+    for spec in (long, short):
+        (tmp_path / f"{spec.name}.yaml").write_text(spec.model_dump_json())  # JSON is YAML
+    worker = subprocess.Popen([sys.executable, "-m", "prefect", "worker", "start", "--pool", "parashift"], cwd=REPO,
+                              env=env, stdout=open(tmp_path / "worker.log", "ab"), stderr=subprocess.STDOUT,  # noqa: SIM115
+                              start_new_session=True)
+    controllers: list[subprocess.Popen[bytes]] = []
+    state_store = open_store(pool.storage)
+
+    def state() -> Any:
+        return read_state(state_store, "live", 2)
+
+    try:
+        assert cli("submit", str(tmp_path / "long-gpt.yaml"), "--pool", str(tmp_path / "pool.yaml"), env=env).wait() == 0
+        controllers.append(cli("pool", str(tmp_path / "pool.yaml"), "--until-idle", env=env, log=tmp_path / "ctl.log"))
+        wait_for(lambda: state().jobs.get("long-gpt") and state().jobs["long-gpt"].measured_step_s,
+                 "the first job to step", 240)
+        assert cli("submit", str(tmp_path / "short-llama.yaml"), "--pool", str(tmp_path / "pool.yaml"), env=env).wait() == 0
+        wait_for(lambda: (job := state().jobs.get("short-llama")) and job.flow_run_id, "the second job to start", 120)
+        os.killpg(controllers[-1].pid, signal.SIGKILL)  # mid-trace: its runs go on without it
+        controllers[-1].wait()
+        controllers.append(cli("pool", str(tmp_path / "pool.yaml"), "--until-idle", env=env, log=tmp_path / "ctl.log"))
+        assert controllers[-1].wait(timeout=400) == 0, (tmp_path / "ctl.log").read_text()[-5000:]
+    finally:
+        for process in [*controllers, worker]:
+            stop_group(process)
+    final = state()
+    assert {job.job_id: job.status for job in final.jobs.values()} == {"long-gpt": "finished", "short-llama": "finished"}
+    assert any(d.event.startswith("short-llama submitted") for d in final.decisions)
+    assert all(sum(d.devices.values()) <= 2 for d in final.decisions)
+    with get_client(sync_client=True) as client:
+        limit = client.read_global_concurrency_limit_by_name("parashift-pool-live")
+    assert limit.limit == 2 and limit.active_slots == 0
+
+    for spec in (long, short):
+        found = scalars(Path(f"{tmp_path}/store/jobs/{spec.name}/metrics"))
+        steps = [step for step, _ in found["loss"]]
+        assert sorted(steps) == list(range(1, spec.training.steps + 1)), f"{spec.name}: every step once"
+        static = run(spec.model_copy(update={"storage": spec.storage.model_copy(
+            update={"url": f"file://{tmp_path}/static-{spec.name}"})}), Plan.data_parallel(1))
+        want = {e.step: e.loss for e in static.steps}
+        for step, got in found["loss"]:
+            assert abs(got - want[step]) <= LOSS_RTOL * abs(want[step]) + 1e-6, (spec.name, step, got, want[step])
+    assert len({int(n) for _, n in scalars(Path(f"{tmp_path}/store/jobs/long-gpt/metrics"))["devices"]}) >= 2, \
+        "the first job changed its device count when the second arrived"
