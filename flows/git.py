@@ -14,8 +14,10 @@ import json
 import os
 from pathlib import Path
 
+from parashift.flows.pool import submit_to_pool
 from parashift.flows.train import train_job
 from parashift.specs import parse_spec
+from parashift.specs.pool import PoolSpec
 from parashift.tasks.artifacts import artifact_key
 from parashift.tasks.credentials import environment, storage_environment
 from parashift.tasks.git import content_hash, read_specs_from_git, record_trained, trained_before
@@ -37,7 +39,7 @@ class Submission(BaseModel):
 
     path: str
     job: str | None = None
-    outcome: str  # trained | already-trained | failed
+    outcome: str  # trained | submitted (to a pool) | already-trained | already-submitted | failed
     final_step: int | None = None
     message: str | None = None
 
@@ -47,19 +49,30 @@ class SubmissionsFailed(RuntimeError):
 
 
 @flow(name="train-from-git", flow_run_name="train-{path}")
-def train_from_git(text: str, path: str, repository: str, commit: str, storage_root: str) -> Submission:
+def train_from_git(text: str, path: str, repository: str, commit: str, storage_root: str,
+                   pool: PoolSpec | None = None) -> Submission:
     """One spec file at one commit: validated (its errors, with file, line and field, are this
-    run's failure message), trained unless these exact contents were trained before."""
+    run's failure message), trained unless these exact contents were trained before. With a
+    `pool`: submitted to it instead (its controller trains it), once per contents."""
     logger = get_run_logger()
     spec = parse_spec(text, f"{repository}@{commit[:12]}:{path}").with_storage_root(storage_root)
     digest = content_hash(spec)
     source = {"repository": repository, "commit": commit, "path": path, "content_hash": digest}
     with environment(storage_environment(spec)):
         before = trained_before(spec, digest)
+    if before is not None and before.get("pool"):
+        logger.info("%s: these contents were submitted to pool %s at commit %s; nothing to do", path, before["pool"],
+                    before.get("commit"))
+        return Submission(path=path, job=spec.job_id, outcome="already-submitted", message=f"to pool {before['pool']}")
     if before is not None:
         logger.info("%s: these contents were trained to step %s at commit %s; nothing to do",
                     path, before.get("final_step"), before.get("commit"))
         return Submission(path=path, job=spec.job_id, outcome="already-trained", final_step=before.get("final_step"))
+    if pool is not None:
+        key = submit_to_pool(pool, spec)
+        with environment(storage_environment(spec)):
+            record_trained(spec, digest, {**source, "pool": pool.name, "submission": key}, 0)  # once per contents
+        return Submission(path=path, job=spec.job_id, outcome="submitted", message=f"to pool {pool.name}")
     with tags(f"job:{spec.job_id}", f"commit:{commit[:12]}", "git"), \
             environment({"PARASHIFT_SOURCE": json.dumps(source)}):
         summary = train_job(spec)
@@ -71,10 +84,11 @@ def train_from_git(text: str, path: str, repository: str, commit: str, storage_r
 
 @flow(name="submit-from-git", flow_run_name="submit-from-git-{branch}")
 def submit_from_git(repository: str, branch: str = "main", folder: str = "specs",
-                    storage_root: str | None = None) -> list[Submission]:
+                    storage_root: str | None = None, pool: PoolSpec | None = None) -> list[Submission]:
     """Train each spec in `folder` of `repository` at the tip of `branch` that is new or changed
-    since it was last trained; one `train-from-git` run per spec, one after another. A spec that
-    fails does not stop the others; this run then fails naming them."""
+    since it was last trained; one `train-from-git` run per spec, one after another (or, given
+    a `pool`, submit each to it: docs/pool.md). A spec that fails does not stop the others; this
+    run then fails naming them."""
     logger = get_run_logger()
     if not repository.strip():
         raise ValueError("set the `repository` parameter: a git URL (https://..., git@..., file:///...)")
@@ -83,7 +97,7 @@ def submit_from_git(repository: str, branch: str = "main", folder: str = "specs"
     root = storage_root or default_storage_root()
     results = []
     for path, text in found.files.items():
-        state = train_from_git(text, path, repository, found.commit, root, return_state=True)
+        state = train_from_git(text, path, repository, found.commit, root, pool, return_state=True)
         if state.is_completed():
             results.append(state.result())
         else:

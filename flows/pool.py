@@ -32,6 +32,16 @@ from prefect import flow
 from prefect.logging import get_run_logger
 
 
+def _api_errors() -> tuple[type[BaseException], ...]:
+    import httpx
+    from prefect.exceptions import PrefectHTTPStatusError
+
+    return httpx.HTTPError, PrefectHTTPStatusError, OSError
+
+
+API_ERRORS = _api_errors()
+
+
 @flow(name="pool-controller", flow_run_name="pool-{pool.name}")
 def pool_controller(pool: PoolSpec, until_idle: bool = False, max_s: float | None = None) -> dict[str, Any]:
     """Run the pool: until stopped, or (`until_idle`) until every job submitted has ended.
@@ -41,12 +51,17 @@ def pool_controller(pool: PoolSpec, until_idle: bool = False, max_s: float | Non
     lease = JobLease(store, f"pool-{pool.name}", key=pool_key(pool.name, "lease.json"))
     with lease.hold():
         book = PoolBook(read_state(store, pool.name, pool.devices),
-                        PoolPolicy(horizon_s=pool.policy.horizon_s, aging_s=pool.policy.aging_s))
+                        PoolPolicy(horizon_s=pool.policy.horizon_s, aging_s=pool.policy.aging_s,
+                                   mode=pool.policy.mode))
         deadline = time.monotonic() + max_s if max_s else None
         while True:
             lease.ensure()  # LeaseLost: another controller runs this pool now
-            if tick(pool, store, book) and until_idle:
-                break
+            try:
+                if tick(pool, store, book) and until_idle:
+                    break
+            except API_ERRORS as error:  # a Prefect server restarting: what was not done is done next tick
+                get_run_logger().warning("pool %s: the Prefect API did not answer (%s); trying again in %.0f s",
+                                         pool.name, " ".join(str(error).split())[:200], pool.tick_s)
             if deadline is not None and time.monotonic() > deadline:
                 get_run_logger().warning("pool %s: stopping after %.0f s with jobs still active", pool.name, max_s)
                 break

@@ -40,6 +40,9 @@ TIE_MARGIN = 1e-9  # relative: where a change's value only ties, what runs is ke
 class PoolPolicy:
     horizon_s: float = 600.0  # how far ahead a change's gain is counted against its cost
     aging_s: float = 900.0  # a waiting job's rank rises by one priority per this many seconds
+    # "throughput": the allocator above; "static-fifo": the baseline clusters run (each job its
+    # requested devices for its whole run, in submission order, no backfill), to compare against
+    mode: str = "throughput"
 
 
 @dataclass(frozen=True)
@@ -56,6 +59,7 @@ class PoolJob:
     max_devices: int | None = None
     devices: int = 0  # what it holds now (0: waiting, or not started)
     change_cost_s: float = 0.0  # downtime of one change of device count
+    requested: int | None = None  # what it asked for (static FIFO gives it exactly that)
 
     def counts(self, pool: int) -> list[int]:
         """The device counts this job may run at in a pool of `pool`."""
@@ -132,6 +136,8 @@ def horizon_value(job: PoolJob, n: int, policy: PoolPolicy) -> float:
 def allocate(jobs: list[PoolJob], devices: int, now: float = 0.0, policy: PoolPolicy | None = None) -> Allocation:
     """Each job's device count (0: it waits) for a pool of `devices`."""
     policy = policy or PoolPolicy()
+    if policy.mode == "static-fifo":
+        return static_fifo(jobs, devices)
     admitted, waiting = admit(jobs, devices, now, policy)
     choices = [job.counts(devices) for job in admitted]
     values = [np.array([horizon_value(job, n, policy) for n in counts]) for job, counts in zip(admitted, choices, strict=True)]
@@ -142,6 +148,27 @@ def allocate(jobs: list[PoolJob], devices: int, now: float = 0.0, policy: PoolPo
     for job in jobs:
         allocation.decisions.append(_explain(job, out[job.job_id], job in waiting))
     return allocation
+
+
+def static_fifo(jobs: list[PoolJob], devices: int) -> Allocation:
+    """The baseline: what runs keeps what it has; waiting jobs start in submission order on
+    exactly their requested devices (at most the pool) while the next one fits, and a job that
+    does not fit holds up every job behind it (no backfill)."""
+    out = {job.job_id: job.devices for job in jobs}
+    free = devices - sum(out.values())
+    blocked = False
+    for job in sorted((j for j in jobs if not j.devices), key=lambda j: (j.submitted_at, j.job_id)):
+        want = min(job.requested or job.min_devices, devices)
+        if not blocked and want <= free:
+            out[job.job_id], free = want, free - want
+        else:
+            blocked = True
+    decisions = [JobDecision(j.job_id, j.devices, out[j.job_id], j.step_s.get(j.devices), j.step_s.get(out[j.job_id]),
+                             0.0, "static FIFO: " + ("keeps its devices" if j.devices else
+                                                     f"starts on its {out[j.job_id]} requested device(s)"
+                                                     if out[j.job_id] else "waits its turn"))
+                 for j in jobs]
+    return Allocation(out, decisions)
 
 
 def _best_choices(choices: list[list[int]], values: list[np.ndarray], devices: int) -> tuple[list[int], float]:

@@ -105,7 +105,8 @@ class PoolBook:
         cost = job.change_cost_s if job.change_cost_s is not None else DEFAULT_CHANGE_COST_S[res.warm_workers]
         return PoolJob(job.job_id, step_s, max(job.spec.training.steps - job.steps_done, 1), job.submitted_at,
                        priority=res.priority, min_devices=res.min_devices or 1, max_devices=res.max_devices,
-                       devices=job.devices if job.status == "running" else 0, change_cost_s=cost)
+                       devices=job.devices if job.status == "running" else 0, change_cost_s=cost,
+                       requested=res.devices)
 
     def allocate(self, events: list[str]) -> Decision:
         """Run the allocator over the active jobs; record and return the decision."""

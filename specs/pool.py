@@ -25,6 +25,9 @@ class PoolPolicySpec(Section):
                              description="How far ahead a change's gain is counted against its downtime.")
     aging_s: float = Field(900.0, gt=0, le=30 * 86400,
                            description="A waiting job's rank rises by one priority per this many seconds of waiting.")
+    mode: Literal["throughput", "static-fifo"] = Field(
+        "throughput", description="throughput: the allocator; static-fifo: each job its requested devices for its "
+                                  "whole run, in submission order, no backfill (the baseline, to compare with).")
 
 
 class PoolSpec(Section):

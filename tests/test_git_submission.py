@@ -87,3 +87,25 @@ def test_each_new_or_changed_spec_trains_once(prefect_server: None, tmp_path: Pa
     latest = store.latest()
     assert latest.step == 8 and latest.previous_step == 4, "resumed from its checkpoint at step 4"
     assert latest.metadata["source"]["commit"] == raised
+
+
+def test_specs_from_git_can_go_to_a_pool_once_per_contents(prefect_server: None, tmp_path: Path) -> None:
+    """With a pool, each new or changed spec is submitted to it (its controller trains it), once."""
+    from parashift.flows.git import submit_from_git
+    from parashift.pool.state import submissions
+    from parashift.specs.pool import PoolSpec
+
+    remote, work, root = tmp_path / "remote.git", tmp_path / "work", tmp_path / "durable"
+    git("init", "-q", "--bare", "-b", "main", str(remote), cwd=tmp_path)
+    git("clone", "-q", str(remote), str(work), cwd=tmp_path)
+    (work / "specs").mkdir()
+    commit(work, {"job.yaml": JOB.format(steps=4)}, "a job")
+    pool = PoolSpec(name="shared", devices=2, storage={"url": f"file://{tmp_path}/pool-store"})  # type: ignore[arg-type]
+    first = submit_from_git(f"file://{remote}", storage_root=str(root), pool=pool)
+    assert [(s.path, s.outcome) for s in first] == [("specs/job.yaml", "submitted")]
+    queued = submissions(ObjectStore(f"file://{tmp_path}/pool-store"), "shared", set())
+    assert [spec.job_id for _, _, spec in queued] == ["from-git"]  # type: ignore[union-attr]
+    assert queued[0][2].storage.url == f"file://{root}/parashift-store"  # type: ignore[union-attr]
+    again = submit_from_git(f"file://{remote}", storage_root=str(root), pool=pool)
+    assert [(s.path, s.outcome) for s in again] == [("specs/job.yaml", "already-submitted")]
+    assert len(submissions(ObjectStore(f"file://{tmp_path}/pool-store"), "shared", set())) == 1

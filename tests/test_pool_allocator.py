@@ -139,3 +139,14 @@ def test_a_job_that_does_not_scale_leaves_devices_to_one_that_does() -> None:
     assert allocate([flat, linear], 5).devices == {"flat": 1, "linear": 4}
     explained = {d.job_id: d.why for d in allocate([flat, linear], 5).decisions}
     assert explained["linear"].startswith("starts on 4")
+
+
+def test_static_fifo_gives_each_job_its_request_in_order_without_backfill() -> None:
+    step = {1: 1.0, 2: 0.5, 3: 0.4, 4: 0.3}
+    fifo = PoolPolicy(mode="static-fifo")
+    first = PoolJob("first", step, 100, submitted_at=0.0, requested=3, devices=3)
+    big = PoolJob("big", step, 100, submitted_at=1.0, requested=2)
+    small = PoolJob("small", step, 100, submitted_at=2.0, requested=1)
+    # one device is free: `small` fits, but `big` is ahead of it and does not
+    assert allocate([first, big, small], 4, policy=fifo).devices == {"first": 3, "big": 0, "small": 0}
+    assert allocate([big, small], 4, policy=fifo).devices == {"big": 2, "small": 1}

@@ -138,3 +138,18 @@ def test_measured_step_times_replace_and_rescale_predictions() -> None:
     assert blended(predicted, {2: 1.0}) == {1: 2.0, 2: 1.0, 3: 0.8}  # a host 2x slower than the model
     spec = job("c", min_devices=2, max_devices=3)
     assert counts_for(spec, 8) == [2, 3]
+
+
+def test_a_job_that_fails_for_good_frees_its_devices_to_the_others() -> None:
+    book, _ = book_of(devices=2)
+    for key, name in (("k1", "a"), ("k2", "b")):
+        book.submitted(key, float(len(key)), job(name, min_devices=2), lambda spec: {2: 1.0})
+    book.allocate(["a, b submitted"])
+    assert (book.state.jobs["a"].devices, book.state.jobs["b"].devices) == (2, 0)
+    book.actions({})
+    book.state.jobs["a"].flow_run_id = "run-a"
+    assert book.ended("a", "failed", "cannot make progress") == "a failed: cannot make progress"
+    book.allocate(["a failed"])
+    (start,) = book.actions({})
+    assert start == Start("b", book.state.jobs["b"].spec.on_devices(2)) and book.state.jobs["a"].devices == 0
+    assert not book.idle()

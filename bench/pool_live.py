@@ -1,0 +1,166 @@
+"""A pool live on this machine, against static FIFO on the same machine, back to back.
+
+A real Prefect server, prefect.yaml deployed, one process worker. Five jobs of two families and
+three sizes arrive over about a minute at a pool of 4 CPU devices: one needs at least 2 devices,
+one has priority 2. The same trace runs twice, through the same controller (`parashift pool`):
+- `pool`: the allocator (`policy.mode: throughput`); in its middle the controller is killed with
+  -9 and started again (it goes on from the pool's state in storage);
+- `static`: static FIFO (`policy.mode: static-fifo`): each job its requested devices for its
+  whole run, in submission order, no backfill.
+
+For each: every job's status, JCT (submitted -> finished), changes; mean JCT and makespan.
+Exactness: each job's per-step losses in the pool equal its static run's (which never changes
+its devices), and every step is trained once.
+
+    python -m bench.pool_live [--rounds 1] [--kill-at 45]
+
+Last line JSON: per system mean JCT and makespan, the ratios pool/static, and the checks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from parashift.pool.state import read_state, submit
+from parashift.specs import JobSpec
+from parashift.specs.models import StorageSpec
+from parashift.storage import open_store
+
+from parashift.commands.serve import REPO, deploy_all, start_prefect_server, stop_group
+
+DEVICES = 4
+GPT_SMALL = {"n_layers": 4, "d_model": 128, "n_heads": 4, "vocab_size": 256, "seq_len": 128}
+GPT_MEDIUM = {"n_layers": 6, "d_model": 256, "n_heads": 4, "vocab_size": 256, "seq_len": 128}
+LLAMA_SMALL = {"family": "llama", "n_layers": 4, "d_model": 192, "n_heads": 4, "n_kv_heads": 2, "vocab_size": 256,
+               "seq_len": 128}
+# (arrival s, name, model, steps, resources)
+TRACE: list[tuple[float, str, dict[str, Any], int, dict[str, Any]]] = [
+    (0.0, "gpt-medium", GPT_MEDIUM, 60, {"devices": 4}),
+    (15.0, "llama-a", LLAMA_SMALL, 40, {"devices": 2}),
+    (30.0, "gpt-small", GPT_SMALL, 80, {"devices": 1}),
+    (40.0, "llama-min2", LLAMA_SMALL, 40, {"devices": 2, "min_devices": 2}),
+    (50.0, "gpt-urgent", GPT_SMALL, 60, {"devices": 1, "priority": 2}),
+]
+
+
+def job_spec(name: str, model: dict[str, Any], steps: int, resources: dict[str, Any], store: str) -> JobSpec:
+    return JobSpec.model_validate({
+        "name": name, "model": model, "data": {"max_bytes": 1_000_000},
+        "optimizer": {"lr": 1e-3, "min_lr": 1e-4, "warmup_steps": 2},
+        "training": {"global_batch": 16, "micro_batch": 2, "steps": steps, "seed": 11, "checkpoint_every": 10},
+        "resources": {"warm_workers": True, **resources}, "storage": {"url": store}})
+
+
+def run_trace(mode: str, folder: Path, env: dict[str, str], kill_at: float | None) -> dict[str, Any]:
+    """The trace through one controller; the pool's final state, summarised."""
+    store = f"file://{folder}/store"
+    pool_file = folder / "pool.yaml"
+    pool_file.write_text(f"name: {mode}\ndevices: {DEVICES}\nstorage: {{url: '{store}'}}\ntick_s: 1.0\n"
+                         f"policy: {{mode: {'throughput' if mode == 'pool' else 'static-fifo'}}}\n")
+    state_store = open_store(StorageSpec(url=store))
+    log = open(folder / "controller.log", "ab")  # noqa: SIM115 - the processes own it
+
+    def controller() -> subprocess.Popen[bytes]:
+        return subprocess.Popen([sys.executable, "-m", "parashift.cli", "pool", str(pool_file), "--until-idle"],
+                                cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    start = time.time()
+    pending = list(TRACE)
+    running = controller()
+    killed = False
+    try:
+        while pending or running.poll() is None:
+            now = time.time() - start
+            while pending and pending[0][0] <= now:
+                _, name, model, steps, resources = pending.pop(0)
+                submit(state_store, mode, job_spec(name, model, steps, resources, store))
+            if kill_at is not None and not killed and now >= kill_at:
+                os.killpg(running.pid, signal.SIGKILL)  # the controller dies mid-trace; its runs go on
+                running.wait()
+                running, killed = controller(), True
+            if running.poll() is not None and pending:
+                running = controller()  # idle before the next arrival: started again, as a user would
+            time.sleep(0.5)
+    finally:
+        stop_group(running)
+    state = read_state(state_store, mode, DEVICES)
+    jobs = {job.job_id: {"status": job.status, "jct_s": (job.finished_at or 0) - job.submitted_at,
+                         "changes": job.changes, "reason": job.reason} for job in state.jobs.values()}
+    first = min(job.submitted_at for job in state.jobs.values())
+    last = max(job.finished_at or 0 for job in state.jobs.values())
+    return {"jobs": jobs, "mean_jct_s": statistics.mean(j["jct_s"] for j in jobs.values()),
+            "makespan_s": last - first, "controller_killed": killed, "decisions": len(state.decisions)}
+
+
+def losses(folder: Path, job: str) -> dict[int, float]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out: dict[int, float] = {}
+    seen: list[int] = []
+    for path in sorted((folder / "store" / "jobs" / job / "metrics").iterdir()):
+        events = EventAccumulator(str(path))
+        events.Reload()
+        for event in events.Scalars("loss"):
+            seen.append(event.step)
+            out[event.step] = event.value
+    if sorted(seen) != sorted(out):
+        raise AssertionError(f"{job}: a step was logged twice")
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--kill-at", type=float, default=45.0, help="kill -9 the pool's controller at this second")
+    args = parser.parse_args()
+    env = {**os.environ, "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "OMP_NUM_THREADS": "1"}
+    with tempfile.TemporaryDirectory(prefix="parashift-pool-live-") as tmp:
+        env["PREFECT_HOME"] = str(Path(tmp) / "home")
+        server, api = start_prefect_server(env)
+        env["PREFECT_API_URL"] = api
+        worker = None
+        try:
+            deploy_all(env)
+            worker = subprocess.Popen([sys.executable, "-m", "prefect", "worker", "start", "--pool", "parashift"],
+                                      cwd=REPO, env=env, stdout=open(Path(tmp) / "worker.log", "ab"),  # noqa: SIM115
+                                      stderr=subprocess.STDOUT, start_new_session=True)
+            results = {}
+            for mode in ("pool", "static"):
+                folder = Path(tmp) / mode
+                folder.mkdir()
+                results[mode] = run_trace(mode, folder, env, args.kill_at if mode == "pool" else None)
+                print(json.dumps({mode: results[mode]}), flush=True)
+            worst = 0.0
+            once = True
+            for _, name, _, steps, _ in TRACE:
+                pooled, static = losses(Path(tmp) / "pool", name), losses(Path(tmp) / "static", name)
+                once &= sorted(pooled) == list(range(1, steps + 1)) == sorted(static)
+                worst = max(worst, max(abs(pooled[s] - static[s]) / abs(static[s]) for s in static))
+        finally:
+            if worker is not None:
+                stop_group(worker)
+            stop_group(server)
+    pool, static = results["pool"], results["static"]
+    print(json.dumps({
+        "devices": DEVICES, "jobs": len(TRACE),
+        "pool": {"mean_jct_s": round(pool["mean_jct_s"], 1), "makespan_s": round(pool["makespan_s"], 1),
+                 "controller_killed": pool["controller_killed"]},
+        "static": {"mean_jct_s": round(static["mean_jct_s"], 1), "makespan_s": round(static["makespan_s"], 1)},
+        "mean_jct_ratio": round(pool["mean_jct_s"] / static["mean_jct_s"], 3),
+        "makespan_ratio": round(pool["makespan_s"] / static["makespan_s"], 3),
+        "all_finished": all(j["status"] == "finished" for r in results.values() for j in r["jobs"].values()),
+        "every_step_once": once, "max_loss_rel_diff": worst,
+    }))
+
+
+if __name__ == "__main__":
+    main()
