@@ -2,7 +2,8 @@
 
 A real Prefect server, prefect.yaml deployed, one process worker. Five jobs of two families and
 three sizes arrive over about a minute at a pool of 4 CPU devices: one needs at least 2 devices,
-one has priority 2. The same trace runs twice, through the same controller (`parashift pool`):
+one has priority 2. (On the 2-core development machine 4 CPU devices share 2 cores: what one job
+runs on slows the others, which GPUs of a cluster do not do.) The same trace runs twice, through the same controller (`parashift pool`):
 - `pool`: the allocator (`policy.mode: throughput`); in its middle the controller is killed with
   -9 and started again (it goes on from the pool's state in storage);
 - `static`: static FIFO (`policy.mode: static-fifo`): each job its requested devices for its
@@ -12,7 +13,7 @@ For each: every job's status, JCT (submitted -> finished), changes; mean JCT and
 Exactness: each job's per-step losses in the pool equal its static run's (which never changes
 its devices), and every step is trained once.
 
-    python -m bench.pool_live [--rounds 1] [--kill-at 45]
+    python -m bench.pool_live [--trace small-first|large-first] [--scale 1.0] [--kill-at 45] [--keep DIR]
 
 Last line JSON: per system mean JCT and makespan, the ratios pool/static, and the checks.
 """
@@ -22,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import statistics
 import subprocess
@@ -43,14 +45,28 @@ GPT_SMALL = {"n_layers": 4, "d_model": 128, "n_heads": 4, "vocab_size": 256, "se
 GPT_MEDIUM = {"n_layers": 6, "d_model": 256, "n_heads": 4, "vocab_size": 256, "seq_len": 128}
 LLAMA_SMALL = {"family": "llama", "n_layers": 4, "d_model": 192, "n_heads": 4, "n_kv_heads": 2, "vocab_size": 256,
                "seq_len": 128}
-# (arrival s, name, model, steps, resources)
-TRACE: list[tuple[float, str, dict[str, Any], int, dict[str, Any]]] = [
-    (0.0, "gpt-medium", GPT_MEDIUM, 60, {"devices": 4}),
-    (15.0, "llama-a", LLAMA_SMALL, 40, {"devices": 2}),
-    (30.0, "gpt-small", GPT_SMALL, 80, {"devices": 1}),
-    (40.0, "llama-min2", LLAMA_SMALL, 40, {"devices": 2, "min_devices": 2}),
-    (50.0, "gpt-urgent", GPT_SMALL, 60, {"devices": 1, "priority": 2}),
-]
+# (arrival s, name, model, steps, resources). Two traces of the same five jobs:
+# - `large-first`: the large job first, asking for every device; the rest queue behind it.
+# - `small-first`: a 1-device job first, then the large one, which cannot start until the first
+#   ends, and (no backfill) holds up everything behind it: Philly's mix of many 1-GPU jobs and a
+#   few large ones, where static FIFO leaves devices idle.
+Trace = list[tuple[float, str, dict[str, Any], int, dict[str, Any]]]
+TRACES: dict[str, Trace] = {
+    "large-first": [
+        (0.0, "gpt-medium", GPT_MEDIUM, 60, {"devices": 4}),
+        (15.0, "llama-a", LLAMA_SMALL, 40, {"devices": 2}),
+        (30.0, "gpt-small", GPT_SMALL, 80, {"devices": 1}),
+        (40.0, "llama-min2", LLAMA_SMALL, 40, {"devices": 2, "min_devices": 2}),
+        (50.0, "gpt-urgent", GPT_SMALL, 60, {"devices": 1, "priority": 2}),
+    ],
+    "small-first": [
+        (0.0, "gpt-small", GPT_SMALL, 150, {"devices": 1}),
+        (10.0, "gpt-medium", GPT_MEDIUM, 60, {"devices": 4}),
+        (20.0, "llama-a", LLAMA_SMALL, 40, {"devices": 2}),
+        (30.0, "llama-min2", LLAMA_SMALL, 40, {"devices": 2, "min_devices": 2}),
+        (40.0, "gpt-urgent", GPT_SMALL, 60, {"devices": 1, "priority": 2}),
+    ],
+}
 
 
 def job_spec(name: str, model: dict[str, Any], steps: int, resources: dict[str, Any], store: str) -> JobSpec:
@@ -61,7 +77,8 @@ def job_spec(name: str, model: dict[str, Any], steps: int, resources: dict[str, 
         "resources": {"warm_workers": True, **resources}, "storage": {"url": store}})
 
 
-def run_trace(mode: str, folder: Path, env: dict[str, str], kill_at: float | None) -> dict[str, Any]:
+def run_trace(trace: Trace, mode: str, folder: Path, env: dict[str, str], kill_at: float | None,
+              scale: float) -> dict[str, Any]:
     """The trace through one controller; the pool's final state, summarised."""
     store = f"file://{folder}/store"
     pool_file = folder / "pool.yaml"
@@ -75,7 +92,7 @@ def run_trace(mode: str, folder: Path, env: dict[str, str], kill_at: float | Non
                                 cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
     start = time.time()
-    pending = list(TRACE)
+    pending = list(trace)
     running = controller()
     killed = False
     try:
@@ -83,7 +100,7 @@ def run_trace(mode: str, folder: Path, env: dict[str, str], kill_at: float | Non
             now = time.time() - start
             while pending and pending[0][0] <= now:
                 _, name, model, steps, resources = pending.pop(0)
-                submit(state_store, mode, job_spec(name, model, steps, resources, store))
+                submit(state_store, mode, job_spec(name, model, round(steps * scale), resources, store))
             if kill_at is not None and not killed and now >= kill_at:
                 os.killpg(running.pid, signal.SIGKILL)  # the controller dies mid-trace; its runs go on
                 running.wait()
@@ -121,6 +138,9 @@ def losses(folder: Path, job: str) -> dict[int, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--kill-at", type=float, default=45.0, help="kill -9 the pool's controller at this second")
+    parser.add_argument("--scale", type=float, default=1.0, help="every job's steps times this")
+    parser.add_argument("--trace", choices=sorted(TRACES), default="small-first")
+    parser.add_argument("--keep", type=Path, default=None, help="copy the controllers' logs and the pools' states here")
     args = parser.parse_args()
     env = {**os.environ, "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "OMP_NUM_THREADS": "1"}
     with tempfile.TemporaryDirectory(prefix="parashift-pool-live-") as tmp:
@@ -137,21 +157,29 @@ def main() -> None:
             for mode in ("pool", "static"):
                 folder = Path(tmp) / mode
                 folder.mkdir()
-                results[mode] = run_trace(mode, folder, env, args.kill_at if mode == "pool" else None)
+                results[mode] = run_trace(TRACES[args.trace], mode, folder, env,
+                                          args.kill_at if mode == "pool" else None, args.scale)
                 print(json.dumps({mode: results[mode]}), flush=True)
             worst = 0.0
             once = True
-            for _, name, _, steps, _ in TRACE:
+            for _, name, _, steps, _ in TRACES[args.trace]:
                 pooled, static = losses(Path(tmp) / "pool", name), losses(Path(tmp) / "static", name)
-                once &= sorted(pooled) == list(range(1, steps + 1)) == sorted(static)
+                once &= sorted(pooled) == list(range(1, round(steps * args.scale) + 1)) == sorted(static)
                 worst = max(worst, max(abs(pooled[s] - static[s]) / abs(static[s]) for s in static))
         finally:
             if worker is not None:
                 stop_group(worker)
             stop_group(server)
+            if args.keep is not None:
+                for mode in ("pool", "static"):
+                    target = args.keep / mode
+                    target.mkdir(parents=True, exist_ok=True)
+                    for name in ("controller.log", f"store/pools/{mode}/state.json"):
+                        if (Path(tmp) / mode / name).exists():
+                            shutil.copy(Path(tmp) / mode / name, target / Path(name).name)
     pool, static = results["pool"], results["static"]
     print(json.dumps({
-        "devices": DEVICES, "jobs": len(TRACE),
+        "devices": DEVICES, "trace": args.trace, "jobs": len(TRACES[args.trace]), "scale": args.scale,
         "pool": {"mean_jct_s": round(pool["mean_jct_s"], 1), "makespan_s": round(pool["makespan_s"], 1),
                  "controller_killed": pool["controller_killed"]},
         "static": {"mean_jct_s": round(static["mean_jct_s"], 1), "makespan_s": round(static["makespan_s"], 1)},

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from test_metrics_board import scalars
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[1]
@@ -54,3 +55,7 @@ def test_deploy_and_run_a_spec_file_with_a_process_worker(prefect_server: None, 
     assert "Created flow run" in run.stdout
     prefect_cli("worker", "start", "--pool", "parashift", "--run-once", env=env, timeout=400)
     assert (tmp_path / "store/jobs/from-git/ckpt/00000003/manifest.json").exists()
+    # a deployed run writes the same metrics as `parashift run`: TensorBoard files in the job's storage
+    board = scalars(tmp_path / "store/jobs/from-git/metrics")
+    assert [step for step, _ in board["loss"]] == [1, 2, 3]
+    assert all(0 < mfu <= 1 for _, mfu in board["mfu"])
