@@ -30,6 +30,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -78,8 +79,9 @@ def job_spec(name: str, model: dict[str, Any], steps: int, resources: dict[str, 
 
 
 def run_trace(trace: Trace, mode: str, folder: Path, env: dict[str, str], kill_at: float | None,
-              scale: float) -> dict[str, Any]:
-    """The trace through one controller; the pool's final state, summarised."""
+              scale: float, restart_server: tuple[float, Callable[[], None]] | None = None) -> dict[str, Any]:
+    """The trace through one controller; the pool's final state, summarised. `kill_at`: the
+    controller is killed with -9 then, and started again; `restart_server`: (when, how)."""
     store = f"file://{folder}/store"
     pool_file = folder / "pool.yaml"
     pool_file.write_text(f"name: {mode}\ndevices: {DEVICES}\nstorage: {{url: '{store}'}}\ntick_s: 1.0\n"
@@ -94,7 +96,7 @@ def run_trace(trace: Trace, mode: str, folder: Path, env: dict[str, str], kill_a
     start = time.time()
     pending = list(trace)
     running = controller()
-    killed = False
+    killed = restarted = False
     try:
         while pending or running.poll() is None:
             now = time.time() - start
@@ -105,6 +107,9 @@ def run_trace(trace: Trace, mode: str, folder: Path, env: dict[str, str], kill_a
                 os.killpg(running.pid, signal.SIGKILL)  # the controller dies mid-trace; its runs go on
                 running.wait()
                 running, killed = controller(), True
+            if restart_server is not None and not restarted and now >= restart_server[0]:
+                restart_server[1]()  # the Prefect server stops and starts again (same database and port)
+                restarted = True
             if running.poll() is not None and pending:
                 running = controller()  # idle before the next arrival: started again, as a user would
             time.sleep(0.5)
@@ -116,7 +121,8 @@ def run_trace(trace: Trace, mode: str, folder: Path, env: dict[str, str], kill_a
     first = min(job.submitted_at for job in state.jobs.values())
     last = max(job.finished_at or 0 for job in state.jobs.values())
     return {"jobs": jobs, "mean_jct_s": statistics.mean(j["jct_s"] for j in jobs.values()),
-            "makespan_s": last - first, "controller_killed": killed, "decisions": len(state.decisions)}
+            "makespan_s": last - first, "controller_killed": killed, "server_restarted": restarted,
+            "decisions": len(state.decisions)}
 
 
 def losses(folder: Path, job: str) -> dict[int, float]:
@@ -140,6 +146,8 @@ def main() -> None:
     parser.add_argument("--kill-at", type=float, default=45.0, help="kill -9 the pool's controller at this second")
     parser.add_argument("--scale", type=float, default=1.0, help="every job's steps times this")
     parser.add_argument("--trace", choices=sorted(TRACES), default="small-first")
+    parser.add_argument("--restart-server-at", type=float, default=None,
+                        help="stop the Prefect server at this second of the pool's trace and start it again")
     parser.add_argument("--keep", type=Path, default=None, help="copy the controllers' logs and the pools' states here")
     args = parser.parse_args()
     env = {**os.environ, "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "OMP_NUM_THREADS": "1"}
@@ -147,6 +155,12 @@ def main() -> None:
         env["PREFECT_HOME"] = str(Path(tmp) / "home")
         server, api = start_prefect_server(env)
         env["PREFECT_API_URL"] = api
+        servers = [server]
+
+        def restart() -> None:
+            stop_group(servers[-1])
+            servers.append(start_prefect_server(env, int(api.rsplit(":", 1)[1].split("/")[0]))[0])
+
         worker = None
         try:
             deploy_all(env)
@@ -157,19 +171,25 @@ def main() -> None:
             for mode in ("pool", "static"):
                 folder = Path(tmp) / mode
                 folder.mkdir()
-                results[mode] = run_trace(TRACES[args.trace], mode, folder, env,
-                                          args.kill_at if mode == "pool" else None, args.scale)
+                faults = mode == "pool"
+                results[mode] = run_trace(TRACES[args.trace], mode, folder, env, args.kill_at if faults else None,
+                                          args.scale, (args.restart_server_at, restart)
+                                          if faults and args.restart_server_at is not None else None)
                 print(json.dumps({mode: results[mode]}), flush=True)
-            worst = 0.0
-            once = True
+            worst, once, per_job = 0.0, True, {}
             for _, name, _, steps, _ in TRACES[args.trace]:
                 pooled, static = losses(Path(tmp) / "pool", name), losses(Path(tmp) / "static", name)
                 once &= sorted(pooled) == list(range(1, round(steps * args.scale) + 1)) == sorted(static)
-                worst = max(worst, max(abs(pooled[s] - static[s]) / abs(static[s]) for s in static))
+                diffs = {s: abs(pooled[s] - static[s]) / abs(static[s]) for s in static}
+                worst = max(worst, max(diffs.values()))
+                # fp32 sums in another order (another device count) differ by ~1e-7 a step, and
+                # training amplifies that over steps: where each job first leaves 1e-5
+                per_job[name] = {"max_rel_diff": max(diffs.values()),
+                                 "first_step_over_1e-5": min((s for s, d in diffs.items() if d > 1e-5), default=None)}
         finally:
             if worker is not None:
                 stop_group(worker)
-            stop_group(server)
+            stop_group(servers[-1])
             if args.keep is not None:
                 for mode in ("pool", "static"):
                     target = args.keep / mode
@@ -181,12 +201,12 @@ def main() -> None:
     print(json.dumps({
         "devices": DEVICES, "trace": args.trace, "jobs": len(TRACES[args.trace]), "scale": args.scale,
         "pool": {"mean_jct_s": round(pool["mean_jct_s"], 1), "makespan_s": round(pool["makespan_s"], 1),
-                 "controller_killed": pool["controller_killed"]},
+                 "controller_killed": pool["controller_killed"], "server_restarted": pool["server_restarted"]},
         "static": {"mean_jct_s": round(static["mean_jct_s"], 1), "makespan_s": round(static["makespan_s"], 1)},
         "mean_jct_ratio": round(pool["mean_jct_s"] / static["mean_jct_s"], 3),
         "makespan_ratio": round(pool["makespan_s"] / static["makespan_s"], 3),
         "all_finished": all(j["status"] == "finished" for r in results.values() for j in r["jobs"].values()),
-        "every_step_once": once, "max_loss_rel_diff": worst,
+        "every_step_once": once, "max_loss_rel_diff": worst, "loss_diff_per_job": per_job,
     }))
 
 
