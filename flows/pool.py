@@ -17,6 +17,7 @@ import base64
 import time
 from typing import Any
 
+import httpx
 from parashift.pool.allocator import PoolPolicy
 from parashift.pool.chart import allocation_png
 from parashift.pool.controller import Action, PoolBook, Preempt, Resize, Start
@@ -29,17 +30,11 @@ from parashift.tasks.artifacts import artifact_key
 from parashift.tasks.pool_devices import ensure_pool_limit
 from parashift.tasks.pool_jobs import predicted_step_s
 from prefect import flow
+from prefect.exceptions import PrefectHTTPStatusError
 from prefect.logging import get_run_logger
 
-
-def _api_errors() -> tuple[type[BaseException], ...]:
-    import httpx
-    from prefect.exceptions import PrefectHTTPStatusError
-
-    return httpx.HTTPError, PrefectHTTPStatusError, OSError
-
-
-API_ERRORS = _api_errors()
+# What a Prefect API that does not answer (a server restarting) raises: the tick is done again.
+API_ERRORS = (httpx.HTTPError, PrefectHTTPStatusError, OSError)
 
 
 @flow(name="pool-controller", flow_run_name="pool-{pool.name}")
