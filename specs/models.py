@@ -93,11 +93,21 @@ class DataSpec(_Section):
         default_factory=dict,
         description="Extra fsspec options for the corpus filesystem (no credentials).",
     )
+    eval_url: str | None = Field(
+        None,
+        description="Held-out data for training.eval_every: a corpus of its own, read as `url` is (same format and "
+                    "tokenizer, at most max_bytes).",
+    )
+    eval_share: float | None = Field(
+        None, gt=0.0, lt=0.5,
+        description="Held-out data for training.eval_every: this share of the corpus's documents (its files, for "
+                    "'text' and 'tokens'), whole, chosen by training.seed and never trained on.",
+    )
 
-    @field_validator("url")
+    @field_validator("url", "eval_url")
     @classmethod
-    def _url(cls, url: str) -> str:
-        return check_url(url, DATA_SCHEMES, what="data")
+    def _url(cls, url: str | None) -> str | None:
+        return url if url is None else check_url(url, DATA_SCHEMES, what="data")
 
     @field_validator("tokenizer")
     @classmethod
@@ -110,7 +120,16 @@ class DataSpec(_Section):
     def _documents_need_an_index(self) -> Self:
         if self.samples == "documents" and self.format != "prepared":
             _raise_if([(("samples",), "'documents' needs data.format 'prepared' (its index of document ends)")])
+        if self.eval_share is not None and self.format == "prepared":
+            _raise_if([(("eval_share",), "a prepared dataset is streamed, not split here: give its held-out part "
+                                         "as data.eval_url (a dataset prepared from other documents)")])
+        if self.eval_share is not None and self.eval_url is not None:
+            _raise_if([(("eval_share",), "give data.eval_url or data.eval_share, not both")])
         return self
+
+    def held_out(self) -> DataSpec | None:
+        """The evaluation data read as this one is (eval_url), or None (eval_share, or no eval)."""
+        return None if self.eval_url is None else self.model_copy(update={"url": self.eval_url, "eval_url": None})
 
     @property
     def bytes_tokenizer(self) -> bool:
@@ -174,6 +193,13 @@ class TrainingSpec(_Section):
         2, ge=1, le=1000, description="Committed checkpoints to keep; older ones are deleted."
     )
     log_every: int = Field(1, ge=1, description="Log metrics every this many steps.")
+    eval_every: int | None = Field(
+        None, ge=1, le=10**9,
+        description="Every this many steps, and at the last, the loss on held-out data (data.eval_url or "
+                    "data.eval_share): the same number under any plan or device count for the same weights.",
+    )
+    eval_samples: int = Field(64, ge=1, le=1 << 20,
+                              description="Held-out sequences each evaluation reads (the first ones, always the same).")
     hang_timeout_s: float | None = Field(
         900.0, gt=0, le=86400,
         description="Workers that, once started, report nothing (no step, checkpoint or restore) for this "
@@ -577,6 +603,8 @@ class JobSpec(_Section):
                     f"must be >= 256 for the bytes tokenizer on text data (got {self.model.vocab_size})",
                 )
             )
+        if self.training.eval_every is not None and self.data.eval_url is None and self.data.eval_share is None:
+            issues.append((("training", "eval_every"), "needs held-out data: set data.eval_url or data.eval_share"))
         batch = self.training.global_batch
         if (self.resources.min_devices or 1) > batch:
             issues.append((("resources", "min_devices"),

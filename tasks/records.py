@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from parashift.specs.elastic import Outcome
 from pydantic import BaseModel, Field
 
@@ -27,6 +29,7 @@ class SegmentResult(BaseModel):
     )
     reason: str | None = Field(default=None, description="why it stopped, rescaled or failed")
     losses: list[tuple[int, float]] = Field(default_factory=list)
+    eval_losses: list[tuple[int, float]] = Field(default_factory=list, description="held-out loss by step")
     tokens_per_s: float | None = None
     mfu: float | None = Field(default=None, description="model FLOPs utilisation per device (median of its steps)")
     plan: str | None = Field(default=None, description="what ran: mesh, FSDP, activation checkpointing, micro-batches")
@@ -90,7 +93,13 @@ class TrainSummary(BaseModel):
     checkpoint_url: str | None
     mfu: float | None = None
     metrics_url: str | None = None
+    eval_loss: float | None = Field(None, description="the newest held-out loss (training.eval_every)")
+    eval_step: int | None = None
     segments: list[SegmentResult]
+
+    @property
+    def eval_perplexity(self) -> float | None:
+        return None if self.eval_loss is None else math.exp(min(self.eval_loss, 700.0))
 
     @property
     def failures(self) -> list[str]:

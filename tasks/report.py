@@ -33,6 +33,7 @@ def summarize(spec: JobSpec, segments: list[SegmentResult]) -> TrainSummary:
     mfus = [seg.mfu for seg in segments if seg.mfu]
     urls = [url for seg in segments for url in ([seg.resumed_from_url] if seg.resumed_from_url else []) + seg.checkpoint_urls
             if not is_pending_manifest(url)]  # a step held in warm workers' memory is no checkpoint
+    evals = [item for seg in segments for item in seg.eval_losses]
     if not losses and segments and segments[-1].resumed_loss is not None:
         losses = [segments[-1].resumed_loss]  # nothing left to train: report the committed state
     return TrainSummary(
@@ -43,6 +44,8 @@ def summarize(spec: JobSpec, segments: list[SegmentResult]) -> TrainSummary:
         tokens_per_s=rates[-1] if rates else None,
         checkpoint_url=urls[-1] if urls else None,
         mfu=mfus[-1] if mfus else None,
+        eval_loss=evals[-1][1] if evals else None,
+        eval_step=evals[-1][0] if evals else None,
         metrics_url=open_store(spec.storage).url_for(JobPaths(spec.job_id).job_key("metrics")) if spec.metrics.tensorboard
         else None,
         segments=segments,
@@ -66,6 +69,8 @@ def summary_markdown(summary: TrainSummary, model: ModelSummary) -> str:
         f"| final loss | {fmt(summary.final_loss, '.4f')} |",
         f"| tokens/s (median, last segment) | {fmt(summary.tokens_per_s, ',.0f')} |",
         f"| MFU (median, last segment) | {fmt(summary.mfu, '.1%')} |",
+        f"| held-out loss (perplexity) | {fmt(summary.eval_loss, '.4f')} ({fmt(summary.eval_perplexity, '.2f')})"
+        f"{f' at step {summary.eval_step}' if summary.eval_step else ''} |",
         f"| TensorBoard | {summary.metrics_url or 'off'} |",
         f"| last checkpoint | {summary.checkpoint_url or 'none'} |",
         f"| segments | {len(summary.segments)}{f', {len(summary.failures)} failed' if summary.failures else ''} |",

@@ -39,8 +39,9 @@ def describe(event: WorkerEvent, total_steps: int | None = None) -> str:
         case StepEvent():
             of = f"/{total_steps}" if total_steps else ""
             mfu = f"  MFU {event.mfu:.1%}" if event.mfu is not None else ""
+            held = f"  eval loss {event.eval_loss:.4f}" if event.eval_loss is not None else ""
             return (f"step {event.step}{of}  loss {event.loss:.4f}  {event.tokens_per_s:,.0f} tok/s  "
-                    f"{event.step_s * 1000:.0f} ms{mfu}")
+                    f"{event.step_s * 1000:.0f} ms{mfu}{held}")
         case StartEvent():
             where = f"resuming at step {event.step}" if event.resumed else "starting at step 0"
             return f"{event.world_size} workers (pids {event.pids}) {where}, training to step {event.end_step}"

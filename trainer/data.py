@@ -50,6 +50,31 @@ def _expand(url: str, storage_options: dict) -> list[str]:
 def load_tokens(spec: DataSpec) -> np.ndarray:
     """The whole (small) corpus as a 1-D token array: raw uint16 token files, or text files
     tokenized here, each file a document followed by the tokenizer's end-of-document token."""
+    return _tokens_of(_read_files(spec), spec)
+
+
+def split_held_out(spec: DataSpec, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """(training tokens, held-out tokens) for `data.eval_share`: whole documents (files) held
+    out, chosen by a permutation seeded by `seed`, until they hold the share of the corpus's
+    bytes (at least one, and never every one). The same split on every rank and every run."""
+    assert spec.eval_share is not None
+    files = _read_files(spec)
+    if len(files) < 2:
+        raise ValueError(f"data.eval_share needs at least 2 documents (files) in {spec.url!r}; found {len(files)}")
+    order = torch.randperm(len(files), generator=torch.Generator().manual_seed(seed * 1_000_003 + 999_983)).tolist()
+    total, held, chosen = sum(len(f) for f in files), 0, set()
+    for index in order[:-1]:
+        if held >= spec.eval_share * total and chosen:
+            break
+        chosen.add(index)
+        held += len(files[index])
+    train = [f for i, f in enumerate(files) if i not in chosen]
+    held_out = [f for i, f in enumerate(files) if i in chosen]
+    return _tokens_of(train, spec), _tokens_of(held_out, spec)
+
+
+def _read_files(spec: DataSpec) -> list[bytes]:
+    """Each file's bytes (in URL order), within `max_bytes` in all."""
     storage_options = dict(spec.storage_options)
     paths = _expand(spec.url, storage_options)
     if not paths:
@@ -63,13 +88,17 @@ def load_tokens(spec: DataSpec) -> np.ndarray:
             data = handle.read(budget)
         chunks.append(data)
         budget -= len(data)
+    return chunks
+
+
+def _tokens_of(chunks: list[bytes], spec: DataSpec) -> np.ndarray:
     if spec.format == "tokens":
         raw = b"".join(chunks)
         usable = len(raw) - len(raw) % 2
         return np.frombuffer(raw[:usable], dtype="<u2").astype(np.uint16)
     if spec.bytes_tokenizer:
         return np.frombuffer(b"".join(chunks), dtype=np.uint8).astype(np.uint16)
-    tokenizer = load_tokenizer(spec.tokenizer, storage_options)
+    tokenizer = load_tokenizer(spec.tokenizer, dict(spec.storage_options))
     texts = [chunk.decode("utf-8", errors="replace") for chunk in chunks]
     eos = [] if tokenizer.eos_id is None else [tokenizer.eos_id]
     ids = [np.asarray(doc + eos, dtype=np.int64) for doc in tokenizer.encode_batch(texts)]
@@ -97,10 +126,18 @@ class InMemoryTokens:
         return [self.tokens[start:end] for start, end in ranges]
 
 
-def token_source(spec: DataSpec) -> TokenSource:
-    """The spec's tokens: a prepared dataset streamed from storage, or a small corpus in memory."""
+def token_source(spec: DataSpec, seed: int = 0, held_out: bool = False) -> TokenSource:
+    """The spec's tokens: a prepared dataset streamed from storage, or a small corpus in memory;
+    with `data.eval_share`, the training part (or, `held_out`, the held-out part) of it. With
+    `data.eval_url`, `held_out` reads that corpus."""
+    if held_out and spec.eval_url is not None:
+        return token_source(spec.held_out())  # type: ignore[arg-type]
     if spec.format == "prepared":
         return open_dataset(spec.url, dict(spec.storage_options))
+    if spec.eval_share is not None:
+        return InMemoryTokens(split_held_out(spec, seed)[1 if held_out else 0])
+    if held_out:
+        raise ValueError("no held-out data: set data.eval_url or data.eval_share")
     return InMemoryTokens(load_tokens(spec))
 
 

@@ -73,6 +73,7 @@ class StepEvent(_Event):
     tflops: float | None = Field(None, description="model TFLOP/s per device (6N + attention per token)")
     mfu: float | None = Field(None, description="model FLOPs utilisation: tflops / the device's peak")
     memory_gib: float | None = Field(None, description="rank 0's peak memory (CUDA allocator, or resident set)")
+    eval_loss: float | None = Field(None, description="the held-out loss after this step (training.eval_every)")
 
 
 class CheckpointEvent(_Event):

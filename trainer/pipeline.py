@@ -9,6 +9,7 @@ model's own.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from parashift.models.base import ModelFamily
@@ -81,13 +82,21 @@ class PipelineRunner:
         # return_outputs=False: the last stage would otherwise keep every micro-batch's logits
         # until the step ends and concatenate them (4 GiB a micro-batch of 8192 tokens at a
         # 128k vocabulary); only the losses are read.
+        return self._loss_sum(lambda *a, **k: self.schedule.step(*a, **k, return_outputs=False), inputs, targets)
+
+    def evaluate(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Forward only, of a batch shaped as a training step's share (the stages' buffers keep
+        their shapes); the loss sum (0 off the last stage)."""
+        return self._loss_sum(self.schedule.eval, inputs, targets)
+
+    def _loss_sum(self, run: Callable[..., Any], inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         losses: list[torch.Tensor] = []
         if self.first:
-            self.schedule.step(inputs, target=targets if self.last else None, losses=losses, return_outputs=False)
+            run(inputs, target=targets if self.last else None, losses=losses)
         elif self.last:
-            self.schedule.step(target=targets, losses=losses, return_outputs=False)
+            run(target=targets, losses=losses)
         else:
-            self.schedule.step(return_outputs=False)
+            run()
         if not losses:
             return torch.zeros((), device=inputs.device)
         return torch.stack([loss.detach().float() for loss in losses]).sum() / self.loss_scale

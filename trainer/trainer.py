@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import json
+import math
 import os
 import time
 from dataclasses import dataclass
@@ -42,6 +43,7 @@ from parashift.trainer.checkpoint.saver import failed_write
 from parashift.trainer.control import StopRequests, may_leave
 from parashift.trainer.data import DataPosition, SampleLog
 from parashift.trainer.distributed import end_distributed, init_distributed, where_ranks_run
+from parashift.trainer.evaluate import evaluate, held_out
 from parashift.trainer.events import (
     CheckpointEvent,
     CheckpointStallEvent,
@@ -112,7 +114,8 @@ class Trainer:
         self.phases.done("distributed_s")
         try:
             self.batches = rank_batches(spec, plan, self.dims, self.coords)
-        except (DatasetError, TokenizerError) as error:  # every rank reads the same: rank 0 says it once
+            self.held_out = held_out(spec, self.dims, self.coords, self.batches.share_count)
+        except (DatasetError, TokenizerError, ValueError) as error:  # every rank reads the same: rank 0 says it once
             raise Fatal(f"data: {error}") from None
         self.phases.done("data_s")
         self.built = build_model(spec, plan, self.dims, self.coords, self.mesh, self.device)
@@ -264,7 +267,7 @@ class Trainer:
             while step < self.end_step:
                 done = self.train_step(step, position)
                 step, position, loss = step + 1, DataPosition(position.samples_consumed + train_spec.global_batch), done.loss
-                self._log_step(step, done)
+                self._log_step(step, done, self._evaluate_after(step))
                 # Restored from live ranks' memory by a pending manifest (nothing stores that step):
                 # the first step done is saved, whatever the schedule, in the background as any save.
                 regular = (step % train_spec.checkpoint_every == 0 or step == self.end_step
@@ -376,24 +379,35 @@ class Trainer:
             self.warm.stepped(step, report[2].item() > 0)
         return report[0].item() / self.tokens_per_step, report[1].item() > 0, report[3].sqrt()
 
-    def _log_step(self, step: int, done: StepDone) -> None:
+    def _evaluate_after(self, step: int) -> float | None:
+        """The held-out loss every eval_every steps and at the job's last (trainer.evaluate)."""
+        every = self.spec.training.eval_every
+        if self.held_out is None or every is None or not (step % every == 0 or step == self.spec.training.steps):
+            return None
+        return evaluate(self.held_out, self.built, self.pipeline, self.autocast, self.coords, self.dims, self.device,
+                        self.world_size)
+
+    def _log_step(self, step: int, done: StepDone, eval_loss: float | None = None) -> None:
         """Every log_every steps, and the first and last of a segment (a change's downtime ends
-        and starts there), or at a stop: rank 0's step event and metrics."""
+        and starts there), or at a stop or an evaluation: rank 0's step event and metrics."""
         first_or_last = step in (self.end_step, self.resumed.step + 1)
-        if self.rank != 0 or not (step % self.spec.training.log_every == 0 or first_or_last or done.stop_now):
+        logged = step % self.spec.training.log_every == 0 or first_or_last or done.stop_now or eval_loss is not None
+        if self.rank != 0 or not logged:
             return
         rate = self.tokens_per_step / done.elapsed_s
         numbers = self.board.numbers(rate) if self.board is not None else {}
         event = StepEvent(step=step, loss=done.loss, lr=done.lr, step_s=done.elapsed_s, tokens_per_s=rate,
                           data_wait_s=round(done.data_wait_s, 6), data_tokens_per_s=self.reader.tokens_per_s,
-                          grad_norm=done.grad_norm, **numbers)
+                          grad_norm=done.grad_norm, eval_loss=eval_loss, **numbers)
         metrics.emit(event)
         if self.board is not None:
             self.board.record(step, {"loss": done.loss, "grad_norm": done.grad_norm, "lr": done.lr,
                                      "tokens_per_s": rate, "tflops": event.tflops, "mfu": event.mfu,
                                      "memory_gib": event.memory_gib, "data_wait_s": event.data_wait_s,
                                      # per device count: what a pool learns a job's speed from (pool/measured.py)
-                                     "step_s": done.elapsed_s, "devices": float(self.board.world_size)})
+                                     "step_s": done.elapsed_s, "devices": float(self.board.world_size),
+                                     "eval_loss": eval_loss,
+                                     "eval_perplexity": math.exp(min(eval_loss, 700.0)) if eval_loss is not None else None})
 
     # -- finish -----------------------------------------------------------------------------
 

@@ -104,6 +104,9 @@ def run(
     if summary.final_loss is not None:
         first = f"{summary.first_loss:.4f} -> " if trained and summary.first_loss is not None else ""
         console.print(f"  loss          {first}{summary.final_loss:.4f}")
+    if summary.eval_loss is not None:
+        console.print(f"  held-out      loss {summary.eval_loss:.4f}, perplexity {summary.eval_perplexity:,.2f} "
+                      f"(step {summary.eval_step})")
     if summary.tokens_per_s:
         mfu = f", MFU {summary.mfu:.1%}" if summary.mfu else ""
         console.print(f"  throughput    {summary.tokens_per_s:,.0f} tokens/s (median{mfu})")
