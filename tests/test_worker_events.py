@@ -57,7 +57,7 @@ def test_the_wire_format_is_a_json_object_behind_the_prefix() -> None:
     assert json.loads(line.removeprefix(PREFIX)) == {"event": "step", "step": 3, "loss": 2.0, "lr": None,
                                                      "step_s": 0.5, "tokens_per_s": 100.0, "data_wait_s": None,
                                                      "data_tokens_per_s": None, "grad_norm": None, "tflops": None,
-                                                     "mfu": None, "memory_gib": None}
+                                                     "mfu": None, "memory_gib": None, "eval_loss": None}
     # lines written before the events were typed (keys sorted, fields left out) still read
     old = PREFIX + '{"event": "checkpoint", "step": 4, "url": "file:///x"}'
     assert parse(old) == CheckpointEvent(step=4, url="file:///x")
