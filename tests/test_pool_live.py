@@ -11,7 +11,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +21,7 @@ from parashift.specs import JobSpec
 from parashift.specs.plan import Plan
 from parashift.specs.pool import PoolSpec
 from parashift.storage import open_store
+from test_elastic_events import wait_for
 from test_metrics_board import scalars
 
 from parashift.commands.serve import REPO, deploy_all, stop_group
@@ -35,16 +35,6 @@ def pool_job(name: str, store: str, model: dict[str, Any], steps: int, **resourc
         "optimizer": {"lr": 1e-3, "min_lr": 1e-4, "warmup_steps": 2},
         "training": {"global_batch": 12, "micro_batch": 2, "steps": steps, "seed": 3, "checkpoint_every": 10},
         "resources": {"devices": 1, "warm_workers": True, **resources}, "storage": {"url": store}})
-
-
-def wait_for(condition: Any, what: str, timeout_s: float) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        found = condition()
-        if found:
-            return found
-        time.sleep(0.5)
-    raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
 
 
 def cli(*args: str, env: dict[str, str], log: Path | None = None) -> subprocess.Popen[bytes]:

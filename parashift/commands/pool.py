@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 import typer
 
-from parashift.commands.spec import load_spec_or_exit
+from parashift.commands.spec import load_or_exit, load_spec_or_exit
 
 if TYPE_CHECKING:
     from parashift.specs.pool import PoolSpec
@@ -17,15 +17,9 @@ if TYPE_CHECKING:
 
 def load_pool_or_exit(path: Path) -> PoolSpec:
     """The validated pool file, or its `FILE:LINE:COL` errors on stderr and exit status 1."""
-    from parashift.specs import SpecError
     from parashift.specs.pool import load_pool
 
-    try:
-        return load_pool(path)
-    except SpecError as error:
-        for line in error.lines():
-            typer.echo(line, err=True)
-        raise typer.Exit(1) from None
+    return load_or_exit(path, load_pool)
 
 
 def submit(

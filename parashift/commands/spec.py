@@ -3,25 +3,36 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import typer
 
 if TYPE_CHECKING:
     from parashift.specs import JobSpec
 
+Loaded = TypeVar("Loaded")
 
-def load_spec_or_exit(spec_file: Path) -> JobSpec:
-    """The validated spec, or its `FILE:LINE:COL` errors on stderr and exit status 1."""
-    from parashift.specs import SpecError, load_spec
+
+def load_or_exit(path: Path, load: Callable[[Path], Loaded]) -> Loaded:
+    """What `load` reads from a spec-language file (a job spec, a pool file), or its
+    `FILE:LINE:COL` errors on stderr and exit status 1."""
+    from parashift.specs import SpecError
 
     try:
-        return load_spec(spec_file)
+        return load(path)
     except SpecError as error:
         for line in error.lines():
             typer.echo(line, err=True)
         raise typer.Exit(1) from None
+
+
+def load_spec_or_exit(spec_file: Path) -> JobSpec:
+    """The validated spec, or its `FILE:LINE:COL` errors on stderr and exit status 1."""
+    from parashift.specs import load_spec
+
+    return load_or_exit(spec_file, load_spec)
 
 
 def preflight_lines(spec_file: Path, spec: JobSpec, *, storage: bool = True) -> list[str]:
