@@ -71,11 +71,11 @@ def _prefect(*args: str, env: dict[str, str]) -> None:
 NODE_POOL = "parashift-nodes"
 
 
-def deploy_all(env: dict[str, str], pool: str = "parashift") -> None:
-    """The process work pools prefect.yaml names, and every deployment in it."""
+def deploy_all(env: dict[str, str], pool: str = "parashift", only: str | None = None) -> None:
+    """The process work pools prefect.yaml names, and every deployment in it (`only`: that one)."""
     for name in (pool, NODE_POOL):
         _prefect("work-pool", "create", name, "--type", "process", "--overwrite", env=env)
-    _prefect("--no-prompt", "deploy", "--all", env=env)
+    _prefect("--no-prompt", "deploy", *(["--name", only] if only else ["--all"]), env=env)
 
 
 def start_node_worker(node: str, env: dict[str, str], log: Path | None = None) -> subprocess.Popen[bytes]:
