@@ -129,7 +129,8 @@ class PoolBook:
                 out.append(Start(job.job_id, job.spec.on_devices(job.devices)))
                 job.status, job.told, job.told_at = "running", job.devices, now
                 job.started_at = job.started_at or now
-            elif job.status == "running" and job.devices == 0 and job.told:
+            elif job.status == "running" and job.devices == 0 and (job.told or now - job.told_at > RESEND_S):
+                # again if it still runs: a stop request written between two segments is the next one's to drop
                 out.append(Preempt(job.job_id, "the pool gives its devices to jobs ranked before it"))
                 job.told, job.told_at = 0, now
             elif job.status == "running" and job.devices and self._should_tell(job, seen.get(job.job_id), now):

@@ -124,8 +124,11 @@ def test_a_higher_priority_job_preempts_and_the_preempted_job_resumes_later() ->
     assert sorted(actions, key=lambda a: a.job_id) == [
         Start("high", book.state.jobs["high"].spec.on_devices(2)),
         Preempt("low", "the pool gives its devices to jobs ranked before it")]
-    assert book.ended("low", "stopped") == "low stopped (preempted); it waits"
     book.state.jobs["high"].flow_run_id = "run-high"
+    assert book.actions({}) == []  # asked once; again only if it still runs a while later
+    clock.now += RESEND_S + 1
+    assert book.actions({}) == [Preempt("low", "the pool gives its devices to jobs ranked before it")]
+    assert book.ended("low", "stopped") == "low stopped (preempted); it waits"
     book.ended("high", "finished")
     book.allocate(["high finished"])
     (restart,) = book.actions({})
