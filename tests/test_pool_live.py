@@ -45,6 +45,7 @@ def cli(*args: str, env: dict[str, str], log: Path | None = None) -> subprocess.
 
 def test_a_pool_shares_devices_exactly_and_survives_its_controller_killed(prefect_server: None, tmp_path: Path) -> None:
     from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
     from prefect.settings import PREFECT_API_URL
 
     env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value(), "PREFECT_HOME": str(tmp_path / "home"),
@@ -88,7 +89,11 @@ def test_a_pool_shares_devices_exactly_and_survives_its_controller_killed(prefec
     assert all(sum(d.devices.values()) <= 2 for d in final.decisions)
     with get_client(sync_client=True) as client:
         limit = client.read_global_concurrency_limit_by_name("parashift-pool-live")
+        shown = {a.key: a for a in client.read_artifacts(artifact_filter=ArtifactFilter(
+            key=ArtifactFilterKey(any_=["pool-live-decision", "pool-live-allocations"])))}
     assert limit.limit == 2 and limit.active_slots == 0
+    assert set(shown) == {"pool-live-decision", "pool-live-allocations"}  # every decision, and the chart
+    assert "data:image/png;base64," in shown["pool-live-allocations"].data
 
     for spec in (long, short):
         found = scalars(Path(f"{tmp_path}/store/jobs/{spec.name}/metrics"))
