@@ -75,9 +75,9 @@ class WarmPool:
         often arrive first, are refused, and torch's connect backs off (0.4-0.7 s measured
         in a third of the changes on the 2-core VM) before it tries again."""
         if self._store is None:
-            import torch.distributed as dist
+            from parashift.launcher.loopback import loopback_store
 
-            self._store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+            self._store = loopback_store(wait_for_workers=False)  # on loopback alone (launcher.loopback)
         return int(self._store.port)
 
     def _spawn(self) -> subprocess.Popen[str]:

@@ -1,0 +1,83 @@
+"""A one-machine job on warm workers listens on loopback alone: the pool's rendezvous store
+(launcher.loopback) and the workers' gloo sockets. Read from /proc/net/tcp and tcp6 while the
+job trains."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from pathlib import Path
+
+from jobs import tiny_spec, warm_pool
+from parashift.specs.plan import Plan
+
+LOOPBACK = {"0100007F", "00000000000000000000000001000000"}  # 127.0.0.1 and ::1 as /proc/net writes them
+
+
+def listening() -> dict[int, tuple[str, int]]:
+    """inode -> (address, port) of every listening TCP socket on this machine."""
+    out = {}
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A":  # LISTEN
+                address, port = fields[1].split(":")
+                out[int(fields[9])] = (address, int(port, 16))
+    return out
+
+
+def descendants(pid: int) -> set[int]:
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(parent, []).append(int(entry.name))
+    found, todo = set(), [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.add(child)
+            todo.append(child)
+    return found
+
+
+def sockets_of(pids: set[int]) -> set[int]:
+    inodes = set()
+    for pid in pids:
+        try:
+            for fd in Path(f"/proc/{pid}/fd").iterdir():
+                target = os.readlink(fd)
+                if target.startswith("socket:["):
+                    inodes.add(int(target[8:-1]))
+        except OSError:
+            continue
+    return inodes
+
+
+def test_a_warm_job_listens_on_loopback_alone(tmp_path: Path) -> None:
+    pool = warm_pool()
+    spec = tiny_spec("loopback", f"file://{tmp_path}/store", training={"steps": 60, "checkpoint_every": 30})
+    done = threading.Event()
+    seen: dict[int, tuple[str, int]] = {}
+
+    def watch() -> None:
+        while not done.is_set():
+            mine = sockets_of(descendants(os.getpid()) | {os.getpid()})
+            seen.update({inode: where for inode, where in listening().items() if inode in mine})
+            time.sleep(0.02)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        result = pool.run(spec, Plan.data_parallel(2))
+    finally:
+        done.set()
+        watcher.join()
+    assert result.returncode == 0, pool.output(0)[-3000:]
+    store_port = pool._rendezvous_port()
+    assert any(port == store_port for _, port in seen.values()), "the pool's store was seen listening"
+    exposed = {where for where in seen.values() if where[0] not in LOOPBACK}
+    assert not exposed, f"listening beyond loopback: {exposed}"
