@@ -10,6 +10,7 @@ the store on this machine.
 from __future__ import annotations
 
 import socket
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,3 +39,48 @@ def loopback_store(**options: Any) -> LoopbackStore:
     store = dist.TCPStore(LOOPBACK, listener.getsockname()[1], is_master=True, master_listen_fd=listener.fileno(),
                           **options)
     return LoopbackStore(store, listener)
+
+
+LOCAL_HOSTS = ("localhost", LOOPBACK, "::1")
+_LISTENERS: list[socket.socket] = []  # sockets stores serve on: kept open for the process's life
+
+
+def serve_on_loopback() -> None:
+    """From now on, a TCPStore server this process creates for a local host listens on
+    127.0.0.1 alone. For torchrun's agent on one machine (`python -m parashift.launcher.loopback
+    ARGS`): its rendezvous store and its workers' store are made by torch.distributed.elastic,
+    which takes `TCPStore` from `torch.distributed`: the class is replaced there and in every
+    module of it already imported."""
+    import torch.distributed as dist
+
+    base = dist.TCPStore
+    if getattr(base, "parashift_loopback", False):
+        return
+
+    class LoopbackTCPStore(base):  # type: ignore[misc, valid-type]
+        parashift_loopback = True
+
+        def __init__(self, host_name: str, port: int, world_size: int | None = None, is_master: bool = False,
+                     *args: Any, **kwargs: Any) -> None:
+            if is_master and host_name in LOCAL_HOSTS and kwargs.get("master_listen_fd") is None and not args[3:4]:
+                listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                listener.bind((LOOPBACK, port))
+                listener.listen(128)
+                _LISTENERS.append(listener)
+                port, kwargs["master_listen_fd"] = listener.getsockname()[1], listener.fileno()
+            super().__init__(host_name, port, world_size, is_master, *args, **kwargs)
+
+    dist.TCPStore = LoopbackTCPStore  # type: ignore[misc]
+    # A forked agent (launcher.forkserver) imported torch.distributed.run before: its modules
+    # hold the class under their own names.
+    for name, module in list(sys.modules.items()):
+        if name.startswith("torch.distributed") and getattr(module, "TCPStore", None) is base:
+            module.TCPStore = LoopbackTCPStore
+
+
+if __name__ == "__main__":
+    serve_on_loopback()
+    from torch.distributed.run import main
+
+    main()

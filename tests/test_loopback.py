@@ -1,15 +1,19 @@
-"""A one-machine job on warm workers listens on loopback alone: the pool's rendezvous store
-(launcher.loopback) and the workers' gloo sockets. Read from /proc/net/tcp and tcp6 while the
-job trains."""
+"""A one-machine job listens on loopback alone: on warm workers, the pool's rendezvous store and
+the workers' gloo sockets; under torchrun (forked from the forkserver or not), its agent's two
+stores too (launcher.loopback). Read from /proc/net/tcp and tcp6 while the job trains."""
 
 from __future__ import annotations
 
 import os
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
+import pytest
 from jobs import tiny_spec, warm_pool
+from parashift.launcher.launch import launch_workers
 from parashift.specs.plan import Plan
 
 LOOPBACK = {"0100007F", "00000000000000000000000001000000"}  # 127.0.0.1 and ::1 as /proc/net writes them
@@ -57,9 +61,8 @@ def sockets_of(pids: set[int]) -> set[int]:
     return inodes
 
 
-def test_a_warm_job_listens_on_loopback_alone(tmp_path: Path) -> None:
-    pool = warm_pool()
-    spec = tiny_spec("loopback", f"file://{tmp_path}/store", training={"steps": 60, "checkpoint_every": 30})
+def listeners_while(run: Callable[[], Any]) -> tuple[Any, dict[int, tuple[str, int]]]:
+    """`run()`'s result, and every listening socket this process and its descendants held meanwhile."""
     done = threading.Event()
     seen: dict[int, tuple[str, int]] = {}
 
@@ -72,12 +75,30 @@ def test_a_warm_job_listens_on_loopback_alone(tmp_path: Path) -> None:
     watcher = threading.Thread(target=watch, daemon=True)
     watcher.start()
     try:
-        result = pool.run(spec, Plan.data_parallel(2))
+        return run(), seen
     finally:
         done.set()
         watcher.join()
+
+
+def test_a_warm_job_listens_on_loopback_alone(tmp_path: Path) -> None:
+    pool = warm_pool()
+    spec = tiny_spec("loopback", f"file://{tmp_path}/store", training={"steps": 60, "checkpoint_every": 30})
+    result, seen = listeners_while(lambda: pool.run(spec, Plan.data_parallel(2)))
     assert result.returncode == 0, pool.output(0)[-3000:]
     store_port = pool._rendezvous_port()
     assert any(port == store_port for _, port in seen.values()), "the pool's store was seen listening"
+    exposed = {where for where in seen.values() if where[0] not in LOOPBACK}
+    assert not exposed, f"listening beyond loopback: {exposed}"
+
+
+@pytest.mark.parametrize("forked", [False, True], ids=["torchrun", "forked-torchrun"])
+def test_a_torchrun_job_listens_on_loopback_alone(tmp_path: Path, forked: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    if not forked:
+        monkeypatch.setenv("PARASHIFT_FORK_WORKERS", "0")  # interpreters of their own
+    spec = tiny_spec("torchrun", f"file://{tmp_path}/store", training={"steps": 30, "checkpoint_every": 30})
+    result, seen = listeners_while(lambda: launch_workers(spec, Plan.data_parallel(2)))
+    assert result.returncode == 0
+    assert len(seen) >= 2, f"the agent's stores were seen: {seen}"
     exposed = {where for where in seen.values() if where[0] not in LOOPBACK}
     assert not exposed, f"listening beyond loopback: {exposed}"
