@@ -196,9 +196,9 @@ def torchrun_command(devices: int, module: str, *args: str, log_dir: Path, node:
         where = [f"--nnodes={len(node.nodes)}", f"--node-rank={node.node_rank}", "--rdzv-backend=static",
                  f"--master-addr={node.master_addr}", f"--master-port={node.master_port}"]
     through = ["parashift.launcher.forked"] if forked else []
-    # On one machine torchrun's stores listen on loopback alone (launcher.loopback).
-    agent = "torch.distributed.run" if node is not None else "parashift.launcher.loopback"
-    return [sys.executable, "-m", *through, agent, *where, f"--nproc-per-node={devices}",
+    # torchrun's stores listen on the address given alone: loopback on one machine, the first
+    # node's address across nodes (launcher.loopback)
+    return [sys.executable, "-m", *through, "parashift.launcher.loopback", *where, f"--nproc-per-node={devices}",
             f"--log-dir={log_dir}", "-m", *through, module, *args]
 
 

@@ -1,4 +1,4 @@
-"""A rendezvous store that listens on loopback alone.
+"""Rendezvous stores that listen on the address they are given alone: loopback on one machine.
 
 torch's `TCPStore` server binds every interface (`[::]`), whatever host it is given (checked
 with torch 2.13, with libuv and without): a store without authentication, reachable from the
@@ -42,45 +42,62 @@ def loopback_store(**options: Any) -> LoopbackStore:
 
 
 LOCAL_HOSTS = ("localhost", LOOPBACK, "::1")
+ANY_HOSTS = ("", "0.0.0.0", "::")
 _LISTENERS: list[socket.socket] = []  # sockets stores serve on: kept open for the process's life
 
 
-def serve_on_loopback() -> None:
-    """From now on, a TCPStore server this process creates for a local host listens on
-    127.0.0.1 alone. For torchrun's agent on one machine (`python -m parashift.launcher.loopback
-    ARGS`): its rendezvous store and its workers' store are made by torch.distributed.elastic,
-    which takes `TCPStore` from `torch.distributed`: the class is replaced there and in every
-    module of it already imported."""
+def listener_on(host: str, port: int) -> socket.socket | None:
+    """A socket listening on `host`'s address alone (127.0.0.1 for a local name), or None where
+    that address is not this machine's (then the store listens as torch makes it)."""
+    try:
+        family, _, _, _, address = (socket.AF_INET, 0, 0, "", (LOOPBACK, port)) if host in LOCAL_HOSTS else \
+            socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        listener = socket.socket(family, socket.SOCK_STREAM)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(address)
+    except OSError as error:
+        print(f"parashift: the rendezvous store listens on every interface: cannot bind {host}:{port} ({error})",
+              file=sys.stderr)
+        return None
+    listener.listen(128)
+    _LISTENERS.append(listener)
+    return listener
+
+
+def serve_on_given_address() -> None:
+    """From now on, a TCPStore server this process creates listens on the address of the host
+    it is given alone: 127.0.0.1 on one machine, the node's address (PARASHIFT_NODE_ADDR)
+    across nodes. For torchrun's agent (`python -m parashift.launcher.loopback ARGS`): its
+    stores are made by torch.distributed.elastic, which takes `TCPStore` from
+    `torch.distributed`: the class is replaced there and in every module of it already imported."""
     import torch.distributed as dist
 
     base = dist.TCPStore
-    if getattr(base, "parashift_loopback", False):
+    if getattr(base, "parashift_bound", False):
         return
 
-    class LoopbackTCPStore(base):  # type: ignore[misc, valid-type]
-        parashift_loopback = True
+    class BoundTCPStore(base):  # type: ignore[misc, valid-type]
+        parashift_bound = True
 
         def __init__(self, host_name: str, port: int, world_size: int | None = None, is_master: bool = False,
                      *args: Any, **kwargs: Any) -> None:
-            if is_master and host_name in LOCAL_HOSTS and kwargs.get("master_listen_fd") is None and not args[3:4]:
-                listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-                listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-                listener.bind((LOOPBACK, port))
-                listener.listen(128)
-                _LISTENERS.append(listener)
-                port, kwargs["master_listen_fd"] = listener.getsockname()[1], listener.fileno()
+            given_fd = kwargs.get("master_listen_fd") is not None or bool(args[3:4])
+            if is_master and host_name not in ANY_HOSTS and not given_fd:
+                listener = listener_on(host_name, port)
+                if listener is not None:
+                    port, kwargs["master_listen_fd"] = listener.getsockname()[1], listener.fileno()
             super().__init__(host_name, port, world_size, is_master, *args, **kwargs)
 
-    dist.TCPStore = LoopbackTCPStore  # type: ignore[misc]
+    dist.TCPStore = BoundTCPStore  # type: ignore[misc]
     # A forked agent (launcher.forkserver) imported torch.distributed.run before: its modules
     # hold the class under their own names.
     for name, module in list(sys.modules.items()):
         if name.startswith("torch.distributed") and getattr(module, "TCPStore", None) is base:
-            module.TCPStore = LoopbackTCPStore
+            module.TCPStore = BoundTCPStore
 
 
 if __name__ == "__main__":
-    serve_on_loopback()
+    serve_on_given_address()
     from torch.distributed.run import main
 
     main()

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 from jobs import tiny_spec, warm_pool
 from parashift.launcher.launch import launch_workers
+from parashift.launcher.loopback import listener_on
 from parashift.specs.plan import Plan
 
 LOOPBACK = {"0100007F", "00000000000000000000000001000000"}  # 127.0.0.1 and ::1 as /proc/net writes them
@@ -102,3 +103,13 @@ def test_a_torchrun_job_listens_on_loopback_alone(tmp_path: Path, forked: bool, 
     assert len(seen) >= 2, f"the agent's stores were seen: {seen}"
     exposed = {where for where in seen.values() if where[0] not in LOOPBACK}
     assert not exposed, f"listening beyond loopback: {exposed}"
+
+
+def test_a_store_listens_on_the_address_it_is_given_or_says_why_not(capsys: pytest.CaptureFixture[str]) -> None:
+    """Across nodes the first node's store is given that node's address (PARASHIFT_NODE_ADDR):
+    it listens there alone; an address that is not this machine's leaves torch's default, said."""
+    here = listener_on("127.0.0.1", 0)
+    assert here is not None and here.getsockname()[0] == "127.0.0.1"
+    assert listener_on("localhost", 0).getsockname()[0] == "127.0.0.1"  # type: ignore[union-attr]
+    assert listener_on("192.0.2.1", 0) is None  # TEST-NET-1: never this machine's
+    assert "cannot bind 192.0.2.1" in capsys.readouterr().err
