@@ -33,9 +33,9 @@ def loopback_store(**options: Any) -> LoopbackStore:
     """A TCPStore server on 127.0.0.1 and a free port; `options` as TCPStore's."""
     import torch.distributed as dist
 
-    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    listener.bind((LOOPBACK, 0))
-    listener.listen(128)
+    listener = listener_on(LOOPBACK, 0)
+    if listener is None:  # loopback is always this machine's
+        raise OSError(f"cannot listen on {LOOPBACK}")
     store = dist.TCPStore(LOOPBACK, listener.getsockname()[1], is_master=True, master_listen_fd=listener.fileno(),
                           **options)
     return LoopbackStore(store, listener)
@@ -60,7 +60,6 @@ def listener_on(host: str, port: int) -> socket.socket | None:
               file=sys.stderr)
         return None
     listener.listen(128)
-    _LISTENERS.append(listener)
     return listener
 
 
@@ -85,6 +84,7 @@ def serve_on_given_address() -> None:
             if is_master and host_name not in ANY_HOSTS and not given_fd:
                 listener = listener_on(host_name, port)
                 if listener is not None:
+                    _LISTENERS.append(listener)  # an agent's stores live as long as it does
                     port, kwargs["master_listen_fd"] = listener.getsockname()[1], listener.fileno()
             super().__init__(host_name, port, world_size, is_master, *args, **kwargs)
 

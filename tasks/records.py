@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import math
-
 from parashift.specs.elastic import Outcome
+from parashift.trainer.events import perplexity
 from pydantic import BaseModel, Field
 
 
@@ -99,7 +98,7 @@ class TrainSummary(BaseModel):
 
     @property
     def eval_perplexity(self) -> float | None:
-        return None if self.eval_loss is None else math.exp(min(self.eval_loss, 700.0))
+        return None if self.eval_loss is None else perplexity(self.eval_loss)
 
     @property
     def failures(self) -> list[str]:

@@ -10,6 +10,7 @@ Pydantic and the standard library only: the launcher side imports this without t
 
 from __future__ import annotations
 
+import math
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
@@ -146,6 +147,11 @@ WorkerEvent = Annotated[
 _WORKER_EVENT: TypeAdapter[WorkerEvent] = TypeAdapter(WorkerEvent)
 
 
+def perplexity(loss: float) -> float:
+    """exp(loss), capped where a float would overflow (a diverged run's loss)."""
+    return math.exp(min(loss, 700.0))
+
+
 def encode(event: WorkerEvent) -> str:
     """The line that carries `event` (without its newline)."""
     return PREFIX + event.model_dump_json(exclude={"received_at"} if event.received_at is None else None)
@@ -164,4 +170,5 @@ def parse(line: str) -> WorkerEvent | None:
 
 
 __all__ = ["PREFIX", "CheckpointEvent", "CheckpointStallEvent", "CommTimingsEvent", "FatalEvent", "FinishedEvent",
-           "HeldEvent", "RestoringEvent", "StartEvent", "StepEvent", "StoppedEvent", "WorkerEvent", "encode", "parse"]
+           "HeldEvent", "RestoringEvent", "StartEvent", "StepEvent", "StoppedEvent", "WorkerEvent", "encode", "parse",
+           "perplexity"]

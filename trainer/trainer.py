@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import gc
 import json
-import math
 import os
 import time
 from dataclasses import dataclass
@@ -52,6 +51,7 @@ from parashift.trainer.events import (
     StartEvent,
     StepEvent,
     StoppedEvent,
+    perplexity,
 )
 from parashift.trainer.layout import layout_mismatches, state_layout
 from parashift.trainer.mesh import Coordinates, ParallelDims
@@ -404,10 +404,10 @@ class Trainer:
             self.board.record(step, {"loss": done.loss, "grad_norm": done.grad_norm, "lr": done.lr,
                                      "tokens_per_s": rate, "tflops": event.tflops, "mfu": event.mfu,
                                      "memory_gib": event.memory_gib, "data_wait_s": event.data_wait_s,
-                                     # per device count: what a pool learns a job's speed from (pool/measured.py)
+                                     # per device count: what a pool learns a job's speed from (pool/step_times.py)
                                      "step_s": done.elapsed_s, "devices": float(self.board.world_size),
                                      "eval_loss": eval_loss,
-                                     "eval_perplexity": math.exp(min(eval_loss, 700.0)) if eval_loss is not None else None})
+                                     "eval_perplexity": perplexity(eval_loss) if eval_loss is not None else None})
 
     # -- finish -----------------------------------------------------------------------------
 
