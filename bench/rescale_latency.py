@@ -75,11 +75,9 @@ def one_round(store: Path, devices_from: int, devices_to: int, steps: int, round
         "storage": {"url": f"file://{store}"},
     })
     if profiled:  # the new count's profile exists before the change, as after an earlier change to it
-        from parashift.tasks.profile import profile_model
-        from prefect import flow
+        from parashift.tasks.profile import ensure_profile
 
-        flow(name="profile-ahead")(profile_model)(
-            spec.model_copy(update={"resources": spec.resources.model_copy(update={"devices": devices_to})}))
+        ensure_profile(spec.on_devices(devices_to))
     seen: list[tuple[float, WorkerEvent]] = []
     emitted: list[float] = []
 

@@ -12,8 +12,11 @@ the elastic policy's (`specs.elastic.decide`); this flow asks it and acts.
 
 from __future__ import annotations
 
+import contextlib
+
 from parashift.specs import JobSpec
 from parashift.specs.elastic import Decision, Fail, Ignore, JobState, Replan, SegmentEnded, Stop, decide
+from parashift.specs.plan import Plan
 from parashift.storage import JobLease
 from parashift.tasks.artifacts import TrainingProgress, job_tags, tag_devices, tag_this_run
 from parashift.tasks.credentials import environment, storage_environment
@@ -21,16 +24,17 @@ from parashift.tasks.events import ResourceWatcher, follow_resources
 from parashift.tasks.exclusive import one_run_per_job, one_writer_per_job
 from parashift.tasks.launch import launch_training, segment_of, signals_stop_training, warm_workers
 from parashift.tasks.node_watch import follow_nodes
-from parashift.tasks.plan import plan_parallelism
+from parashift.tasks.plan import PlansAhead, finish_plan, plan_parallelism, publish_plan
 from parashift.tasks.pool_devices import pool_devices
 from parashift.tasks.preflight import preflight_job
 from parashift.tasks.profile import profile_model
-from parashift.tasks.records import SegmentResult, TrainSummary, failed_segments
+from parashift.tasks.records import ModelSummary, SegmentResult, TrainSummary, failed_segments
 from parashift.tasks.recovery import TrainingFailed, announce_change
 from parashift.tasks.report import publish_report
 from parashift.tasks.reshard import plan_reshard
 from parashift.tasks.validate import validate_spec
 from prefect import flow
+from prefect.futures import PrefectFuture
 from prefect.logging import get_run_logger
 from prefect.states import Completed
 
@@ -63,12 +67,13 @@ def _train(spec: JobSpec, lease: JobLease | None = None) -> TrainSummary:
     over launches nothing more (LeaseLost)."""
     logger = get_run_logger()
     profiles = {spec.resources.devices: profile_model(spec)}
+    ahead = PlansAhead(spec, profiles[spec.resources.devices])  # the counts it may move to, planned while it trains
     segments: list[SegmentResult] = []
     job = JobState.starting(spec)
     # The storage credentials stay in the environment while the job's events are recorded.
     progress = TrainingProgress(spec.job_id, spec.training.steps)
     with environment(storage_environment(spec)), follow_resources(spec, logger) as resources, \
-            follow_nodes(spec, resources) as node_watch:
+            follow_nodes(spec, resources) as node_watch, contextlib.closing(ahead):
         while True:
             heard = resources.newest_after(job.epoch)  # while the last segment was planned, or before the first
             if heard is not None:
@@ -78,20 +83,18 @@ def _train(spec: JobSpec, lease: JobLease | None = None) -> TrainSummary:
             here = spec if job.nodes is None else spec.on_nodes(job.nodes)  # the nodes of this segment
             node_watch.now_on(job.nodes)  # a node of the spec that left is taken back once its worker is
             scripted = spec.scripted_change_after(job.step)
-            if job.devices not in profiles:  # the core share on this count; collectives measured once (cached in storage)
-                first = profiles[spec.resources.devices].profile_key
-                profiles[job.devices] = profile_model(spec.on_devices(job.devices), comm_from=first)
-            model = profiles[job.devices]
-            measured = [s.restore_bytes_per_s for s in segments if s.restore_bytes_per_s]
-            plan = plan_parallelism(spec, model, job.devices, job.step, measured[-1] if measured else None)
+            model, plan, published = _plan(spec, job, profiles, ahead, segments)
             held = segments[-1].final_step if segments and segments[-1].held_unsaved else None
             # What the workers will read, shown while they start (they read it themselves; on warm
             # workers its first computation for a plan would otherwise add ~0.15 s to the change).
             reshard = plan_reshard.submit(here, plan, held)
-            tag_devices(job.devices)
+            tagged = tag_devices(job.devices)  # beside the launch
             with pool_devices(spec, job.devices):  # in a pool: its devices, held while the workers run
                 launched = launch_training(here, plan, scripted.at_step if scripted else None, resources, progress,
-                                           job, return_state=True)  # Failed when the workers failed: the policy decides
+                                           job, ahead, return_state=True)  # Failed when the workers failed: the policy decides
+            tagged.join()
+            if published is not None:
+                published.wait()
             shown = reshard.result(raise_on_failure=False)
             if isinstance(shown, BaseException):  # the workers' own reads decide the segment, not this view
                 logger.warning("%s: the reshard view of %d devices failed: %s", spec.job_id, job.devices, shown)
@@ -112,6 +115,24 @@ def _train(spec: JobSpec, lease: JobLease | None = None) -> TrainSummary:
     for failure in failed_segments(segments):  # recovered from, but said
         logger.warning("%s: %s", spec.job_id, failure)
     return publish_report(spec, model, segments)
+
+
+def _plan(spec: JobSpec, job: JobState, profiles: dict[int, ModelSummary], ahead: PlansAhead,
+          segments: list[SegmentResult]) -> tuple[ModelSummary, Plan, PrefectFuture[None] | None]:
+    """The segment's plan: taken from the plans made ahead where this count was (published beside
+    the launch), else profiled and planned now. Also the model's summary on this count."""
+    measured = [s.restore_bytes_per_s for s in segments if s.restore_bytes_per_s]
+    bandwidth = measured[-1] if measured else None
+    prepared = ahead.take(job.devices) if segments else None
+    if prepared is not None:
+        profiles[job.devices] = prepared.model
+        plan, choice = finish_plan(spec, prepared, job.step, bandwidth)
+        return prepared.model, plan, publish_plan.submit(spec, prepared, plan, job.step, choice)
+    if job.devices not in profiles:  # the core share on this count; collectives measured once (cached in storage)
+        first = profiles[spec.resources.devices].profile_key
+        profiles[job.devices] = profile_model(spec.on_devices(job.devices), comm_from=first)
+    model = profiles[job.devices]
+    return model, plan_parallelism(spec, model, job.devices, job.step, bandwidth), None
 
 
 def _act(spec: JobSpec, job: JobState, decision: Decision, resources: ResourceWatcher) -> JobState:

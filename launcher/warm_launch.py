@@ -31,7 +31,7 @@ from parashift.specs import JobSpec
 from parashift.specs.plan import Plan
 from parashift.trainer.events import WorkerEvent
 
-POLL_S = 0.05
+POLL_S = 0.02  # how soon a worker's event is relayed (the stop of a change waits on it)
 # After a rank fails, how long its peers get to return by themselves (gloo fails their pending
 # collective when the peer's connection closes) before they are ended (NCCL waits on): the
 # peers that return stay warm.

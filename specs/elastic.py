@@ -337,3 +337,23 @@ def segment_outcome(*, start_step: int, ended_at: int | None, stopped: bool, ret
 __all__ = ["REASONS", "Change", "Decision", "Fail", "Ignore", "JobState", "Outcome", "Reason", "Replan",
            "ResourceEvent", "Segment", "SegmentEnded", "Stop", "admit", "apply_change", "check_change", "decide", "rejoined_nodes",
            "segment_outcome"]
+
+
+def likely_counts(spec: JobSpec, job: JobState, most: int = 3) -> list[int]:
+    """The device counts the job may move to next, most likely first, for plans made ahead
+    (`tasks.plan.PlansAhead`): where this policy puts it after a failure (no event announces
+    one), after the spec's next scripted change where it has one; then the counts it ran on
+    before, newest first, and the spec's own."""
+    scripted = spec.scripted_change_after(job.step)
+    counts = [scripted.devices] if scripted is not None else []
+    if job.nodes is not None:  # across nodes: a node leaves, or the spec's nodes come back
+        counts += [(len(job.nodes) - 1) * (spec.resources.devices_per_node or 1), spec.resources.devices]
+    else:
+        counts += [job.devices - 1, *(s.devices for s in reversed(job.segments)), spec.resources.devices]
+    low, high = spec.resources.min_devices or 1, min(spec.resources.max_devices or spec.training.global_batch,
+                                                     spec.training.global_batch)
+    likely: list[int] = []
+    for count in counts:
+        if low <= count <= high and count != job.devices and count not in likely:
+            likely.append(count)
+    return likely[:most]

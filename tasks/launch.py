@@ -19,7 +19,7 @@ from parashift.launcher.launch import LaunchResult, RunningWorkers, launch_worke
 from parashift.launcher.warm_launch import launch_warm
 from parashift.launcher.warm_pool import WarmPool
 from parashift.specs import JobSpec
-from parashift.specs.elastic import JobState, Replan, ResourceEvent, decide, segment_outcome
+from parashift.specs.elastic import JobState, Replan, ResourceEvent, decide, likely_counts, segment_outcome
 from parashift.specs.plan import Plan
 from parashift.storage import JobPaths, open_store
 from parashift.tasks import progress
@@ -27,6 +27,7 @@ from parashift.tasks.artifacts import TrainingProgress
 from parashift.tasks.credentials import environment, storage_environment
 from parashift.tasks.events import ResourceWatcher
 from parashift.tasks.nodes import node_launch
+from parashift.tasks.plan import PlansAhead
 from parashift.tasks.records import SegmentResult
 from parashift.tasks.worker_log import WorkerLog
 from parashift.trainer.events import HeldEvent, StartEvent, StepEvent, StoppedEvent, WorkerEvent
@@ -199,12 +200,14 @@ def signals_stop_training() -> Iterator[None]:
 @task(name="launch-training", cache_policy=NO_CACHE)
 def launch_training(spec: JobSpec, plan: Plan, until_step: int | None = None,
                     resources: ResourceWatcher | None = None, progress_bar: TrainingProgress | None = None,
-                    job: JobState | None = None) -> SegmentResult:
+                    job: JobState | None = None, ahead: PlansAhead | None = None) -> SegmentResult:
     """Train on `plan.devices` workers until `until_step` (or the end), resuming if possible.
-    `job`: where the job stands (the policy's question for a change heard meanwhile: re-plan?)."""
+    `job`: where the job stands (the policy's question for a change heard meanwhile: re-plan?).
+    `ahead`: where the counts the job may move to are planned, once it trains, and a count a
+    change heard names at once."""
     logger = get_run_logger()
     job = job if job is not None else JobState(devices=plan.devices, nodes=spec.resources.nodes)
-    watch = _SegmentWatch(spec, plan, job, resources, progress_bar, logger)
+    watch = _SegmentWatch(spec, plan, job, resources, progress_bar, logger, ahead)
     if resources is not None:
         resources.on_change = watch.stop_for
         pending = resources.newest_after(job.epoch)
@@ -231,8 +234,9 @@ class _SegmentWatch:
     events relayed to the run log, the progress bar and the step listeners."""
 
     def __init__(self, spec: JobSpec, plan: Plan, job: JobState, resources: ResourceWatcher | None,
-                 progress_bar: TrainingProgress | None, logger: Any) -> None:
+                 progress_bar: TrainingProgress | None, logger: Any, ahead: PlansAhead | None = None) -> None:
         self.spec, self.plan, self.job, self.logger, self.progress_bar = spec, plan, job, logger, progress_bar
+        self.ahead = ahead
         self.credentials = storage_environment(spec)
         with environment(self.credentials):
             self.store = open_store(spec.storage)
@@ -264,10 +268,14 @@ class _SegmentWatch:
             return  # the flow decides on it, and says why, when the segment ends
         self.logger.warning("resource change (%s, epoch %d): %d devices -> %s; stopping at the next step boundary",
                             change.reason, change.epoch, self.plan.devices, change.describe())
+        if self.ahead is not None:  # planned while the workers finish their step
+            self.ahead.prepare([decision.devices], first=True)
         self.stop(f"rescale to {change.describe()} ({change.reason})",
                   decision.devices if decision.nodes is None else None)
 
     def on_event(self, event: WorkerEvent) -> None:
+        if isinstance(event, StepEvent) and self.ahead is not None:  # training: plan ahead (once per count)
+            self.ahead.prepare(likely_counts(self.spec, self.job))
         if isinstance(event, StepEvent) and self.spec.resources.nodes is None:  # across nodes they arrive at the end
             now = time.time()
             self.stepped[:] = [self.stepped[0] if self.stepped else now, now]

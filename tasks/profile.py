@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable
 
 from parashift.models import family_of
 from parashift.planner.comm import CommModel, comm_model_from_timings
@@ -118,7 +119,10 @@ def load_profile(spec: JobSpec, key: str) -> ModelProfile | MeasuredProfile:
     return ModelProfile.model_validate(stored) if "graph" in stored else MeasuredProfile.model_validate(stored)
 
 
-@task(name="profile-model", retries=2, retry_delay_seconds=2, retry_condition_fn=retry_if_it_may_help)
+class NeedsMeasurement(RuntimeError):
+    """Profiling this count would time collectives on the job's workers first (a launch of its own)."""
+
+
 def measured_comm(spec: JobSpec, key: str | None) -> CommModel | None:
     """The collectives measured for another device count of the job (the profile at `key`):
     a fitted latency and bandwidth per link, whatever the group size, so a new count needs no
@@ -131,29 +135,37 @@ def measured_comm(spec: JobSpec, key: str | None) -> CommModel | None:
     return comm if comm.measured else None
 
 
-def profile_model(spec: JobSpec, comm_from: str | None = None) -> ModelSummary:
-    """Profile the model, or reuse the profile stored for the same model, batch and devices.
-    `comm_from`: the key of this job's profile on another device count, whose measured
-    collectives serve this one too."""
-    logger = get_run_logger()
+def ensure_profile(spec: JobSpec, comm_from: str | None = None, say: Callable[[str], None] = lambda line: None,
+                   may_measure: bool = True) -> ModelSummary:
+    """The body of `profile_model`, without Prefect: what `tasks.plan.PlansAhead` runs while the job
+    trains. `may_measure=False`: NeedsMeasurement rather than launch workers to time collectives."""
     key = JobPaths(spec.job_id).profile(profile_key(spec))
     params, per_token = exact_parameter_count(spec)
     with environment(storage_environment(spec)):
         store = open_store(spec.storage)
         if store.exists(key):
-            logger.info("reusing profile %s", store.url_for(key))
+            say(f"reusing profile {store.url_for(key)}")
         else:
-            profile = build_profile(spec, measured_comm(spec, comm_from))
+            comm = measured_comm(spec, comm_from)
+            res = spec.resources
+            if not may_measure and comm is None and needs_measurement(spec) and res.devices > 1:
+                raise NeedsMeasurement(f"profiling {res.devices} devices times collectives first")
+            profile = build_profile(spec, comm)
             store.put_json(key, profile.model_dump(mode="json"))
+            used = "measured" if profile.comm.measured else "default"
             if isinstance(profile, MeasuredProfile):
-                logger.info("measured %s: %.1f ms and %.1f MiB kept per sequence; comm %s", profile.name,
-                            profile.sequence_s * 1e3, profile.activation_bytes / 2**20,
-                            "measured" if profile.comm.measured else "default")
+                say(f"measured {profile.name}: {profile.sequence_s * 1e3:.1f} ms and "
+                    f"{profile.activation_bytes / 2**20:.1f} MiB kept per sequence; comm {used}")
             else:
-                logger.info(
-                    "profiled %s ops; %s FLOP/s GEMM (%s); comm %s",
-                    len(profile.graph.ops), f"{profile.device.matmul_flops:.3g}",
-                    "measured" if profile.device.measured else "default", "measured" if profile.comm.measured else "default",
-                )
-    logger.info("model: %s parameters, %s FLOPs per token", f"{params:,}", f"{per_token:,}")
+                say(f"profiled {len(profile.graph.ops)} ops; {profile.device.matmul_flops:.3g} FLOP/s GEMM "
+                    f"({'measured' if profile.device.measured else 'default'}); comm {used}")
+    say(f"model: {params:,} parameters, {per_token:,} FLOPs per token")
     return ModelSummary(params=params, flops_per_token=per_token, device_kind=spec.resources.kind, profile_key=key)
+
+
+@task(name="profile-model", retries=2, retry_delay_seconds=2, retry_condition_fn=retry_if_it_may_help)
+def profile_model(spec: JobSpec, comm_from: str | None = None) -> ModelSummary:
+    """Profile the model, or reuse the profile stored for the same model, batch and devices.
+    `comm_from`: the key of this job's profile on another device count, whose measured
+    collectives serve this one too."""
+    return ensure_profile(spec, comm_from, get_run_logger().info)

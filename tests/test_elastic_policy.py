@@ -20,6 +20,7 @@ from parashift.specs.elastic import (
     admit,
     check_change,
     decide,
+    likely_counts,
     rejoined_nodes,
     segment_outcome,
 )
@@ -140,6 +141,23 @@ def test_a_failure_resumes_on_one_device_fewer() -> None:
     # at least one device
     last = decide(ONE_NODE, JobState(devices=1), SegmentEnded(segment(1, 0, 4, "failed", "oom")))
     assert isinstance(last, Replan) and last.devices == 1
+
+
+def test_the_counts_planned_ahead_are_where_the_policy_goes_next() -> None:
+    """What PlansAhead plans while the job trains: the spec's next scripted count, then where a
+    failure puts the job (the policy's own rule: one device fewer; across nodes, one node
+    fewer), then the counts it ran on, newest first, and the spec's; within the job's bounds."""
+    job = JobState(devices=4, step=0).after(segment(2, 0, 5, "rescaled")).after(segment(6, 5, 9, "rescaled"))
+    job = JobState(devices=4, step=9, segments=job.segments)
+    assert likely_counts(ONE_NODE, job) == [3, 6, 2]  # failure, newest count, then the spec's (2, also run on)
+    failed = decide(ONE_NODE, job, SegmentEnded(segment(4, 9, 12, "failed", "rank 1 killed")))
+    assert isinstance(failed, Replan) and failed.devices == likely_counts(ONE_NODE, job)[0]
+    scripted = job_spec(elasticity=[{"at_step": 20, "devices": 5}])
+    assert likely_counts(scripted, job)[0] == 5
+    bounded = job_spec(resources={"devices": 2, "min_devices": 4, "max_devices": 5})
+    assert likely_counts(bounded, job) == []  # 3 below the minimum, 6 above the maximum, 2 below it too
+    assert likely_counts(ONE_NODE, JobState(devices=1)) == [2]  # no zero; the spec's count
+    assert likely_counts(NODES, JobState(devices=6, nodes=["a", "b", "c"])) == [4]  # a node less (6: running)
 
 
 def test_two_failures_in_a_row_without_progress_fail_the_job() -> None:

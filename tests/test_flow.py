@@ -299,14 +299,15 @@ def test_auto_strategy_measures_on_real_workers_and_plans(prefect_server: None, 
     profile cached in storage, the planner's plan published as an artifact and executed."""
     from parashift.flows.train import train_job
     from parashift.planner.profile import ModelProfile
-    from parashift.storage import open_store
+    from parashift.storage import JobPaths, open_store
+    from parashift.tasks.profile import profile_key
 
     spec = tiny_spec("auto-plan", f"file://{tmp_path}/store", training={"steps": 4}, parallelism={"strategy": "auto"})
     summary = train_job(spec)
     assert summary.steps == 4
     store = open_store(spec.storage)
-    [key] = store.list("jobs/auto-plan/profile")
-    profile = ModelProfile.model_validate(store.get_json(f"jobs/auto-plan/profile/{key.rsplit('/', 1)[-1]}"))
+    # the job's count's profile (the count a failure would leave, 1, is profiled ahead while it trains)
+    profile = ModelProfile.model_validate(store.get_json(JobPaths("auto-plan").profile(profile_key(spec))))
     assert profile.comm.measured and profile.device.measured
     assert profile.comm.intra.bandwidth_Bps > 0 and profile.device.matmul_flops > 1e8
     artifact = read_artifact("auto-plan-plan-2")

@@ -110,3 +110,34 @@ def test_coming_back_to_a_device_count_does_not_search_again(tmp_path: Path, mon
     other = profile_gpt(2, 48, 4, 256, 24, 16, device_kind="cpu")
     plan_task._search(spec, other, 4, None)
     assert searches == [4, 2, 4, 4]
+
+
+def test_a_plan_made_ahead_is_the_plan_made_at_the_change(tmp_path: Path) -> None:
+    """PlansAhead searches while the job trains, before the checkpoint it will move exists; the
+    plan taken at the change is the one planning then would make: the move of the newest
+    checkpoint is weighed when it is taken. A count not asked for is planned as usual (None)."""
+    from parashift.planner.comm import CommModel, Link
+    from parashift.storage import JobPaths, open_store
+    from parashift.tasks.plan import PlansAhead, finish_plan, prepare_plan
+    from parashift.tasks.profile import build_profile, ensure_profile, profile_key
+
+    spec = tiny_spec("ahead", f"file://{tmp_path}/store", model=MODEL, training={"steps": 2},
+                     parallelism={"strategy": "auto"})
+    link = Link(latency_s=1e-4, bandwidth_Bps=1e9)  # as if measured on the job's workers (no launch here)
+    profile = build_profile(spec, CommModel(intra=link, inter=link, measured=True))
+    open_store(spec.storage).put_json(JobPaths("ahead").profile(profile_key(spec)), profile.model_dump(mode="json"))
+    first = ensure_profile(spec)
+    ahead = PlansAhead(spec, first)
+    try:
+        ahead.prepare([2, 1])
+        assert ahead.take(2) is not None and ahead.take(1) is not None  # made before anything is committed
+        assert ahead.take(3, wait_s=0.1) is None
+        assert run(spec, Plan.data_parallel(2)).final_step == 2  # now a checkpoint to move
+        near_end = spec.model_copy(update={"training": spec.training.model_copy(update={"steps": 3})})
+        slow_store = 1e6
+        taken, choice = finish_plan(near_end, ahead.take(2), 2, slow_store)
+        now, choice_now = finish_plan(near_end, prepare_plan(near_end, first, 2), 2, slow_store)
+    finally:
+        ahead.close()
+    assert taken.model_dump() == now.model_dump() and choice == choice_now
+    assert choice is not None and str(taken.mesh) == min(choice, key=lambda r: r["move_mb"])["mesh"]
