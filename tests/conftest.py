@@ -31,9 +31,10 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 # a file's module fixtures, such as test_nodes' two Prefect workers, start once). Files start in
 # collection order, so the longest ones (by `--durations`) are collected first: otherwise one
 # starts last and the other worker idles while it runs.
-RUN_FIRST = ("test_nodes.py", "test_flow.py", "test_elastic_events.py", "test_planner_outer.py",
-             "test_train_resume.py", "test_job_exclusive.py", "test_parallel_plans.py", "test_serve.py",
-             "test_checkpoint_faults.py", "test_git_submission.py", "test_deployments.py", "test_llama.py")
+RUN_FIRST = ("test_flow.py", "test_elastic_events.py", "test_nodes.py", "test_job_exclusive.py", "test_pool_live.py",
+             "test_parallel_plans.py", "test_serve.py", "test_recompute.py", "test_planner_outer.py",
+             "test_gpu_check.py", "test_llama.py", "test_deployments.py", "test_train_resume.py",
+             "test_git_submission.py", "test_planner_plan.py", "test_worker_resources.py")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -1,7 +1,7 @@
 """Activation checkpointing and FSDP2 mixed precision change memory, not the training.
 
 - Per family and plan kind, selective and full checkpointing give the loss of the run without
-  it at every one of 20 steps within 1e-6 (fp32); the GPT runs with dropout, so a recomputed
+  it at every one of 12 steps within 1e-6 (fp32); the GPT runs with dropout, so a recomputed
   layer must draw the masks its forward drew.
 - bf16 through FSDP2's policy stays within bf16 tolerance of bf16 autocast.
 - A checkpoint saved under one (checkpointing, precision, plan) restores bitwise under another:
@@ -38,8 +38,8 @@ HF = {"family": "hf", "seq_len": 24, "config": {
 MODELS = {"gpt": GPT, "llama": LLAMA, "hf": HF}
 
 
-def job(name: str, tmp: Path, model: str, **parallelism: object) -> JobSpec:
-    spec = tiny_spec(name, f"file://{tmp}/store", training=TRAINING)
+def job(name: str, tmp: Path, model: str, steps: int = 20, **parallelism: object) -> JobSpec:
+    spec = tiny_spec(name, f"file://{tmp}/store", training={**TRAINING, "steps": steps})
     data = spec.model_dump()
     data["model"] = MODELS[model]
     data["parallelism"] = {**data["parallelism"], **parallelism}
@@ -50,10 +50,11 @@ def with_ac(plan: Plan, mode: str, **fields: object) -> Plan:
     return plan.model_copy(update={"activation_checkpointing": mode, **fields})
 
 
-# (family, plan kind) -> the plan; every plan kind of the trainer, each family under those it runs.
+# (family, plan kind) -> the plan; every plan kind of the trainer, each family under those it runs
+# (GPT's tensor parallelism within its pp 2 x tp 2 case, Llama's HSDP within GPT's and hf's: 17 s
+# of the suite less).
 PLANS = {
     ("gpt", "dp2"): lambda: Plan.data_parallel(2),
-    ("gpt", "tp2"): lambda: mesh_plan({"tp": 2}),
     ("gpt", "pp2"): lambda: mesh_plan({"pp": 2}, micro_batches=2),
     ("gpt", "fsdp2"): lambda: Plan.fully_sharded(2),
     ("gpt", "hsdp2x2"): lambda: mesh_plan({"dp": 4}, dp_shard=2),
@@ -62,7 +63,6 @@ PLANS = {
     ("llama", "tp2"): lambda: mesh_plan({"tp": 2}),
     ("llama", "pp2"): lambda: mesh_plan({"pp": 2}, micro_batches=2),
     ("llama", "fsdp2"): lambda: Plan.fully_sharded(2),
-    ("llama", "hsdp2x2"): lambda: mesh_plan({"dp": 4}, dp_shard=2),
     ("llama", "pp2xtp2"): lambda: mesh_plan({"pp": 2, "tp": 2}, micro_batches=2),
     ("hf", "dp2"): lambda: Plan.data_parallel(2),
     ("hf", "fsdp2"): lambda: Plan.fully_sharded(2),
@@ -74,9 +74,9 @@ PLANS = {
 def test_checkpointed_layers_train_exactly_as_kept_ones(model: str, kind: str, tmp_path: Path) -> None:
     losses = {}
     for mode in ("none", "selective", "full"):
-        spec = job(f"{model}-{kind}-{mode}", tmp_path / mode, model)
+        spec = job(f"{model}-{kind}-{mode}", tmp_path / mode, model, steps=12)
         losses[mode] = [e.loss for e in run(spec, with_ac(PLANS[model, kind](), mode)).steps]
-    assert len(losses["none"]) == 20
+    assert len(losses["none"]) == 12
     for mode in ("selective", "full"):
         for step, (got, want) in enumerate(zip(losses[mode], losses["none"], strict=True), 1):
             assert abs(got - want) <= 1e-6 * abs(want), f"{mode}, step {step}: {got} vs {want}"
