@@ -48,11 +48,13 @@ from pathlib import Path
 from typing import Any
 
 from parashift.bench.prefect_server import bench_prefect_server
+from parashift.specs import environ
 
 from parashift.commands.serve import deploy_all, start_node_worker, stop_group
 
 MODEL = {"n_layers": 3, "d_model": 768, "n_heads": 12, "vocab_size": 2048, "seq_len": 24, "dropout": 0.0}
 EVENT_AT_STEP = 3  # steps into the first segment
+STOP_POLL_S = 2.0  # how often rank 0 checks the stop object (the spec's default): part of stop_s
 
 
 def one_round(store: Path, devices_from: int, devices_to: int, steps: int, round_no: int,
@@ -69,7 +71,8 @@ def one_round(store: Path, devices_from: int, devices_to: int, steps: int, round
         "name": f"rescale-latency-{round_no}",
         "model": MODEL,
         "data": {"url": "builtin://python-stdlib", "max_bytes": 200_000},
-        "training": {"global_batch": 12, "micro_batch": 2, "steps": steps, "checkpoint_every": 1000},
+        "training": {"global_batch": 12, "micro_batch": 2, "steps": steps, "checkpoint_every": 1000,
+                     "stop_poll_s": STOP_POLL_S},
         "resources": {"devices": devices_from, "kind": "cpu"},
         "parallelism": {"strategy": strategy},
         "storage": {"url": f"file://{store}"},
@@ -191,7 +194,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="parashift-rescale-") as tmp, bench_prefect_server(Path(tmp)):
         try:
             if args.node_leave:
-                node_env = {**os.environ, "PARASHIFT_NODE_ADDR": "127.0.0.1", "PREFECT_WORKER_QUERY_SECONDS": "1"}
+                node_env = {**os.environ, environ.NODE_ADDR: "127.0.0.1", "PREFECT_WORKER_QUERY_SECONDS": "1"}
                 deploy_all(node_env)
                 rounds = []
                 for i in range(args.rounds):
@@ -212,7 +215,7 @@ def main() -> None:
         "machine": f"{platform.machine()} {os.cpu_count()} cores",
         "change": "node b of 2 x 2 cpu workers left (worker killed)" if args.node_leave else
                   f"{args.devices_from}->{args.devices_to} cpu workers",
-        "stop_poll_s": float(os.environ.get("PARASHIFT_STOP_POLL_SECONDS", "2")),
+        "stop_poll_s": STOP_POLL_S,
         **{k: round(statistics.median(r[k] for r in rounds), 3) for k in keys},
         "all_but_data_s": round(statistics.median(r["total_s"] - r["reshard_data_s"] for r in rounds), 3),
         "rounds": [{k: round(v, 3) if isinstance(v, float) else v for k, v in r.items()} for r in rounds],

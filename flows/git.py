@@ -16,7 +16,7 @@ from pathlib import Path
 
 from parashift.flows.pool import submit_to_pool
 from parashift.flows.train import train_job
-from parashift.specs import parse_spec
+from parashift.specs import environ, parse_spec
 from parashift.specs.pool import PoolSpec
 from parashift.tasks.artifacts import artifact_key
 from parashift.tasks.credentials import environment, storage_environment
@@ -27,7 +27,7 @@ from prefect.logging import get_run_logger
 from pydantic import BaseModel
 
 # Where relative storage URLs of specs from git resolve when no storage_root is given.
-STORAGE_ROOT_ENV = "PARASHIFT_STORAGE_ROOT"
+STORAGE_ROOT_ENV = environ.STORAGE_ROOT
 
 
 def default_storage_root() -> str:
@@ -74,7 +74,7 @@ def train_from_git(text: str, path: str, repository: str, commit: str, storage_r
             record_trained(spec, digest, {**source, "pool": pool.name, "submission": key}, 0)  # once per contents
         return Submission(path=path, job=spec.job_id, outcome="submitted", message=f"to pool {pool.name}")
     with tags(f"job:{spec.job_id}", f"commit:{commit[:12]}", "git"), \
-            environment({"PARASHIFT_SOURCE": json.dumps(source)}):
+            environment({environ.SOURCE: json.dumps(source)}):
         summary = train_job(spec)
     if summary.steps >= spec.training.steps:  # trained to the end (a stopped job is submitted again)
         with environment(storage_environment(spec)):

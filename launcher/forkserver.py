@@ -50,11 +50,12 @@ from pathlib import Path
 from typing import Any
 
 from parashift.launcher.processes import kill_tree
+from parashift.specs import environ
 
-SOCKET_ENV = "PARASHIFT_FORKSERVER"
-PID_ENV = "PARASHIFT_FORKSERVER_PID"
+SOCKET_ENV = environ.FORKSERVER
+PID_ENV = environ.FORKSERVER_PID
 # Set to 0 to start every worker as an interpreter of its own (the forkserver's fallback).
-ENABLE_ENV = "PARASHIFT_FORK_WORKERS"
+ENABLE_ENV = environ.FORK_WORKERS
 
 # Variables read after start-up, per launch: they may differ between the server and a worker.
 # Any other variable that differs makes the client exec the module instead (GLIBC_TUNABLES,
@@ -62,7 +63,7 @@ ENABLE_ENV = "PARASHIFT_FORK_WORKERS"
 LATE_NAMES = frozenset({"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
                         "ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                         SOCKET_ENV, PID_ENV})
-LATE_PREFIXES = ("TORCHELASTIC_", "TORCH_NCCL_", "NCCL_", "GLOO_", "PARASHIFT_", "AWS_", "PREFECT_", "PYTEST_")
+LATE_PREFIXES = ("TORCHELASTIC_", "TORCH_NCCL_", "NCCL_", "GLOO_", environ.PREFIX, "AWS_", "PREFECT_", "PYTEST_")
 
 MAX_MESSAGE = 1 << 20  # a request: the environment and arguments, as JSON
 

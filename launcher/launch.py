@@ -24,7 +24,7 @@ from typing import Any, TypeVar
 from parashift.launcher.forkserver import Forkserver, startup_environment
 from parashift.launcher.forkserver import available as forkserver_available
 from parashift.launcher.processes import kill_tree, parent_of
-from parashift.specs import JobSpec
+from parashift.specs import JobSpec, environ
 from parashift.specs.loader import resolve_model
 from parashift.specs.plan import Plan
 from parashift.trainer.events import (
@@ -179,7 +179,7 @@ class NodeRendezvous:
 
     def env(self) -> dict[str, str]:
         """What the workers learn about their node (`trainer.worker`: node-local tier, manifest)."""
-        return {"PARASHIFT_NODE": self.node, "PARASHIFT_NODES": ",".join(self.nodes)}
+        return {environ.NODE: self.node, environ.NODES: ",".join(self.nodes)}
 
 
 def torchrun_command(devices: int, module: str, *args: str, log_dir: Path, node: NodeRendezvous | None = None,
@@ -274,7 +274,7 @@ _forkservers_lock = threading.Lock()
 
 # Set to 1 (in `env` or this process's environment) to fork CUDA jobs' workers too: off until a
 # GPU run shows relaunches get faster and training stays bit-equal (`bench.gpu.changes`).
-FORK_CUDA_ENV = "PARASHIFT_FORK_CUDA"
+FORK_CUDA_ENV = environ.FORK_CUDA
 
 
 def forkserver_env(kind: str, env: dict[str, str]) -> dict[str, str]:

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from parashift.launcher.launch import STOP_GRACE_S, LaunchResult, RunningWorkers, WorkerOutput
 from parashift.launcher.warm_pool import WarmPool
-from parashift.specs import JobSpec
+from parashift.specs import JobSpec, environ
 from parashift.specs.plan import Plan
 from parashift.trainer.events import WorkerEvent
 
@@ -73,7 +73,7 @@ def launch_warm(pool: WarmPool, spec: JobSpec, plan: Plan,
         on_line(f"warm workers: {started} fresh process{'es' if started > 1 else ''} started")
     # What the flow put in its own environment for its workers (the lease token, a sample log)
     # reaches warm workers through each job's request: they were started before it was set.
-    env = {**{k: v for k, v in os.environ.items() if k.startswith("PARASHIFT_")}, **(extra_env or {})}
+    env = {**{k: v for k, v in os.environ.items() if k.startswith(environ.PREFIX)}, **(extra_env or {})}
     folder, ranks = pool._submit(spec, plan, until_step, env)
     segment = _WarmSegment(pool, ranks, folder, spec.training.hang_timeout_s,
                            workers if workers is not None else RunningWorkers(), on_line, on_event)

@@ -41,7 +41,7 @@ from typing import Any
 from parashift.launcher.forkserver import import_what_jobs_use
 from parashift.launcher.launch import LaunchResult, PlanNotExecutable, forkserver_env, worker_env
 from parashift.launcher.processes import end_with_parent
-from parashift.specs import JobSpec
+from parashift.specs import JobSpec, environ
 from parashift.specs.loader import resolve_model
 from parashift.specs.plan import Plan
 from parashift.trainer import events as worker_events
@@ -244,8 +244,8 @@ def _run_job(request: dict[str, Any]) -> int:
 
     rank, world = request["rank"], request["world"]
     env = {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world),
-           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(request["port"]), "PARASHIFT_WARM_WORKER": "1",
-           "PARASHIFT_STORE_PREFIX": request["prefix"],
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(request["port"]), environ.WARM_WORKER: "1",
+           environ.STORE_PREFIX: request["prefix"],
            **request["env"]}
     saved = {key: os.environ.get(key) for key in env}
     folder = Path(request["folder"])

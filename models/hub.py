@@ -16,6 +16,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
+from parashift.specs import environ
 from parashift.specs.base import FieldIssues
 
 CONFIG_NAME = "config.json"
@@ -36,7 +37,7 @@ def local_folder(url: str) -> Path:
         return Path(url.removeprefix("file://")).expanduser()
     import fsspec
 
-    cache_root = Path(os.environ.get("PARASHIFT_HF_CACHE", Path.home() / ".cache" / "parashift" / "hf"))
+    cache_root = Path(os.environ.get(environ.HF_CACHE, Path.home() / ".cache" / "parashift" / "hf"))
     target = cache_root / hashlib.sha256(url.encode()).hexdigest()[:16]
     if target.exists():
         return target

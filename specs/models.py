@@ -205,6 +205,11 @@ class TrainingSpec(_Section):
         description="Workers that, once started, report nothing (no step, checkpoint or restore) for this "
         "long are presumed hung (a stuck collective), stopped, and handled as a failure; null: wait forever.",
     )
+    stop_poll_s: float = Field(
+        2.0, ge=0, le=3600,
+        description="How often rank 0 checks the job's stop object in storage (one existence check: an S3 HEAD); "
+        "signals on the node are heard at once. 0: every step.",
+    )
     if_checkpoints_unusable: Literal["fail", "start-over"] = Field(
         "fail",
         description="When the job has committed checkpoints but none can be restored (another model's, or "
@@ -240,6 +245,11 @@ class ResourcesSpec(_Section):
 
     devices: int = Field(2, ge=1, le=65536, description="Number of devices (processes) at start.")
     kind: Literal["cpu", "cuda"] = Field("cpu", description="Device type.")
+    backend: Literal["auto", "gloo"] = Field(
+        "auto",
+        description="The workers' collectives. auto: gloo on CPU; on GPUs NCCL for CUDA tensors and gloo beside it "
+        "for CPU ones. gloo: gloo for everything (several ranks sharing one GPU, which NCCL refuses).",
+    )
     memory_gb: float | None = Field(
         None, gt=0.0, le=1e6, description="Memory per device in GB, for the planner (null: measure).",
     )

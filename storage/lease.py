@@ -49,6 +49,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
+from parashift.specs import environ
 from parashift.storage.errors import ObjectNotFound, StorageError, WriteConflict
 from parashift.storage.objects import ObjectStore
 
@@ -56,7 +57,7 @@ logger = logging.getLogger("parashift.storage")
 
 LEASE_TTL_S = 60.0
 # The workers' environment variable that carries the fencing token to the rank-0 commit path.
-LEASE_ENV = "PARASHIFT_LEASE_TOKEN"
+LEASE_ENV = environ.LEASE_TOKEN
 # A commit needs its lease to have this share of its TTL left (a renewal every TTL/3 keeps two
 # thirds): the manifest is written well before anyone else could take the lease over.
 COMMIT_MARGIN = 1 / 6

@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from parashift.launcher.launch import LaunchResult, NodeRendezvous, RunningWorkers
-from parashift.specs import JobSpec
+from parashift.specs import JobSpec, environ
 from parashift.specs.plan import Plan
 from parashift.storage import JobPaths, LeaseToken, ObjectStore, StorageError
 from parashift.tasks.artifacts import job_tags, node_tag
@@ -55,7 +55,7 @@ class NodeReport(BaseModel):
 def node_address() -> str:
     """The address other nodes reach this one at: `PARASHIFT_NODE_ADDR` (set on the node's
     worker), else the host name's address."""
-    return os.environ.get("PARASHIFT_NODE_ADDR") or socket.gethostbyname(socket.gethostname())
+    return os.environ.get(environ.NODE_ADDR) or socket.gethostbyname(socket.gethostname())
 
 
 def _free_port(addr: str) -> int:

@@ -20,13 +20,16 @@ __all__ = ["descendants", "kill_tree"]  # tests kill what they started, by PID t
 
 
 def tiny_spec(name: str, storage_url: str, **sections: dict[str, Any]) -> JobSpec:
-    """A 1-layer GPT on a 200 kB slice of the built-in corpus; override any section."""
+    """A 1-layer GPT on a 200 kB slice of the built-in corpus; override any section (a section
+    given replaces the same keys, e.g. `training={"steps": 4}` keeps the rest)."""
     data: dict[str, Any] = {
         "name": name,
         "model": {"n_layers": 1, "d_model": 32, "n_heads": 2, "vocab_size": 256, "seq_len": 32, "dropout": 0.0},
         "data": {"url": "builtin://python-stdlib", "max_bytes": 200_000},
         "optimizer": {"lr": 3e-3, "min_lr": 3e-4, "warmup_steps": 2},
-        "training": {"global_batch": 8, "micro_batch": 2, "steps": 12, "seed": 7, "checkpoint_every": 4},
+        # Steps take milliseconds here: the stop object is checked every step (the default: every 2 s).
+        "training": {"global_batch": 8, "micro_batch": 2, "steps": 12, "seed": 7, "checkpoint_every": 4,
+                     "stop_poll_s": 0},
         "resources": {"devices": 2, "kind": "cpu"},
         "storage": {"url": storage_url},
     }

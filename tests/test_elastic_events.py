@@ -31,12 +31,6 @@ from test_flow import read_artifact
 LONG = {"steps": 400, "checkpoint_every": 50, "log_every": 1}
 
 
-@pytest.fixture(autouse=True)
-def _stop_checks_every_step(monkeypatch: pytest.MonkeyPatch) -> None:
-    # Steps take milliseconds here; the default stop check (every 2 s) would let a short job end first.
-    monkeypatch.setenv("PARASHIFT_STOP_POLL_SECONDS", "0")
-
-
 def wait_for(condition: Callable[[], Any], what: str, timeout_s: float = 60.0) -> Any:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

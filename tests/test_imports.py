@@ -296,3 +296,27 @@ def test_no_function_of_the_middle_rooms_exceeds_80_lines() -> None:
 
 def test_a_long_function_is_seen() -> None:
     assert long_functions(("trainer",), limit=10)
+
+
+def environment_names(paths: list[Path]) -> list[str]:
+    """`PARASHIFT_*` variables spelled out in code (docstrings aside): `file:line NAME`."""
+    found = []
+    for path in paths:
+        tree = ast.parse(path.read_text())
+        docstrings = {id(node.value) for node in ast.walk(tree) if isinstance(node, ast.Expr)}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings \
+                    and node.value.startswith("PARASHIFT_"):
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.value}")
+    return found
+
+
+def test_every_environment_variable_is_named_in_one_module() -> None:
+    """A job's settings come from its spec or Plan; the few environment variables left (what a
+    launcher tells the processes it starts, a machine's own settings) are named, with why, in
+    `specs/environ.py` alone."""
+    paths = [p for package in (*PACKAGES, "bench") for p in sorted((ROOT / package).rglob("*.py"))
+             if p != ROOT / "specs" / "environ.py"]
+    assert environment_names(paths) == []
+    assert environment_names([ROOT / "specs" / "environ.py"])  # the check sees one
+

@@ -21,7 +21,6 @@ def test_a_second_run_of_a_running_job_is_refused(prefect_server: None, tmp_path
     from parashift.storage import JobPaths, open_store
     from parashift.tasks import progress
 
-    monkeypatch.setenv("PARASHIFT_STOP_POLL_SECONDS", "0")
     spec = tiny_spec("exclusive", f"file://{tmp_path}/store", training={**LONG, "steps": 100_000})
     started = threading.Event()
 

@@ -60,7 +60,7 @@ def nodes(prefect_server: None, tmp_path_factory: pytest.TempPathFactory) -> Ite
 
     home = tmp_path_factory.mktemp("nodes")
     env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value(), "PREFECT_HOME": str(home / "cli"),
-           "PARASHIFT_NODE_ADDR": "127.0.0.1", "PREFECT_WORKER_QUERY_SECONDS": "1", "PARASHIFT_STOP_POLL_SECONDS": "0"}
+           "PARASHIFT_NODE_ADDR": "127.0.0.1", "PREFECT_WORKER_QUERY_SECONDS": "1"}
     prefect_cli("work-pool", "create", NODE_POOL, "--type", "process", "--overwrite", env=env)
     prefect_cli("--no-prompt", "deploy", "--name", "parashift-node", env=env)
     workers = {name: NodeWorker(name, env, home) for name in ("a", "b")}

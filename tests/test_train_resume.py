@@ -4,7 +4,6 @@ was never interrupted."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
@@ -59,11 +58,7 @@ def test_stop_request_then_resume_is_bitwise_equal(reference, tmp_path: Path) ->
         if isinstance(event, StepEvent) and event.step == 5:
             store.put_json(JobPaths(spec.job_id).stop(), {"reason": "test"})
 
-    os.environ["PARASHIFT_STOP_POLL_SECONDS"] = "0"
-    try:
-        first = run(spec, on_event=stop_after_step_5)
-    finally:
-        del os.environ["PARASHIFT_STOP_POLL_SECONDS"]
+    first = run(spec, on_event=stop_after_step_5)  # tiny_spec: the stop object is checked every step
     assert first.stopped and 5 <= first.final_step < 12
     assert checkpoint_store(spec).latest().step == first.final_step  # stopped at a committed boundary
 

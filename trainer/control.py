@@ -9,7 +9,6 @@ finding out at its next collective, up to a whole forward and backward pass late
 
 from __future__ import annotations
 
-import os
 import signal
 import time
 
@@ -50,11 +49,9 @@ class StopRequests:
         shared); signals are heard by every rank."""
         self._store = store
         self._stop_key = JobPaths(job_id).stop()
-        # One existence check every 2 s costs an S3 HEAD per 2 s, whatever the step time;
-        # PARASHIFT_STOP_POLL_SECONDS overrides it (0: every step, as tests of ms-long steps need).
-        if poll_every_s is None:
-            poll_every_s = float(os.environ.get("PARASHIFT_STOP_POLL_SECONDS", "2"))
-        self._poll_every_s = poll_every_s
+        # One existence check every 2 s (the spec's training.stop_poll_s) costs an S3 HEAD per
+        # 2 s, whatever the step time; 0: every step, as tests of ms-long steps need.
+        self._poll_every_s = 2.0 if poll_every_s is None else poll_every_s
         self._poll = poll
         self._last_poll = 0.0
         self._signalled = False

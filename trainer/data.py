@@ -28,7 +28,7 @@ import fsspec
 import numpy as np
 import torch
 from parashift.corpus import load_tokenizer, open_dataset
-from parashift.specs import DataSpec
+from parashift.specs import DataSpec, environ
 
 BUILTIN_STDLIB = "builtin://python-stdlib"
 
@@ -315,7 +315,7 @@ class SampleLog:
     exactly once across device changes and failures (the steps a failure undoes appear twice:
     the segment that committed them is the one that counts)."""
 
-    ENV = "PARASHIFT_SAMPLE_LOG"
+    ENV = environ.SAMPLE_LOG
 
     def __init__(self, folder: str, rank: int) -> None:
         Path(folder).mkdir(parents=True, exist_ok=True)

@@ -10,10 +10,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from parashift.specs import environ
 from torch.distributed.constants import default_pg_timeout
 
 
-def init_distributed(kind: str) -> tuple[int, int, torch.device]:
+def init_distributed(kind: str, choice: str = "auto") -> tuple[int, int, torch.device]:
     """Rank, world size and device from torchrun's environment (a single process without it),
     and the default process group: always one, so that every plan runs on a device mesh."""
     rank = int(os.environ.get("RANK", "0"))
@@ -26,13 +27,13 @@ def init_distributed(kind: str) -> tuple[int, int, torch.device]:
     else:
         device = torch.device("cpu")
     # On GPUs the default group carries CPU collectives too (gloo) beside NCCL's CUDA ones.
-    # PARASHIFT_DIST_BACKEND overrides it: NCCL refuses two ranks on one GPU, gloo does not.
-    backend = os.environ.get("PARASHIFT_DIST_BACKEND") or ("cpu:gloo,cuda:nccl" if kind == "cuda" else "gloo")
+    # `backend` "gloo" (the spec's resources.backend): NCCL refuses two ranks on one GPU, gloo does not.
+    backend = "cpu:gloo,cuda:nccl" if kind == "cuda" and choice == "auto" else "gloo"
     nccl = "nccl" in backend
     # A process started without torchrun has no rendezvous: it is a world of one, in memory. A
     # warm worker's job meets its peers under its own prefix of the pool's long-lived store.
     store = None if "MASTER_ADDR" in os.environ else dist.HashStore()
-    prefix = os.environ.get("PARASHIFT_STORE_PREFIX")
+    prefix = os.environ.get(environ.STORE_PREFIX)
     if store is None and prefix:
         store = dist.PrefixStore(prefix, dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
                                                        is_master=False, timeout=default_pg_timeout))

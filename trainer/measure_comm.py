@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from parashift.specs import environ
 from parashift.trainer import metrics
 from parashift.trainer.distributed import init_distributed
 from parashift.trainer.events import CommTimingsEvent
@@ -96,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     rank, world_size, _ = init_distributed(args.kind)
     if world_size < 2:
         raise SystemExit("measuring collectives needs at least 2 workers")
-    nodes = [n for n in os.environ.get("PARASHIFT_NODES", "").split(",") if n]  # set by a launch across nodes
+    nodes = [n for n in os.environ.get(environ.NODES, "").split(",") if n]  # set by a launch across nodes
     if len(nodes) > 1:
         timings = time_levels(len(nodes), world_size // len(nodes), rank)
     else:

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from parashift.corpus import DatasetError, TokenizerError
 from parashift.models.hub import CheckpointUnreadable
 from parashift.models.layers import token_loss_sum
-from parashift.specs import JobSpec
+from parashift.specs import JobSpec, environ
 from parashift.specs.plan import Plan
 from parashift.storage import job_store
 from parashift.trainer import metrics
@@ -106,7 +106,7 @@ class Trainer:
     def setup(self) -> None:
         """Process groups and mesh, this rank's data, its part of the model and its layout."""
         spec, plan = self.spec, self.plan
-        self.rank, self.world_size, self.device = init_distributed(spec.resources.kind)
+        self.rank, self.world_size, self.device = init_distributed(spec.resources.kind, spec.resources.backend)
         if self.world_size != plan.devices:
             raise SystemExit(f"plan is for {plan.devices} devices, torchrun started {self.world_size}")
         self.mesh = self.dims.build_mesh(self.device.type)
@@ -148,7 +148,7 @@ class Trainer:
         # while training uses the default group, and CPU collectives work there on any device.
         self.ckpt_group = dist.new_group(backend="gloo") if self.world_size > 1 else None  # None: nobody to talk to
         self.checkpoints = job_store(spec)
-        self.node = os.environ.get("PARASHIFT_NODE", "local")  # set by a launcher of a job across nodes
+        self.node = os.environ.get(environ.NODE, "local")  # set by a launcher of a job across nodes
         self.tier = node_tier(spec.storage.local_tier, self.node)
         if live_state.held(spec.job_id) is None:
             live_state.release()  # another job's state: not this one's to serve
@@ -173,7 +173,7 @@ class Trainer:
         """The stop requests, the saver, the metrics board; rank 0 reports the start."""
         spec, plan, rank, resumed = self.spec, self.plan, self.rank, self.resumed
         store = self.checkpoints.store
-        self.stops = StopRequests(store, spec.job_id, poll=rank == 0)
+        self.stops = StopRequests(store, spec.job_id, spec.training.stop_poll_s, poll=rank == 0)
         pids, nodes = where_ranks_run(self.node, self.world_size, self.ckpt_group)
         restore_bytes = restore_totals(resumed.reads if resumed.restored is not None else None, self.ckpt_group)
         flops_per_token = self.built.family.flops_per_token(spec.model, self.built.n_params)
@@ -199,7 +199,7 @@ class Trainer:
             resumed_from=restored.manifest if restored is not None else None,
             resumed_pending=restored is not None and restored.pending)
         # Where the spec came from (repository, commit, path), when a flow says so: kept in each manifest.
-        source = {"source": json.loads(os.environ["PARASHIFT_SOURCE"])} if os.environ.get("PARASHIFT_SOURCE") else {}
+        source = {"source": json.loads(os.environ[environ.SOURCE])} if os.environ.get(environ.SOURCE) else {}
         self.save = Saves(spec, plan, self.built, self.layout, self.checkpointer,
                           self.batches.stream.samples_per_epoch, rank, self.device,
                           {"model": spec.model.model_dump(), "job": spec.name, "nodes": nodes, **source})

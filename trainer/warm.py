@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from parashift.specs import JobSpec
+from parashift.specs import JobSpec, environ
 from parashift.trainer import metrics
 from parashift.trainer.build import Built
 from parashift.trainer.checkpoint import live as live_state
@@ -34,7 +34,7 @@ log = logging.getLogger("parashift.worker")
 def is_warm_worker() -> bool:
     """Whether this process is a warm worker (`launcher.warm_pool`), booted before this job and
     serving others after it."""
-    return os.environ.get("PARASHIFT_WARM_WORKER") == "1"
+    return os.environ.get(environ.WARM_WORKER) == "1"
 
 
 def every_ranks_own(state: dict[str, torch.Tensor], world_size: int, group: Any) -> dict[str, torch.Tensor]:

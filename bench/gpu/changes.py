@@ -53,6 +53,7 @@ from parashift.launcher.processes import parent_of
 from parashift.launcher.warm_launch import launch_warm
 from parashift.launcher.warm_pool import WarmPool
 from parashift.specs import JobSpec
+from parashift.specs.environ import FORK_WORKERS
 from parashift.specs.plan import Plan
 from parashift.storage import JobPaths, job_store, open_store
 from parashift.tasks.credentials import environment  # Prefect-free: the device has no Prefect
@@ -77,8 +78,9 @@ def job_spec(name: str, device: str, tiny: bool, root: Path) -> JobSpec:
         "data": {"url": "builtin://python-stdlib", "max_bytes": 200_000},
         "optimizer": {"lr": 3e-3, "min_lr": 3e-4, "warmup_steps": 2},
         "training": {"global_batch": 8, "micro_batch": 2, "steps": STEPS, "seed": 7, "checkpoint_every": 1000,
-                     "log_every": 1, "hang_timeout_s": 120},
-        "resources": {"devices": 2, "kind": device},
+                     "log_every": 1, "hang_timeout_s": 120, "stop_poll_s": 0},
+        # NCCL refuses two ranks on one GPU; on CPU gloo is the default anyway.
+        "resources": {"devices": 2, "kind": device, "backend": "gloo"},
         "parallelism": {"precision": "fp32", "compile": False},
         "storage": {"url": f"file://{root / name}"},
     })
@@ -184,7 +186,6 @@ def warm(spec: JobSpec, env: dict[str, str], segments: list[Segment]) -> dict[st
     warmup, before, after = segments
     store = open_store(spec.storage)
     stop_key = JobPaths(spec.job_id).stop()
-    env = {**env, "PARASHIFT_STOP_POLL_SECONDS": "0"}
     started = time.perf_counter()
     pool = WarmPool(2, spec.resources.kind)
     try:
@@ -267,11 +268,10 @@ def main() -> None:
     shutil.rmtree(root, ignore_errors=True)  # a checkpoint left by an earlier run would be resumed
     root.mkdir(parents=True)
     device = args.device
-    # NCCL refuses two ranks on one GPU; on CPU gloo is the default anyway.
-    env = {"PARASHIFT_DIST_BACKEND": "gloo"} if device == "cuda" else {}
+    env: dict[str, str] = {}  # what each launch adds to the workers' environment
     runs: dict[str, tuple[JobSpec, list[Segment]]] = {}
 
-    with case(PART, "relaunch") as fields, environment({"PARASHIFT_FORK_WORKERS": "0"}):
+    with case(PART, "relaunch") as fields, environment({FORK_WORKERS: "0"}):
         spec = job_spec("gpu-changes-relaunch", device, args.tiny, root)
         segments = [Segment(2), Segment(1)]
         runs["relaunch"] = (spec, segments)
@@ -280,7 +280,7 @@ def main() -> None:
         finally:
             fields["segments"] = [s.report() for s in segments]
 
-    with case(PART, "warm") as fields, environment({"PARASHIFT_FORK_WORKERS": "0"}):  # pool processes as on CUDA
+    with case(PART, "warm") as fields, environment({FORK_WORKERS: "0"}):  # pool processes as on CUDA
         spec = job_spec("gpu-changes-warm", device, args.tiny, root)
         segments = [Segment(2), Segment(2), Segment(1)]
         runs["warm"] = (spec, segments)
@@ -289,7 +289,7 @@ def main() -> None:
         finally:
             fields["segments"] = [s.report() for s in segments]
 
-    with case(PART, "forked_relaunch") as fields, environment({"PARASHIFT_FORK_WORKERS": None}):
+    with case(PART, "forked_relaunch") as fields, environment({FORK_WORKERS: None}):
         close_forkservers()  # this case's server starts with its first launch, as in a flow run
         spec = job_spec("gpu-changes-forked", device, args.tiny, root)
         segments = [Segment(2), Segment(1)]

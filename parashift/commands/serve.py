@@ -15,6 +15,8 @@ from pathlib import Path
 
 import typer
 
+from parashift.specs import environ
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -116,7 +118,7 @@ def serve(
                    f"deployments from {REPO / 'prefect.yaml'} on work pool '{pool}'; a worker runs them until Ctrl-C")
         worker = subprocess.Popen([sys.executable, "-m", "prefect", "worker", "start", "--pool", pool], cwd=REPO, env=env,
                                   start_new_session=True)
-        node_env = {"PARASHIFT_NODE_ADDR": "127.0.0.1", **env}  # nodes on this machine meet on loopback
+        node_env = {environ.NODE_ADDR: "127.0.0.1", **env}  # nodes on this machine meet on loopback
         for node in [n.strip() for n in nodes.split(",") if n.strip()]:
             node_workers.append(start_node_worker(node, node_env))
             typer.echo(f"node {node}: a worker on work queue '{node}' of pool '{NODE_POOL}'")
