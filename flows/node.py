@@ -14,7 +14,8 @@ from __future__ import annotations
 import threading
 import time
 
-from parashift.launcher.launch import LaunchResult, RunningWorkers, launch_workers, run_measure_comm
+from parashift.launcher.launch import LaunchResult, RunningWorkers, run_measure_comm
+from parashift.launcher.segment import OutputTail, launch_segment
 from parashift.specs import JobSpec
 from parashift.specs.plan import Plan
 from parashift.storage import LEASE_ENV, JobPaths, LeaseToken, open_store
@@ -42,18 +43,13 @@ def node_launcher(spec: JobSpec, plan: Plan, launch_id: str, nodes: list[str], n
         rendezvous = meet(store, spec.job_id, launch_id, nodes, node)
     logger.info("node %s (%d of %d): rendezvous at %s:%d", node, rendezvous.node_rank, len(nodes),
                 rendezvous.master_addr, rendezvous.master_port)
-    tail: list[str] = []
 
     def log(level: int, message: str) -> None:
         logger.log(level, "[%s] %s", node, message)
         job_log(level, f"[{node}] {message}")
 
     relay = WorkerLog(log, spec.training.steps)
-
-    def on_line(line: str) -> None:
-        tail.append(f"[{node}] {line}")
-        del tail[:-200]
-        relay(line)
+    output = OutputTail(relay, prefix=f"[{node}] ")
 
     def stamp(event: WorkerEvent) -> None:
         event.received_at = time.time()  # when this node heard it (the job hears it later)
@@ -63,19 +59,19 @@ def node_launcher(spec: JobSpec, plan: Plan, launch_id: str, nodes: list[str], n
         if measure_comm:
             returncode, events, stderr = run_measure_comm(plan.devices, spec.resources.kind, rendezvous)
             for line in stderr.splitlines()[-20:] if returncode else []:
-                on_line(line)
+                output(line)
             result = LaunchResult(returncode=returncode, events=events)
         else:
             fenced = {**credentials, **({LEASE_ENV: str(LeaseToken.parse(lease_token))} if lease_token else {})}
             with environment(fenced), stop_workers_when(store, spec.job_id, launch_id, workers, left):
-                result = launch_workers(spec, plan, on_line=on_line, until_step=until_step, extra_env=fenced,
-                                        workers=workers, node=rendezvous, on_event=stamp)
+                result = launch_segment(spec, plan, until_step=until_step, node=rendezvous, on_line=output,
+                                        on_event=stamp, extra_env=fenced, workers=workers)
     finally:
         relay.close()  # a failure report still being gathered
     if left.is_set():
         logger.warning("node %s: its worker went away; this node's workers were stopped (the node left)", node)
     report = NodeReport(node=node, returncode=result.returncode, events=result.events, hung_s=result.hung_s,
-                        left=left.is_set(), tail=tail[-60:])
+                        left=left.is_set(), tail=output.lines[-60:])
     with environment(credentials):
         store.put_json(JobPaths(spec.job_id).launch(launch_id, f"node-{node}"), report.model_dump(mode="json"))
     return report

@@ -173,6 +173,21 @@ class Plan(BaseModel):
         return self.stage_activation_checkpointing[stage] if self.stage_activation_checkpointing \
             else self.activation_checkpointing
 
+    def describe(self) -> str:
+        """What a segment runs, in one line: `dp 2 x tp 2, FSDP over 2, selective AC, 2 micro-batches`."""
+        parts = [" x ".join(f"{axis} {n}" for axis, n in self.mesh.items())]
+        if self.dp_shard > 1:
+            parts.append(f"FSDP over {self.dp_shard}")
+        if self.stage_activation_checkpointing:
+            parts.append("AC per stage " + "/".join(self.stage_activation_checkpointing))
+        elif self.activation_checkpointing != "none":
+            parts.append(f"{self.activation_checkpointing} AC")
+        if self.mixed_precision == "fsdp" and self.degree("dp") > 1:
+            parts.append("bf16 parameters")
+        if self.micro_batches > 1:
+            parts.append(f"{self.micro_batches} micro-batches")
+        return ", ".join(parts)
+
     def degree(self, axis: str) -> int:
         """Size of a mesh axis; 1 when the plan does not use it."""
         return self.mesh.get(axis, 1)

@@ -1,22 +1,25 @@
-"""launch_training: torchrun the workers for one segment, their output streamed into the run log;
-a resource change heard while they run that the elastic policy re-plans for stops them at a step
-boundary (with a committed checkpoint), and a worker that dies ends the segment as `failed` for
-the flow to recover. How the segment ended is the policy's reading (`specs.elastic.segment_outcome`)."""
+"""launch_training: one segment as a task, over `launcher.segment.launch_segment` (warm
+workers or torchrun on this node; across nodes, one node launcher per node, `tasks.nodes`).
+
+While the workers run it relays their output to the run log and their events to the progress
+bar and the step listeners; a resource change the elastic policy re-plans for stops them at a
+step boundary (with a committed checkpoint, or held in warm workers' memory) and names its
+count to the plans made ahead; a worker that dies ends the segment as `failed` for the flow to
+recover. How the segment ended is the policy's reading (`specs.elastic.segment_outcome`)."""
 
 from __future__ import annotations
 
 import contextlib
-import re
-import signal
 import statistics
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from datetime import UTC, datetime
 from typing import Any
 
-from parashift.launcher.launch import LaunchResult, RunningWorkers, launch_workers
-from parashift.launcher.warm_launch import launch_warm
+from parashift.launcher.interrupts import stoppable
+from parashift.launcher.launch import LaunchResult, RunningWorkers
+from parashift.launcher.segment import OutputTail, failure_reason, launch_segment
 from parashift.launcher.warm_pool import WarmPool
 from parashift.specs import JobSpec
 from parashift.specs.elastic import JobState, Replan, ResourceEvent, decide, likely_counts, segment_outcome
@@ -35,75 +38,6 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 from prefect.logging import get_run_logger
 from prefect.states import Failed, State
-
-# torchrun's summary of a failed worker: "rank : 1 (local_rank: 1)" and "exitcode : -9 (pid: 123)"
-_FAILED_RANK = re.compile(r"^\s*rank\s*:\s*(\d+)")
-_EXIT_CODE = re.compile(r"^\s*exitcode\s*:\s*(-?\d+)")
-
-
-
-def plan_label(plan: Plan) -> str:
-    """What a segment ran, in one line: `dp 2 x tp 2, FSDP over 2, selective AC, 2 micro-batches`."""
-    parts = [" x ".join(f"{axis} {n}" for axis, n in plan.mesh.items())]
-    if plan.dp_shard > 1:
-        parts.append(f"FSDP over {plan.dp_shard}")
-    if plan.stage_activation_checkpointing:
-        parts.append("AC per stage " + "/".join(plan.stage_activation_checkpointing))
-    elif plan.activation_checkpointing != "none":
-        parts.append(f"{plan.activation_checkpointing} AC")
-    if plan.mixed_precision == "fsdp" and plan.degree("dp") > 1:
-        parts.append("bf16 parameters")
-    if plan.micro_batches > 1:
-        parts.append(f"{plan.micro_batches} micro-batches")
-    return ", ".join(parts)
-
-
-def failure_reason(result: LaunchResult, lines: list[str]) -> str:
-    """What killed the segment, from the root cause in torchrun's failure summary (the other
-    ranks it lists were stopped by torchrun itself)."""
-    if result.hung_s is not None:
-        return f"workers reported nothing for {result.hung_s:.0f} s (hung; stopped by the launcher)"
-    if result.failed_rank is not None:  # warm workers: the launcher saw the rank die itself
-        rank, code = result.failed_rank
-        how = f"killed by signal {-code}" if code < 0 else f"exited with code {code}"
-        return f"rank {rank} {how} (a warm worker; another process takes its place)"
-    found = root_cause(lines, result.first_exited)
-    if found is not None:
-        rank, code = found
-        how = f"killed by signal {-code}" if code < 0 else f"exited with code {code}"
-        return f"rank {rank} {how} (torchrun exited with {result.returncode})"
-    return f"workers exited with code {result.returncode}"
-
-
-def root_cause(lines: list[str], first_exited: list[int] | None = None) -> tuple[int, int] | None:
-    """(rank, exit code) of the rank that brought a torchrun launch down, from its failure
-    summary. torchrun's "Root Cause" is the first failure it happened to observe: when one rank
-    is killed its peers' collectives break ("Connection reset by peer") and they exit 1 within
-    the same poll, and torchrun may name one of them (then it kills the rest, by signal too).
-    The launcher's own order of exits (`first_exited`, launcher.launch.ExitOrder) decides where
-    it has one; among those ranks (or all, without it) one killed by a signal wins, since its
-    peers' exits follow from it; else torchrun's root cause; else the first listed."""
-    failures: list[tuple[int, int]] = []
-    rank: int | None = None
-    root_at: int | None = None
-    for line in lines:
-        if "Root Cause" in line:
-            root_at = len(failures)
-        if (m := _FAILED_RANK.match(line)) is not None:
-            rank = int(m.group(1))
-        elif (m := _EXIT_CODE.match(line)) is not None and rank is not None:
-            failures.append((rank, int(m.group(1))))
-            rank = None
-    if not failures:
-        return None
-    first = [f for f in failures if f[0] in (first_exited or [])]
-    if first:
-        failures, root_at = first, None
-    killed = [f for f in failures if f[1] < 0]
-    if killed:
-        return killed[0]
-    return failures[root_at] if root_at is not None and root_at < len(failures) else failures[0]
-
 
 # Warm workers of the jobs this process trains (resources.warm_workers), by job id: they outlive
 # each segment and are ended with the job's flow run (`close_warm_workers`).
@@ -131,71 +65,6 @@ def _warm_pool(spec: JobSpec, devices: int) -> WarmPool:
         return _warm_pools[spec.job_id]
 
 
-# Launches in progress in this process, by the function that stops each at a step boundary; and
-# whether this process was asked to stop (a launch that starts afterwards stops at once).
-_stoppers: set[Callable[[str], None]] = set()
-_stoppers_lock = threading.Lock()
-_interrupted = threading.Event()
-
-
-def interrupt(reason: str) -> int:
-    """Stop the training this process runs at the next step boundary, with a committed
-    checkpoint (what `parashift run` does on SIGTERM or SIGINT); safe in a signal handler.
-    Returns how many launches were asked."""
-    _interrupted.set()
-    with _stoppers_lock:
-        stoppers = list(_stoppers)
-
-    def run() -> None:  # storage calls stay out of the signal handler's frame
-        for stop in stoppers:
-            stop(reason)
-
-    threading.Thread(target=run, name="parashift-interrupt", daemon=True).start()
-    return len(stoppers)
-
-
-def reset_interrupt() -> None:
-    """Forget an `interrupt` (a process that goes on to run another job)."""
-    _interrupted.clear()
-
-
-# Set by `stop_on_signals`: what hears that a signal asked this process to stop.
-_signal_listener: Callable[[str], None] | None = None
-
-
-def _stop_signal_handler(signum: int, frame: object) -> None:
-    if _interrupted.is_set():  # the second time: at once
-        raise KeyboardInterrupt
-    name = signal.Signals(signum).name
-    interrupt(f"{name} to the process running the job")
-    if _signal_listener is not None:
-        _signal_listener(name)
-
-
-def stop_on_signals(listener: Callable[[str], None] | None = None) -> None:
-    """Make SIGTERM and SIGINT stop this process's training at the next step boundary, with a
-    committed checkpoint (a second one: at once), for a process that runs one job and owns
-    its signals, as `parashift run` does. Flow runs a Prefect worker started keep Prefect's
-    handling (SIGTERM cancels them)."""
-    global _signal_listener
-    _signal_listener = listener
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, _stop_signal_handler)
-
-
-@contextlib.contextmanager
-def signals_stop_training() -> Iterator[None]:
-    """Within a flow run: keep `stop_on_signals` in force where the process asked for it
-    (Prefect installs its own SIGTERM handler for the duration of every flow run)."""
-    owned = _signal_listener is not None and threading.current_thread() is threading.main_thread()
-    saved = signal.signal(signal.SIGTERM, _stop_signal_handler) if owned else None
-    try:
-        yield
-    finally:
-        if owned:
-            signal.signal(signal.SIGTERM, saved)
-
-
 # No task retries: a failed segment goes back to the flow, which resumes on the devices left.
 @task(name="launch-training", cache_policy=NO_CACHE)
 def launch_training(spec: JobSpec, plan: Plan, until_step: int | None = None,
@@ -213,16 +82,11 @@ def launch_training(spec: JobSpec, plan: Plan, until_step: int | None = None,
         pending = resources.newest_after(job.epoch)
         if pending is not None:  # arrived while this segment was being planned
             watch.stop_for(pending)
-    with _stoppers_lock:
-        _stoppers.add(watch.stop)
-    if _interrupted.is_set():  # asked before these workers existed: they stop at their first boundary
-        watch.stop("interrupted before the launch")
     try:
-        result, left = _launch(spec, plan, until_step, watch)
+        with stoppable(watch.stop):  # by `interrupt` (a signal to `parashift run`), before the launch too
+            result, left = _launch(spec, plan, until_step, watch)
     finally:
         watch.relay.close()  # a failure report still being gathered
-        with _stoppers_lock:
-            _stoppers.discard(watch.stop)
         if resources is not None:
             resources.on_change = None
     return _ended(_segment_result(spec, plan, job, result, watch, left, resources))
@@ -243,9 +107,9 @@ class _SegmentWatch:
             self.stop_key = JobPaths(spec.job_id).stop()
             self.store.delete(self.stop_key)  # a stop request belongs to the run it stopped
         self.workers = RunningWorkers()
-        self.lines: list[str] = []
         self.stepped: list[float] = []  # when the first and the newest step were heard, as they were reported
         self.relay = WorkerLog(logger.log, spec.training.steps)
+        self.output = OutputTail(self.relay)  # every line to the run log; the last ones for a failure's reason
 
     def stop(self, reason: str, devices: int | None = None) -> None:
         """Stop the workers at their next step boundary: the stop object reaches workers
@@ -286,25 +150,18 @@ class _SegmentWatch:
             except Exception as error:  # noqa: BLE001 - a progress display never stops training
                 self.logger.debug("progress artifact not updated: %s", error)
 
-    def on_line(self, line: str) -> None:
-        self.lines.append(line)
-        del self.lines[:-200]  # torchrun's failure summary is at the end
-        self.relay(line)
-
 
 def _launch(spec: JobSpec, plan: Plan, until_step: int | None, watch: _SegmentWatch) -> tuple[LaunchResult, list[str]]:
-    """The segment on warm workers, torchrun's, or one launcher per node (each on its node's
-    Prefect worker); the nodes that left, if any."""
-    if spec.resources.nodes is None and spec.resources.warm_workers:
-        return launch_warm(_warm_pool(spec, plan.devices), spec, plan, on_line=watch.on_line, on_event=watch.on_event,
-                           until_step=until_step, extra_env=watch.credentials, workers=watch.workers), []
+    """The segment on this node (warm workers where the spec asks for them, else torchrun), or
+    one launcher per node, each on its node's Prefect worker; the nodes that left, if any."""
     if spec.resources.nodes is None:
-        return launch_workers(spec, plan, on_line=watch.on_line, on_event=watch.on_event, until_step=until_step,
-                              extra_env=watch.credentials, workers=watch.workers), []
+        warm = _warm_pool(spec, plan.devices) if spec.resources.warm_workers else None
+        return launch_segment(spec, plan, until_step=until_step, warm=warm, on_line=watch.output,
+                              on_event=watch.on_event, extra_env=watch.credentials, workers=watch.workers), []
     with environment(watch.credentials):
         across = node_launch(spec, plan, until_step, watch.store, watch.logger.info)
         result, left = across.run()
-        watch.lines += across.tail()
+        watch.output.lines += across.tail()
     for event in result.events:
         watch.on_event(event)
     return result, left
@@ -314,7 +171,7 @@ def _segment_result(spec: JobSpec, plan: Plan, job: JobState, result: LaunchResu
                     left: list[str], resources: ResourceWatcher | None) -> SegmentResult:
     """How the segment ended, as the elastic policy reads it (`segment_outcome`), with what the
     flow and the summary need of it; said in the run log where it failed."""
-    logger, lines = watch.logger, watch.lines
+    logger, lines = watch.logger, watch.output.lines
     start = result.start
     # Workers that failed before they started training were resuming the step they read, or
     # else the job's last committed one.
@@ -354,7 +211,7 @@ def _segment_result(spec: JobSpec, plan: Plan, job: JobState, result: LaunchResu
         eval_losses=[(e.step, e.eval_loss) for e in result.steps if e.eval_loss is not None],
         tokens_per_s=statistics.median(rates) if rates else None,
         mfu=statistics.median(mfus) if mfus else None,
-        plan=plan_label(plan),
+        plan=plan.describe(),
         checkpoint_urls=[url for _, url in committed],
         resumed_from_url=start.checkpoint_url if start else None,
         resumed_loss=start.checkpoint_loss if start else None,

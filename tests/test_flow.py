@@ -266,7 +266,7 @@ def test_a_killed_parashift_run_does_not_block_the_next(tmp_path: Path) -> None:
 
 def test_a_stopped_job_ends_in_a_state_named_stopped(prefect_server: None, tmp_path: Path) -> None:
     from parashift.flows.train import train_job
-    from parashift.tasks import launch
+    from parashift.launcher import interrupts as launch
 
     spec = tiny_spec("stop-state", f"file://{tmp_path}/store", training={"steps": 200})
     launch.interrupt("a test asked")  # before the launch: the workers stop at their first boundary

@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 from jobs import tiny_spec
 from parashift.launcher.launch import launch_workers
+from parashift.launcher.segment import failure_reason
 from parashift.launcher.warm_launch import launch_warm
 from parashift.launcher.warm_pool import WarmPool
 from parashift.specs.plan import Plan
-from parashift.tasks.launch import failure_reason
 from parashift.trainer.events import StartEvent, StepEvent
 
 pytestmark = pytest.mark.slow

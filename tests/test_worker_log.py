@@ -124,7 +124,7 @@ def test_a_killed_rank_is_named_over_the_peers_whose_collectives_broke_after_it(
     """torchrun's summary of a clean-clone failure (2026-12-04): rank 1 was SIGKILLed, rank 2's
     gloo read got "Connection reset by peer" and exited 1, and torchrun called rank 2 the root
     cause. The reason names rank 1."""
-    from parashift.tasks.launch import root_cause
+    from parashift.launcher.segment import root_cause
 
     summary = """
 Failures:

@@ -58,8 +58,8 @@ def run(
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from parashift.flows.train import train_job
+    from parashift.launcher.interrupts import stop_on_signals
     from parashift.tasks import progress as progress_events
-    from parashift.tasks.launch import stop_on_signals
     from parashift.trainer.events import StartEvent, StepEvent, WorkerEvent
 
     log_path = _log_to_file(spec.name)

@@ -1,0 +1,108 @@
+"""One node's share of a segment (on one node: all of it), whoever asks: the job's own launch
+task (`tasks.launch`) and each node's launcher of a job across nodes (`flows/node.py`).
+
+    tail = OutputTail(relay)
+    result = launch_segment(spec, plan, warm=pool, on_line=tail, on_event=print)
+    if result.returncode:
+        print(failure_reason(result, tail.lines))
+
+The path is chosen here alone: warm workers where the caller keeps a pool for the job (one
+node only), else torchrun (`node`: this node's part of a launch across nodes). The reason a
+launch failed names the rank that died first, not the peers whose collectives broke after it.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+
+from parashift.launcher.launch import LaunchResult, NodeRendezvous, RunningWorkers, launch_workers
+from parashift.launcher.warm_launch import launch_warm
+from parashift.launcher.warm_pool import WarmPool
+from parashift.specs import JobSpec
+from parashift.specs.plan import Plan
+from parashift.trainer.events import WorkerEvent
+
+# torchrun's summary of a failed worker: "rank : 1 (local_rank: 1)" and "exitcode : -9 (pid: 123)"
+_FAILED_RANK = re.compile(r"^\s*rank\s*:\s*(\d+)")
+_EXIT_CODE = re.compile(r"^\s*exitcode\s*:\s*(-?\d+)")
+
+
+def launch_segment(spec: JobSpec, plan: Plan, *, until_step: int | None = None, warm: WarmPool | None = None,
+                   node: NodeRendezvous | None = None, on_line: Callable[[str], None] = lambda line: None,
+                   on_event: Callable[[WorkerEvent], None] = lambda event: None,
+                   extra_env: dict[str, str] | None = None, workers: RunningWorkers | None = None) -> LaunchResult:
+    """Run the workers of `plan` (with `node`: this node's share) until they return: on the
+    warm pool `warm` where given, else through torchrun. Output lines go to `on_line`, worker
+    events to `on_event`; `workers` follows the processes (its `request_stop` stops them at a
+    step boundary)."""
+    if warm is not None:
+        if node is not None:
+            raise ValueError("warm workers serve jobs on one node; a launch across nodes runs torchrun on each")
+        return launch_warm(warm, spec, plan, on_line=on_line, on_event=on_event, until_step=until_step,
+                           extra_env=extra_env, workers=workers)
+    return launch_workers(spec, plan, on_line=on_line, on_event=on_event, until_step=until_step, extra_env=extra_env,
+                          workers=workers, node=node)
+
+
+class OutputTail:
+    """The workers' output lines, each passed on to `relay`, the last `keep` kept (torchrun's
+    failure summary is at the end: what `failure_reason` reads). `prefix`: each kept line's."""
+
+    def __init__(self, relay: Callable[[str], None], keep: int = 200, prefix: str = "") -> None:
+        self.relay, self.keep, self.prefix = relay, keep, prefix
+        self.lines: list[str] = []
+
+    def __call__(self, line: str) -> None:
+        self.lines.append(self.prefix + line)
+        del self.lines[:-self.keep]
+        self.relay(line)
+
+
+def failure_reason(result: LaunchResult, lines: list[str]) -> str:
+    """What killed the segment, from the root cause in torchrun's failure summary (the other
+    ranks it lists were stopped by torchrun itself)."""
+    if result.hung_s is not None:
+        return f"workers reported nothing for {result.hung_s:.0f} s (hung; stopped by the launcher)"
+    if result.failed_rank is not None:  # warm workers: the launcher saw the rank die itself
+        rank, code = result.failed_rank
+        return f"rank {rank} {_how(code)} (a warm worker; another process takes its place)"
+    found = root_cause(lines, result.first_exited)
+    if found is not None:
+        rank, code = found
+        return f"rank {rank} {_how(code)} (torchrun exited with {result.returncode})"
+    return f"workers exited with code {result.returncode}"
+
+
+def _how(code: int) -> str:
+    return f"killed by signal {-code}" if code < 0 else f"exited with code {code}"
+
+
+def root_cause(lines: list[str], first_exited: list[int] | None = None) -> tuple[int, int] | None:
+    """(rank, exit code) of the rank that brought a torchrun launch down, from its failure
+    summary. torchrun's "Root Cause" is the first failure it happened to observe: when one rank
+    is killed its peers' collectives break ("Connection reset by peer") and they exit 1 within
+    the same poll, and torchrun may name one of them (then it kills the rest, by signal too).
+    The launcher's own order of exits (`first_exited`, launcher.launch.ExitOrder) decides where
+    it has one; among those ranks (or all, without it) one killed by a signal wins, since its
+    peers' exits follow from it; else torchrun's root cause; else the first listed."""
+    failures: list[tuple[int, int]] = []
+    rank: int | None = None
+    root_at: int | None = None
+    for line in lines:
+        if "Root Cause" in line:
+            root_at = len(failures)
+        if (m := _FAILED_RANK.match(line)) is not None:
+            rank = int(m.group(1))
+        elif (m := _EXIT_CODE.match(line)) is not None and rank is not None:
+            failures.append((rank, int(m.group(1))))
+            rank = None
+    if not failures:
+        return None
+    first = [f for f in failures if f[0] in (first_exited or [])]
+    if first:
+        failures, root_at = first, None
+    killed = [f for f in failures if f[1] < 0]
+    if killed:
+        return killed[0]
+    return failures[root_at] if root_at is not None and root_at < len(failures) else failures[0]
