@@ -39,7 +39,7 @@ run: setup
 TEST_WORKERS ?= 2
 
 test: setup
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15
 
 # A local Prefect server + the `parashift` process pool + every deployment + a worker (Ctrl-C stops them).
 serve: setup
