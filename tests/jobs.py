@@ -127,16 +127,37 @@ def assert_state_matches(state: dict[str, torch.Tensor], expected: dict[str, tor
         assert torch.allclose(got, want, rtol=1e-5, atol=STATE_ATOL), f"{name}: max |d| = {(got - want).abs().max()}"
 
 
-def assert_each_sample_once(sample_log: Path, segments: list[Any], steps: int, samples_per_epoch: int,
-                            global_batch: int) -> None:
-    """The workers' sample log (PARASHIFT_SAMPLE_LOG) over a job's segments: each step counts
-    as trained by the segment that kept it (start_step < step <= final_step), whose dp ranks
-    together trained exactly the step's global batch; over the whole run every sample of each
-    epoch is trained exactly once (every full epoch, all of its samples)."""
+def sample_records(sample_log: Path, job: str | None = None) -> list[dict[str, Any]]:
+    """The workers' sample log (PARASHIFT_SAMPLE_LOG): every record, or one job's."""
     import json
-    from collections import Counter
 
     records = [json.loads(line) for path in sample_log.glob("*.jsonl") for line in path.read_text().splitlines()]
+    return [r for r in records if job is None or r["job"] == job]
+
+
+def logged_segments(records: list[dict[str, Any]]) -> list[Any]:
+    """A job's segments as its sample log shows them, where no SegmentResult is at hand (a
+    deployed run): each launch's (devices, start step), keeping the steps up to where the next
+    one started. A failure's retrained steps count for the segment that trained them again."""
+    from types import SimpleNamespace
+
+    starts = sorted({(r["start_step"], r["world_size"]) for r in records})
+    last = max(r["step"] for r in records)
+    return [SimpleNamespace(start_step=start, devices=devices,
+                            final_step=starts[i + 1][0] if i + 1 < len(starts) else last)
+            for i, (start, devices) in enumerate(starts)]
+
+
+def assert_each_sample_once(sample_log: Path, segments: list[Any] | None, steps: int, samples_per_epoch: int,
+                            global_batch: int, job: str | None = None) -> None:
+    """The workers' sample log (PARASHIFT_SAMPLE_LOG) over a job's segments (None: as the log
+    shows them): each step counts as trained by the segment that kept it (start_step < step <=
+    final_step), whose dp ranks together trained exactly the step's global batch; over the whole
+    run every sample of each epoch is trained exactly once (every full epoch, all of its samples)."""
+    from collections import Counter
+
+    records = sample_records(sample_log, job)
+    segments = segments if segments is not None else logged_segments(records)
     trained: Counter[tuple[int, int]] = Counter()
     for step in range(1, steps + 1):
         keeper = next(s for s in segments if s.start_step < step <= s.final_step)

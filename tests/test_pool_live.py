@@ -3,7 +3,8 @@ the pool's controller as `parashift pool` (a process of its own). Two jobs of di
 families share 2 CPU devices; the first, alone on both, shrinks to one when the second (of
 higher priority) arrives, and the second waits for the slot it frees.
 The controller is killed with -9 in the middle and started again: it goes on from the pool's
-state in storage. Each job trains every step once, with the losses of its own static run."""
+state in storage. Each job trains every step once, with the losses of its own static run, and
+every sample once (the workers' sample log)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from jobs import LOSS_RTOL, run
+from jobs import LOSS_RTOL, assert_each_sample_once, run
 from parashift.pool.state import read_state
 from parashift.specs import JobSpec
 from parashift.specs.plan import Plan
@@ -49,7 +50,8 @@ def test_a_pool_shares_devices_exactly_and_survives_its_controller_killed(prefec
     from prefect.settings import PREFECT_API_URL
 
     env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value(), "PREFECT_HOME": str(tmp_path / "home"),
-           "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "OMP_NUM_THREADS": "1"}
+           "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "OMP_NUM_THREADS": "1",
+           "PARASHIFT_SAMPLE_LOG": str(tmp_path / "samples")}  # what every worker of both jobs trains on
     deploy_all(env, only="train-job")  # what the pool starts its jobs as
     store = f"file://{tmp_path}/store"
     pool = PoolSpec(name="live", devices=2, storage={"url": store}, tick_s=0.5)  # type: ignore[arg-type]
@@ -99,6 +101,9 @@ def test_a_pool_shares_devices_exactly_and_survives_its_controller_killed(prefec
         found = scalars(Path(f"{tmp_path}/store/jobs/{spec.name}/metrics"))
         steps = [step for step, _ in found["loss"]]
         assert sorted(steps) == list(range(1, spec.training.steps + 1)), f"{spec.name}: every step once"
+        # every sample once, across the pool's changes to the job (its launches, from the log)
+        assert_each_sample_once(tmp_path / "samples", None, spec.training.steps, (400_000 - 1) // spec.model.seq_len,
+                                spec.training.global_batch, job=spec.name)
         static = run(spec.model_copy(update={"storage": spec.storage.model_copy(
             update={"url": f"file://{tmp_path}/static-{spec.name}"})}), Plan.data_parallel(1))
         want = {e.step: e.loss for e in static.steps}

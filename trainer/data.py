@@ -317,18 +317,18 @@ class SampleLog:
 
     ENV = environ.SAMPLE_LOG
 
-    def __init__(self, folder: str, rank: int) -> None:
+    def __init__(self, folder: str, rank: int, job_id: str = "") -> None:
         Path(folder).mkdir(parents=True, exist_ok=True)
         self._file = open(Path(folder) / f"rank{rank}-{os.getpid()}.jsonl", "a", buffering=1)  # noqa: SIM115 - lives with the run
-        self.rank = rank
+        self.rank, self.job_id = rank, job_id
 
     @classmethod
-    def from_env(cls, rank: int) -> SampleLog | None:
+    def from_env(cls, rank: int, job_id: str = "") -> SampleLog | None:
         folder = os.environ.get(cls.ENV)
-        return cls(folder, rank) if folder else None
+        return cls(folder, rank, job_id) if folder else None
 
     def write(self, step: int, dp_rank: int, ids: list[tuple[int, int]], world_size: int, start_step: int) -> None:
         """`world_size` and `start_step` name the segment (a job's run on one device count)."""
-        record = {"step": step, "rank": self.rank, "dp_rank": dp_rank, "world_size": world_size,
-                  "start_step": start_step, "ids": ids}
+        record = {"job": self.job_id, "step": step, "rank": self.rank, "dp_rank": dp_rank, "world_size": world_size,
+                  "start_step": start_step, "ids": ids}  # jobs sharing a machine may share the folder
         self._file.write(json.dumps(record) + "\n")

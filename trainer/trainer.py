@@ -260,7 +260,7 @@ class Trainer:
         if dims.pp > 1:
             self.pipeline = PipelineRunner(self.built.runnable, self.mesh["pp"], device, self.plan.micro_batches,
                                            token_loss_sum, self.loss_scale, spec.parallelism.pp_schedule)
-        self.sample_log = SampleLog.from_env(self.rank)
+        self.sample_log = SampleLog.from_env(self.rank, self.spec.job_id)
         step, position, loss = resumed.step, resumed.position, resumed.loss
         self.reader.start(position.samples_consumed)
         try:
