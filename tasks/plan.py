@@ -105,6 +105,7 @@ def cheapest_to_continue(spec: JobSpec, options: list[Plan], step: int,
 # change's downtime for the trace benchmark's 4-device GPT).
 _SEARCHED: dict[tuple[object, ...], Plan] = {}
 _SEARCHED_MAX = 64
+_SEARCHED_LOCK = threading.Lock()  # the flow and its plans made ahead (PlansAhead) share it
 
 
 def ac_searched(spec: JobSpec) -> tuple[str, ...]:
@@ -120,7 +121,9 @@ def _search(spec: JobSpec, profile: ModelProfile | MeasuredProfile, devices: int
     key = (hashlib.sha256(profile.model_dump_json().encode()).hexdigest(), devices, limit, par.max_tp, par.max_pp,
            spec.resources.kind, par.shard_data_parallel, train.global_batch, train.micro_batch, ac_modes,
            par.mixed_precision)
-    if key not in _SEARCHED:
+    with _SEARCHED_LOCK:
+        found = _SEARCHED.get(key)
+    if found is None:  # two threads may search the same key at once: both get the same plan
         if isinstance(profile, MeasuredProfile):  # no op graph: the data axis's options, measured
             searched = plan_measured(profile, devices, train.global_batch, train.micro_batch, limit,
                                      shard_dp=par.shard_data_parallel)
@@ -128,10 +131,11 @@ def _search(spec: JobSpec, profile: ModelProfile | MeasuredProfile, devices: int
             searched = plan_model(profile, devices, limit, par.max_tp, par.max_pp, device_kind=spec.resources.kind,
                                   shard_dp=par.shard_data_parallel, ac_modes=ac_modes,
                                   mixed_precision=par.mixed_precision)
-        if len(_SEARCHED) >= _SEARCHED_MAX:
-            _SEARCHED.pop(next(iter(_SEARCHED)))
-        _SEARCHED[key] = searched
-    return _SEARCHED[key].model_copy(deep=True)
+        with _SEARCHED_LOCK:
+            if len(_SEARCHED) >= _SEARCHED_MAX:
+                _SEARCHED.pop(next(iter(_SEARCHED)))
+            _SEARCHED[key] = found = searched
+    return found.model_copy(deep=True)
 
 
 @dataclass
@@ -308,10 +312,10 @@ class PlansAhead:
 
     def _compute(self, devices: int) -> PreparedPlan | None:
         said: list[str] = []
-        spec = self.spec.on_devices(devices)
-        try:
-            model = ensure_profile(spec, comm_from=self.first.profile_key, say=said.append, may_measure=False)
-            prepared = prepare_plan(spec, model, devices)
+        try:  # as the flow plans a count it did not plan ahead: the count's profile, the job's spec
+            model = ensure_profile(self.spec.on_devices(devices), comm_from=self.first.profile_key, say=said.append,
+                                   may_measure=False)
+            prepared = prepare_plan(self.spec, model, devices)
         except NeedsMeasurement:  # a launch of its own: left to the flow, in the open
             return None
         except Exception as error:  # noqa: BLE001 - planned again when needed, where the error is raised and seen

@@ -137,7 +137,12 @@ def test_a_plan_made_ahead_is_the_plan_made_at_the_change(tmp_path: Path) -> Non
         slow_store = 1e6
         taken, choice = finish_plan(near_end, ahead.take(2), 2, slow_store)
         now, choice_now = finish_plan(near_end, prepare_plan(near_end, first, 2), 2, slow_store)
+        # a count other than the spec's, as the flow plans it when nothing was made ahead
+        one_profile = ensure_profile(spec.on_devices(1), comm_from=first.profile_key)
+        one_ahead, _ = finish_plan(near_end, ahead.take(1), 2, slow_store)
+        one_now, _ = finish_plan(near_end, prepare_plan(near_end, one_profile, 1), 2, slow_store)
     finally:
         ahead.close()
     assert taken.model_dump() == now.model_dump() and choice == choice_now
+    assert one_ahead.devices == 1 and one_ahead.model_dump() == one_now.model_dump()
     assert choice is not None and str(taken.mesh) == min(choice, key=lambda r: r["move_mb"])["mesh"]
