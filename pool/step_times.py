@@ -26,9 +26,8 @@ from parashift.storage import ObjectStore
 def counts_for(spec: JobSpec, pool_devices: int) -> list[int]:
     """The device counts a job may run on in a pool: at least one sequence per device, within
     its min and max."""
-    res = spec.resources
-    top = min(pool_devices, spec.training.global_batch, res.max_devices or pool_devices)
-    return list(range(res.min_devices or 1, top + 1))
+    low, high = spec.device_bounds()
+    return list(range(low, min(high, pool_devices) + 1))
 
 
 @dataclass

@@ -334,9 +334,6 @@ def segment_outcome(*, start_step: int, ended_at: int | None, stopped: bool, ret
     return ("stopped" if stopped else "finished"), None, ended_at
 
 
-__all__ = ["REASONS", "Change", "Decision", "Fail", "Ignore", "JobState", "Outcome", "Reason", "Replan",
-           "ResourceEvent", "Segment", "SegmentEnded", "Stop", "admit", "apply_change", "check_change", "decide", "rejoined_nodes",
-           "segment_outcome"]
 
 
 def likely_counts(spec: JobSpec, job: JobState, most: int = 3) -> list[int]:
@@ -350,10 +347,14 @@ def likely_counts(spec: JobSpec, job: JobState, most: int = 3) -> list[int]:
         counts += [(len(job.nodes) - 1) * (spec.resources.devices_per_node or 1), spec.resources.devices]
     else:
         counts += [job.devices - 1, *(s.devices for s in reversed(job.segments)), spec.resources.devices]
-    low, high = spec.resources.min_devices or 1, min(spec.resources.max_devices or spec.training.global_batch,
-                                                     spec.training.global_batch)
+    low, high = spec.device_bounds()
     likely: list[int] = []
     for count in counts:
         if low <= count <= high and count != job.devices and count not in likely:
             likely.append(count)
     return likely[:most]
+
+
+__all__ = ["REASONS", "Change", "Decision", "Fail", "Ignore", "JobState", "Outcome", "Reason", "Replan",
+           "ResourceEvent", "Segment", "SegmentEnded", "Stop", "admit", "apply_change", "check_change", "decide", "rejoined_nodes",
+           "likely_counts", "segment_outcome"]

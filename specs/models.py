@@ -557,6 +557,12 @@ class JobSpec(_Section):
         """The id used in storage paths and event resource ids."""
         return self.name
 
+    def device_bounds(self) -> tuple[int, int]:
+        """The fewest and the most devices the job runs on: its min and max devices, and at
+        least one sequence per device."""
+        batch = self.training.global_batch
+        return self.resources.min_devices or 1, min(self.resources.max_devices or batch, batch)
+
     def on_devices(self, devices: int) -> JobSpec:
         """The same job on another device count (what a resource change runs)."""
         return self.model_copy(update={"resources": self.resources.model_copy(update={"devices": devices})})

@@ -16,7 +16,8 @@ from torch.distributed.constants import default_pg_timeout
 
 def init_distributed(kind: str, choice: str = "auto") -> tuple[int, int, torch.device]:
     """Rank, world size and device from torchrun's environment (a single process without it),
-    and the default process group: always one, so that every plan runs on a device mesh."""
+    and the default process group: always one, so that every plan runs on a device mesh.
+    `choice`: the spec's resources.backend (auto, or gloo for everything)."""
     rank = int(os.environ.get("RANK", "0"))
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
