@@ -1,7 +1,9 @@
 """A pool live on this machine: a real Prefect server, train-job deployed to a process worker,
 the pool's controller as `parashift pool` (a process of its own). Two jobs of different
 families share 2 CPU devices; the first, alone on both, shrinks to one when the second (of
-higher priority) arrives, and the second waits for the slot it frees.
+higher priority) arrives, and the second waits for the slot it frees. A third job, of the
+highest priority and submitted with the first, is given a device and fails for good (its
+run's preflight finds no corpus): the device goes to the first job.
 The controller is killed with -9 in the middle and started again: it goes on from the pool's
 state in storage. Each job trains every step once, with the losses of its own static run, and
 every sample once (the workers' sample log)."""
@@ -30,9 +32,10 @@ from parashift.commands.serve import REPO, deploy_all, stop_group
 pytestmark = pytest.mark.slow
 
 
-def pool_job(name: str, store: str, model: dict[str, Any], steps: int, **resources: Any) -> JobSpec:
+def pool_job(name: str, store: str, model: dict[str, Any], steps: int, data: dict[str, Any] | None = None,
+             **resources: Any) -> JobSpec:
     return JobSpec.model_validate({
-        "name": name, "model": model, "data": {"max_bytes": 400_000},
+        "name": name, "model": model, "data": {"max_bytes": 400_000, **(data or {})},
         "optimizer": {"lr": 1e-3, "min_lr": 1e-4, "warmup_steps": 2},
         "training": {"global_batch": 12, "micro_batch": 2, "steps": steps, "seed": 3, "checkpoint_every": 10},
         "resources": {"devices": 1, "warm_workers": True, **resources}, "storage": {"url": store}})
@@ -60,7 +63,10 @@ def test_a_pool_shares_devices_exactly_and_survives_its_controller_killed(prefec
                                         "seq_len": 96}, steps=40)
     short = pool_job("short-llama", store, {"family": "llama", "n_layers": 2, "d_model": 96, "n_heads": 4,
                                             "n_kv_heads": 2, "vocab_size": 256, "seq_len": 96}, steps=20, priority=1)
-    for spec in (long, short):
+    broken = pool_job("broken-data", store, {"n_layers": 1, "d_model": 64, "n_heads": 2, "vocab_size": 256,
+                                             "seq_len": 32}, steps=20, data={"url": f"file://{tmp_path}/no-corpus.txt"},
+                      priority=2)
+    for spec in (long, short, broken):
         (tmp_path / f"{spec.name}.yaml").write_text(spec.model_dump_json())  # JSON is YAML
     worker = subprocess.Popen([sys.executable, "-m", "prefect", "worker", "start", "--pool", "parashift"], cwd=REPO,
                               env=env, stdout=open(tmp_path / "worker.log", "ab"), stderr=subprocess.STDOUT,  # noqa: SIM115
@@ -72,10 +78,13 @@ def test_a_pool_shares_devices_exactly_and_survives_its_controller_killed(prefec
         return read_state(state_store, "live", 2)
 
     try:
-        assert cli("submit", str(tmp_path / "long-gpt.yaml"), "--pool", str(tmp_path / "pool.yaml"), env=env).wait() == 0
+        for first in ("broken-data", "long-gpt"):  # the broken job ranks first, so it takes a device
+            assert cli("submit", str(tmp_path / f"{first}.yaml"), "--pool", str(tmp_path / "pool.yaml"),
+                       env=env).wait() == 0
         controllers.append(cli("pool", str(tmp_path / "pool.yaml"), "--until-idle", env=env, log=tmp_path / "ctl.log"))
         wait_for(lambda: state().jobs.get("long-gpt") and state().jobs["long-gpt"].measured_step_s,
                  "the first job to step", 240)
+        wait_for(lambda: state().jobs["broken-data"].status == "failed", "the broken job to fail for good", 120)
         assert cli("submit", str(tmp_path / "short-llama.yaml"), "--pool", str(tmp_path / "pool.yaml"), env=env).wait() == 0
         wait_for(lambda: (job := state().jobs.get("short-llama")) and job.flow_run_id, "the second job to start", 120)
         os.killpg(controllers[-1].pid, signal.SIGKILL)  # mid-trace: its runs go on without it
@@ -86,7 +95,14 @@ def test_a_pool_shares_devices_exactly_and_survives_its_controller_killed(prefec
         for process in [*controllers, worker]:
             stop_group(process)
     final = state()
-    assert {job.job_id: job.status for job in final.jobs.values()} == {"long-gpt": "finished", "short-llama": "finished"}
+    assert {job.job_id: job.status for job in final.jobs.values()} == {
+        "long-gpt": "finished", "short-llama": "finished", "broken-data": "failed"}
+    assert "data" in (final.jobs["broken-data"].reason or ""), final.jobs["broken-data"].reason
+    # It held a device, and once it failed for good the first job had both.
+    held = [i for i, d in enumerate(final.decisions) if d.devices.get("broken-data")]
+    freed = next(i for i, d in enumerate(final.decisions) if "broken-data failed" in d.event)
+    assert held and held[0] < freed, [(d.event, d.devices) for d in final.decisions]
+    assert final.decisions[freed].devices.get("long-gpt") == 2, final.decisions[freed]
     assert any(d.event.startswith("short-llama submitted") for d in final.decisions)
     assert all(sum(d.devices.values()) <= 2 for d in final.decisions)
     with get_client(sync_client=True) as client:
