@@ -14,6 +14,11 @@ Exactness: each job's per-step losses in the pool equal its static run's (which 
 its devices), and every step is trained once.
 
     python -m bench.pool_live [--trace small-first|large-first] [--scale 1.0] [--kill-at 45] [--keep DIR]
+    python -m bench.pool_live --nodes a,b     # the pool over two nodes of 2 devices on this machine
+
+`--nodes`: the pool's devices are those nodes' (each a node worker on this machine, meeting on
+loopback, as `parashift serve --nodes` runs them); every job runs on whole nodes, across nodes
+(torchrun per node, no warm workers), in both systems.
 
 Last line JSON: per system mean JCT and makespan, the ratios pool/static, and the checks.
 """
@@ -35,11 +40,11 @@ from pathlib import Path
 from typing import Any
 
 from parashift.pool.state import read_state, submit
-from parashift.specs import JobSpec
+from parashift.specs import JobSpec, environ
 from parashift.specs.models import StorageSpec
 from parashift.storage import open_store
 
-from parashift.commands.serve import REPO, deploy_all, start_prefect_server, stop_group
+from parashift.commands.serve import REPO, deploy_all, start_node_worker, start_prefect_server, stop_group
 
 DEVICES = 4
 GPT_SMALL = {"n_layers": 4, "d_model": 128, "n_heads": 4, "vocab_size": 256, "seq_len": 128}
@@ -79,12 +84,16 @@ def job_spec(name: str, model: dict[str, Any], steps: int, resources: dict[str, 
 
 
 def run_trace(trace: Trace, mode: str, folder: Path, env: dict[str, str], kill_at: float | None,
-              scale: float, restart_server: tuple[float, Callable[[], None]] | None = None) -> dict[str, Any]:
+              scale: float, restart_server: tuple[float, Callable[[], None]] | None = None,
+              nodes: list[str] | None = None) -> dict[str, Any]:
     """The trace through one controller; the pool's final state, summarised. `kill_at`: the
-    controller is killed with -9 then, and started again; `restart_server`: (when, how)."""
+    controller is killed with -9 then, and started again; `restart_server`: (when, how);
+    `nodes`: the pool is over these nodes, DEVICES shared evenly."""
     store = f"file://{folder}/store"
     pool_file = folder / "pool.yaml"
-    pool_file.write_text(f"name: {mode}\ndevices: {DEVICES}\nstorage: {{url: '{store}'}}\ntick_s: 1.0\n"
+    devices = f"devices: {DEVICES}" if nodes is None else \
+        f"nodes: [{', '.join(nodes)}]\ndevices_per_node: {DEVICES // len(nodes)}"
+    pool_file.write_text(f"name: {mode}\n{devices}\nstorage: {{url: '{store}'}}\ntick_s: 1.0\n"
                          f"policy: {{mode: {'throughput' if mode == 'pool' else 'static-fifo'}}}\n")
     state_store = open_store(StorageSpec(url=store))
     log = open(folder / "controller.log", "ab")  # noqa: SIM115 - the processes own it
@@ -149,7 +158,9 @@ def main() -> None:
     parser.add_argument("--restart-server-at", type=float, default=None,
                         help="stop the Prefect server at this second of the pool's trace and start it again")
     parser.add_argument("--keep", type=Path, default=None, help="copy the controllers' logs and the pools' states here")
+    parser.add_argument("--nodes", default="", help="comma-separated node names: the pool is over these nodes")
     args = parser.parse_args()
+    nodes = [n for n in args.nodes.split(",") if n] or None
     env = {**os.environ, "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "OMP_NUM_THREADS": "1"}
     with tempfile.TemporaryDirectory(prefix="parashift-pool-live-") as tmp:
         env["PREFECT_HOME"] = str(Path(tmp) / "home")
@@ -161,9 +172,11 @@ def main() -> None:
             stop_group(servers[-1])
             servers.append(start_prefect_server(env, int(api.rsplit(":", 1)[1].split("/")[0]))[0])
 
-        worker = None
+        worker, node_workers = None, []
         try:
             deploy_all(env)
+            node_workers = [start_node_worker(node, {**env, environ.NODE_ADDR: "127.0.0.1"},
+                                              Path(tmp) / f"node-{node}.log") for node in nodes or []]
             worker = subprocess.Popen([sys.executable, "-m", "prefect", "worker", "start", "--pool", "parashift"],
                                       cwd=REPO, env=env, stdout=open(Path(tmp) / "worker.log", "ab"),  # noqa: SIM115
                                       stderr=subprocess.STDOUT, start_new_session=True)
@@ -174,7 +187,7 @@ def main() -> None:
                 faults = mode == "pool"
                 results[mode] = run_trace(TRACES[args.trace], mode, folder, env, args.kill_at if faults else None,
                                           args.scale, (args.restart_server_at, restart)
-                                          if faults and args.restart_server_at is not None else None)
+                                          if faults and args.restart_server_at is not None else None, nodes)
                 print(json.dumps({mode: results[mode]}), flush=True)
             worst, once, per_job = 0.0, True, {}
             for _, name, _, steps, _ in TRACES[args.trace]:
@@ -187,8 +200,8 @@ def main() -> None:
                 per_job[name] = {"max_rel_diff": max(diffs.values()),
                                  "first_step_over_1e-5": min((s for s, d in diffs.items() if d > 1e-5), default=None)}
         finally:
-            if worker is not None:
-                stop_group(worker)
+            for process in [*node_workers, *([worker] if worker is not None else [])]:
+                stop_group(process)
             stop_group(servers[-1])
             if args.keep is not None:
                 for mode in ("pool", "static"):
@@ -199,7 +212,7 @@ def main() -> None:
                             shutil.copy(Path(tmp) / mode / name, target / Path(name).name)
     pool, static = results["pool"], results["static"]
     print(json.dumps({
-        "devices": DEVICES, "trace": args.trace, "jobs": len(TRACES[args.trace]), "scale": args.scale,
+        "devices": DEVICES, "nodes": nodes, "trace": args.trace, "jobs": len(TRACES[args.trace]), "scale": args.scale,
         "pool": {"mean_jct_s": round(pool["mean_jct_s"], 1), "makespan_s": round(pool["makespan_s"], 1),
                  "controller_killed": pool["controller_killed"], "server_restarted": pool["server_restarted"]},
         "static": {"mean_jct_s": round(static["mean_jct_s"], 1), "makespan_s": round(static["makespan_s"], 1)},

@@ -42,10 +42,10 @@ def pool_controller(pool: PoolSpec, until_idle: bool = False, max_s: float | Non
     """Run the pool: until stopped, or (`until_idle`) until every job submitted has ended.
     Returns each job's status, submission, start and end times."""
     store = open_store(pool.storage)
-    ensure_pool_limit(pool.name, pool.devices)
+    ensure_pool_limit(pool.name, pool.devices, pool.nodes, pool.devices_per_node)
     lease = JobLease(store, f"pool-{pool.name}", key=pool_key(pool.name, "lease.json"))
     with lease.hold():
-        book = PoolBook(read_state(store, pool.name, pool.devices),
+        book = PoolBook(read_state(store, pool.name, pool.devices, pool.nodes, pool.devices_per_node),
                         PoolPolicy(horizon_s=pool.policy.horizon_s, aging_s=pool.policy.aging_s,
                                    mode=pool.policy.mode))
         deadline = time.monotonic() + max_s if max_s else None
@@ -77,7 +77,7 @@ def tick(pool: PoolSpec, store: ObjectStore, book: PoolBook) -> bool:
     """One look at the pool: events, a decision if any, the actions it needs, the state saved.
     True when no job is active (and none was just submitted)."""
     logger = get_run_logger()
-    events = [book.submitted(key, at, spec, lambda s: predicted_step_s(s, counts_for(s, pool.devices)))
+    events = [book.submitted(key, at, spec, lambda s: predicted_step_s(s, counts_for(s, pool.devices, pool.devices_per_node)))
               for key, at, spec in submissions(store, pool.name, set(book.state.submissions_seen))]
     seen: dict[str, Measured] = {}
     for job in book.state.active():
@@ -127,15 +127,18 @@ def act(pool: PoolSpec, book: PoolBook, action: Action) -> None:
                                             parameters={"spec": spec.model_dump(mode="json")}, tags=tags,
                                             as_subflow=False).id)
             book.state.jobs[job_id].flow_run_id = run_id
-            logger.info("pool %s: %s runs on %d device(s): flow run %s", pool.name, job_id,
-                        spec.resources.devices, run_id)
-        case Resize(job_id=job_id, devices=devices, before=before):
+            res = spec.resources
+            where = f"nodes {','.join(res.nodes)}" if res.nodes else f"{res.devices} device(s)"
+            logger.info("pool %s: %s runs on %s: flow run %s", pool.name, job_id, where, run_id)
+        case Resize(job_id=job_id, devices=devices, before=before, nodes=nodes):
             from parashift.specs.elastic import ResourceEvent
             from parashift.tasks.events import emit_resource_change, now_epoch
 
             reason = "scale-up" if devices > before else "scale-down" if devices < before else "scale"
-            emit_resource_change(job_id, ResourceEvent(devices=devices, epoch=now_epoch(), reason=reason))
-            logger.info("pool %s: told %s to run on %d device(s) (was %d)", pool.name, job_id, devices, before)
+            change = ResourceEvent(devices=devices, epoch=now_epoch(), reason=reason) if nodes is None else \
+                ResourceEvent(nodes=nodes, epoch=now_epoch(), reason=reason)
+            emit_resource_change(job_id, change)
+            logger.info("pool %s: told %s to run on %s (was %d device(s))", pool.name, job_id, change.describe(), before)
         case Preempt(job_id=job_id, why=why):
             job_store = open_store(book.state.jobs[job_id].spec.storage)
             job_store.put_json(JobPaths(job_id).stop(), {"reason": f"pool {pool.name}: {why}",
@@ -186,7 +189,8 @@ def show(pool: PoolSpec, book: PoolBook) -> None:
     state, last = book.state, book.state.decisions[-1]
     create_table_artifact(
         key=artifact_key(f"pool-{pool.name}", "decision"),
-        table=[{"job": job, "devices": n, "status": state.jobs[job].status, "why": last.reasons.get(job, "")}
+        table=[{"job": job, "devices": n, **({"nodes": ",".join(last.nodes.get(job, []))} if state.nodes else {}),
+                "status": state.jobs[job].status, "why": last.reasons.get(job, "")}
                for job, n in last.devices.items()],
         description=f"pool {pool.name}, on: {last.event}")
     png = allocation_png(pool.name, pool.devices, state.decisions, time.time())

@@ -90,7 +90,7 @@ def _train(spec: JobSpec, lease: JobLease | None = None) -> TrainSummary:
             # workers its first computation for a plan would otherwise add ~0.15 s to the change).
             reshard = plan_reshard.submit(here, plan, held)
             tagged = tag_devices(job.devices)  # beside the launch
-            with pool_devices(spec, job.devices):  # in a pool: its devices, held while the workers run
+            with pool_devices(here, job.devices):  # in a pool: its devices (its nodes'), held while the workers run
                 launched = launch_training(here, plan, scripted.at_step if scripted else None, resources, progress,
                                            job, ahead, return_state=True)  # Failed when the workers failed: the policy decides
             tagged.join()

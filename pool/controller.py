@@ -7,6 +7,8 @@ Reconciling, not commanding: each job has the devices the allocator gives it (`d
 count it was last told (`told`). A running job is told again only once it logs steps (its event
 subscription is up then: Prefect does not replay events sent before it), and told again with a
 newer epoch if it still runs elsewhere `RESEND_S` later (an event lost with a restarted server).
+In a pool over nodes each job's count is whole nodes, and `pool.placement` names them: a job is
+started on its nodes and told its nodes.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from parashift.pool.allocator import PoolJob, PoolPolicy, allocate
+from parashift.pool.placement import place, whole_nodes
 from parashift.pool.state import Decision, JobRecord, PoolState
 from parashift.pool.step_times import Measured, blended
 from parashift.specs import JobSpec
@@ -38,6 +41,7 @@ class Resize:
     job_id: str
     devices: int
     before: int
+    nodes: list[str] | None = None  # in a pool over nodes: the nodes it runs on from now
 
 
 @dataclass(frozen=True)
@@ -66,7 +70,13 @@ class PoolBook:
         known = self.state.jobs.get(spec.job_id)
         if known is not None and known.active:
             return f"refused {spec.job_id}: it is already in the pool ({known.status})"
-        pooled = spec.model_copy(update={"resources": spec.resources.model_copy(update={"pool": self.state.pool})})
+        misfit = self._misfit(spec)
+        if misfit is not None:
+            return f"refused {spec.job_id}: {misfit}"
+        given: dict[str, object] = {"pool": self.state.pool}
+        if self.state.devices_per_node is not None:
+            given["devices_per_node"] = self.state.devices_per_node
+        pooled = spec.model_copy(update={"resources": spec.resources.model_copy(update=given)})
         predicted = predict(pooled)
         record = JobRecord(job_id=spec.job_id, spec=pooled, submitted_at=submitted_at, predicted_step_s=predicted)
         self.state.jobs[spec.job_id] = record
@@ -75,11 +85,22 @@ class PoolBook:
             return f"refused {spec.job_id}: no plan of it fits a device count of this pool"
         return f"{spec.job_id} submitted"
 
+    def _misfit(self, spec: JobSpec) -> str | None:
+        """Why a job cannot be placed by this pool over nodes (None: it can, or a pool of one machine)."""
+        per_node, res = self.state.devices_per_node, spec.resources
+        if self.state.nodes is None or per_node is None:
+            return None
+        if res.nodes is not None:
+            return "a pool over nodes places its jobs: leave resources.nodes out"
+        if res.devices_per_node not in (None, per_node):
+            return f"resources.devices_per_node is {res.devices_per_node}; this pool's nodes have {per_node}"
+        return None
+
     def ended(self, job_id: str, status: str, reason: str | None = None) -> str:
         """A run of the job ended: finished, failed for good, or stopped (preempted: it waits
         again and resumes from its checkpoint when it is given devices)."""
         job = self.state.jobs[job_id]
-        job.flow_run_id, job.told = None, 0
+        job.flow_run_id, job.told, job.nodes = None, 0, None
         if status == "stopped":
             job.status = "waiting"
             return f"{job_id} stopped (preempted); it waits"
@@ -103,10 +124,14 @@ class PoolBook:
         res = job.spec.resources
         step_s = blended(job.predicted_step_s, job.measured_step_s)
         cost = job.change_cost_s if job.change_cost_s is not None else DEFAULT_CHANGE_COST_S[res.warm_workers]
+        least, requested = res.min_devices or 1, res.devices
+        if self.state.devices_per_node is not None:  # a pool over nodes gives whole nodes
+            per_node = self.state.devices_per_node
+            least, requested = (whole_nodes(n, per_node) * per_node for n in (least, requested))
         return PoolJob(job.job_id, step_s, max(job.spec.training.steps - job.steps_done, 1), job.submitted_at,
-                       priority=res.priority, min_devices=res.min_devices or 1, max_devices=res.max_devices,
+                       priority=res.priority, min_devices=least, max_devices=res.max_devices,
                        devices=job.devices if job.status == "running" else 0, change_cost_s=cost,
-                       requested=res.devices)
+                       requested=requested)
 
     def allocate(self, events: list[str]) -> Decision:
         """Run the allocator over the active jobs; record and return the decision."""
@@ -115,8 +140,14 @@ class PoolBook:
         allocation = allocate([self.pool_job(job) for job in jobs], self.state.devices, now, self.policy)
         for job in jobs:
             job.devices = allocation.devices[job.job_id]
+        placed: dict[str, list[str]] = {}
+        if self.state.nodes is not None and self.state.devices_per_node is not None:
+            placed = place(allocation.devices, {job.job_id: job.nodes or [] for job in jobs}, self.state.nodes,
+                           self.state.devices_per_node)
+            for job in jobs:
+                job.nodes = placed.get(job.job_id)
         decision = Decision(at=now, event="; ".join(events), devices=dict(allocation.devices),
-                            reasons={d.job_id: d.why for d in allocation.decisions})
+                            reasons={d.job_id: d.why for d in allocation.decisions}, nodes=placed)
         self.state.decisions = [*self.state.decisions[-(MAX_DECISIONS - 1):], decision]
         return decision
 
@@ -126,7 +157,7 @@ class PoolBook:
         now, out = self.clock(), []
         for job in self.state.active():
             if job.devices and job.flow_run_id is None:  # to start (or started by a controller that died)
-                out.append(Start(job.job_id, job.spec.on_devices(job.devices)))
+                out.append(Start(job.job_id, self.spec_on(job)))
                 job.status, job.told, job.told_at = "running", job.devices, now
                 job.started_at = job.started_at or now
             elif job.status == "running" and job.devices == 0 and (job.told or now - job.told_at > RESEND_S):
@@ -134,10 +165,17 @@ class PoolBook:
                 out.append(Preempt(job.job_id, "the pool gives its devices to jobs ranked before it"))
                 job.told, job.told_at = 0, now
             elif job.status == "running" and job.devices and self._should_tell(job, seen.get(job.job_id), now):
-                out.append(Resize(job.job_id, job.devices, job.told))
+                out.append(Resize(job.job_id, job.devices, job.told, job.nodes))
                 job.changes += job.devices != job.told
                 job.told, job.told_at = job.devices, now
         return out
+
+    @staticmethod
+    def spec_on(job: JobRecord) -> JobSpec:
+        """The job's spec on what it is given: its devices, or its nodes in a pool over nodes."""
+        if job.nodes is None:
+            return job.spec.on_devices(job.devices)
+        return job.spec.on_nodes(job.nodes)
 
     @staticmethod
     def _should_tell(job: JobRecord, seen: Measured | None, now: float) -> bool:

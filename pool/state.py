@@ -42,6 +42,7 @@ class JobRecord(BaseModel):
     started_at: float | None = None
     finished_at: float | None = None
     reason: str | None = None
+    nodes: list[str] | None = Field(None, description="in a pool over nodes: the nodes it is given now")
     predicted_step_s: dict[int, float] = Field(default_factory=dict)
     measured_step_s: dict[int, float] = Field(default_factory=dict)
     change_cost_s: float | None = Field(None, description="the job's own measured downtime per change")
@@ -60,11 +61,14 @@ class Decision(BaseModel):
     event: str
     devices: dict[str, int]
     reasons: dict[str, str]
+    nodes: dict[str, list[str]] = Field(default_factory=dict, description="in a pool over nodes: each job's nodes")
 
 
 class PoolState(BaseModel):
     pool: str
     devices: int
+    nodes: list[str] | None = Field(None, description="a pool over nodes: its nodes, in order (the pool file's)")
+    devices_per_node: int | None = None
     jobs: dict[str, JobRecord] = Field(default_factory=dict)
     decisions: list[Decision] = Field(default_factory=list)
     submissions_seen: list[str] = Field(default_factory=list)
@@ -100,15 +104,16 @@ def decode_state(raw: bytes, where: str) -> PoolState:
         raise PoolStateCorrupt(f"{where} is not a pool state ({type(error).__name__}): refused, not loaded") from None
 
 
-def read_state(store: ObjectStore, pool: str, devices: int) -> PoolState:
-    """The pool's state; a new, empty one when it has none yet."""
+def read_state(store: ObjectStore, pool: str, devices: int, nodes: list[str] | None = None,
+               devices_per_node: int | None = None) -> PoolState:
+    """The pool's state; a new, empty one when it has none yet. What it has (devices, nodes) is
+    what the pool file says now."""
     key = pool_key(pool, "state.json")
     try:
-        raw = store.get(key)
+        state = decode_state(store.get(key), store.url_for(key))
     except ObjectNotFound:
-        return PoolState(pool=pool, devices=devices)
-    state = decode_state(raw, store.url_for(key))
-    state.devices = devices  # the pool file says how many it has now
+        state = PoolState(pool=pool, devices=devices)
+    state.devices, state.nodes, state.devices_per_node = devices, nodes, devices_per_node
     return state
 
 

@@ -19,15 +19,17 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from parashift.pool.placement import pool_counts
 from parashift.specs import JobSpec
 from parashift.storage import ObjectStore
 
 
-def counts_for(spec: JobSpec, pool_devices: int) -> list[int]:
+def counts_for(spec: JobSpec, pool_devices: int, devices_per_node: int | None = None) -> list[int]:
     """The device counts a job may run on in a pool: at least one sequence per device, within
-    its min and max."""
+    its min and max; in a pool over nodes (`devices_per_node`), whole nodes."""
     low, high = spec.device_bounds()
-    return list(range(low, min(high, pool_devices) + 1))
+    counts = list(range(low, min(high, pool_devices) + 1))
+    return counts if devices_per_node is None else pool_counts(counts, devices_per_node)
 
 
 @dataclass

@@ -240,6 +240,21 @@ class TrainingSpec(_Section):
         return self
 
 
+def checked_node_names(nodes: list[str] | None) -> list[str] | None:
+    """Node names as a job spec or a pool file gives them: each a name, none twice; an empty
+    list (as a form may send) is no nodes (this machine)."""
+    if not nodes:
+        return None
+    issues: list[tuple[Loc, str]] = []
+    for i, name in enumerate(nodes):
+        if not _JOB_NAME.fullmatch(name):
+            issues.append(((i,), f"must be a node name of lower-case letters, digits, '.', '_' or '-' (got {name!r})"))
+        elif name in nodes[:i]:
+            issues.append(((i,), f"names node {name!r} twice"))
+    _raise_if(issues)
+    return nodes
+
+
 class ResourcesSpec(_Section):
     """The devices the job starts on."""
 
@@ -317,16 +332,7 @@ class ResourcesSpec(_Section):
     @field_validator("nodes")
     @classmethod
     def _node_names(cls, nodes: list[str] | None) -> list[str] | None:
-        if not nodes:  # an empty list (as a form may send) is no nodes: this machine
-            return None
-        issues: list[tuple[Loc, str]] = []
-        for i, name in enumerate(nodes):
-            if not _JOB_NAME.fullmatch(name):
-                issues.append(((i,), f"must be a node name of lower-case letters, digits, '.', '_' or '-' (got {name!r})"))
-            elif name in nodes[:i]:
-                issues.append(((i,), f"names node {name!r} twice"))
-        _raise_if(issues)
-        return nodes
+        return checked_node_names(nodes)
 
     @model_validator(mode="after")
     def _pool_bounds(self) -> Self:

@@ -6,6 +6,11 @@ slots as it runs devices, from before its workers start until they have exited. 
 grows waits at its next launch until the job that shrinks for it has let go, and no run, started
 by the pool or by hand, can hold more devices than the pool has. The slots are leases the holder
 renews while it runs: a run killed with -9 gives them back within `LEASE_S`.
+
+A pool over nodes has a limit per node instead (`parashift-pool-{name}-{node}`, the node's
+devices): a segment holds its share of each of its nodes, all in one acquisition. So a job that
+moves onto a node waits until the job leaving it has let go, which one pool-wide count would not
+see (another job's slots, freed elsewhere, would do).
 """
 
 from __future__ import annotations
@@ -27,12 +32,20 @@ def pool_limit_name(pool: str) -> str:
     return f"parashift-pool-{pool}"
 
 
-def ensure_pool_limit(pool: str, devices: int) -> None:
-    """Create the pool's limit, or set it to the pool's device count."""
+def node_limit_name(pool: str, node: str) -> str:
+    return f"{pool_limit_name(pool)}-{node}"
+
+
+def ensure_pool_limit(pool: str, devices: int, nodes: list[str] | None = None,
+                      devices_per_node: int | None = None) -> None:
+    """Create the pool's limit, or set it to the pool's device count; over nodes, each node's."""
     from prefect.client.orchestration import get_client
 
     with get_client(sync_client=True) as client:
-        client.upsert_global_concurrency_limit_by_name(pool_limit_name(pool), devices)
+        if nodes is None:
+            client.upsert_global_concurrency_limit_by_name(pool_limit_name(pool), devices)
+        for node in nodes or []:
+            client.upsert_global_concurrency_limit_by_name(node_limit_name(pool, node), devices_per_node or 1)
 
 
 @contextlib.contextmanager
@@ -44,9 +57,11 @@ def pool_devices(spec: JobSpec, devices: int, wait_s: float = WAIT_S) -> Iterato
         return
     from prefect.concurrency.sync import concurrency
 
-    name = pool_limit_name(pool)
+    nodes = spec.resources.nodes
+    name: str | list[str] = pool_limit_name(pool) if nodes is None else [node_limit_name(pool, n) for n in nodes]
+    occupy = devices if nodes is None else (spec.resources.devices_per_node or 1)  # of each node
     try:
-        held = concurrency(name, occupy=devices, timeout_seconds=wait_s, lease_duration=LEASE_S, strict=True,
+        held = concurrency(name, occupy=occupy, timeout_seconds=wait_s, lease_duration=LEASE_S, strict=True,
                            raise_on_lease_renewal_failure=False)  # a restarted server must not end training
         held.__enter__()
     except TimeoutError:

@@ -54,6 +54,19 @@ def test_a_pool_file_error_names_file_line_and_field(tmp_path: Path) -> None:
     assert lines[1].startswith(f"{path}:3:10: policy.horizon: unknown key 'horizon'; did you mean 'horizon_s'?"), lines
 
 
+def test_a_pool_over_nodes_has_its_nodes_devices_and_says_what_does_not_add_up(tmp_path: Path) -> None:
+    path = tmp_path / "pool.yaml"
+    path.write_text("name: p\nnodes: [gpu-a, gpu-b]\ndevices_per_node: 8\n")
+    assert load_pool(path).devices == 16
+    path.write_text("name: p\nnodes: [gpu-a, gpu-b]\ndevices_per_node: 8\ndevices: 12\n")
+    with pytest.raises(SpecError) as error:
+        load_pool(path)
+    assert error.value.lines()[0].startswith(f"{path}:4:10: devices: must be nodes x devices_per_node = 2 x 8 = 16")
+    path.write_text("name: p\nnodes: [gpu-a]\n")
+    with pytest.raises(SpecError, match="devices_per_node: a pool over nodes names the devices of each node"):
+        load_pool(path)
+
+
 def test_state_round_trips_and_a_corrupted_state_is_refused(tmp_path: Path) -> None:
     store = open_store(StorageSpec(url=f"file://{tmp_path}"))
     book, _ = book_of()
@@ -156,3 +169,41 @@ def test_a_job_that_fails_for_good_frees_its_devices_to_the_others() -> None:
     (start,) = book.actions({})
     assert start == Start("b", book.state.jobs["b"].spec.on_devices(2)) and book.state.jobs["a"].devices == 0
     assert not book.idle()
+
+
+def test_a_pool_over_nodes_starts_and_tells_jobs_whole_nodes_and_frees_them() -> None:
+    """Nodes a, b, c of 2 devices: each job is given whole nodes (its spec on those nodes, the
+    pool's devices per node), told the nodes it keeps or gains, and a job's end frees its nodes."""
+    clock = Clock()
+    book = PoolBook(PoolState(pool="p", devices=6, nodes=["a", "b", "c"], devices_per_node=2),
+                    PoolPolicy(horizon_s=600.0), clock)
+    whole = counts_for(job("x"), 6, 2)
+    assert whole == [2, 4, 6]
+    per_node = {2: 1.0, 4: 0.5, 6: 0.34}
+    assert book.submitted("k0", 0.5, job("placed", nodes=["a"], devices=2), lambda s: per_node) == \
+        "refused placed: a pool over nodes places its jobs: leave resources.nodes out"
+    assert book.submitted("k1", 1.0, job("big", devices=3), lambda s: per_node) == "big submitted"
+    book.allocate(["big submitted"])
+    (start,) = book.actions({})
+    assert start.spec.resources.nodes == ["a", "b", "c"] and start.spec.resources.devices_per_node == 2
+    assert start.spec.resources.devices == 6
+    book.state.jobs["big"].flow_run_id = "run-big"
+    clock.now += 5
+    book.submitted("k2", 2.0, job("small", min_devices=1, max_devices=2, priority=2), lambda s: per_node)
+    decision = book.allocate(["small submitted"])
+    big, small = book.state.jobs["big"], book.state.jobs["small"]
+    assert small.devices == 2 and big.devices == 4, decision
+    assert big.nodes == ["a", "b"] and small.nodes == ["c"], "big keeps its first nodes, small takes the one freed"
+    assert decision.nodes == {"big": ["a", "b"], "small": ["c"]}
+    actions = book.actions({"big": Measured(step_s={6: 0.34}, last_step=3, devices_now=6)})
+    assert sorted(actions, key=lambda a: a.job_id) == [
+        Resize("big", 4, 6, ["a", "b"]), Start("small", book.state.jobs["small"].spec.on_nodes(["c"]))]
+    book.state.jobs["small"].flow_run_id = "run-small"
+    assert book.ended("big", "failed", "cannot make progress") == "big failed: cannot make progress"
+    book.allocate(["big failed"])
+    assert (big.devices, big.nodes, small.devices) == (0, None, 2)
+    assert not book.state.decisions[-1].nodes.get("big") and book.state.decisions[-1].nodes["small"] == ["c"]
+    book.submitted("k3", 3.0, job("next", devices=4), lambda s: per_node)
+    book.allocate(["next submitted"])
+    (start,) = book.actions({"small": Measured(step_s={2: 1.0}, last_step=2, devices_now=2)})
+    assert start == Start("next", book.state.jobs["next"].spec.on_nodes(["a", "b"])), "the failed job's nodes"
