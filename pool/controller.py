@@ -123,7 +123,8 @@ class PoolBook:
     def pool_job(self, job: JobRecord) -> PoolJob:
         res = job.spec.resources
         step_s = blended(job.predicted_step_s, job.measured_step_s)
-        cost = job.change_cost_s if job.change_cost_s is not None else DEFAULT_CHANGE_COST_S[res.warm_workers]
+        warm = res.warm_workers and self.state.nodes is None  # jobs across nodes relaunch at a change
+        cost = job.change_cost_s if job.change_cost_s is not None else DEFAULT_CHANGE_COST_S[warm]
         least, requested = res.min_devices or 1, res.devices
         if self.state.devices_per_node is not None:  # a pool over nodes gives whole nodes
             per_node = self.state.devices_per_node
