@@ -60,9 +60,9 @@ def test_a_pool_shares_devices_exactly_and_survives_its_controller_killed(prefec
     pool = PoolSpec(name="live", devices=2, storage={"url": store}, tick_s=0.5)  # type: ignore[arg-type]
     (tmp_path / "pool.yaml").write_text(f"name: live\ndevices: 2\nstorage: {{url: '{store}'}}\ntick_s: 0.5\n")
     long = pool_job("long-gpt", store, {"n_layers": 6, "d_model": 256, "n_heads": 4, "vocab_size": 256,
-                                        "seq_len": 96}, steps=40)
+                                        "seq_len": 96}, steps=30)
     short = pool_job("short-llama", store, {"family": "llama", "n_layers": 2, "d_model": 96, "n_heads": 4,
-                                            "n_kv_heads": 2, "vocab_size": 256, "seq_len": 96}, steps=20, priority=1)
+                                            "n_kv_heads": 2, "vocab_size": 256, "seq_len": 96}, steps=16, priority=1)
     broken = pool_job("broken-data", store, {"n_layers": 1, "d_model": 64, "n_heads": 2, "vocab_size": 256,
                                              "seq_len": 32}, steps=20, data={"url": f"file://{tmp_path}/no-corpus.txt"},
                       priority=2)

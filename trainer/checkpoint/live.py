@@ -218,7 +218,7 @@ class LivePeers:
             dist.all_gather_object(everyone, wanted, group=self.group)
         received: dict[int, torch.Tensor] = {}
         landed: set[int] = set()
-        pending = []
+        transfers = _Transfers()
         tag = 0
         for reader, asks in enumerate(everyone):
             for i, holder, index, start, end in asks:
@@ -228,7 +228,7 @@ class LivePeers:
                     if _is_target(received[i], targets[i] if targets is not None else []):
                         landed.add(i)  # the target is the held memory itself (`held_boxes`)
                 elif holder == rank:
-                    pending.append(dist.isend(self._bytes(index, start, end), dst=reader, group=self.group, tag=tag))
+                    transfers.post(dist.isend, self._bytes(index, start, end), dst=reader, group=self.group, tag=tag)
                 elif reader == rank:
                     whole = targets[i] if targets is not None and len(targets[i]) == 1 else None
                     if whole is not None and len(whole[0]) == end - start:  # into place: no copy after
@@ -236,9 +236,8 @@ class LivePeers:
                         landed.add(i)
                     else:
                         received[i] = torch.empty(end - start, dtype=torch.uint8)
-                    pending.append(dist.irecv(received[i], src=holder, group=self.group, tag=tag))
-        for work in pending:
-            work.wait()
+                    transfers.post(dist.irecv, received[i], src=holder, group=self.group, tag=tag)
+        transfers.finish()
         if reads is not None:
             for i, data in received.items():
                 _verify(reads.requests[i], data)
@@ -251,6 +250,33 @@ class LivePeers:
         if self.mine is None or index >= len(self.mine.data) or end > self.mine.data[index].numel():
             return torch.zeros(end - start, dtype=torch.uint8)
         return self.mine.data[index][start:end]
+
+
+class _Transfers:
+    """This rank's point-to-point transfers of an exchange, each posted and waited for even when
+    another fails (a peer died): a transfer left unposted would leave its live peer waiting on
+    it for the group's whole timeout (a gloo send waits for its receive to be posted), beyond the
+    launcher's grace for a failure's survivors, which would then be ended and lose the state
+    they hold. The first failure is raised once every transfer has finished or failed."""
+
+    def __init__(self) -> None:
+        self.pending: list[Any] = []
+        self.error: RuntimeError | None = None
+
+    def post(self, transfer: Any, *args: Any, **kwargs: Any) -> None:
+        try:
+            self.pending.append(transfer(*args, **kwargs))
+        except RuntimeError as error:  # the peer's connection is gone already
+            self.error = self.error or error
+
+    def finish(self) -> None:
+        for work in self.pending:
+            try:
+                work.wait()
+            except RuntimeError as error:
+                self.error = self.error or error
+        if self.error is not None:
+            raise self.error
 
 
 def _is_target(data: torch.Tensor, targets: list[memoryview]) -> bool:
