@@ -79,6 +79,10 @@ def tick(pool: PoolSpec, store: ObjectStore, book: PoolBook) -> bool:
     logger = get_run_logger()
     events = [book.submitted(key, at, spec, lambda s: predicted_step_s(s, counts_for(s, pool.devices, pool.devices_per_node)))
               for key, at, spec in submissions(store, pool.name, set(book.state.submissions_seen))]
+    if pool.nodes is not None:
+        event = book.nodes_seen(online_nodes(pool))
+        if event:
+            events.append(event)
     seen: dict[str, Measured] = {}
     for job in book.state.active():
         if job.flow_run_id is None:
@@ -144,6 +148,20 @@ def act(pool: PoolSpec, book: PoolBook, action: Action) -> None:
             job_store.put_json(JobPaths(job_id).stop(), {"reason": f"pool {pool.name}: {why}",
                                                           "requested_at": time.time()})
             logger.info("pool %s: asked %s to stop: %s", pool.name, job_id, why)
+
+
+def online_nodes(pool: PoolSpec) -> list[str]:
+    """The pool's nodes whose worker (`node-NAME` of the node deployment's work pool, as
+    docs/nodes.md starts them) Prefect says is online: it marks a worker offline once its
+    heartbeats stop."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.objects import WorkerStatus
+
+    with get_client(sync_client=True) as client:
+        work_pool = client.read_deployment_by_name(pool.node_deployment).work_pool_name
+        workers = client.read_workers_for_work_pool(work_pool)
+    online = {w.name for w in workers if w.status == WorkerStatus.ONLINE}
+    return [node for node in pool.nodes or [] if f"node-{node}" in online]
 
 
 def live_run(tags: list[str]) -> str | None:

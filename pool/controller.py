@@ -14,7 +14,7 @@ started on its nodes and told its nodes.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from parashift.pool.allocator import PoolJob, PoolPolicy, allocate
@@ -96,11 +96,23 @@ class PoolBook:
             return f"resources.devices_per_node is {res.devices_per_node}; this pool's nodes have {per_node}"
         return None
 
+    def nodes_seen(self, online: Iterable[str]) -> str | None:
+        """Which of a pool's nodes have a worker online now; the event when that changed (the
+        devices of a node that left are not given out until it is back)."""
+        if self.state.nodes is None:
+            return None
+        up = set(online)
+        down = [node for node in self.state.nodes if node not in up]
+        left = [node for node in down if node not in self.state.nodes_down]
+        back = [node for node in self.state.nodes_down if node not in down and node in self.state.nodes]
+        self.state.nodes_down = down
+        return "; ".join([f"node {node} left" for node in left] + [f"node {node} joined" for node in back]) or None
+
     def ended(self, job_id: str, status: str, reason: str | None = None) -> str:
         """A run of the job ended: finished, failed for good, or stopped (preempted: it waits
         again and resumes from its checkpoint when it is given devices)."""
         job = self.state.jobs[job_id]
-        job.flow_run_id, job.told, job.nodes = None, 0, None
+        job.flow_run_id, job.told, job.nodes, job.told_nodes = None, 0, None, None
         if status == "stopped":
             job.status = "waiting"
             return f"{job_id} stopped (preempted); it waits"
@@ -138,13 +150,15 @@ class PoolBook:
         """Run the allocator over the active jobs; record and return the decision."""
         now = self.clock()
         jobs = self.state.active()
-        allocation = allocate([self.pool_job(job) for job in jobs], self.state.devices, now, self.policy)
+        up = [node for node in self.state.nodes or [] if node not in self.state.nodes_down]
+        per_node = self.state.devices_per_node
+        capacity = self.state.devices if self.state.nodes is None or per_node is None else len(up) * per_node
+        allocation = allocate([self.pool_job(job) for job in jobs], capacity, now, self.policy)
         for job in jobs:
             job.devices = allocation.devices[job.job_id]
         placed: dict[str, list[str]] = {}
-        if self.state.nodes is not None and self.state.devices_per_node is not None:
-            placed = place(allocation.devices, {job.job_id: job.nodes or [] for job in jobs}, self.state.nodes,
-                           self.state.devices_per_node)
+        if self.state.nodes is not None and per_node is not None:
+            placed = place(allocation.devices, {job.job_id: job.nodes or [] for job in jobs}, up, per_node)
             for job in jobs:
                 job.nodes = placed.get(job.job_id)
         decision = Decision(at=now, event="; ".join(events), devices=dict(allocation.devices),
@@ -159,7 +173,7 @@ class PoolBook:
         for job in self.state.active():
             if job.devices and job.flow_run_id is None:  # to start (or started by a controller that died)
                 out.append(Start(job.job_id, self.spec_on(job)))
-                job.status, job.told, job.told_at = "running", job.devices, now
+                job.status, job.told, job.told_nodes, job.told_at = "running", job.devices, job.nodes, now
                 job.started_at = job.started_at or now
             elif job.status == "running" and job.devices == 0 and (job.told or now - job.told_at > RESEND_S):
                 # again if it still runs: a stop request written between two segments is the next one's to drop
@@ -167,8 +181,8 @@ class PoolBook:
                 job.told, job.told_at = 0, now
             elif job.status == "running" and job.devices and self._should_tell(job, seen.get(job.job_id), now):
                 out.append(Resize(job.job_id, job.devices, job.told, job.nodes))
-                job.changes += job.devices != job.told
-                job.told, job.told_at = job.devices, now
+                job.changes += job.devices != job.told or job.nodes != job.told_nodes
+                job.told, job.told_nodes, job.told_at = job.devices, job.nodes, now
         return out
 
     @staticmethod
@@ -182,8 +196,14 @@ class PoolBook:
     def _should_tell(job: JobRecord, seen: Measured | None, now: float) -> bool:
         if seen is None or seen.devices_now is None:
             return False  # not stepping yet: an event now could arrive before it listens
-        if job.devices != job.told:
+        if job.devices != job.told or job.nodes != job.told_nodes:
             return True
+        if job.told_nodes is not None and seen.devices_now < job.told:
+            # A job across nodes on fewer devices than told lost a node and re-planned by itself
+            # (docs/nodes.md): its old nodes, told again, may include the lost one. It is told
+            # its nodes at the pool's next decision (a node that left is one, once Prefect
+            # marks its worker offline).
+            return False
         return seen.devices_now != job.told and now - job.told_at > RESEND_S
 
     def idle(self) -> bool:

@@ -43,6 +43,7 @@ class JobRecord(BaseModel):
     finished_at: float | None = None
     reason: str | None = None
     nodes: list[str] | None = Field(None, description="in a pool over nodes: the nodes it is given now")
+    told_nodes: list[str] | None = Field(None, description="the nodes it was started on or last sent")
     predicted_step_s: dict[int, float] = Field(default_factory=dict)
     measured_step_s: dict[int, float] = Field(default_factory=dict)
     change_cost_s: float | None = Field(None, description="the job's own measured downtime per change")
@@ -69,6 +70,7 @@ class PoolState(BaseModel):
     devices: int
     nodes: list[str] | None = Field(None, description="a pool over nodes: its nodes, in order (the pool file's)")
     devices_per_node: int | None = None
+    nodes_down: list[str] = Field(default_factory=list, description="nodes whose worker is not online now")
     jobs: dict[str, JobRecord] = Field(default_factory=dict)
     decisions: list[Decision] = Field(default_factory=list)
     submissions_seen: list[str] = Field(default_factory=list)

@@ -57,6 +57,10 @@ class PoolSpec(Section):
     deployment: str = Field("train-job/train-job", max_length=300,
                             description="The deployment each job of the pool runs as (prefect.yaml's train-job).")
     tick_s: float = Field(2.0, gt=0, le=600, description="How often the controller looks for pool events.")
+    node_deployment: str = Field(
+        "node-launcher/parashift-node", max_length=300,
+        description="Over nodes: the per-node launcher's deployment; a node is up while the worker `node-NAME` "
+                    "of its work pool is online.")
 
     @field_validator("name")
     @classmethod

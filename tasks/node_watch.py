@@ -92,9 +92,11 @@ class NodeWatch:
 
 @contextlib.contextmanager
 def follow_nodes(spec: JobSpec, resources: ResourceWatcher) -> Iterator[NodeWatch]:
-    """A NodeWatch for a job across nodes that talks to a Prefect server (idle otherwise)."""
+    """A NodeWatch for a job across nodes that talks to a Prefect server (idle otherwise). A
+    job of a pool takes no node back by itself: the node it gave up may be another job's now,
+    and the pool's controller says which nodes each job runs on (docs/pool.md)."""
     watch = NodeWatch(spec, resources)
-    if spec.resources.nodes and api_url() is not None:
+    if spec.resources.nodes and spec.resources.pool is None and api_url() is not None:
         watch.start()
     try:
         yield watch

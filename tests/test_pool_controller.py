@@ -207,3 +207,32 @@ def test_a_pool_over_nodes_starts_and_tells_jobs_whole_nodes_and_frees_them() ->
     book.allocate(["next submitted"])
     (start,) = book.actions({"small": Measured(step_s={2: 1.0}, last_step=2, devices_now=2)})
     assert start == Start("next", book.state.jobs["next"].spec.on_nodes(["a", "b"])), "the failed job's nodes"
+
+
+def test_a_node_that_leaves_takes_its_devices_out_of_the_pool_until_it_is_back() -> None:
+    """Nodes a, b of 2 devices, one job on both: node b's worker goes offline; the job is given
+    node a alone and told so; b's devices go to nobody until b is back, then the job has both."""
+    clock = Clock()
+    book = PoolBook(PoolState(pool="p", devices=4, nodes=["a", "b"], devices_per_node=2),
+                    PoolPolicy(horizon_s=600.0), clock)
+    assert book.nodes_seen(["a", "b"]) is None, "every node up, as assumed"
+    book.submitted("k1", 1.0, job("x", devices=4), lambda s: {2: 1.0, 4: 0.5})
+    book.allocate(["x submitted"])
+    (start,) = book.actions({})
+    assert start.spec.resources.nodes == ["a", "b"]
+    book.state.jobs["x"].flow_run_id = "run-x"
+    assert book.nodes_seen(["a"]) == "node b left"
+    decision = book.allocate(["node b left"])
+    assert decision.devices == {"x": 2} and decision.nodes == {"x": ["a"]}
+    (told,) = book.actions({"x": Measured(step_s={4: 0.5}, last_step=5, devices_now=4)})
+    assert told == Resize("x", 2, 4, ["a"])
+    clock.now += RESEND_S + 1  # a job across nodes that runs on fewer than told lost a node: not sent back
+    assert book.actions({"x": Measured(step_s={2: 1.0}, last_step=9, devices_now=1)}) == []
+    assert book.actions({"x": Measured(step_s={4: 0.5}, last_step=9, devices_now=4)}) == [Resize("x", 2, 2, ["a"])]
+    book.submitted("k2", clock.now, job("y", devices=2), lambda s: {2: 1.0, 4: 0.5})
+    book.allocate(["y submitted"])
+    assert book.state.jobs["y"].devices == 0, book.state.decisions[-1]
+    assert book.nodes_seen(["a", "b", "c"]) == "node b joined", "a worker of no node of the pool is not one"
+    decision = book.allocate(["node b joined"])
+    assert sum(decision.devices.values()) == 4 and all(len(n) * 2 == decision.devices[j]
+                                                      for j, n in decision.nodes.items())
