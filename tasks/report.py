@@ -83,7 +83,7 @@ def summary_markdown(summary: TrainSummary, model: ModelSummary) -> str:
     restores = [s for s in summary.segments if s.restore_bytes and s.restore_bytes.get("read")]
     if restores:  # where each resume read its state from
         lines += ["", "| segment | nodes | restored at step | MB read | MB from node-local tiers | "
-                  "MB from live workers (over the network) | MB from object storage |",
+                  "MB from live workers (from other ranks) | MB from object storage |",
                   "|---|---|---|---|---|---|---|"]
         for i, s in enumerate(summary.segments):
             if s in restores:

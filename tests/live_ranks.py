@@ -69,6 +69,8 @@ def main() -> None:
             continue
         group = group_of(case["rendezvous"][1], rank, new.world_size)
         peers = live_state.LivePeers.gather(case["job"], rank, group)
+        if peers is not None and case.get("group_only"):  # as where a peer's memory cannot be read
+            peers.nearby = {}
         if peers is not None and peers.recorders:  # a failure's survivors: the step described first
             peers.record(store, rank, max(store.manifest_steps(), default=-1))
         seen = []
@@ -95,6 +97,7 @@ def main() -> None:
             "totals": totals,
             "peers": None if peers is None else sorted(peers.holdings),
             "recorders": None if peers is None else peers.recorders,
+            "moved": None if peers is None else peers.moved,
             "held": sorted(held),
             "wanted": sorted(wanted),
             "in_held_memory": sorted(n for n, t in held.items() if live.tensors[n].data_ptr() == t.data_ptr()),

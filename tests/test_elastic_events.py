@@ -323,22 +323,22 @@ def static_warm(prefect_server: None, tmp_path_factory: pytest.TempPathFactory) 
     return dict(static.segments[0].losses)
 
 
-# Loaded by every warm worker of the test below (on PYTHONPATH): rank 1 is killed at its first
-# point-to-point send of live state, once (the marker file), while its peers wait for its bytes.
-# Loaded by a warm worker's interpreter, or by the forkserver its workers are forked from (they
-# inherit the patch): rank 1 kills itself at its first point-to-point send.
+# Loaded by every warm worker of the test below (on PYTHONPATH), or by the forkserver its
+# workers are forked from (they inherit the patch): rank 1 of the 3-rank job kills itself, once
+# (the marker file), as live state begins to move to the new rank 2, which reads its bytes from
+# the memory of ranks 0 and 1 (or, where it cannot, waits for them over the group).
 KILL_WHILE_STATE_MOVES = """
 import os, signal, sys
 if "--serve" in sys.argv or "parashift.launcher.forkserver" in sys.orig_argv:
-    import torch.distributed as dist
-    _isend = dist.isend
-    def isend(*args, **kwargs):
+    from parashift.trainer.checkpoint import live
+    _exchange = live.LivePeers.exchange
+    def exchange(self, *args, **kwargs):
         marker = os.environ["LIVE_FAULT_MARKER"]
-        if os.environ.get("RANK") == "1" and not os.path.exists(marker):
+        if os.environ.get("RANK") == "1" and os.environ.get("WORLD_SIZE") == "3" and not os.path.exists(marker):
             open(marker, "w").close()
             os.kill(os.getpid(), signal.SIGKILL)
-        return _isend(*args, **kwargs)
-    dist.isend = isend
+        return _exchange(self, *args, **kwargs)
+    live.LivePeers.exchange = exchange
 """
 
 

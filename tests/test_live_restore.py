@@ -18,9 +18,12 @@ HERE = Path(__file__).parent
 
 # (old plan, new plan): who holds what, and what must come from where.
 CASES = [
-    # 2 -> 3 ranks: rank 2 holds nothing and takes everything from ranks 0 and 1 over the group;
-    # ranks 0 and 1 take their own half from memory and the other half from their peer.
+    # 2 -> 3 ranks: rank 2 holds nothing and takes everything from ranks 0 and 1, read from
+    # their memory (the same machine); ranks 0 and 1 take their own half from memory and the
+    # other half from their peer.
     {"job": "tp2-dp3", "old": "tp2", "new": "dp3"},
+    # The same where no peer's memory can be read directly: everything crosses the gloo group.
+    {"job": "tp2-dp3-group", "old": "tp2", "new": "dp3", "group_only": True},
     # 4 -> 2 ranks: the second pipeline stage's holders are gone: read from storage.
     {"job": "pp2xtp2-tp2", "old": "pp2xtp2", "new": "tp2"},
     # 4 -> 2 ranks, replicas: each remaining rank holds all it needs.
@@ -83,6 +86,11 @@ def test_bytes_come_from_live_ranks_where_they_hold_them(results) -> None:
     # Ranks 0 and 1 each hold half of what all three need; the rest crosses the group.
     assert tp2_dp3["network"] > tp2_dp3["live"] / 2
     assert results[("tp2-dp3", 2)]["holders"] == [0, 1] and results[("tp2-dp3", 2)]["peers"] == [0, 1]
+    # How the bytes from peers travelled: read from their memory, or (told it cannot) over the group.
+    for rank in range(3):
+        direct, over_group = results[("tp2-dp3", rank)]["moved"], results[("tp2-dp3-group", rank)]["moved"]
+        assert direct["memory"] > 0 and direct["group"] == 0, (rank, direct)
+        assert over_group["memory"] == 0 and over_group["group"] == direct["memory"], (rank, over_group)
 
     pp = results[("pp2xtp2-tp2", 0)]["totals"]
     assert 0 < pp["live"] < pp["read"] and pp["store"] > 0

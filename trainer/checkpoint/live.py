@@ -1,15 +1,17 @@
 """State that live workers hold from the segment before: served to the next segment's ranks
-over the process group instead of read back from storage (warm workers, `launcher.warm_pool`).
+from their memory instead of read back from storage (warm workers, `launcher.warm_pool`).
 
 A warm worker that ends a segment at a committed checkpoint keeps its boxes of that step
 (`hold`): the tensors themselves, no copy, in the stored dim order the checkpoint wrote them
 in (a permuted box is copied once into that order). The next segment's ranks say what they
 hold (`LivePeers.gather`); each rank's reads of the checkpoint then take a box from a live
 rank's memory wherever one holds it exactly (`ptc.reconfig.with_live_copies`: its own memory
-first), and from the node-local tier or object storage only what no live rank holds. The bytes
-travel point to point on the checkpoint's gloo group and are checked against the manifest's
-CRC-32C chunks like any read: a holder whose memory is not the committed checkpoint's bytes is
-caught, and the reader reads those boxes from storage instead. A rank that dies while bytes
+first), and from the node-local tier or object storage only what no live rank holds. A
+holder's bytes are read straight from its memory when it runs on the reader's machine
+(`peer_memory`), else travel point to point on the checkpoint's gloo group; either way they
+are checked against the manifest's CRC-32C chunks like any read: a holder whose memory is not
+the committed checkpoint's bytes is caught, and the reader reads those boxes from storage
+instead. A rank that dies while bytes
 move fails the collective: the segment fails and recovers from the committed checkpoint.
 
 A warm worker whose peer died mid-step keeps its state too, at the last step it completed
@@ -25,8 +27,9 @@ live rank's shards to the ranks of another world size.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -40,6 +43,7 @@ from parashift.ptc.reconfig import LIVE, RankReads, Request, live_holder
 from parashift.ptc.transpose import copy_across_transpose
 from parashift.storage import ChecksumMismatch, LeaseToken, StorageError
 from parashift.trainer.checkpoint.group import Group, broadcast
+from parashift.trainer.checkpoint.peer_memory import allow_peers, machine_key, read_from
 from parashift.trainer.checkpoint.saver import describe_held
 
 log = logging.getLogger("parashift.checkpoint")
@@ -160,6 +164,12 @@ class LivePeers:
     group: Group
     mine: HeldState | None
     recorders: list[int]
+    # Holders on this machine whose memory this rank may read directly (`peer_memory`): rank ->
+    # (pid, each held box's (address, bytes)).
+    nearby: dict[int, tuple[int, list[tuple[int, int]]]] = field(default_factory=dict)
+    # Bytes this rank received from other ranks by the last exchange: read from their memory, or
+    # over the group.
+    moved: dict[str, int] = field(default_factory=lambda: {"memory": 0, "group": 0})
 
     @classmethod
     def gather(cls, job_id: str, rank: int, group: Group) -> LivePeers | None:
@@ -167,8 +177,12 @@ class LivePeers:
         rank; `group` None: a job of one rank); None, on every rank, when no rank holds
         anything of this job."""
         mine = held(job_id)
-        said = (mine.step, mine.boxes, mine.whole()) if mine is not None else None
-        everyone: list[tuple[int, list[HeldBox], bool] | None] = [said]
+        said = None
+        if mine is not None:
+            allow_peers()
+            where = (machine_key(), os.getpid(), [(t.data_ptr(), t.numel()) for t in mine.data])
+            said = (mine.step, mine.boxes, mine.whole(), where)
+        everyone: list[Any] = [said]
         if group is not None:
             everyone = [None] * dist.get_world_size(group)
             dist.all_gather_object(everyone, said, group=group)
@@ -178,7 +192,11 @@ class LivePeers:
         step = max(steps)
         holdings = {r: s[1] for r, s in enumerate(everyone) if s is not None and s[0] == step}
         recorders = [r for r, s in enumerate(everyone) if s is not None and s[0] == step and s[2]]
-        return cls(step, holdings, group, mine if mine is not None and mine.step == step else None, recorders)
+        here = machine_key()
+        nearby = {r: (s[3][1], s[3][2]) for r, s in enumerate(everyone)
+                  if r != rank and s is not None and s[0] == step and here is not None and s[3][0] == here}
+        return cls(step, holdings, group, mine if mine is not None and mine.step == step else None, recorders,
+                   nearby)
 
     def record(self, store: Any, rank: int, newest_committed: int) -> str | None:
         """Describe the held step as a pending manifest where no commit reaches it and nothing
@@ -212,12 +230,26 @@ class LivePeers:
         transfer has finished) when a request's bytes do not match."""
         wanted = [] if reads is None else [
             (i, *live_holder(r.object), r.start, r.end) for i, r in enumerate(reads.requests) if r.source == LIVE]
+        received: dict[int, torch.Tensor] = {}
+        landed: set[int] = set()
+        # What a holder on this machine holds is read from its memory first; the rest goes over
+        # the group. The holders keep their memory as it is until every rank has come to the
+        # gather below, so no read races a change of it.
+        for i, holder, index, start, end in wanted:
+            if holder in self.nearby and holder != rank:
+                into = self._target(i, end - start, targets)
+                pid, boxes = self.nearby[holder]
+                if index < len(boxes) and end <= boxes[index][1] and \
+                        read_from(pid, boxes[index][0] + start, into):
+                    received[i] = into
+                    self.moved["memory"] += into.numel()
+                    if targets is not None and _is_target(into, targets[i]):
+                        landed.add(i)
+        wanted = [w for w in wanted if w[0] not in received]
         everyone: list[list[tuple[int, int, int, int, int]]] = [wanted]
         if self.group is not None:
             everyone = [[] for _ in range(dist.get_world_size(self.group))]
             dist.all_gather_object(everyone, wanted, group=self.group)
-        received: dict[int, torch.Tensor] = {}
-        landed: set[int] = set()
         transfers = _Transfers()
         tag = 0
         for reader, asks in enumerate(everyone):
@@ -230,18 +262,25 @@ class LivePeers:
                 elif holder == rank:
                     transfers.post(dist.isend, self._bytes(index, start, end), dst=reader, group=self.group, tag=tag)
                 elif reader == rank:
-                    whole = targets[i] if targets is not None and len(targets[i]) == 1 else None
-                    if whole is not None and len(whole[0]) == end - start:  # into place: no copy after
-                        received[i] = torch.frombuffer(whole[0], dtype=torch.uint8)
+                    received[i] = self._target(i, end - start, targets)
+                    if targets is not None and _is_target(received[i], targets[i]):
                         landed.add(i)
-                    else:
-                        received[i] = torch.empty(end - start, dtype=torch.uint8)
                     transfers.post(dist.irecv, received[i], src=holder, group=self.group, tag=tag)
+                    self.moved["group"] += end - start
         transfers.finish()
         if reads is not None:
             for i, data in received.items():
                 _verify(reads.requests[i], data)
         return {i: None if i in landed else data for i, data in received.items()}
+
+    @staticmethod
+    def _target(i: int, n: int, targets: list[list[memoryview]] | None) -> torch.Tensor:
+        """Where request `i`'s n bytes land: its one target buffer itself (no copy after), or a
+        buffer of their own."""
+        whole = targets[i] if targets is not None and len(targets[i]) == 1 else None
+        if whole is not None and len(whole[0]) == n:
+            return torch.frombuffer(whole[0], dtype=torch.uint8)
+        return torch.empty(n, dtype=torch.uint8)
 
     def _bytes(self, index: int, start: int, end: int) -> torch.Tensor:
         """Held bytes [start, end) of box `index`; zeros where this rank does not hold them (the

@@ -52,8 +52,8 @@ class Restored:
 def restore_totals(reads: RankReads | None, group: Group = None) -> dict[str, int]:
     """Bytes every rank of the job needed and read for its restore, and where the reads came
     from (`local`: the reader's node-local tier; `live`: live ranks' memory, its own or, of
-    that, `network`: another rank's over the process group; `store`: object storage), summed
-    over ranks."""
+    that, `network`: another rank's, read from its memory on the same machine or sent over the
+    process group; `store`: object storage), summed over ranks."""
     mine = [0] * 5
     if reads is not None:
         own = sum(r.nbytes for r in reads.requests if r.source == LIVE and live_holder(r.object)[0] == reads.rank)
