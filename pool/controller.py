@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from parashift.pool.allocator import PoolJob, PoolPolicy, allocate
-from parashift.pool.placement import place, whole_nodes
+from parashift.pool.placement import misfit, place, whole_nodes
 from parashift.pool.state import Decision, JobRecord, PoolState
 from parashift.pool.step_times import Measured, blended
 from parashift.specs import JobSpec
@@ -70,9 +70,9 @@ class PoolBook:
         known = self.state.jobs.get(spec.job_id)
         if known is not None and known.active:
             return f"refused {spec.job_id}: it is already in the pool ({known.status})"
-        misfit = self._misfit(spec)
-        if misfit is not None:
-            return f"refused {spec.job_id}: {misfit}"
+        why = misfit(spec, self.state.nodes, self.state.devices_per_node)
+        if why is not None:
+            return f"refused {spec.job_id}: {why}"
         given: dict[str, object] = {"pool": self.state.pool}
         if self.state.devices_per_node is not None:
             given["devices_per_node"] = self.state.devices_per_node
@@ -84,17 +84,6 @@ class PoolBook:
             record.status, record.reason, record.finished_at = "failed", "no plan of it fits this pool", self.clock()
             return f"refused {spec.job_id}: no plan of it fits a device count of this pool"
         return f"{spec.job_id} submitted"
-
-    def _misfit(self, spec: JobSpec) -> str | None:
-        """Why a job cannot be placed by this pool over nodes (None: it can, or a pool of one machine)."""
-        per_node, res = self.state.devices_per_node, spec.resources
-        if self.state.nodes is None or per_node is None:
-            return None
-        if res.nodes is not None:
-            return "a pool over nodes places its jobs: leave resources.nodes out"
-        if res.devices_per_node not in (None, per_node):
-            return f"resources.devices_per_node is {res.devices_per_node}; this pool's nodes have {per_node}"
-        return None
 
     def nodes_seen(self, online: Iterable[str]) -> str | None:
         """Which of a pool's nodes have a worker online now; the event when that changed (the

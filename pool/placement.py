@@ -18,6 +18,21 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+from parashift.specs import JobSpec
+
+
+def misfit(spec: JobSpec, nodes: Sequence[str] | None, devices_per_node: int | None) -> str | None:
+    """Why a job cannot be placed by a pool over `nodes` (None: it can, or the pool is one
+    machine's), naming the spec's field."""
+    res = spec.resources
+    if nodes is None or devices_per_node is None:
+        return None
+    if res.nodes is not None:
+        return "resources.nodes: a pool over nodes places its jobs; leave it out"
+    if res.devices_per_node not in (None, devices_per_node):
+        return f"resources.devices_per_node: this pool's nodes have {devices_per_node} (got {res.devices_per_node})"
+    return None
+
 
 def pool_counts(counts: Sequence[int], devices_per_node: int) -> list[int]:
     """Of a job's device counts, those a pool over nodes can give: whole nodes."""

@@ -181,7 +181,7 @@ def test_a_pool_over_nodes_starts_and_tells_jobs_whole_nodes_and_frees_them() ->
     assert whole == [2, 4, 6]
     per_node = {2: 1.0, 4: 0.5, 6: 0.34}
     assert book.submitted("k0", 0.5, job("placed", nodes=["a"], devices=2), lambda s: per_node) == \
-        "refused placed: a pool over nodes places its jobs: leave resources.nodes out"
+        "refused placed: resources.nodes: a pool over nodes places its jobs; leave it out"
     assert book.submitted("k1", 1.0, job("big", devices=3), lambda s: per_node) == "big submitted"
     book.allocate(["big submitted"])
     (start,) = book.actions({})
@@ -236,3 +236,19 @@ def test_a_node_that_leaves_takes_its_devices_out_of_the_pool_until_it_is_back()
     decision = book.allocate(["node b joined"])
     assert sum(decision.devices.values()) == 4 and all(len(n) * 2 == decision.devices[j]
                                                       for j, n in decision.nodes.items())
+
+
+def test_submit_refuses_a_spec_a_pool_over_nodes_cannot_place(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from parashift.cli import app
+
+    pool = tmp_path / "pool.yaml"
+    pool.write_text(f"name: p\nnodes: [a, b]\ndevices_per_node: 2\nstorage: {{url: 'file://{tmp_path}/store'}}\n")
+    spec = tmp_path / "job.yaml"
+    spec.write_text("name: placed\nresources: {nodes: [a], devices_per_node: 2}\n")
+    out = CliRunner().invoke(app, ["submit", str(spec), "--pool", str(pool)])
+    assert out.exit_code == 1 and f"{spec}: resources.nodes: a pool over nodes places its jobs" in out.output, out.output
+    spec.write_text("name: fits\nresources: {devices: 3}\n")
+    out = CliRunner().invoke(app, ["submit", str(spec), "--pool", str(pool)])
+    assert out.exit_code == 0 and "fits submitted to pool p" in out.output, out.output

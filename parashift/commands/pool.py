@@ -29,6 +29,7 @@ def submit(
     """Queue a job in a pool: its controller starts it when the pool gives it devices, and
     changes its device count as the pool's jobs come and go. A relative storage URL in the spec
     is made absolute here (the job runs wherever the pool's worker runs)."""
+    from parashift.pool.placement import misfit
     from parashift.pool.state import submit as put_submission
     from parashift.storage import open_store
 
@@ -41,6 +42,10 @@ def submit(
     if (spec.resources.min_devices or 1) > pool.devices:
         typer.echo(f"{spec_file}: resources.min_devices: the pool {pool.name} has {pool.devices} devices "
                    f"(got {spec.resources.min_devices})", err=True)
+        raise typer.Exit(1)
+    why = misfit(spec, pool.nodes, pool.devices_per_node)
+    if why is not None:
+        typer.echo(f"{spec_file}: {why}", err=True)
         raise typer.Exit(1)
     key = put_submission(open_store(pool.with_storage_root(os.getcwd()).storage), pool.name, spec)
     typer.echo(f"{spec.job_id} submitted to pool {pool.name} ({key})")
