@@ -32,10 +32,10 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 # collection order (`--no-loadscope-reorder`: else xdist 3.8 orders them by their count of tests,
 # and the longest ones started last), so the longest ones by `--durations` are collected first:
 # otherwise one starts last and the other worker idles while it runs.
-RUN_FIRST = ("test_flow.py", "test_nodes.py", "test_elastic_events.py", "test_job_exclusive.py", "test_pool_live.py",
-             "test_serve.py", "test_parallel_plans.py", "test_recompute.py", "test_planner_outer.py",
-             "test_gpu_check.py", "test_llama.py", "test_deployments.py", "test_git_submission.py",
-             "test_train_resume.py", "test_planner_plan.py", "test_worker_resources.py")
+RUN_FIRST = ("test_flow.py", "test_elastic_events.py", "test_nodes.py", "test_pool_live.py", "test_job_exclusive.py",
+             "test_serve.py", "test_planner_outer.py", "test_parallel_plans.py", "test_gpu_check.py",
+             "test_recompute.py", "test_hf_family.py", "test_train_resume.py", "test_llama.py",
+             "test_git_submission.py", "test_planner_plan.py", "test_deployments.py", "test_worker_resources.py")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
