@@ -144,6 +144,7 @@ def release() -> None:
     """Drop what this process holds (after the next segment has restored, or on a failure)."""
     global _held
     _held = None
+    allow_peers(False)
 
 
 def held(job_id: str) -> HeldState | None:
@@ -267,7 +268,10 @@ class LivePeers:
                         landed.add(i)
                     transfers.post(dist.irecv, received[i], src=holder, group=self.group, tag=tag)
                     self.moved["group"] += end - start
-        transfers.finish()
+        try:
+            transfers.finish()
+        finally:
+            allow_peers(False)  # read: no other process needs to attach to this one
         if reads is not None:
             for i, data in received.items():
                 _verify(reads.requests[i], data)

@@ -1,14 +1,16 @@
 """Reading a live peer's held bytes straight from its memory when it runs on this machine: one
 kernel copy (`process_vm_readv`, the "cross memory attach" MPI libraries use for large messages
 between ranks of a node) instead of gloo's way over loopback TCP (a copy into the socket, one out
-of it, and both ranks' CPU time). On the development machine 293 MB took 0.04 s this way into
-memory already touched, against about 0.27 s over gloo.
+of it, and both ranks' CPU time). On the development machine one such read of 293 MB took
+0.04 s into memory already touched; `bench.trace`'s scale-up restore went from 0.28 s to 0.19 s
+(BENCHMARKS.md).
 
 Only where it can work: same kernel (boot id) and same PID namespace (the holder's pid means the
-same process), and the kernel allows it (same user; Yama's ptrace scope is opened for this
-process by `allow_peers`). Anything else (a seccomp profile that refuses the call, a holder that
-died, a short read) is a False, and the caller moves those bytes over the process group instead.
-The bytes read are checked against the checkpoint's checksums like any other read.
+same process), and the kernel allows it (same user; where Yama limits ptrace to ancestors, the
+holder opens it with `allow_peers` while its state is read). Anything else (a seccomp profile
+that refuses the call, a holder that died, a short read) is a False, and the caller moves those
+bytes over the process group instead. The bytes read are checked against the checkpoint's
+checksums like any other read.
 
 Why not torch's shared-memory tensors: the held state is the training state itself, in ordinary
 memory; moving it to shared memory would copy it at every stop.
@@ -51,12 +53,14 @@ def machine_key() -> str | None:
         return None
 
 
-def allow_peers() -> None:
-    """Let other processes of this user read this one's memory where Yama restricts it to
-    ancestors (a no-op elsewhere)."""
+def allow_peers(allowed: bool = True) -> None:
+    """Let other processes of this user read this one's memory where Yama restricts that to
+    ancestors (a no-op elsewhere), or (`allowed` False) take that back. A holder allows it only
+    while the next segment's ranks read its state (`LivePeers.gather` to the exchange's end):
+    any process of the same user could attach to it meanwhile."""
     libc = _libc()
     if libc is not None:
-        libc.prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY, 0, 0, 0)
+        libc.prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY if allowed else 0, 0, 0, 0)
 
 
 def read_from(pid: int, address: int, into: torch.Tensor) -> bool:
