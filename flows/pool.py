@@ -139,8 +139,8 @@ def act(pool: PoolSpec, book: PoolBook, action: Action) -> None:
             from parashift.tasks.events import emit_resource_change, now_epoch
 
             reason = "scale-up" if devices > before else "scale-down" if devices < before else "scale"
-            change = ResourceEvent(devices=devices, epoch=now_epoch(), reason=reason) if nodes is None else \
-                ResourceEvent(nodes=nodes, epoch=now_epoch(), reason=reason)
+            change = ResourceEvent(devices=devices if nodes is None else None, nodes=nodes, epoch=now_epoch(),
+                                   reason=reason)  # over nodes: the nodes alone say where
             emit_resource_change(job_id, change)
             logger.info("pool %s: told %s to run on %s (was %d device(s))", pool.name, job_id, change.describe(), before)
         case Preempt(job_id=job_id, why=why):

@@ -3,7 +3,7 @@ before rank 2 posts its receive from it, as a rank killed while live state moves
 sends its bytes to rank 2 and must get through (its receive posted all the same), rank 2 must
 raise after receiving them. Writes one JSON line per rank.
 
-    python tests/exchange_death_ranks.py RANK RENDEZVOUS_FILE OUT_DIR [naive]
+    python tests/exchange_death_ranks.py RANK RENDEZVOUS_FILE OUT_DIR
 """
 
 from __future__ import annotations
@@ -23,23 +23,9 @@ PAYLOAD = torch.arange(1 << 20, dtype=torch.int64).view(torch.uint8)  # 8 MB: mo
 TIMEOUT_S = 20  # the group's: what a send left waiting on an unposted receive would wait
 
 
-class _Naive:
-    """The exchange before `_Transfers`: the first failure to post ends the posting."""
-
-    def __init__(self) -> None:
-        self.pending: list = []
-
-    def post(self, transfer, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
-        self.pending.append(transfer(*args, **kwargs))
-
-    def finish(self) -> None:
-        for work in self.pending:
-            work.wait()
-
-
 def main() -> None:
     rank, rendezvous, out = int(sys.argv[1]), sys.argv[2], Path(sys.argv[3])
-    transfers = _Naive() if sys.argv[4:] == ["naive"] else _Transfers()
+    transfers = _Transfers()
     dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=3,
                             timeout=datetime.timedelta(seconds=TIMEOUT_S))
     dist.barrier()

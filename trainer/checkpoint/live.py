@@ -11,8 +11,8 @@ holder's bytes are read straight from its memory when it runs on the reader's ma
 (`peer_memory`), else travel point to point on the checkpoint's gloo group; either way they
 are checked against the manifest's CRC-32C chunks like any read: a holder whose memory is not
 the committed checkpoint's bytes is caught, and the reader reads those boxes from storage
-instead. A rank that dies while bytes
-move fails the collective: the segment fails and recovers from the committed checkpoint.
+instead. A rank that dies while bytes move fails the collective: the segment fails and recovers
+from the committed checkpoint.
 
 A warm worker whose peer died mid-step keeps its state too, at the last step it completed
 (`Unrecorded`: nothing describes that step yet). Where one survivor holds every box of it (a
