@@ -58,3 +58,24 @@ def test_text_glob_and_token_files(tmp_path) -> None:
     np.array([1, 300, 65535], dtype="<u2").tofile(tmp_path / "t.bin")
     toks = load_tokens(DataSpec(url=f"file://{tmp_path}/t.bin", format="tokens"))
     assert toks.tolist() == [1, 300, 65535]
+
+
+def test_the_prefetcher_reads_each_step_in_order_and_ends_at_close_with_its_queue_full() -> None:
+    """Batches arrive step by step from the position given; close ends the thread even while it
+    waits on a full queue (what it read ahead is dropped, nothing else)."""
+    import time
+
+    from parashift.trainer.data import Prefetcher
+
+    stream = SampleStream(np.arange(1000, dtype=np.uint16), seq_len=10, seed=3)
+    prefetcher = Prefetcher(stream, share_offset=2, requests=[(0, 2), (2, 1)], global_batch=6, depth=2)
+    prefetcher.start(12)
+    for position in (12, 18):
+        got = prefetcher.step(position)
+        want = [stream.batch(position + 2, 2), stream.batch(position + 4, 1)]
+        assert all(np.array_equal(g[0], w[0]) and np.array_equal(g[1], w[1]) for g, w in zip(got, want, strict=True))
+    deadline = time.monotonic() + 10
+    while not prefetcher._queue.full() and time.monotonic() < deadline:  # the thread is ahead, waiting to put
+        time.sleep(0.01)
+    prefetcher.close()
+    assert prefetcher._thread is not None and not prefetcher._thread.is_alive()

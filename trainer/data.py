@@ -13,6 +13,7 @@ count, or one that changes device count, sees every sample of an epoch exactly o
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue
@@ -304,7 +305,12 @@ class Prefetcher:
         return item
 
     def close(self) -> None:
+        """Stop the thread. What it read ahead is dropped at once: a put blocked on a full queue
+        would otherwise hold the join for its timeout, paid by every planned change."""
         self._stop.set()
+        with contextlib.suppress(queue.Empty):
+            while True:
+                self._queue.get_nowait()
         if self._thread is not None:
             self._thread.join(timeout=5)
 
