@@ -96,7 +96,6 @@ class _WarmSegment:
         self.codes: dict[int, int] = {}
         self.failed_at: float | None = None  # when a rank returned an error
         self.died: list[int] = []  # ranks whose process died (not answered)
-        self.pidfds: dict[int, int] = {}  # rank -> a pidfd on its worker process (`_watch_deaths`)
         self.output = WorkerOutput(self.result, workers, on_line, on_event)
 
     def end_pending(self) -> None:
@@ -138,29 +137,7 @@ class _WarmSegment:
     def _answers(self, selector: selectors.BaseSelector) -> None:
         for key, _ in selector.select(POLL_S):
             selector.unregister(key.fileobj)
-            if isinstance(key.data, tuple):  # ("gone", rank): its worker process itself ended
-                os.close(self.pidfds.pop(key.data[1]))
-                if key.data[1] not in self.codes and self.failed_at is None:
-                    self.failed()
-            else:
-                self.answer(key.data)
-
-    def _watch_deaths(self, selector: selectors.BaseSelector) -> None:
-        """A pidfd on each rank's own worker process, in the selector: a death is heard as it
-        happens. A forked worker's death otherwise reaches its answer pipe through its forkserver
-        and its client (two more processes to wake: ~0.1 s on a loaded 2-core machine), while
-        its peers wait in a collective. Its exit status still comes by that way (`answer`), the
-        failure's report with it; this only tells the peers sooner."""
-        for rank, proc in enumerate(self.ranks):
-            pid = self.pool.worker_pid(proc)
-            if pid == proc.pid:  # not forked (or not known yet): its answer pipe is its own
-                continue
-            try:
-                fd = os.pidfd_open(pid)
-            except (ProcessLookupError, OSError):  # gone already: its answer says so
-                continue
-            selector.register(fd, selectors.EVENT_READ, ("gone", rank))
-            self.pidfds[rank] = fd
+            self.answer(key.data)
 
     def _pending(self) -> bool:
         return len(self.codes) < len(self.ranks)
@@ -169,7 +146,6 @@ class _WarmSegment:
         with selectors.DefaultSelector() as selector:
             for rank, proc in enumerate(self.ranks):
                 selector.register(proc.stdout, selectors.EVENT_READ, rank)  # type: ignore[arg-type]
-            self._watch_deaths(selector)
             try:
                 while self._pending():
                     self._answers(selector)
@@ -191,10 +167,6 @@ class _WarmSegment:
                     self.drain(tail.close())
                 self.result.returncode = max(self.codes.values(), key=abs) if self.codes else -9
                 self.workers._attach(None)
-                for fd in self.pidfds.values():
-                    selector.unregister(fd)
-                    os.close(fd)
-                self.pidfds.clear()
         return self.result
 
     def _watchdogs(self) -> None:
