@@ -9,8 +9,7 @@ children and outlive every segment of the run: a change of device count costs a 
 group and the model built again, not a new interpreter. A rank that dies takes its job's other
 ranks out of their step (told at once, `WarmPool.tell_peer_failed`; gloo fails a collective
 when the peer's connection closes; a peer that has not returned within PEER_GRACE_S is ended)
-and is replaced by a fresh process before the next segment (its death is heard by a pidfd on
-its own process, `_WarmSegment._watch_deaths`): only the dead rank pays for a new
+and is replaced by a fresh process before the next segment: only the dead rank pays for a new
 interpreter, and the survivors keep their state for the next segment (trainer.checkpoint.live).
 
     pool = WarmPool(4)
