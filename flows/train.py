@@ -1,6 +1,6 @@
 """train_job: a job spec in, a trained and checkpointed model out.
 
-    validate -> preflight -> profile -> until the job is done: plan -> reshard plan -> launch -> ask the policy, act -> report
+    validate -> preflight -> profile -> until the job is done: plan -> launch (its reshard view once it trains) -> ask the policy, act -> report
 
 The job follows its resource events while it runs: a change of the device count (or, across
 nodes, of the node set) stops the workers at a step boundary, and the next launch re-plans and
@@ -32,7 +32,7 @@ from parashift.tasks.profile import profile_model
 from parashift.tasks.records import ModelSummary, SegmentResult, TrainSummary, failed_segments
 from parashift.tasks.recovery import TrainingFailed, announce_change
 from parashift.tasks.report import publish_report
-from parashift.tasks.reshard import plan_reshard
+from parashift.tasks.reshard import ReshardView
 from parashift.tasks.validate import validate_spec
 from prefect import flow
 from prefect.futures import PrefectFuture
@@ -86,17 +86,16 @@ def _train(spec: JobSpec, lease: JobLease | None = None) -> TrainSummary:
             scripted = spec.scripted_change_after(job.step)
             model, plan, published = _plan(spec, job, profiles, ahead, segments)
             held = segments[-1].final_step if segments and segments[-1].held_unsaved else None
-            # What the workers will read, shown while they start (they read it themselves; on warm
-            # workers its first computation for a plan would otherwise add ~0.15 s to the change).
-            reshard = plan_reshard.submit(here, plan, held)
+            # What the workers read, shown once they train (they read it themselves).
+            reshard = ReshardView(here, plan, held)
             tagged = tag_devices(job.devices)  # beside the launch
             with pool_devices(here, job.devices):  # in a pool: its devices (its nodes'), held while the workers run
                 launched = launch_training(here, plan, scripted.at_step if scripted else None, resources, progress,
-                                           job, ahead, return_state=True)  # Failed when the workers failed: the policy decides
+                                           job, ahead, reshard.trained, return_state=True)  # Failed when the workers failed: the policy decides
             tagged.join()
             if published is not None:
                 published.wait()
-            shown = reshard.result(raise_on_failure=False)
+            shown = reshard.result()
             if isinstance(shown, BaseException):  # the workers' own reads decide the segment, not this view
                 logger.warning("%s: the reshard view of %d devices failed: %s", spec.job_id, job.devices, shown)
             segment = segment_of(launched)

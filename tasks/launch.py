@@ -69,14 +69,15 @@ def _warm_pool(spec: JobSpec, devices: int) -> WarmPool:
 @task(name="launch-training", cache_policy=NO_CACHE)
 def launch_training(spec: JobSpec, plan: Plan, until_step: int | None = None,
                     resources: ResourceWatcher | None = None, progress_bar: TrainingProgress | None = None,
-                    job: JobState | None = None, ahead: PlansAhead | None = None) -> SegmentResult:
+                    job: JobState | None = None, ahead: PlansAhead | None = None,
+                    trained: threading.Event | None = None) -> SegmentResult:
     """Train on `plan.devices` workers until `until_step` (or the end), resuming if possible.
     `job`: where the job stands (the policy's question for a change heard meanwhile: re-plan?).
     `ahead`: where the counts the job may move to are planned, once it trains, and a count a
-    change heard names at once."""
+    change heard names at once. `trained`: set once the workers have trained a step."""
     logger = get_run_logger()
     job = job if job is not None else JobState(devices=plan.devices, nodes=spec.resources.nodes)
-    watch = _SegmentWatch(spec, plan, job, resources, progress_bar, logger, ahead)
+    watch = _SegmentWatch(spec, plan, job, resources, progress_bar, logger, ahead, trained)
     if resources is not None:
         resources.on_change = watch.stop_for
         pending = resources.newest_after(job.epoch)
@@ -98,9 +99,10 @@ class _SegmentWatch:
     events relayed to the run log, the progress bar and the step listeners."""
 
     def __init__(self, spec: JobSpec, plan: Plan, job: JobState, resources: ResourceWatcher | None,
-                 progress_bar: TrainingProgress | None, logger: Any, ahead: PlansAhead | None = None) -> None:
+                 progress_bar: TrainingProgress | None, logger: Any, ahead: PlansAhead | None = None,
+                 trained: threading.Event | None = None) -> None:
         self.spec, self.plan, self.job, self.logger, self.progress_bar = spec, plan, job, logger, progress_bar
-        self.ahead = ahead
+        self.ahead, self.trained = ahead, trained
         self.credentials = storage_environment(spec)
         with environment(self.credentials):
             self.store = open_store(spec.storage)
@@ -140,6 +142,8 @@ class _SegmentWatch:
     def on_event(self, event: WorkerEvent) -> None:
         if isinstance(event, StepEvent) and self.ahead is not None:  # training: plan ahead (once per count)
             self.ahead.prepare(likely_counts(self.spec, self.job))
+        if isinstance(event, StepEvent) and self.trained is not None:
+            self.trained.set()
         if isinstance(event, StepEvent) and self.spec.resources.nodes is None:  # across nodes they arrive at the end
             now = time.time()
             self.stepped[:] = [self.stepped[0] if self.stepped else now, now]
