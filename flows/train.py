@@ -86,10 +86,9 @@ def _train(spec: JobSpec, lease: JobLease | None = None) -> TrainSummary:
             scripted = spec.scripted_change_after(job.step)
             model, plan, published = _plan(spec, job, profiles, ahead, segments)
             held = segments[-1].final_step if segments and segments[-1].held_unsaved else None
-            # What the workers read, shown once they train (they read it themselves).
-            reshard = ReshardView(here, plan, held)
             tagged = tag_devices(job.devices)  # beside the launch
-            with pool_devices(here, job.devices):  # in a pool: its devices (its nodes'), held while the workers run
+            # What the workers read, shown once they train; in a pool: its devices (its nodes'), held while they run.
+            with ReshardView(here, plan, held) as reshard, pool_devices(here, job.devices):
                 launched = launch_training(here, plan, scripted.at_step if scripted else None, resources, progress,
                                            job, ahead, reshard.trained, return_state=True)  # Failed when the workers failed: the policy decides
             tagged.join()
