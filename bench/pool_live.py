@@ -44,7 +44,14 @@ from parashift.specs import JobSpec, environ
 from parashift.specs.models import StorageSpec
 from parashift.storage import open_store
 
-from parashift.commands.serve import REPO, deploy_all, start_node_worker, start_prefect_server, stop_group
+from parashift.commands.serve import (
+    REPO,
+    deploy_all,
+    start_node_worker,
+    start_prefect_server,
+    start_worker,
+    stop_group,
+)
 
 DEVICES = 4
 GPT_SMALL = {"n_layers": 4, "d_model": 128, "n_heads": 4, "vocab_size": 256, "seq_len": 128}
@@ -177,9 +184,7 @@ def main() -> None:
             deploy_all(env)
             node_workers = [start_node_worker(node, {**env, environ.NODE_ADDR: "127.0.0.1"},
                                               Path(tmp) / f"node-{node}.log") for node in nodes or []]
-            worker = subprocess.Popen([sys.executable, "-m", "prefect", "worker", "start", "--pool", "parashift"],
-                                      cwd=REPO, env=env, stdout=open(Path(tmp) / "worker.log", "ab"),  # noqa: SIM115
-                                      stderr=subprocess.STDOUT, start_new_session=True)
+            worker = start_worker("parashift", env, Path(tmp) / "worker.log")
             results = {}
             for mode in ("pool", "static"):
                 folder = Path(tmp) / mode

@@ -104,13 +104,23 @@ def _layouts(g: Graph, blocks: list[str], pp: int, sig: dict[str, str]) -> list[
 
 
 class _Resized(Mapping[str, Op]):
-    """Op name -> the op at the context's batch size, resized on first use (most contexts are
-    pruned on their lower bounds, which read one op per signature)."""
+    """Op name -> the op at a batch size, resized on first use (most contexts are pruned on
+    their lower bounds, which read one op per signature). One per graph and size, shared by
+    every mesh's context at that size: a resized op depends on nothing else."""
 
     def __init__(self, g: Graph, size: int | None) -> None:
         self.g, self.size = g, size
         self.base = {op.name: op for op in g.ops}
         self.done: dict[str, Op] = {}
+        self._graph: Graph | None = None
+
+    @property
+    def graph(self) -> Graph:
+        """The whole graph at this size."""
+        if self._graph is None:
+            g = self.g
+            self._graph = g if self.size is None else g.model_copy(update={"ops": [self[n] for n in self]})
+        return self._graph
 
     def __getitem__(self, name: str) -> Op:
         if self.size is None:
@@ -131,20 +141,19 @@ class _Context:
     the resized graph, built only when a stage is solved."""
 
     def __init__(self, profile: ModelProfile, g: Graph, dp: int, tp: int, size: int | None, w: Weights,
-                 limit: float | None, method: Method, sig: dict[str, str]) -> None:
+                 limit: float | None, method: Method, sig: dict[str, str], ops: _Resized | None = None) -> None:
         mesh = named_mesh(dp, tp, profile.comm.devices_per_node, g.batch_dim, profile.shard_dp)
         self.base, self.size, self.w, self.limit, self.method, self.sig = g, size, w, limit, method, sig
         # Workers sharing cores: a pipeline's step is at least this share of its slowest stage
         # (planner.pipeline.step_time), so stage bounds scale by it (1 on GPUs: unchanged).
         self.share = profile.device.core_share
-        self.ops = _Resized(g, size)
+        self.ops = ops if ops is not None else _Resized(g, size)
         # Signatures of the resized ops: the full graph's, tagged with the batch size (an op's
         # resized copy is a function of the original and the size), so no re-hashing per size.
         sigs = sig if size is None else {n: f"{s}@{size}" for n, s in sig.items()}
         # Byte sizes are the graph's, whatever the batch; ops come resized from `self.ops`.
         self.costs = CostModel(g, profile.device, profile.comm, mesh, signatures=sigs, ops=self.ops)
         self._profile, self._mesh, self._sigs = profile, mesh, sigs
-        self._graph: Graph | None = None
         self._least: dict[str, float] = {}
         self._rep = {}
         for op in g.ops:
@@ -161,10 +170,7 @@ class _Context:
 
     @property
     def graph(self) -> Graph:
-        if self._graph is None:
-            g = self.base
-            self._graph = g if self.size is None else g.model_copy(update={"ops": [self.ops[n] for n in self.ops]})
-        return self._graph
+        return self.ops.graph
 
     def least_time(self, sig: str) -> float:
         """The cheapest time per step of ops of signature `sig` (layout conversions aside)."""
@@ -257,6 +263,7 @@ def enumerate_specs(profile: ModelProfile, devices: int, limit: float | None, ma
     ties = TieVariants(g)
     sigs: dict[int, dict[str, str]] = {id(g): sig}  # per variant graph
     layouts: dict[tuple[int, int], list[_Layout]] = {}
+    resized: dict[tuple[int, int], _Resized] = {}  # (variant graph, micro-batch size): shared by every mesh
     specs: list[CandidateSpec] = []
     floor = weights_floor(profile)
     for pp, dp_, tp in searched_meshes(profile, devices, max_tp, max_pp):
@@ -284,7 +291,9 @@ def enumerate_specs(profile: ModelProfile, devices: int, limit: float | None, ma
                 if pp == 1 and m == 1:
                     continue  # the single stage above
                 w = Weights.schedule(pp, m, profile.reshard_after_forward)
-                ctx = _Context(profile, gv, dp_, tp, batch // m, w, limit, method, sv)
+                if (id(gv), batch // m) not in resized:
+                    resized[id(gv), batch // m] = _Resized(gv, batch // m)
+                ctx = _Context(profile, gv, dp_, tp, batch // m, w, limit, method, sv, resized[id(gv), batch // m])
                 if not ctx.configurable():
                     continue
                 for lay in layouts[pp, id(gv)]:

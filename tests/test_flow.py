@@ -115,17 +115,18 @@ def test_readme_run_command_trains_the_default_spec(tmp_path: Path) -> None:
 def test_the_embedded_api_may_start_slower_than_prefects_default(tmp_path: Path) -> None:
     """On a busy machine Prefect's ephemeral API took over its default 20 s to answer, and the
     first `parashift run` failed "Timed out while attempting to connect". Simulated here: the API
-    server's process (the one Prefect marks PREFECT__SERVER_EPHEMERAL) sleeps 25 s before it
-    starts, no startup timeout in the environment; the run gets through to its flow, which
-    refuses the job at once (this test holds the job's storage lease), not a timeout. The
-    terminal gets that reason and the log file's path, no traceback."""
+    server's process (the one Prefect marks PREFECT__SERVER_EPHEMERAL) sleeps 21 s before it
+    starts (past the 20 s by itself, on any machine), no startup timeout in the environment;
+    the run gets through to its flow, which refuses the job at once (this test holds the job's
+    storage lease), not a timeout. The terminal gets that reason and the log file's path, no
+    traceback."""
     from parashift.storage import ObjectStore
     from parashift.storage.lease import JobLease
 
     hooks = tmp_path / "hooks"
     hooks.mkdir()
     (hooks / "sitecustomize.py").write_text(
-        "import os, time\nif os.environ.get('PREFECT__SERVER_EPHEMERAL') == '1':\n    time.sleep(25)\n")
+        "import os, time\nif os.environ.get('PREFECT__SERVER_EPHEMERAL') == '1':\n    time.sleep(21)\n")
     spec = tmp_path / "job.yaml"
     spec.write_text("name: slow-api\nmodel: {n_layers: 1, d_model: 32, n_heads: 2, seq_len: 32}\n"
                     f"data: {{max_bytes: 100000}}\nstorage: {{url: 'file://{tmp_path}/store'}}\n")

@@ -28,7 +28,7 @@ from parashift.storage import open_store
 from test_elastic_events import wait_for
 from test_metrics_board import scalars
 
-from parashift.commands.serve import REPO, deploy_all, stop_group
+from parashift.commands.serve import REPO, deploy_all, start_worker, stop_group
 
 pytestmark = pytest.mark.slow
 
@@ -81,9 +81,7 @@ def test_a_pool_shares_devices_exactly_and_survives_its_controller_killed(prefec
         return out
 
     reference = concurrent.futures.ThreadPoolExecutor(1).submit(static_losses)
-    worker = subprocess.Popen([sys.executable, "-m", "prefect", "worker", "start", "--pool", "parashift"], cwd=REPO,
-                              env=env, stdout=open(tmp_path / "worker.log", "ab"), stderr=subprocess.STDOUT,  # noqa: SIM115
-                              start_new_session=True)
+    worker = start_worker("parashift", env, tmp_path / "worker.log")
     controllers: list[subprocess.Popen[bytes]] = []
     state_store = open_store(pool.storage)
 
