@@ -8,6 +8,7 @@ import os
 import re
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -112,7 +113,7 @@ def test_readme_run_command_trains_the_default_spec(tmp_path: Path) -> None:
     assert committed == ["00000040", "00000060"]
 
 
-def test_the_embedded_api_may_start_slower_than_prefects_default(tmp_path: Path) -> None:
+def test_the_embedded_api_may_start_slower_than_prefects_default(tmp_path: Path, prefect_home: Callable[[Path], Path]) -> None:
     """On a busy machine Prefect's ephemeral API took over its default 20 s to answer, and the
     first `parashift run` failed "Timed out while attempting to connect". Simulated here: the API
     server's process (the one Prefect marks PREFECT__SERVER_EPHEMERAL) sleeps 21 s before it
@@ -132,7 +133,7 @@ def test_the_embedded_api_may_start_slower_than_prefects_default(tmp_path: Path)
                     f"data: {{max_bytes: 100000}}\nstorage: {{url: 'file://{tmp_path}/store'}}\n")
     env = {k: v for k, v in os.environ.items()
            if not k.startswith("PREFECT_API") and k != "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"}
-    env["PREFECT_HOME"] = str(tmp_path / "prefect-home")
+    env["PREFECT_HOME"] = str(prefect_home(tmp_path / "prefect-home"))
     env["PYTHONPATH"] = os.pathsep.join([str(hooks), *filter(None, [env.get("PYTHONPATH")])])
     lease = JobLease(ObjectStore(f"file://{tmp_path}/store"), "slow-api", ttl_s=600)
     lease.acquire()
@@ -182,7 +183,7 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def test_sigterm_stops_parashift_run_at_a_committed_step_and_leaves_nothing_running(tmp_path: Path) -> None:
+def test_sigterm_stops_parashift_run_at_a_committed_step_and_leaves_nothing_running(tmp_path: Path, prefect_home: Callable[[Path], Path]) -> None:
     """A process manager's `kill PID` on `parashift run` (embedded Prefect API): the workers
     stop at a step boundary, the step is committed, and no process it started outlives it
     (workers, torchrun, the temporary Prefect server)."""
@@ -200,7 +201,7 @@ def test_sigterm_stops_parashift_run_at_a_committed_step_and_leaves_nothing_runn
         f"storage: {{url: 'file://{tmp_path}/store'}}\n"
     )
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API")}
-    env["PREFECT_HOME"] = str(tmp_path / "prefect-home")
+    env["PREFECT_HOME"] = str(prefect_home(tmp_path / "prefect-home"))
     parashift = str(Path(sys.executable).with_name("parashift"))
     running = subprocess.Popen([parashift, "run", str(spec)], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
@@ -226,7 +227,7 @@ def test_sigterm_stops_parashift_run_at_a_committed_step_and_leaves_nothing_runn
     assert not [pid for pid in seen if _alive(pid)], "processes outlived parashift run"
 
 
-def test_a_killed_parashift_run_does_not_block_the_next(tmp_path: Path) -> None:
+def test_a_killed_parashift_run_does_not_block_the_next(tmp_path: Path, prefect_home: Callable[[Path], Path]) -> None:
     """`kill -9` of `parashift run` and everything it started (embedded Prefect API): nothing
     is left to release its storage lease or its Prefect slot, yet the next run resumes from the
     last commit within 90 s (its lease's holder is seen gone from this machine; the slot it held
@@ -241,7 +242,7 @@ def test_a_killed_parashift_run_does_not_block_the_next(tmp_path: Path) -> None:
             f"storage: {{{{url: 'file://{tmp_path}/store'}}}}\n")
     spec.write_text(body.format(steps=100000))
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API")}
-    env["PREFECT_HOME"] = str(tmp_path / "prefect-home")  # one embedded API database for both runs
+    env["PREFECT_HOME"] = str(prefect_home(tmp_path / "prefect-home"))  # one embedded API database for both runs
     parashift = str(Path(sys.executable).with_name("parashift"))
     running = subprocess.Popen([parashift, "run", str(spec)], cwd=tmp_path, env=env, stdout=subprocess.DEVNULL,
                                stderr=subprocess.DEVNULL, start_new_session=True)

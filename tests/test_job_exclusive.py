@@ -136,7 +136,9 @@ def test_two_prefect_databases_sharing_one_store_train_the_job_once(where: str, 
                     f"checkpoint_every: 10, log_every: 1}}\nstorage: {storage}\n")
     spec = load_spec(path)
     embedded = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API")}
-    envs = [{**embedded, "PREFECT_HOME": str(tmp_path / "home-a")}, {**embedded, "PREFECT_HOME": str(tmp_path / "home-b")}]
+    seeded = request.getfixturevalue("prefect_home")  # each a database of its own
+    envs = [{**embedded, "PREFECT_HOME": str(seeded(tmp_path / "home-a"))},
+            {**embedded, "PREFECT_HOME": str(seeded(tmp_path / "home-b"))}]
     second_server = None
     if where == "s3":
         from prefect.settings import PREFECT_API_URL
@@ -145,7 +147,7 @@ def test_two_prefect_databases_sharing_one_store_train_the_job_once(where: str, 
 
         request.getfixturevalue("prefect_server")
         envs[0] = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value(), "PREFECT_HOME": str(tmp_path / "home-a")}
-        second_server, url = start_prefect_server({**embedded, "PREFECT_HOME": str(tmp_path / "server-b")})
+        second_server, url = start_prefect_server({**embedded, "PREFECT_HOME": str(seeded(tmp_path / "server-b"))})
         envs[1] = {**envs[1], "PREFECT_API_URL": url}
     parashift = str(Path(sys.executable).with_name("parashift"))
     runs = [subprocess.Popen([parashift, "run", str(path)], cwd=tmp_path, env=env, stdout=subprocess.PIPE,

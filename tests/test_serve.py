@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -129,9 +130,10 @@ def use_the_ui(base: str, api: str, deployment: str, store: Path) -> None:
         browser.close()
 
 
-def test_serve_deploys_everything_runs_from_the_ui_and_stops_cleanly(tmp_path: Path) -> None:
+def test_serve_deploys_everything_runs_from_the_ui_and_stops_cleanly(tmp_path: Path,
+                                                                   prefect_home: Callable[[Path], Path]) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API")}
-    env["PREFECT_HOME"] = str(tmp_path / "home")
+    env["PREFECT_HOME"] = str(prefect_home(tmp_path / "home"))
     parashift = str(Path(sys.executable).with_name("parashift"))
     serve = subprocess.Popen([parashift, "serve", "--port", "0"], env=env, stdout=subprocess.PIPE,
                              stderr=subprocess.STDOUT, text=True)
