@@ -1,6 +1,6 @@
 """train_job: a job spec in, a trained and checkpointed model out.
 
-    validate -> preflight -> profile -> until the job is done: plan -> launch (its reshard view once it trains) -> ask the policy, act -> report
+    validate -> preflight -> profile -> until the job is done: plan -> launch (what the UI shows of it once it trains) -> ask the policy, act -> report
 
 The job follows its resource events while it runs: a change of the device count (or, across
 nodes, of the node set) stops the workers at a step boundary, and the next launch re-plans and
@@ -13,6 +13,9 @@ the elastic policy's (`specs.elastic.decide`); this flow asks it and acts.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
+from functools import partial
+from typing import Any
 
 from parashift.launcher.interrupts import signals_stop_training
 from parashift.specs import JobSpec
@@ -32,10 +35,10 @@ from parashift.tasks.profile import profile_model
 from parashift.tasks.records import ModelSummary, SegmentResult, TrainSummary, failed_segments
 from parashift.tasks.recovery import TrainingFailed, announce_change
 from parashift.tasks.report import publish_report
-from parashift.tasks.reshard import ReshardView
+from parashift.tasks.reshard import plan_reshard
 from parashift.tasks.validate import validate_spec
+from parashift.tasks.views import OnceTrained
 from prefect import flow
-from prefect.futures import PrefectFuture
 from prefect.logging import get_run_logger
 from prefect.states import Completed
 
@@ -84,19 +87,17 @@ def _train(spec: JobSpec, lease: JobLease | None = None) -> TrainSummary:
             here = spec if job.nodes is None else spec.on_nodes(job.nodes)  # the nodes of this segment
             node_watch.now_on(job.nodes)  # a node of the spec that left is taken back once its worker is
             scripted = spec.scripted_change_after(job.step)
-            model, plan, published = _plan(spec, job, profiles, ahead, segments)
+            model, plan, show_plan = _plan(spec, job, profiles, ahead, segments)
             held = segments[-1].final_step if segments and segments[-1].held_unsaved else None
-            tagged = tag_devices(job.devices)  # beside the launch
-            # What the workers read, shown once they train; in a pool: its devices (its nodes'), held while they run.
-            with ReshardView(here, plan, held) as reshard, pool_devices(here, job.devices):
+            # What the UI shows of the segment (what its workers read, its device tag, its plan
+            # where made ahead), once they train; in a pool: its devices (its nodes'), held while they run.
+            views = [partial(plan_reshard.submit, here, plan, held), partial(tag_devices, job.devices), *show_plan]
+            with OnceTrained(*views) as shown, pool_devices(here, job.devices):
                 launched = launch_training(here, plan, scripted.at_step if scripted else None, resources, progress,
-                                           job, ahead, reshard.trained, return_state=True)  # Failed when the workers failed: the policy decides
-            tagged.join()
-            if published is not None:
-                published.wait()
-            shown = reshard.result()
-            if isinstance(shown, BaseException):  # the workers' own reads decide the segment, not this view
-                logger.warning("%s: the reshard view of %d devices failed: %s", spec.job_id, job.devices, shown)
+                                           job, ahead, shown.trained, return_state=True)  # Failed when the workers failed: the policy decides
+            reads = next(iter(shown.results()), None)
+            if isinstance(reads, BaseException):  # the workers' own reads decide the segment, not this view
+                logger.warning("%s: the reshard view of %d devices failed: %s", spec.job_id, job.devices, reads)
             segment = segment_of(launched)
             segments.append(segment)
             decision = decide(spec, job, SegmentEnded(segment, scripted, resources.newest_after(job.epoch)))
@@ -117,21 +118,22 @@ def _train(spec: JobSpec, lease: JobLease | None = None) -> TrainSummary:
 
 
 def _plan(spec: JobSpec, job: JobState, profiles: dict[int, ModelSummary], ahead: PlansAhead,
-          segments: list[SegmentResult]) -> tuple[ModelSummary, Plan, PrefectFuture[None] | None]:
-    """The segment's plan: taken from the plans made ahead where this count was (published beside
-    the launch), else profiled and planned now. Also the model's summary on this count."""
+          segments: list[SegmentResult]) -> tuple[ModelSummary, Plan, list[Callable[[], Any]]]:
+    """The segment's plan: taken from the plans made ahead where this count was (then also its
+    publication, to be made once the segment trains), else profiled, planned and published now.
+    Also the model's summary on this count."""
     measured = [s.restore_bytes_per_s for s in segments if s.restore_bytes_per_s]
     bandwidth = measured[-1] if measured else None
     prepared = ahead.take(job.devices) if segments else None
     if prepared is not None:
         profiles[job.devices] = prepared.model
         plan, choice = finish_plan(spec, prepared, job.step, bandwidth)
-        return prepared.model, plan, publish_plan.submit(spec, prepared, plan, job.step, choice)
+        return prepared.model, plan, [partial(publish_plan.submit, spec, prepared, plan, job.step, choice)]
     if job.devices not in profiles:  # the core share on this count; collectives measured once (cached in storage)
         first = profiles[spec.resources.devices].profile_key
         profiles[job.devices] = profile_model(spec.on_devices(job.devices), comm_from=first)
     model = profiles[job.devices]
-    return model, plan_parallelism(spec, model, job.devices, job.step, bandwidth), None
+    return model, plan_parallelism(spec, model, job.devices, job.step, bandwidth), []
 
 
 def _act(spec: JobSpec, job: JobState, decision: Decision, resources: ResourceWatcher) -> JobState:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextvars
 import re
 import threading
 import time
@@ -73,21 +72,15 @@ def tag_this_run(tags: list[str]) -> None:
 _tagging = threading.Lock()  # read-modify-write of the run's tags: one at a time
 
 
-def tag_devices(devices: int) -> threading.Thread:
+def tag_devices(devices: int) -> None:
     """The run's tags follow the job onto each new device count (`devices:2`, `devices:3`): the
     UI's filter finds the run under every count it trained on, not just the first. Two API
-    calls (~30 ms): made beside the launch, not before it (the thread is returned for tests to
-    join). A tag that cannot be set is said and never stops training."""
+    calls (~30 ms; made once the segment trains, `tasks.views`). A tag that cannot be set is
+    said and never stops training."""
+    try:
+        with _tagging:
+            tag_this_run([device_tag(devices)])
+    except Exception as error:  # noqa: BLE001 - a tag never stops training
+        from prefect.logging import get_run_logger
 
-    def tag() -> None:
-        try:
-            with _tagging:
-                tag_this_run([device_tag(devices)])
-        except Exception as error:  # noqa: BLE001 - a tag never stops training
-            from prefect.logging import get_run_logger
-
-            get_run_logger().warning("could not tag the run with %s: %s", device_tag(devices), error)
-
-    thread = threading.Thread(target=contextvars.copy_context().run, args=(tag,), name="parashift-tag", daemon=True)
-    thread.start()
-    return thread
+        get_run_logger().warning("could not tag the run with %s: %s", device_tag(devices), error)

@@ -1,13 +1,10 @@
 """plan_reshard: what the workers of a plan read from the newest checkpoint (ReconfigPlan),
-published as a table artifact; `ReshardView`, that task run for a segment once its workers
-train; `job_reshard_plan`, the same reads for the planner's options and the `reshard-plan`
-command."""
+published as a table artifact (for a segment: once its workers train, `tasks.views`);
+`job_reshard_plan`, the same reads for the planner's options and the `reshard-plan` command."""
 
 from __future__ import annotations
 
-import contextvars
-import threading
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from parashift.specs import JobSpec
 from parashift.specs.plan import Plan
@@ -79,49 +76,3 @@ def plan_reshard(spec: JobSpec, plan: Plan, held_step: int | None = None) -> Res
                      f"{summary.bytes_local:,} from the node-local tier"),
     )
     return summary
-
-
-class ReshardView:
-    """A segment's `plan_reshard`, submitted once its workers have trained their first step
-    (`trained`, set by the launch), or once the segment has ended without one; none where the
-    launch raised (the `with` block). The view is for the record: computed during a change,
-    its ~0.1-0.3 s of CPU (the 293 MB trace's layout) went to the starting workers, or held
-    the flow's GIL before the launch.
-
-        with ReshardView(spec, plan, held) as view:
-            launch_training(..., trained=view.trained)
-        shown = view.result()
-    """
-
-    def __init__(self, spec: JobSpec, plan: Plan, held_step: int | None) -> None:
-        self.trained = threading.Event()
-        self._wanted = True
-        self._future: Any = None
-        self._error: BaseException | None = None
-        run = contextvars.copy_context().run  # the flow run's context: the task is this run's
-        self._thread = threading.Thread(target=run, args=(self._submit, spec, plan, held_step),
-                                        name="parashift-reshard-view", daemon=True)
-        self._thread.start()
-
-    def __enter__(self) -> ReshardView:
-        return self
-
-    def __exit__(self, kind: type[BaseException] | None, *_: object) -> None:
-        self._wanted = kind is None  # the launch raised: no view, and the thread ends
-        self.trained.set()
-        self._thread.join()
-
-    def _submit(self, spec: JobSpec, plan: Plan, held_step: int | None) -> None:
-        self.trained.wait()
-        if not self._wanted:
-            return
-        try:
-            self._future = plan_reshard.submit(spec, plan, held_step)
-        except Exception as error:  # noqa: BLE001 - a view never stops training: the flow says it
-            self._error = error
-
-    def result(self) -> ReshardSummary | BaseException | None:
-        """The view (its task run's result, or the error it failed with), waited for."""
-        if self._future is None:
-            return self._error
-        return self._future.result(raise_on_failure=False)
