@@ -24,7 +24,7 @@ from parashift.launcher.warm_pool import WarmPool
 from parashift.specs import JobSpec
 from parashift.specs.elastic import JobState, Replan, ResourceEvent, decide, likely_counts, segment_outcome
 from parashift.specs.plan import Plan
-from parashift.storage import JobPaths, open_store
+from parashift.storage import JobPaths, StorageError, open_store
 from parashift.tasks import progress
 from parashift.tasks.artifacts import TrainingProgress
 from parashift.tasks.credentials import environment, storage_environment
@@ -128,6 +128,16 @@ class _SegmentWatch:
             with environment(self.credentials):
                 self.store.put_json(self.stop_key, said)
 
+    def asked_to_stop(self) -> bool:
+        """Whether the stop object asks the job to stop (`parashift stop`, a pool's preemption):
+        one that names no next device count. A change's own names one."""
+        with environment(self.credentials):
+            try:
+                said = self.store.get_json(self.stop_key)
+            except (StorageError, OSError):  # none (the change's was a signal alone), or unreadable
+                return False
+        return not (isinstance(said, dict) and "devices" in said)
+
     def stop_for(self, change: ResourceEvent) -> None:
         decision = decide(self.spec, self.job, change)
         if not isinstance(decision, Replan):
@@ -191,11 +201,13 @@ def _segment_result(spec: JobSpec, plan: Plan, job: JobState, result: LaunchResu
     # segment resumes there, not at the last commit (`trainer.checkpoint.live`).
     held = max((e.step for e in result.of(HeldEvent)), default=None)
     held = held if held is not None and held > (last_commit if last_commit is not None else start_step) else None
+    held_for_change = any(e.pending for e in result.of(StoppedEvent))  # warm workers kept their last step for it
     outcome, reason, final_step = segment_outcome(
         start_step=start_step, ended_at=result.final_step, stopped=result.stopped, returncode=result.returncode,
         committed_step=held if held is not None else last_commit, fatal=fatal.message if fatal else None,
         left_nodes=left, failure=failure_reason(result, lines),
-        stopped_for=decide(spec, job, pending) if pending is not None else None)
+        stopped_for=decide(spec, job, pending) if pending is not None else None,
+        held_for_change=held_for_change and not watch.asked_to_stop())
     if outcome == "fatal":
         logger.error("%s", reason)
     elif outcome == "failed" and held is not None:
@@ -226,7 +238,7 @@ def _segment_result(spec: JobSpec, plan: Plan, job: JobState, result: LaunchResu
         mesh=dict(plan.mesh),
         first_step_at=watch.stepped[0] if watch.stepped else None,
         last_step_at=watch.stepped[-1] if watch.stepped else None,
-        held_unsaved=(outcome != "failed" and any(e.pending for e in result.of(StoppedEvent)))
+        held_unsaved=(outcome != "failed" and held_for_change)
         or (outcome == "failed" and held is not None),
     )
 

@@ -448,18 +448,21 @@ def test_warm_workers_outlive_a_change_and_replace_a_killed_rank(prefect_server:
     assert_as_static(summary, static_losses, spec, tmp_path / "samples")
 
 
+@pytest.mark.parametrize("last", [1, 2], ids=["to-one", "back-to-two"])
 def test_an_event_in_the_middle_of_a_warm_change_ends_on_the_newest_count(prefect_server: None, tmp_path: Path,
                                                                          monkeypatch: pytest.MonkeyPatch,
-                                                                         static_warm: dict[int, float]) -> None:
-    """An event (to 3 devices) stops the warm workers; a second one (to 1 device) arrives as
-    they stop, while the flow re-plans. Whether the 3-device segment runs at all depends on
-    when the second is heard; either way the job ends on 1 device from a consistent state:
-    every step's loss equals the static run's, every sample of each epoch trained once."""
+                                                                         static_warm: dict[int, float], last: int) -> None:
+    """An event (to 3 devices) stops the warm workers of a 2-device job; a second one (to 1
+    device, or back to 2, as a pool that changes its mind does) arrives as they stop, while the
+    flow re-plans. Whether the 3-device segment runs at all depends on when the second is heard;
+    either way the job ends on the newest count from a consistent state, the step the workers
+    held for the change kept: every step's loss equals the static run's, every sample of each
+    epoch trained once."""
     from parashift.tasks.events import ResourceEvent, emit_resource_change
     from parashift.trainer.events import StoppedEvent
 
     monkeypatch.setenv("PARASHIFT_SAMPLE_LOG", str(tmp_path / "samples"))
-    spec = tiny_spec("warm-mid-change", f"file://{tmp_path}/warm", training={**LONG, "checkpoint_every": 5},
+    spec = tiny_spec(f"warm-mid-change-{last}", f"file://{tmp_path}/warm", training={**LONG, "checkpoint_every": 5},
                      resources={"warm_workers": True})
     starts: list[StartEvent] = []
 
@@ -469,11 +472,11 @@ def test_an_event_in_the_middle_of_a_warm_change_ends_on_the_newest_count(prefec
         elif isinstance(event, StepEvent) and len(starts) == 1 and event.step == starts[0].step + 3:
             emit_resource_change(spec.job_id, ResourceEvent(devices=3, epoch=10))
         elif isinstance(event, StoppedEvent) and len(starts) == 1:  # the change is under way
-            emit_resource_change(spec.job_id, ResourceEvent(devices=1, epoch=20))
+            emit_resource_change(spec.job_id, ResourceEvent(devices=last, epoch=20))
 
     summary = run_flow(spec, WorkerEvents(react)).result()
     shape = [(s.devices, s.outcome) for s in summary.segments]
-    assert shape in ([(2, "rescaled"), (1, "finished")], [(2, "rescaled"), (3, "rescaled"), (1, "finished")]), shape
+    assert shape in ([(2, "rescaled"), (last, "finished")], [(2, "rescaled"), (3, "rescaled"), (last, "finished")]), shape
     for before, after in itertools.pairwise(summary.segments):
         assert after.start_step == before.final_step  # each resumed exactly where the last committed
     assert_as_static(summary, static_warm, spec, tmp_path / "samples")

@@ -96,6 +96,8 @@ def test_a_pool_shares_devices_exactly_and_survives_its_controller_killed(prefec
         wait_for(lambda: state().jobs.get("long-gpt") and state().jobs["long-gpt"].measured_step_s,
                  "the first job to step", 240)
         wait_for(lambda: state().jobs["broken-data"].status == "failed", "the broken job to fail for good", 120)
+        # the first job takes the freed device and steps on both before the second arrives
+        wait_for(lambda: 2 in state().jobs["long-gpt"].measured_step_s, "the first job to step on 2 devices", 120)
         assert cli("submit", str(tmp_path / "short-llama.yaml"), "--pool", str(tmp_path / "pool.yaml"), env=env).wait() == 0
         wait_for(lambda: (job := state().jobs.get("short-llama")) and job.flow_run_id, "the second job to start", 120)
         os.killpg(controllers[-1].pid, signal.SIGKILL)  # mid-trace: its runs go on without it
