@@ -91,7 +91,11 @@ def _train(spec: JobSpec, lease: JobLease | None = None) -> TrainSummary:
             held = segments[-1].final_step if segments and segments[-1].held_unsaved else None
             # What the UI shows of the segment (what its workers read, its device tag, its plan
             # where made ahead), once they train; in a pool: its devices (its nodes'), held while they run.
-            views = [partial(plan_reshard.submit, here, plan, held), partial(tag_devices, job.devices), *show_plan]
+            # After the first segment the flow knows the step its workers restore (a view made
+            # once they train may find newer commits); the first restores the newest there is.
+            restored = job.step if segments else None
+            views = [partial(plan_reshard.submit, here, plan, held, restored), partial(tag_devices, job.devices),
+                     *show_plan]
             with OnceTrained(*views) as shown, pool_devices(here, job.devices):
                 launched = launch_training(here, plan, scripted.at_step if scripted else None, resources, progress,
                                            job, ahead, shown.trained, return_state=True)  # Failed when the workers failed: the policy decides

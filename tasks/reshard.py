@@ -21,12 +21,15 @@ if TYPE_CHECKING:
     from parashift.ptc.reconfig import ReconfigPlan
 
 
-def job_reshard_plan(spec: JobSpec, plan: Plan, held_step: int | None = None) -> ReconfigPlan | None:
-    """What the job's workers under `plan` would read from its newest checkpoint, from
-    node-local tiers and from the store; None when nothing is committed yet. The job's Layout
-    comes from the trainer (a model on the meta device); the reads from its manifest alone
-    (`ptc.reshard_plan`: no process group, no torch.distributed runtime). `held_step`: a step
-    the warm workers hold, not saved: its pending manifest is what they restore, from memory."""
+def job_reshard_plan(spec: JobSpec, plan: Plan, held_step: int | None = None,
+                     step: int | None = None) -> ReconfigPlan | None:
+    """What the job's workers under `plan` would read from its newest checkpoint (or the one of
+    `step`), from node-local tiers and from the store; None when nothing is committed yet. The
+    job's Layout comes from the trainer (a model on the meta device); the reads from its
+    manifest alone (`ptc.reshard_plan`: no process group, no torch.distributed runtime).
+    `held_step`: a step the warm workers hold, not saved: its pending manifest is what they
+    restore, from memory. `step`: the committed step a segment restored (a view made once it
+    trains: by then it may have committed newer ones)."""
     import torch
     from parashift.ptc import reshard_plan
     from parashift.storage import CheckpointNotFound, MalformedManifest
@@ -36,22 +39,29 @@ def job_reshard_plan(spec: JobSpec, plan: Plan, held_step: int | None = None) ->
     tier = node_tier(spec.storage.local_tier, "local") if nodes is None or spec.storage.local_tier else None
     layout = state_layout(plan, spec.model, rng_state_bytes(torch.device(spec.resources.kind)))
     store = job_store(spec)
-    pending = None
+    pending = committed = None
     if held_step is not None:
         try:
             pending = store.parse_manifest(held_step, store.read_pending_bytes(held_step))
         except (CheckpointNotFound, MalformedManifest):  # the workers fall back to the newest commit too
             pending = None
-    return reshard_plan(store, layout, manifest=pending, tier=tier if pending is None else None, nodes=nodes)
+    elif step is not None:
+        try:
+            committed = store.load_manifest(step)
+        except (CheckpointNotFound, MalformedManifest):  # nothing there (a fresh start): nothing was read
+            return None
+    return reshard_plan(store, layout, manifest=pending or committed, tier=tier if pending is None else None,
+                        nodes=nodes)
 
 
 @task(name="plan-reshard", retries=2, retry_delay_seconds=2, retry_condition_fn=retry_if_it_may_help)
-def plan_reshard(spec: JobSpec, plan: Plan, held_step: int | None = None) -> ReshardSummary | None:
+def plan_reshard(spec: JobSpec, plan: Plan, held_step: int | None = None,
+                 step: int | None = None) -> ReshardSummary | None:
     """Compute (without starting anything) each new rank's reads from the newest committed
-    checkpoint (or the pending manifest of `held_step`, which warm workers hold); None when
-    there is none, or when `held_step` has no pending manifest yet (a failure's survivors hold
-    it). The workers then execute exactly these reads (those a live rank holds from
-    its memory)."""
+    checkpoint (or the one of `step`, or the pending manifest of `held_step`, which warm
+    workers hold); None when there is none, or when `held_step` has no pending manifest yet (a
+    failure's survivors hold it). The workers then execute exactly these reads (those a live
+    rank holds from its memory)."""
     with environment(storage_environment(spec)):
         if held_step is not None and held_step not in job_store(spec).pending_steps():
             # Held by the survivors of a failure: nothing describes that step until the next
@@ -59,7 +69,7 @@ def plan_reshard(spec: JobSpec, plan: Plan, held_step: int | None = None) -> Res
             get_run_logger().info("step %d is held whole in the surviving workers' memory: the next segment "
                                   "describes it and restores it from there", held_step)
             return None
-        reconfig = job_reshard_plan(spec, plan, held_step)
+        reconfig = job_reshard_plan(spec, plan, held_step, step)
     if reconfig is None:
         return None
     totals = reconfig.totals()
