@@ -453,6 +453,12 @@ class MetricsSpec(_Section):
         True, description="Write TensorBoard event files to the job's storage under jobs/{job}/metrics/ "
                           "(`tensorboard --logdir` on that folder, or a copy of it).",
     )
+    wandb: bool = Field(
+        False, description="Also record to Weights & Biases in offline mode (needs `pip install parashift[wandb]`; "
+                           "no account or network): each segment's .wandb file goes to jobs/{job}/metrics/wandb/, "
+                           "for `wandb sync` later.",
+    )
+    wandb_project: str = Field("parashift", min_length=1, description="The W&B project the offline runs belong to.")
 
 
 class StorageSpec(_Section):

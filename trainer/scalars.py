@@ -12,6 +12,11 @@ MFU divides the model's training FLOPs per token (PaLM's 6N + attention, the fam
 `flops_per_token`) at the measured tokens/s, per device, by the device's peak: a GPU's dense
 bf16 (or fp32) rate from the table below by name, or on CPU the GEMM rate the job's profile
 measured (`Plan.device_peak_flops`).
+
+Optionally (`metrics.wandb`) the same scalars go to Weights & Biases in offline mode, as
+torchtitan offers: no account and no network while training; each segment is one offline run
+(grouped by job) whose `.wandb` file is copied to `jobs/{job}/metrics/wandb/`, and
+`wandb sync <that file or folder>` uploads it later.
 """
 
 from __future__ import annotations
@@ -81,23 +86,68 @@ class _Uploader:
         self._thread.join(timeout=30)
 
 
+class _TensorBoard:
+    """TensorBoard's own writer into a local folder; each flush copies the event file to the store."""
+
+    def __init__(self, store: Any, job_id: str, first_step: int) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        self._folder = tempfile.TemporaryDirectory(prefix="parashift-metrics-")
+        self._writer = SummaryWriter(self._folder.name, filename_suffix=f".from-step-{first_step:08d}")
+        path = Path(self._writer.file_writer.event_writer._file_name)
+        self._uploader = _Uploader(store, f"jobs/{job_id}/metrics/{path.name}", path)
+
+    def record(self, step: int, values: dict[str, float]) -> None:
+        for name, value in values.items():
+            self._writer.add_scalar(name, value, step)
+        self._writer.flush()
+        self._uploader.request()
+
+    def close(self) -> None:
+        self._writer.close()
+        self._uploader.close()
+        self._folder.cleanup()
+
+
+class _WandB:
+    """An offline W&B run per segment (grouped by job, named by its first step); its `.wandb`
+    file is copied to the store as it grows and once more when the run is finished."""
+
+    def __init__(self, store: Any, job_id: str, project: str, first_step: int, config: dict[str, Any]) -> None:
+        import wandb  # optional (`pip install parashift[wandb]`); imported only where asked for
+
+        self._folder = tempfile.TemporaryDirectory(prefix="parashift-wandb-")
+        # Offline: nothing leaves the machine; git and system sampling off (a rank's time is the job's).
+        settings = wandb.Settings(mode="offline", silent=True, console="off", disable_git=True, x_disable_stats=True)
+        self._run = wandb.init(project=project, group=job_id, job_type="train", name=f"{job_id}-from-step-{first_step}",
+                               dir=self._folder.name, config=config, settings=settings)
+        log = Path(self._run.dir).parent / f"run-{self._run.id}.wandb"  # beside files/: the run's transaction log
+        self._uploader = _Uploader(store, f"jobs/{job_id}/metrics/wandb/{log.parent.name}/{log.name}", log)
+
+    def record(self, step: int, values: dict[str, float]) -> None:
+        self._run.log(values, step=step)
+        self._uploader.request()
+
+    def close(self) -> None:
+        self._run.finish()
+        self._uploader.close()
+        self._folder.cleanup()
+
+
 class Metrics:
     """Rank 0's metrics for one segment of a job. `record` once per logged step; `close` at the end."""
 
     def __init__(self, store: Any, job_id: str, flops_per_token: float, world_size: int, device: torch.device,
                  precision: str, measured_peak_flops: float | None, tensorboard: bool = True,
-                 first_step: int = 0) -> None:
+                 first_step: int = 0, wandb_project: str | None = None) -> None:
         self.flops_per_token, self.world_size, self.device = flops_per_token, world_size, device
         self.peak = peak_flops(device, precision, measured_peak_flops)
-        self._writer = None
-        self._uploader: _Uploader | None = None
+        self._sinks: list[_TensorBoard | _WandB] = []
         if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self._folder = tempfile.TemporaryDirectory(prefix="parashift-metrics-")
-            self._writer = SummaryWriter(self._folder.name, filename_suffix=f".from-step-{first_step:08d}")
-            path = Path(self._writer.file_writer.event_writer._file_name)
-            self._uploader = _Uploader(store, f"jobs/{job_id}/metrics/{path.name}", path)
+            self._sinks.append(_TensorBoard(store, job_id, first_step))
+        if wandb_project is not None:
+            config = {"job": job_id, "devices": world_size, "first_step": first_step, "precision": precision}
+            self._sinks.append(_WandB(store, job_id, wandb_project, first_step, config))
 
     def numbers(self, tokens_per_s: float) -> dict[str, float | None]:
         """TFLOP/s and MFU per device at a job-wide `tokens_per_s`, and this rank's memory."""
@@ -107,18 +157,11 @@ class Metrics:
 
     def record(self, step: int, values: dict[str, float | None]) -> None:
         """Write one logged step's scalars (None values are left out) and start their upload."""
-        if self._writer is None:
-            return
-        for name, value in values.items():
-            if value is not None:
-                self._writer.add_scalar(name, value, step)
-        self._writer.flush()
-        assert self._uploader is not None
-        self._uploader.request()
+        present = {name: value for name, value in values.items() if value is not None}
+        for sink in self._sinks:
+            sink.record(step, present)
 
     def close(self) -> None:
-        if self._writer is not None and self._uploader is not None:
-            self._writer.close()
-            self._uploader.close()
-            self._folder.cleanup()
-            self._writer = None
+        for sink in self._sinks:
+            sink.close()
+        self._sinks = []

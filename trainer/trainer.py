@@ -210,7 +210,7 @@ class Trainer:
         if rank == 0:
             self.board = Metrics(store, spec.job_id, flops_per_token, self.world_size, self.device,
                                  spec.parallelism.precision, plan.device_peak_flops, spec.metrics.tensorboard,
-                                 resumed.step)
+                                 resumed.step, spec.metrics.wandb_project if spec.metrics.wandb else None)
 
     # -- train ------------------------------------------------------------------------------
 
