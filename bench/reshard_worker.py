@@ -41,8 +41,7 @@ def build(plan: Plan, spec: JobSpec) -> tuple[torch.nn.Module, LocalShardAdamW]:
     mesh = dims.build_mesh("cpu")
     coords = Coordinates.of(mesh, dims)
     family = family_of(spec.model)
-    with torch.device("meta"):
-        model = family.build(spec.model)
+    model = family.build_on_meta(spec.model)
     n_layers = spec.model.n_layers
     module = build_stage(model, family, plan, n_layers, coords.pp_rank) if dims.pp > 1 else model
     parallelize(module, family, plan, mesh, plan.tp_regions(n_layers), torch.device("cpu"))

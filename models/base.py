@@ -14,6 +14,25 @@ import torch
 from parashift.models.layers import box_index
 from parashift.models.sharding import ShardingTable
 from torch import nn
+from torch.overrides import TorchFunctionMode
+
+# In-place fills a module's default initialisation calls (`nn.init.*`, `Tensor.normal_` ...).
+_FILLS = frozenset({"normal_", "uniform_", "trunc_normal_", "kaiming_uniform_", "kaiming_normal_", "xavier_uniform_",
+                    "xavier_normal_", "orthogonal_", "ones_", "zeros_", "constant_", "fill_", "zero_"})
+
+
+class _NoFillsOnMeta(TorchFunctionMode):
+    """Skips in-place fills of meta tensors: there is nothing to fill, and meta's kernels for the
+    random ones import torch._dynamo (0.9 s of CPU measured) in processes that never need it
+    otherwise: the flow's, which builds models on meta to count and place their parameters."""
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if getattr(func, "__name__", None) in _FILLS:
+            target = args[0] if args else kwargs.get("tensor")
+            if isinstance(target, torch.Tensor) and target.is_meta:
+                return target
+        return func(*args, **kwargs)
 
 
 class ModelFamily:
@@ -31,6 +50,11 @@ class ModelFamily:
         """The whole model on the current default device (the meta device builds no memory);
         parameters uninitialised where the device is meta."""
         raise NotImplementedError
+
+    def build_on_meta(self, spec: Any) -> nn.Module:
+        """`build` on the meta device: shapes, names and dtypes, no memory, no initialisation."""
+        with torch.device("meta"), _NoFillsOnMeta():
+            return self.build(spec)
 
     def initial_value(self, spec: Any, name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
         """Parameter `name`'s initial value, whole, on the CPU: the same under every plan."""

@@ -52,11 +52,9 @@ def profile_key(spec: JobSpec) -> str:
 
 def exact_parameter_count(spec: JobSpec) -> tuple[int, int]:
     """Parameters and training FLOPs per token of the model the workers build (on the meta device)."""
-    import torch
 
     family = family_of(spec.model)
-    with torch.device("meta"):
-        model = family.build(spec.model)
+    model = family.build_on_meta(spec.model)
     params = sum(p.numel() for p in model.parameters())
     return params, family.flops_per_token(spec.model, params)
 

@@ -212,6 +212,27 @@ def test_gpt_and_llama_workers_never_import_transformers() -> None:
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
 
 
+def test_the_flow_counts_and_places_parameters_without_torchs_compiler() -> None:
+    """The flow's process builds GPT and Llama models on the meta device (parameters counted,
+    the state's layout): meta's random fills would import torch._dynamo (0.9 s of CPU per
+    `parashift run`), so the build skips them, and gives the shapes a filled build gives."""
+    import subprocess
+    import sys
+
+    code = ("import sys, torch; from parashift.specs import load_spec; from parashift.specs.plan import Plan; "
+            "from parashift.tasks.profile import exact_parameter_count; "
+            "from parashift.trainer.layout import parameter_placements; from parashift.models import family_of; "
+            "s = load_spec('specs/default.yaml'); n, _ = exact_parameter_count(s); "
+            "places = parameter_placements(Plan.fully_sharded(2), s.model); "
+            "assert 'torch._dynamo' not in sys.modules, 'imported'; "
+            "m = family_of(s.model).build(s.model); "
+            "assert n == sum(p.numel() for p in m.parameters()); "
+            "assert {k: tuple(p.shape) for k, p in m.named_parameters()} == {k: p.shape for k, p in places.items()}; "
+            "print('ok')")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert out.stdout.strip() == "ok", out.stdout + out.stderr
+
+
 STORES = ("ObjectStore", "CheckpointStore")
 
 

@@ -85,8 +85,7 @@ def build(spec: JobSpec, plan: Plan, dims: ParallelDims, coords: Coordinates, me
     (trainer.memory_probe's FakeTensorMode: the model must be built outside it)."""
     m = spec.model
     family = family_of(m)
-    with torch.device("meta"):
-        model = family.build(m)
+    model = family.build_on_meta(m)
     n_params = sum(p.numel() for p in model.parameters())
     n_layers = len(list(family.layers(model)))
     regions = plan.tp_regions(n_layers)

@@ -29,8 +29,7 @@ def parameter_placements(plan: Plan, model_spec: Any) -> dict[str, TensorPlaceme
     """Where each parameter of the model a spec's `model:` section describes lives under
     `plan`, by parameter name (built on the meta device: no memory, no processes)."""
     family = family_of(model_spec)
-    with torch.device("meta"):
-        model = family.build(model_spec)
+    model = family.build_on_meta(model_spec)
     names = [name for name, _ in model.named_parameters()]
     table = family.sharding
     n_layers = len(list(family.layers(model)))

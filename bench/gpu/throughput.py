@@ -152,8 +152,7 @@ def main() -> None:
                       global_batch=spec.training.global_batch, compile=spec.parallelism.compile)
         trainer = trainer_rates(spec, warmup)
         plain_none = plain_llama(spec, device, warmup)
-        with torch.device("meta"):
-            params = sum(p.numel() for p in family_of(spec.model).build(spec.model).parameters())
+        params = sum(p.numel() for p in family_of(spec.model).build_on_meta(spec.model).parameters())
         report(fields, spec, params, trainer, plain_none, peak)
     free_cuda()
     with case(PART, "llama-1b-selective") as fields:
