@@ -314,7 +314,7 @@ def _after_failure(spec: JobSpec, job: JobState, failed: Segment) -> Decision:
 def segment_outcome(*, start_step: int, ended_at: int | None, stopped: bool, returncode: int,
                     committed_step: int | None = None, fatal: str | None = None, left_nodes: Sequence[str] = (),
                     failure: str = "", stopped_for: Decision | None = None,
-                    held_for_change: bool = False) -> tuple[Outcome, str | None, int]:
+                    stopped_for_change: bool = False) -> tuple[Outcome, str | None, int]:
     """How a segment ended: (outcome, reason, the last committed step).
 
     `ended_at`: the step of the workers' `finished` or `stopped` report (None: they sent none);
@@ -323,10 +323,11 @@ def segment_outcome(*, start_step: int, ended_at: int | None, stopped: bool, ret
     `committed_step`: their last checkpoint; `fatal`: the error no retry can fix they reported;
     `left_nodes`: nodes that left; `failure`: what killed them, from torchrun's summary;
     `stopped_for`: the policy's decision on the newest event heard while they ran;
-    `held_for_change`: they stopped for a change, holding their last step in memory for it,
-    and nobody asked the job to stop. Such a segment was rescaled even where a newer event has
-    taken the change back (the job goes on where it runs, from the step held): ending the job
-    there would lose that step.
+    `stopped_for_change`: they stopped for a change (holding their last step in memory for it,
+    or at a step that committed on schedule), and nobody asked the job to stop. Such a segment
+    was rescaled even where a newer event has taken the change back (the job goes on where it
+    runs, from the step it stopped at): ending the job there would lose a held step, and stop
+    a job nobody asked to stop.
     A failed segment's steps after its last checkpoint are trained again."""
     if fatal is not None:
         return "fatal", fatal, start_step
@@ -336,7 +337,7 @@ def segment_outcome(*, start_step: int, ended_at: int | None, stopped: bool, ret
         return "failed", failure, committed_step if committed_step is not None else start_step
     if stopped and isinstance(stopped_for, Replan):
         return "rescaled", stopped_for.why, ended_at
-    if stopped and held_for_change:
+    if stopped and stopped_for_change:
         return "rescaled", "the change it stopped for was taken back by a newer one", ended_at
     return ("stopped" if stopped else "finished"), None, ended_at
 

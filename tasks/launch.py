@@ -109,6 +109,7 @@ class _SegmentWatch:
             self.stop_key = JobPaths(spec.job_id).stop()
             self.store.delete(self.stop_key)  # a stop request belongs to the run it stopped
         self.workers = RunningWorkers()
+        self.changing = False  # stopped for a change of device count on this node (`stop` with devices)
         self.stepped: list[float] = []  # when the first and the newest step were heard, as they were reported
         self.relay = WorkerLog(logger.log, spec.training.steps)
         self.output = OutputTail(self.relay)  # every line to the run log; the last ones for a failure's reason
@@ -121,6 +122,7 @@ class _SegmentWatch:
         said = {"reason": reason, "requested_at": datetime.now(UTC).isoformat()}
         if devices is not None:
             said["devices"] = devices
+            self.changing = True
             with environment(self.credentials):
                 self.store.put_json(self.stop_key, said)
         self.workers.request_stop()
@@ -207,7 +209,7 @@ def _segment_result(spec: JobSpec, plan: Plan, job: JobState, result: LaunchResu
         committed_step=held if held is not None else last_commit, fatal=fatal.message if fatal else None,
         left_nodes=left, failure=failure_reason(result, lines),
         stopped_for=decide(spec, job, pending) if pending is not None else None,
-        held_for_change=held_for_change and not watch.asked_to_stop())
+        stopped_for_change=(held_for_change or watch.changing) and not watch.asked_to_stop())
     if outcome == "fatal":
         logger.error("%s", reason)
     elif outcome == "failed" and held is not None:

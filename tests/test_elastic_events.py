@@ -448,21 +448,25 @@ def test_warm_workers_outlive_a_change_and_replace_a_killed_rank(prefect_server:
     assert_as_static(summary, static_losses, spec, tmp_path / "samples")
 
 
-@pytest.mark.parametrize("last", [1, 2], ids=["to-one", "back-to-two"])
+@pytest.mark.parametrize(("last", "every"), [(1, 5), (2, 5), (2, 1)],
+                         ids=["to-one", "back-to-two", "back-to-two-at-a-commit"])
 def test_an_event_in_the_middle_of_a_warm_change_ends_on_the_newest_count(prefect_server: None, tmp_path: Path,
                                                                          monkeypatch: pytest.MonkeyPatch,
-                                                                         static_warm: dict[int, float], last: int) -> None:
+                                                                         static_warm: dict[int, float], last: int,
+                                                                         every: int) -> None:
     """An event (to 3 devices) stops the warm workers of a 2-device job; a second one (to 1
     device, or back to 2, as a pool that changes its mind does) arrives as they stop, while the
     flow re-plans. Whether the 3-device segment runs at all depends on when the second is heard;
     either way the job ends on the newest count from a consistent state, the step the workers
     held for the change kept: every step's loss equals the static run's, every sample of each
-    epoch trained once."""
+    epoch trained once. `every` 1: the workers stop at a step that commits on schedule, rather
+    than hold it for the change (a stop on such a step once ended the job as if asked to stop)."""
     from parashift.tasks.events import ResourceEvent, emit_resource_change
     from parashift.trainer.events import StoppedEvent
 
     monkeypatch.setenv("PARASHIFT_SAMPLE_LOG", str(tmp_path / "samples"))
-    spec = tiny_spec(f"warm-mid-change-{last}", f"file://{tmp_path}/warm", training={**LONG, "checkpoint_every": 5},
+    spec = tiny_spec(f"warm-mid-change-{last}-{every}", f"file://{tmp_path}/warm",
+                     training={**LONG, "checkpoint_every": every},
                      resources={"warm_workers": True})
     starts: list[StartEvent] = []
 
@@ -473,6 +477,8 @@ def test_an_event_in_the_middle_of_a_warm_change_ends_on_the_newest_count(prefec
             emit_resource_change(spec.job_id, ResourceEvent(devices=3, epoch=10))
         elif isinstance(event, StoppedEvent) and len(starts) == 1:  # the change is under way
             emit_resource_change(spec.job_id, ResourceEvent(devices=last, epoch=20))
+            if every == 1:  # the segment ends after the flow has heard it (its events wait for this listener)
+                time.sleep(2)
 
     summary = run_flow(spec, WorkerEvents(react)).result()
     shape = [(s.devices, s.outcome) for s in summary.segments]

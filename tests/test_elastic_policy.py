@@ -253,9 +253,10 @@ def test_segment_outcomes() -> None:
     assert segment_outcome(**common, ended_at=7, stopped=True, stopped_for=replan) == (
         "rescaled", "scale: 2 devices -> 3 devices", 7)
     assert segment_outcome(**common, ended_at=7, stopped=True, stopped_for=Ignore("same")) == ("stopped", None, 7)
-    # warm workers held step 7 for a change that a newer event took back: the job goes on from it
-    # (a pool told it 2 -> 3 and at once 3 -> 2), not stopped with that step lost
-    taken_back = segment_outcome(**common, ended_at=7, stopped=True, stopped_for=Ignore("same"), held_for_change=True)
+    # workers that stopped for a change (warm ones holding step 7 for it, or any at a scheduled
+    # commit) that a newer event took back: the job goes on from step 7 (a pool told it 2 -> 3
+    # and at once 3 -> 2), neither stopped nor that step lost
+    taken_back = segment_outcome(**common, ended_at=7, stopped=True, stopped_for=Ignore("same"), stopped_for_change=True)
     assert taken_back[0] == "rescaled" and taken_back[2] == 7
     assert segment_outcome(**common, ended_at=None, stopped=False, fatal="no usable checkpoint") == (
         "fatal", "no usable checkpoint", 4)
