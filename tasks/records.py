@@ -92,6 +92,7 @@ class TrainSummary(BaseModel):
     checkpoint_url: str | None
     mfu: float | None = None
     metrics_url: str | None = None
+    wandb_url: str | None = Field(None, description="the job's offline W&B runs (metrics.wandb), for `wandb sync`")
     eval_loss: float | None = Field(None, description="the newest held-out loss (training.eval_every)")
     eval_step: int | None = None
     segments: list[SegmentResult]

@@ -36,6 +36,7 @@ def summarize(spec: JobSpec, segments: list[SegmentResult]) -> TrainSummary:
     evals = [item for seg in segments for item in seg.eval_losses]
     if not losses and segments and segments[-1].resumed_loss is not None:
         losses = [segments[-1].resumed_loss]  # nothing left to train: report the committed state
+    metrics = open_store(spec.storage).url_for(JobPaths(spec.job_id).job_key("metrics"))
     return TrainSummary(
         job_id=spec.job_id,
         steps=segments[-1].final_step if segments else 0,
@@ -46,8 +47,8 @@ def summarize(spec: JobSpec, segments: list[SegmentResult]) -> TrainSummary:
         mfu=mfus[-1] if mfus else None,
         eval_loss=evals[-1][1] if evals else None,
         eval_step=evals[-1][0] if evals else None,
-        metrics_url=open_store(spec.storage).url_for(JobPaths(spec.job_id).job_key("metrics")) if spec.metrics.tensorboard
-        else None,
+        metrics_url=metrics if spec.metrics.tensorboard else None,
+        wandb_url=f"{metrics}/wandb" if spec.metrics.wandb else None,
         segments=segments,
     )
 
@@ -72,6 +73,7 @@ def summary_markdown(summary: TrainSummary, model: ModelSummary) -> str:
         f"| held-out loss (perplexity) | {fmt(summary.eval_loss, '.4f')} ({fmt(summary.eval_perplexity, '.2f')})"
         f"{f' at step {summary.eval_step}' if summary.eval_step else ''} |",
         f"| TensorBoard | {summary.metrics_url or 'off'} |",
+        *([f"| W&B (offline runs, `wandb sync`) | {summary.wandb_url} |"] if summary.wandb_url else []),
         f"| last checkpoint | {summary.checkpoint_url or 'none'} |",
         f"| segments | {len(summary.segments)}{f', {len(summary.failures)} failed' if summary.failures else ''} |",
         "",

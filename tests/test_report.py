@@ -44,3 +44,9 @@ def test_each_change_shows_why_the_plans_and_its_downtime() -> None:
     markdown = summary_markdown(recovered(), MODEL)
     assert ("| 1 | failed: rank 1 killed by signal 9 (torchrun exited with 1) | 3 devices (dp 3) → 2 devices (dp 2) "
             "| 2.25 |") in markdown, markdown
+
+
+def test_the_summary_says_where_the_offline_wandb_runs_are() -> None:
+    assert "W&B" not in summary_markdown(recovered(), MODEL)
+    summary = TrainSummary(**{**recovered().model_dump(), "wandb_url": "s3://bucket/jobs/job/metrics/wandb"})
+    assert "| W&B (offline runs, `wandb sync`) | s3://bucket/jobs/job/metrics/wandb |" in summary_markdown(summary, MODEL)

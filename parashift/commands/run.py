@@ -115,5 +115,9 @@ def run(
         console.print(f"  plan          {' -> '.join(dict.fromkeys(plans))}")
     if summary.metrics_url:
         console.print(f"  metrics       tensorboard --logdir {summary.metrics_url}")
+    if summary.wandb_url:  # wandb reads local files: a store elsewhere is copied first
+        where = summary.wandb_url.removeprefix("file://")
+        console.print(f"  wandb         wandb sync {where}" if where != summary.wandb_url else
+                      f"  wandb         copy {summary.wandb_url} here, then `wandb sync` it")
     console.print(f"  checkpoint    {summary.checkpoint_url}")
     console.print(f"  log           {log_path}")
