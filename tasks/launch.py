@@ -209,7 +209,7 @@ def _segment_result(spec: JobSpec, plan: Plan, job: JobState, result: LaunchResu
         committed_step=held if held is not None else last_commit, fatal=fatal.message if fatal else None,
         left_nodes=left, failure=failure_reason(result, lines),
         stopped_for=decide(spec, job, pending) if pending is not None else None,
-        stopped_for_change=(held_for_change or watch.changing) and not watch.asked_to_stop())
+        stopped_for_change=watch.changing and not watch.asked_to_stop())  # (warm workers hold a step only then)
     if outcome == "fatal":
         logger.error("%s", reason)
     elif outcome == "failed" and held is not None:

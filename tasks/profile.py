@@ -52,7 +52,6 @@ def profile_key(spec: JobSpec) -> str:
 
 def exact_parameter_count(spec: JobSpec) -> tuple[int, int]:
     """Parameters and training FLOPs per token of the model the workers build (on the meta device)."""
-
     family = family_of(spec.model)
     model = family.build_on_meta(spec.model)
     params = sum(p.numel() for p in model.parameters())
