@@ -44,6 +44,7 @@ RANDOM_ORDERS_UP_TO = 2000
 # Eliminations whose full table (dependents x own configurations) is larger run in slices of
 # the first dependent, so the working set stays in cache and under ~32 MiB.
 CHUNK = 1 << 22
+INT16_MAX = int(np.iinfo(np.int16).max)
 
 
 @dataclass
@@ -72,7 +73,7 @@ Domains = dict[int, tuple[int, ...]]
 def _combine(factors: list[Factor], scope: tuple[int, ...], card: list[int]) -> np.ndarray:
     """Sum of the factors broadcast over `scope`."""
     shape = tuple(card[v] for v in scope)
-    size = int(np.prod(shape, dtype=np.float64))
+    size = prod(shape)  # math.prod: exact, and no numpy call per table (the DP makes thousands of small ones)
     if size > MAX_TABLE * 4:
         raise MemoryError(f"a table of {size:,} entries (scope {len(scope)} ops) exceeds {MAX_TABLE * 4:,}")
     pos = {v: i for i, v in enumerate(scope)}
@@ -204,14 +205,16 @@ def _fix(f: Factor, u: int, i: int) -> Factor:
 
 def _min_over(group: list[Factor], dep: tuple[int, ...], v: int, card: list[int]) -> tuple[np.ndarray, np.ndarray]:
     """min and argmin over v of the sum of `group`, as tables over `dep` (sliced when large)."""
-    full = float(np.prod([card[u] for u in (*dep, v)], dtype=np.float64))
+    full = prod(card[u] for u in (*dep, v))
     if full <= CHUNK or not dep:
         acc = _combine(group, (*dep, v), card)
         arg = acc.argmin(axis=-1)
         # Kept until the back-substitution, one per eliminated op: the smallest integers that hold
         # a configuration index (a 5,000-op graph keeps thousands of these tables).
-        kept = arg.astype(np.int16 if card[v] <= np.iinfo(np.int16).max else np.int32)
-        return np.take_along_axis(acc, arg[..., None], axis=-1)[..., 0], kept
+        kept = arg.astype(np.int16 if card[v] <= INT16_MAX else np.int32)
+        # The minimum is the entry argmin points at, bit for bit: min() reads it without building
+        # an index array per table (take_along_axis's overhead dominated small tables).
+        return acc.min(axis=-1), kept
     if full / card[v] > MAX_TABLE:
         raise MemoryError(f"a dependent-set table of {full / card[v]:,.0f} entries exceeds {MAX_TABLE:,}")
     u = dep[0]

@@ -30,6 +30,9 @@ from test_flow import read_artifact
 
 # A job long enough that an event emitted at its 3rd step arrives long before its end.
 LONG = {"steps": 400, "checkpoint_every": 50, "log_every": 1}
+# A job whose fault is dealt by a listener at an early step (12 at most): long enough for the
+# listener to hear that step late (6 steps on a loaded machine), with no event to wait for.
+FAULTED = {**LONG, "steps": 60}
 
 
 def wait_for(condition: Callable[[], Any], what: str, timeout_s: float = 60.0) -> Any:
@@ -239,13 +242,13 @@ def test_a_killed_worker_is_a_failure_the_job_recovers_from(prefect_server: None
     """kill -9 of one of three workers: the job resumes from its last committed checkpoint on
     the two devices left, completes, and the run log says what happened."""
     monkeypatch.setenv("PARASHIFT_SAMPLE_LOG", str(tmp_path / "samples"))
-    spec = tiny_spec("killed-rank", f"file://{tmp_path}/store", training={**LONG, "checkpoint_every": 5},
-                     resources={"devices": 3}, data={"max_bytes": 20_000})  # 624 samples an epoch: 5 epochs
+    spec = tiny_spec("killed-rank", f"file://{tmp_path}/store", training={**FAULTED, "checkpoint_every": 5},
+                     resources={"devices": 3}, data={"max_bytes": 5_000})  # 156 samples an epoch: 3 epochs
     kill = SignalRank(rank=1, step=12, sig=signal.SIGKILL)
     state = run_flow(spec, kill)
     summary = state.result()
     # the steps after the last committed one were trained twice (the kill undid them): the resumed segment's count, once
-    assert_each_sample_once(tmp_path / "samples", summary.segments, LONG["steps"], (20_000 - 1) // 32, 8)
+    assert_each_sample_once(tmp_path / "samples", summary.segments, FAULTED["steps"], (5_000 - 1) // 32, 8)
     assert kill.signalled
     assert [(s.devices, s.outcome) for s in summary.segments] == [(3, "failed"), (2, "finished")]
     failed, resumed = summary.segments
@@ -254,7 +257,7 @@ def test_a_killed_worker_is_a_failure_the_job_recovers_from(prefect_server: None
     at = failed.final_step
     assert resumed.start_step == at >= 10 and at % 5 == 0
     assert "rank 1 killed by signal 9" in (failed.reason or "")
-    assert resumed.final_step == LONG["steps"]
+    assert resumed.final_step == FAULTED["steps"]
     log = run_log(state, "worker failure on 3 devices")
     assert any("rank 1 killed by signal 9" in m and f"resuming from step {at} on 2 devices" in m for m in log), log[-20:]
     # The run says what happened: the launch that died is a Failed task run (the flow recovered
@@ -265,7 +268,7 @@ def test_a_killed_worker_is_a_failure_the_job_recovers_from(prefect_server: None
     assert {"devices:3", "devices:2"} <= set(run_tags(state))
     markdown = read_artifact("killed-rank-summary").data
     assert f"| 1 | 3 | dp 3 | 0→{at} | **failed**: rank 1 killed by signal 9" in markdown, markdown
-    assert f"| 2 | 2 | dp 2 | {at}→400 | finished |" in markdown
+    assert f"| 2 | 2 | dp 2 | {at}→{FAULTED['steps']} | finished |" in markdown
     records = run_records(state, f"segment 1 (3 devices, steps 0→{at}) failed: rank 1 killed by signal 9")
     # torchrun's traceback and failure summary: one ERROR record, not a record per line.
     reports = [(level, m) for level, m in records if "Traceback (most recent call last)" in m]
@@ -281,7 +284,7 @@ def test_a_hung_worker_is_a_failure_the_job_recovers_from(prefect_server: None, 
     (warm workers: the hung job's processes are ended and replaced)."""
     # a job of its own per case: the session's Prefect server would replay one case's failure event to the other
     spec = tiny_spec(f"hung-rank-{'warm' if warm else 'torchrun'}", f"file://{tmp_path}/store",
-                     training={**LONG, "checkpoint_every": 5, "hang_timeout_s": 5}, resources={"devices": 3, "warm_workers": warm})
+                     training={**FAULTED, "checkpoint_every": 5, "hang_timeout_s": 5}, resources={"devices": 3, "warm_workers": warm})
     # Frozen once step 5's checkpoint is committed: a save in flight needs every rank (a tiny
     # model's steps take ~16 ms, so on a loaded machine rank 2 could freeze before it commits).
     freeze = SignalRank(rank=2, step=7, sig=signal.SIGSTOP, after_commit=5)
@@ -294,13 +297,13 @@ def test_a_hung_worker_is_a_failure_the_job_recovers_from(prefect_server: None, 
     # from its last committed step: 5, or a later one where the listener heard step 7 late (the
     # workers train on while the launcher relays their output: 6 steps ahead on a loaded machine)
     assert resumed.start_step == failed.final_step >= 5 and failed.final_step % 5 == 0
-    assert summary.steps == LONG["steps"]
+    assert summary.steps == FAULTED["steps"]
 
 
 def test_a_job_that_cannot_make_progress_fails_with_the_reason(prefect_server: None, tmp_path: Path) -> None:
     """A worker killed before any checkpoint, in every segment: after two failures without a
     new committed step the flow run fails and says why."""
-    spec = tiny_spec("doomed", f"file://{tmp_path}/store", training=LONG)
+    spec = tiny_spec("doomed", f"file://{tmp_path}/store", training=FAULTED)
     state = run_flow(spec, SignalRank(rank=0, step=2, sig=signal.SIGKILL, every_segment=True))
     assert state.is_failed()
     assert "cannot make progress: two failures in a row without a new checkpoint" in (state.message or "")
