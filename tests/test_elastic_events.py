@@ -33,6 +33,9 @@ LONG = {"steps": 400, "checkpoint_every": 50, "log_every": 1}
 # A job whose fault is dealt by a listener at an early step (12 at most): long enough for the
 # listener to hear that step late (6 steps on a loaded machine), with no event to wait for.
 FAULTED = {**LONG, "steps": 60}
+# The warm tests' jobs: an event at a segment's 3rd step, heard within a second or two (the
+# change to 3 devices of a 40-step job is heard in time, tests below), long before the end.
+WARM = {**LONG, "steps": 150}
 
 
 def wait_for(condition: Callable[[], Any], what: str, timeout_s: float = 60.0) -> Any:
@@ -321,9 +324,9 @@ def assert_as_static(summary: Any, static_losses: dict[int, float], spec: JobSpe
 
 @pytest.fixture(scope="module")
 def static_warm(prefect_server: None, tmp_path_factory: pytest.TempPathFactory) -> dict[int, float]:
-    """The losses of LONG on 2 devices, unchanged: the warm tests' reference."""
+    """The losses of WARM on 2 devices, unchanged: the warm tests' reference."""
     store = tmp_path_factory.mktemp("static-warm")
-    static = run_flow(tiny_spec("static-warm", f"file://{store}", training=LONG), lambda e: None).result()
+    static = run_flow(tiny_spec("static-warm", f"file://{store}", training=WARM), lambda e: None).result()
     return dict(static.segments[0].losses)
 
 
@@ -388,7 +391,7 @@ def test_warm_workers_outlive_a_change_and_replace_a_killed_rank(prefect_server:
     # While state moves, no checkpoint is committed yet (the first is at step 50): the change is
     # a planned one, and the step it stops at is held in memory, not saved.
     spec = tiny_spec(f"warm-{kill}", f"file://{tmp_path}/warm",
-                     training={**LONG, "checkpoint_every": 5 if kill == "training" else 50},
+                     training={**WARM, "checkpoint_every": 5 if kill == "training" else 50},
                      resources={"warm_workers": True})
     starts: list[StartEvent] = []
 
@@ -465,11 +468,11 @@ def test_an_event_in_the_middle_of_a_warm_change_ends_on_the_newest_count(prefec
     held for the change kept: every step's loss equals the static run's, every sample of each
     epoch trained once. `every` 1: the workers stop at a step that commits on schedule, rather
     than hold it for the change (a stop on such a step once ended the job as if asked to stop);
-    40 steps then, against a static run of its own (a commit per step of 400 costs 7 s)."""
+    40 steps then, against a static run of its own (a commit per step of 150 costs 3 s)."""
     from parashift.tasks.events import ResourceEvent, emit_resource_change
     from parashift.trainer.events import StoppedEvent
 
-    training = {**LONG, "checkpoint_every": every, **({"steps": 40} if every == 1 else {})}
+    training = {**WARM, "checkpoint_every": every, **({"steps": 40} if every == 1 else {})}
     static = static_warm if every != 1 else {e.step: e.loss for e in run(
         tiny_spec("static-every-step", f"file://{tmp_path}/static", training=training), Plan.data_parallel(2)).steps}
     monkeypatch.setenv("PARASHIFT_SAMPLE_LOG", str(tmp_path / "samples"))
