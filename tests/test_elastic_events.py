@@ -28,14 +28,14 @@ from parashift.specs.plan import Plan
 from parashift.trainer.events import CheckpointEvent, StartEvent, StepEvent, WorkerEvent
 from test_flow import read_artifact
 
-# A job long enough that an event emitted at its 3rd step arrives long before its end.
-LONG = {"steps": 400, "checkpoint_every": 50, "log_every": 1}
+# A job long enough that an event emitted at a segment's 3rd step arrives long before its end:
+# heard within a second or two (the change to 3 devices of a 40-step job is heard in time, below).
+LONG = {"steps": 150, "checkpoint_every": 50, "log_every": 1}
 # A job whose fault is dealt by a listener at an early step (12 at most): long enough for the
 # listener to hear that step late (6 steps on a loaded machine), with no event to wait for.
 FAULTED = {**LONG, "steps": 60}
-# The warm tests' jobs: an event at a segment's 3rd step, heard within a second or two (the
-# change to 3 devices of a 40-step job is heard in time, tests below), long before the end.
-WARM = {**LONG, "steps": 150}
+# Two events, each 3 steps into a segment, and more than one epoch of the prepared corpus (~1,000 samples).
+RESCALED = {**LONG, "steps": 200}
 
 
 def wait_for(condition: Callable[[], Any], what: str, timeout_s: float = 60.0) -> Any:
@@ -202,10 +202,10 @@ def test_events_rescale_a_running_job_and_losses_match_a_static_run(prefect_serv
     from parashift.tasks.events import ResourceEvent, emit_resource_change
 
     data, vocab = prepared_corpus(tmp_path)
-    static = run_flow(tiny_spec("static-events", f"file://{tmp_path}/static", training=LONG, data=data,
+    static = run_flow(tiny_spec("static-events", f"file://{tmp_path}/static", training=RESCALED, data=data,
                                 model={"vocab_size": vocab}), lambda e: None).result()
     monkeypatch.setenv("PARASHIFT_SAMPLE_LOG", str(tmp_path / "samples"))
-    spec = tiny_spec("rescaled", f"file://{tmp_path}/rescaled", training=LONG, data=data, model={"vocab_size": vocab})
+    spec = tiny_spec("rescaled", f"file://{tmp_path}/rescaled", training=RESCALED, data=data, model={"vocab_size": vocab})
     sent: list[int] = []
 
     def react(event: WorkerEvent) -> None:
@@ -227,17 +227,17 @@ def test_events_rescale_a_running_job_and_losses_match_a_static_run(prefect_serv
     assert [(s.devices, s.outcome) for s in elastic.segments] == [(2, "rescaled"), (3, "rescaled"), (1, "finished")]
     first, second, third = elastic.segments
     assert first.start_step == 0 and sent[0] < first.final_step == second.start_step < sent[1]
-    assert second.final_step == third.start_step < third.final_step == LONG["steps"]
+    assert second.final_step == third.start_step < third.final_step == RESCALED["steps"]
     static_losses = dict(static.segments[0].losses)
     elastic_losses = dict(loss for seg in elastic.segments for loss in seg.losses)
-    assert sorted(elastic_losses) == list(range(1, LONG["steps"] + 1))
+    assert sorted(elastic_losses) == list(range(1, RESCALED["steps"] + 1))
     for step, loss in static_losses.items():
         assert elastic_losses[step] == pytest.approx(loss, rel=1e-5), f"step {step}"
     recorded = sorted(p.stem for p in (tmp_path / "rescaled/jobs/rescaled/events").glob("*.json"))
     assert [int(e) for e in recorded] == [10, 20]
     windows = (open_dataset(data["url"]).manifest.tokens - 1) // spec.model.seq_len
-    assert LONG["steps"] * spec.training.global_batch > windows  # the run crosses an epoch
-    assert_each_sample_once(tmp_path / "samples", elastic.segments, LONG["steps"], windows, spec.training.global_batch)
+    assert RESCALED["steps"] * spec.training.global_batch > windows  # the run crosses an epoch
+    assert_each_sample_once(tmp_path / "samples", elastic.segments, RESCALED["steps"], windows, spec.training.global_batch)
 
 
 def test_a_killed_worker_is_a_failure_the_job_recovers_from(prefect_server: None, tmp_path: Path,
@@ -324,9 +324,9 @@ def assert_as_static(summary: Any, static_losses: dict[int, float], spec: JobSpe
 
 @pytest.fixture(scope="module")
 def static_warm(prefect_server: None, tmp_path_factory: pytest.TempPathFactory) -> dict[int, float]:
-    """The losses of WARM on 2 devices, unchanged: the warm tests' reference."""
+    """The losses of LONG on 2 devices, unchanged: the warm tests' reference."""
     store = tmp_path_factory.mktemp("static-warm")
-    static = run_flow(tiny_spec("static-warm", f"file://{store}", training=WARM), lambda e: None).result()
+    static = run_flow(tiny_spec("static-warm", f"file://{store}", training=LONG), lambda e: None).result()
     return dict(static.segments[0].losses)
 
 
@@ -391,7 +391,7 @@ def test_warm_workers_outlive_a_change_and_replace_a_killed_rank(prefect_server:
     # While state moves, no checkpoint is committed yet (the first is at step 50): the change is
     # a planned one, and the step it stops at is held in memory, not saved.
     spec = tiny_spec(f"warm-{kill}", f"file://{tmp_path}/warm",
-                     training={**WARM, "checkpoint_every": 5 if kill == "training" else 50},
+                     training={**LONG, "checkpoint_every": 5 if kill == "training" else 50},
                      resources={"warm_workers": True})
     starts: list[StartEvent] = []
 
@@ -472,7 +472,7 @@ def test_an_event_in_the_middle_of_a_warm_change_ends_on_the_newest_count(prefec
     from parashift.tasks.events import ResourceEvent, emit_resource_change
     from parashift.trainer.events import StoppedEvent
 
-    training = {**WARM, "checkpoint_every": every, **({"steps": 40} if every == 1 else {})}
+    training = {**LONG, "checkpoint_every": every, **({"steps": 40} if every == 1 else {})}
     static = static_warm if every != 1 else {e.step: e.loss for e in run(
         tiny_spec("static-every-step", f"file://{tmp_path}/static", training=training), Plan.data_parallel(2)).steps}
     monkeypatch.setenv("PARASHIFT_SAMPLE_LOG", str(tmp_path / "samples"))
