@@ -5,7 +5,7 @@
   logits (fp32, 1e-5).
 - Every kind of Plan the GPT runs (dp, tp 2/4 with sequence parallelism and a vocab-parallel
   head, pp 2, FSDP, HSDP, pp x tp, pp x FSDP held) gives the single process's loss at each of
-  20 steps; checkpoints move exactly between them; an elastic 2 -> 3 -> 1 run with tp and dp
+  the first 10 of its 20 steps, and its state there; checkpoints move exactly between them; an elastic 2 -> 3 -> 1 run with tp and dp
   changing equals the static run at every step.
 - A checkpoint trained under tp 2 x dp 2, exported with `parashift export`, loads into
   `transformers.AutoModelForCausalLM.from_pretrained` with the logits parashift computes.
@@ -29,6 +29,7 @@ from parashift.specs.plan import Plan
 MODEL = {"family": "llama", "n_layers": 2, "d_model": 48, "n_heads": 8, "n_kv_heads": 4, "ffn_dim": 80,
          "vocab_size": 256, "seq_len": 24, "rope_theta": 500000.0}
 TRAINING = {"global_batch": 8, "micro_batch": 4, "steps": 20, "seed": 7, "checkpoint_every": 10}
+HALF = 10  # each plan trains the job's first half (stopped there: the reference's schedule)
 LLAMA = family("llama")
 
 
@@ -153,22 +154,24 @@ PLANS = {
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """One process, no parallelism: the losses and final state every plan must reproduce."""
+def reference(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[float], dict[str, torch.Tensor],
+                                                              dict[str, torch.Tensor]]:
+    """One process, no parallelism: the losses, the final state and the state at step HALF
+    every plan must reproduce."""
     spec = llama_spec("reference", tmp_path_factory.mktemp("reference"))
     result = run(spec, Plan.data_parallel(1))
     losses = [e.loss for e in result.steps]
     assert len(losses) == 20 and losses[-1] < losses[0] - 0.3
-    return losses, final_state(spec)
+    return losses, final_state(spec), final_state(spec, step=HALF)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(PLANS))
 def test_plan_matches_single_process(name: str, reference, tmp_path: Path) -> None:
-    expected_losses, expected_state = reference
+    expected_losses, _, expected_state = reference
     spec = llama_spec(name, tmp_path)
-    result = run(spec, PLANS[name]())
-    assert result.final_step == 20
+    result = run(spec, PLANS[name](), until_step=HALF)
+    assert result.final_step == HALF
     assert_losses_match(result, expected_losses)
     assert_state_matches(final_state(spec), expected_state, noise_only=())
     if name == "dp2xtp2":  # exported, then loaded by transformers: parashift's logits
@@ -234,7 +237,7 @@ def test_checkpoints_move_exactly_between_llama_plans(tmp_path: Path) -> None:
 def test_elastic_two_three_one_equals_the_static_run(reference, tmp_path: Path) -> None:
     """tp 2 on 2 devices -> dp 3 -> one device, resuming each time from the last checkpoint:
     the single process's loss at every step."""
-    expected_losses, expected_state = reference
+    expected_losses, expected_state, _ = reference
     spec = llama_spec("elastic", tmp_path)
     segments = [(mesh_plan({"tp": 2}), 7), (Plan.data_parallel(3), 14), (Plan.data_parallel(1), None)]
     for i, (plan, until) in enumerate(segments):
