@@ -302,11 +302,11 @@ def test_a_hung_worker_is_a_failure_the_job_recovers_from(prefect_server: None, 
     # workers train on while the launcher relays their output: 6 steps ahead on a loaded machine);
     # warm survivors that completed a later step with the frozen rank may hold it whole, and the
     # job resumes there where they serve the next segment (where they are replaced, from the commit)
-    start = resumed.start_step
+    start, url = resumed.start_step, resumed.resumed_from_url or ""
     assert 5 <= start <= failed.final_step
-    if "/ckpt/pending/" in (resumed.resumed_from_url or ""):
+    if "/ckpt/pending/" in url:
         assert warm and failed.held_unsaved and start == failed.final_step
-        assert (resumed.resumed_from_url or "").endswith(f"/ckpt/pending/{start:08d}.json")
+        assert url.endswith(f"/ckpt/pending/{start:08d}.json")
     else:
         assert start % 5 == 0
     assert summary.steps == FAULTED["steps"]

@@ -5,8 +5,8 @@
   logits (fp32, 1e-5).
 - Every kind of Plan the GPT runs (dp, tp 2/4 with sequence parallelism and a vocab-parallel
   head, pp 2, FSDP, HSDP, pp x tp, pp x FSDP held) gives the single process's loss at each of
-  the first 10 of its 20 steps, and its state there; checkpoints move exactly between them; an elastic 2 -> 3 -> 1 run with tp and dp
-  changing equals the static run at every step.
+  the first 10 of its 20 steps, and its state there; checkpoints move exactly between them; an
+  elastic 2 -> 3 -> 1 run with tp and dp changing equals the static run at every step.
 - A checkpoint trained under tp 2 x dp 2, exported with `parashift export`, loads into
   `transformers.AutoModelForCausalLM.from_pretrained` with the logits parashift computes.
 """

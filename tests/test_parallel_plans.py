@@ -1,8 +1,8 @@
 """Every kind of Plan on real gloo workers (1-4 processes) against one single-process reference:
 the loss at each of the first 10 of its 20 steps within 1e-5 relative, and the parameters and
-optimizer state there (full tensors assembled from the checkpoint) equal up to fp32 rounding. Also: a
-checkpoint saved under one plan resumes under others, and plans the trainer cannot run are
-refused before any process starts."""
+optimizer state there (full tensors assembled from the checkpoint) equal up to fp32 rounding.
+Also: a checkpoint saved under one plan resumes under others, and plans the trainer cannot run
+are refused before any process starts."""
 
 from __future__ import annotations
 
