@@ -32,6 +32,7 @@ from parashift.trainer.events import (
     CommTimingsEvent,
     FatalEvent,
     FinishedEvent,
+    HeldEvent,
     RestoringEvent,
     StartEvent,
     StepEvent,
@@ -57,10 +58,17 @@ class LaunchResult:
     hung_s: float | None = None  # set when the watchdog killed workers that reported nothing this long
     failed_rank: tuple[int, int] | None = None  # (rank, exit code; -signal) of the first rank that died, where known
     first_exited: list[int] = field(default_factory=list)  # torchrun path: the ranks seen gone first (`ExitOrder`)
+    lost_ranks: list[int] = field(default_factory=list)  # warm path: ranks whose process died (their memory with it)
 
     def of(self, kind: type[E]) -> list[E]:
         """The events of one kind, in order: `result.of(RestoringEvent)`."""
         return [e for e in self.events if isinstance(e, kind)]
+
+    def held_step(self) -> int | None:
+        """The last step a warm rank that outlived the segment holds whole (`HeldEvent`), if any.
+        A rank can say it holds a step and be ended a moment later (a hang's watchdog ends every
+        rank that has not answered): what it held went with it."""
+        return max((e.step for e in self.of(HeldEvent) if e.rank not in self.lost_ranks), default=None)
 
     @property
     def start(self) -> StartEvent | None:

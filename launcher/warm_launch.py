@@ -94,7 +94,7 @@ class _WarmSegment:
         self.tails = [_Tail(folder / f"rank{r}.{kind}") for r in range(len(ranks)) for kind in ("out", "err")]
         self.codes: dict[int, int] = {}
         self.failed_at: float | None = None  # when a rank returned an error
-        self.died: list[int] = []  # ranks whose process died (not answered)
+        self.died = self.result.lost_ranks  # ranks whose process died (not answered)
         self.output = WorkerOutput(self.result, workers, on_line, on_event)
 
     def end_pending(self) -> None:

@@ -33,7 +33,7 @@ from parashift.tasks.nodes import node_launch
 from parashift.tasks.plan import PlansAhead
 from parashift.tasks.records import SegmentResult
 from parashift.tasks.worker_log import WorkerLog
-from parashift.trainer.events import HeldEvent, StartEvent, StepEvent, StoppedEvent, WorkerEvent
+from parashift.trainer.events import StartEvent, StepEvent, StoppedEvent, WorkerEvent
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 from prefect.logging import get_run_logger
@@ -201,7 +201,7 @@ def _segment_result(spec: JobSpec, plan: Plan, job: JobState, result: LaunchResu
     last_commit = committed[-1][0] if committed else durable
     # Warm workers that survived a peer's death and hold their last step whole: the next
     # segment resumes there, not at the last commit (`trainer.checkpoint.live`).
-    held = max((e.step for e in result.of(HeldEvent)), default=None)
+    held = result.held_step()
     held = held if held is not None and held > (last_commit if last_commit is not None else start_step) else None
     held_for_change = any(e.pending for e in result.of(StoppedEvent))  # warm workers kept their last step for it
     outcome, reason, final_step = segment_outcome(

@@ -57,8 +57,8 @@ def describe(event: WorkerEvent, total_steps: int | None = None) -> str:
         case FatalEvent():
             return event.message
         case HeldEvent():
-            return (f"a peer died: this rank holds step {event.step} whole in memory "
-                    f"({event.samples_consumed:,} samples consumed); the job resumes there")
+            return (f"a peer died: rank {event.rank} holds step {event.step} whole in memory "
+                    f"({event.samples_consumed:,} samples consumed) for the job's next segment")
         case StoppedEvent() | FinishedEvent():
             return f"{event.event} at step {event.step} ({event.samples_consumed:,} samples consumed)"
     fields = ", ".join(f"{k}={v}" for k, v in event.model_dump(exclude={"event", "received_at"}).items())

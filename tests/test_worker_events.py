@@ -38,7 +38,7 @@ EVERY_KIND = [
     CheckpointStallEvent(step=9, stall_s=0.01),
     StoppedEvent(step=9, samples_consumed=72),
     FinishedEvent(step=12, samples_consumed=96),
-    HeldEvent(step=11, samples_consumed=88),
+    HeldEvent(step=11, samples_consumed=88, rank=1),
     FatalEvent(message="none of the 2 committed checkpoints fit"),
     CommTimingsEvent(timings={"group_size": 2, "all_reduce": [[16384, 1e-4]]}),
 ]
@@ -89,3 +89,14 @@ def test_a_launch_result_gives_typed_access() -> None:
     assert result.stopped and result.final_step == 12
     assert result.of(CommTimingsEvent)[0].timings["group_size"] == 2
     assert LaunchResult(returncode=1).start is None and LaunchResult(returncode=1).final_step is None
+
+
+def test_a_held_step_counts_only_from_a_rank_that_outlived_the_segment() -> None:
+    """A survivor of a peer's death can say it holds a step and be ended a moment later (a
+    hang's watchdog ends every rank that has not answered): the step went with it, and the
+    flow must not announce a resume there."""
+    said = [HeldEvent(step=8, rank=0), HeldEvent(step=8, rank=1)]
+    assert LaunchResult(returncode=-9, events=said, lost_ranks=[2]).held_step() == 8
+    assert LaunchResult(returncode=-9, events=said, lost_ranks=[1, 2]).held_step() == 8  # rank 0 still holds it
+    assert LaunchResult(returncode=-9, events=said, lost_ranks=[0, 1, 2]).held_step() is None
+    assert LaunchResult(returncode=0, events=[StepEvent(step=3, loss=2.0, step_s=0.5, tokens_per_s=1.0)]).held_step() is None

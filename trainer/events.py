@@ -115,6 +115,7 @@ class HeldEvent(_Event):
     event: Literal["held"] = "held"
     step: int
     samples_consumed: int = 0
+    rank: int | None = Field(None, description="the rank that holds it (its process must outlive the segment)")
 
 
 class FinishedEvent(_Event):
