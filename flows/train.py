@@ -26,7 +26,7 @@ from parashift.tasks.artifacts import TrainingProgress, job_tags, tag_devices, t
 from parashift.tasks.credentials import environment, storage_environment
 from parashift.tasks.events import ResourceWatcher, follow_resources
 from parashift.tasks.exclusive import one_run_per_job, one_writer_per_job
-from parashift.tasks.launch import launch_training, segment_of, warm_workers
+from parashift.tasks.launch import job_workers, launch_training, segment_of
 from parashift.tasks.node_watch import follow_nodes
 from parashift.tasks.plan import PlansAhead, finish_plan, plan_parallelism, publish_plan
 from parashift.tasks.pool_devices import pool_devices
@@ -55,7 +55,7 @@ def train_job(spec: JobSpec) -> TrainSummary:
     # One writer at a time (it prunes): the job's lease in storage first, whatever Prefect server
     # started this run; then the Prefect slot, freed if a dead run still holds it.
     with one_writer_per_job(spec) as lease, one_run_per_job(spec.job_id, storage_lease=True), \
-            signals_stop_training(), warm_workers(spec):
+            signals_stop_training(), job_workers(spec):
         summary = _train(spec, lease)
     if summary.segments and summary.segments[-1].stopped:
         return Completed(data=summary, name="Stopped",  # type: ignore[return-value]

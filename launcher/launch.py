@@ -309,6 +309,12 @@ def forkserver_env(kind: str, env: dict[str, str]) -> dict[str, str]:
         return {**threads, **server.env()}
 
 
+def start_forkserver(kind: str) -> None:
+    """Start the forkserver this process's launches of `kind` workers will fork them from (if
+    they fork), now rather than at the first launch: it imports in the background."""
+    forkserver_env(kind, worker_env(kind))
+
+
 def close_forkservers() -> None:
     with _forkservers_lock:
         servers = list(_forkservers.values())

@@ -18,7 +18,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from parashift.launcher.interrupts import stoppable
-from parashift.launcher.launch import LaunchResult, RunningWorkers
+from parashift.launcher.launch import LaunchResult, RunningWorkers, start_forkserver
 from parashift.launcher.segment import OutputTail, failure_reason, launch_segment
 from parashift.launcher.warm_pool import WarmPool
 from parashift.specs import JobSpec
@@ -40,15 +40,23 @@ from prefect.logging import get_run_logger
 from prefect.states import Failed, State
 
 # Warm workers of the jobs this process trains (resources.warm_workers), by job id: they outlive
-# each segment and are ended with the job's flow run (`close_warm_workers`).
+# each segment and are ended with the job's flow run (`job_workers`).
 _warm_pools: dict[str, WarmPool] = {}
 _warm_lock = threading.Lock()
 
 
 @contextlib.contextmanager
-def warm_workers(spec: JobSpec) -> Iterator[None]:
-    """For the duration: the job's segments on one node run on warm workers, started at the
-    first launch and ended here (where the spec asks for them)."""
+def job_workers(spec: JobSpec) -> Iterator[None]:
+    """For the duration: the processes the job's segments on this node run on, started now, so
+    that their imports (seconds of a core each) overlap what comes before the first launch (the
+    Prefect API's start, the flow's profile and plan) instead of delaying the first step: its
+    warm workers, ended here, or the forkserver its torchrun workers fork from (this process's,
+    shared by its launches). Jobs across nodes start theirs on their nodes."""
+    if spec.resources.nodes is None:
+        if spec.resources.warm_workers:
+            _warm_pool(spec, spec.resources.devices)
+        else:
+            start_forkserver(spec.resources.kind)
     try:
         yield
     finally:

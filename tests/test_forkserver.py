@@ -131,7 +131,9 @@ def test_what_the_server_cannot_serve_exactly_starts_as_its_own_interpreter(serv
 def test_training_on_forked_workers_equals_training_on_fresh_interpreters(tmp_path: Path,
                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """The same job launched through torchrun both ways: every loss, and the final parameters and
-    optimizer state, bit for bit; the forked launch's workers are its forkserver's children."""
+    optimizer state, bit for bit; the forked launch's workers are children of the forkserver
+    started ahead of it (as a flow run starts it before it profiles and plans, `job_workers`),
+    with what a flow adds to its workers' environment: no second server was started."""
     plan = mesh_plan({"dp": 2})
     forked_spec = tiny_spec("forked", f"file://{tmp_path}/a", training={"steps": 6})
     parents: list[int] = []
@@ -140,8 +142,12 @@ def test_training_on_forked_workers_equals_training_on_fresh_interpreters(tmp_pa
         if isinstance(event, launch.StartEvent):
             parents.extend(parent_of(pid) or 0 for pid in event.pids)
 
-    forked = launch.launch_workers(forked_spec, plan, on_event=on_event)
-    assert forked.returncode == 0 and set(parents) <= launch.forkserver_pids() and len(parents) == 2
+    launch.start_forkserver("cpu")
+    ahead = launch.forkserver_pids()
+    flows_env = {"AWS_ACCESS_KEY_ID": "key", "AWS_SECRET_ACCESS_KEY": "secret", "PREFECT_API_URL": "http://127.0.0.1:9/api"}
+    forked = launch.launch_workers(forked_spec, plan, on_event=on_event, extra_env=flows_env)
+    assert forked.returncode == 0 and set(parents) <= ahead and len(parents) == 2
+    assert launch.forkserver_pids() == ahead
 
     monkeypatch.setenv("PARASHIFT_FORK_WORKERS", "0")
     fresh_spec = tiny_spec("fresh", f"file://{tmp_path}/b", training={"steps": 6})
