@@ -14,7 +14,7 @@ from __future__ import annotations
 import threading
 import time
 
-from parashift.launcher.launch import LaunchResult, RunningWorkers, run_measure_comm
+from parashift.launcher.launch import LaunchResult, RunningWorkers, run_measure_comm, start_forkserver
 from parashift.launcher.segment import OutputTail, launch_segment
 from parashift.specs import JobSpec
 from parashift.specs.plan import Plan
@@ -36,6 +36,7 @@ def node_launcher(spec: JobSpec, plan: Plan, launch_id: str, nodes: list[str], n
     planner's communication model is fitted to). `job_run_id`: the job's flow run, whose log
     gets this node's worker lines too."""
     logger = get_run_logger()
+    start_forkserver(spec.resources.kind)  # its imports overlap the wait for the other nodes
     job_log = job_run_logger(job_run_id)
     credentials = storage_environment(spec)
     with environment(credentials):
