@@ -278,13 +278,8 @@ class JobLease:
             if current is not None and current.remaining_s(now) > 0 and holder_gone(current):
                 logger.warning("%s was held by %s, which no longer runs on this machine: taken over without "
                                "waiting %.0f s for it to lapse", self.url, current.holder, current.remaining_s(now))
-            elif current is not None and current.remaining_s(now) > 0:
-                left = current.remaining_s(now)
-                raise JobLeaseHeld(
-                    f"job {self.job_id} is already running: {current.holder} holds its storage lease {self.url} "
-                    f"for {left:.0f} s more unless renewed; this run trains nothing. Let that run finish, or stop it "
-                    f"with `parashift stop`, then run again (a crashed run's lease lapses by itself within "
-                    f"{current.ttl_s:.0f} s)", current, left)
+            else:
+                self._refuse_if_held(current, now)
             if current is None:
                 logger.warning("%s is not a lease (edited by hand?): taken over", self.url)
             record = self._fresh(current.generation + 1 if current is not None else 1)
@@ -294,6 +289,24 @@ class JobLease:
                 continue  # another run took it over (or renewed) first: read again
             return self._took(record, new_tag, current)
         raise StorageError(f"could not take the lease {self.url}: {MAX_TRIES} tries lost to other writers")
+
+    def _refuse_if_held(self, current: LeaseRecord | None, now: float) -> None:
+        """JobLeaseHeld where `current` is another run's live lease (its holder not seen gone)."""
+        if current is None or current.remaining_s(now) <= 0 or holder_gone(current):
+            return
+        left = current.remaining_s(now)
+        raise JobLeaseHeld(
+            f"job {self.job_id} is already running: {current.holder} holds its storage lease {self.url} "
+            f"for {left:.0f} s more unless renewed; this run trains nothing. Let that run finish, or stop it "
+            f"with `parashift stop`, then run again (a crashed run's lease lapses by itself within "
+            f"{current.ttl_s:.0f} s)", current, left)
+
+    def check_free(self) -> None:
+        """Read only: JobLeaseHeld where another run holds the lease live now, as `acquire`
+        would refuse it (a command says so before it starts anything; `acquire` still decides)."""
+        found = read_lease(self.store, self.job_id, self.key)
+        if found is not None and (found[0] is None or found[0].run_id != self.run_id):
+            self._refuse_if_held(found[0], self.clock())
 
     def _took(self, record: LeaseRecord, tag: str, previous: LeaseRecord | None) -> LeaseToken:
         with self._lock:

@@ -23,7 +23,7 @@ import logging
 from collections.abc import Iterator
 
 from parashift.specs import JobSpec
-from parashift.storage import LEASE_ENV, JobLease, open_store
+from parashift.storage import LEASE_ENV, JobLease, JobLeaseHeld, open_store
 from parashift.tasks.credentials import environment, storage_environment
 from prefect.client.orchestration import get_client
 from prefect.concurrency.sync import concurrency
@@ -65,6 +65,17 @@ def one_writer_per_job(spec: JobSpec, ttl_s: float | None = None) -> Iterator[Jo
         lease = JobLease(store, spec.job_id, **({"ttl_s": ttl_s} if ttl_s else {}))
         with lease.hold() as token, environment({LEASE_ENV: str(token)}):
             yield lease
+
+
+def running_elsewhere(spec: JobSpec) -> str | None:
+    """Why another run of the job holds its storage lease live now (as `one_writer_per_job`
+    would refuse), read without taking it; None where nothing does."""
+    with environment(storage_environment(spec)):
+        try:
+            JobLease(open_store(spec.storage), spec.job_id).check_free()
+        except JobLeaseHeld as held:
+            return str(held)
+    return None
 
 
 @contextlib.contextmanager

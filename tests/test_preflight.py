@@ -147,6 +147,31 @@ def test_validate_check_and_run_refuse_in_seconds_with_one_line_each(tmp_path: P
                          "are separate processes: use file:// (one machine) or s3://"], lines
 
 
+def test_a_second_run_of_a_running_job_is_refused_before_prefect_starts(tmp_path: Path) -> None:
+    """Another run holds the job's storage lease: `parashift run` says so in one line, in
+    seconds, before it starts a Prefect API, workers or a log (the flow's own lease still
+    decides where two runs start at once: tests/test_job_exclusive.py)."""
+    from parashift.storage import ObjectStore
+    from parashift.storage.lease import JobLease
+
+    spec = tmp_path / "job.yaml"
+    spec.write_text("name: held\nmodel: {n_layers: 1, d_model: 32, n_heads: 2, seq_len: 32}\n"
+                    f"data: {{max_bytes: 100000}}\nstorage: {{url: 'file://{tmp_path}/store'}}\n")
+    lease = JobLease(ObjectStore(f"file://{tmp_path}/store"), "held", ttl_s=600)
+    lease.acquire()
+    try:
+        started = time.monotonic()
+        done = subprocess.run([str(Path(sys.executable).with_name("parashift")), "run", str(spec)], cwd=tmp_path,
+                              capture_output=True, text=True, timeout=120)
+    finally:
+        lease.release()
+    lines = (done.stdout + done.stderr).strip().splitlines()
+    assert done.returncode == 1 and time.monotonic() - started < 30, lines
+    assert len(lines) == 1 and lines[0].startswith(f"{spec}: job held is already running: "), lines
+    assert f"holds its storage lease file://{tmp_path}/store/jobs/held/lease.json" in lines[0], lines
+    assert not (tmp_path / ".parashift").exists()  # no run log: nothing was started
+
+
 def test_preflight_failed_says_it_all_in_one_line() -> None:
     error = PreflightFailed("job", [Problem("a.b", "first"), Problem("c", "second")])
     assert str(error) == "job cannot run: a.b: first; c: second"

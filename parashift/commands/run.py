@@ -54,6 +54,13 @@ def run(
         for line in problems:
             typer.echo(line, err=True)
         raise typer.Exit(1)
+    if spec.storage.credentials_block is None:  # a second run of a running job: told before Prefect starts
+        from parashift.tasks.exclusive import running_elsewhere
+
+        held = running_elsewhere(spec)
+        if held is not None:
+            typer.echo(f"{spec_file}: {held}", err=True)
+            raise typer.Exit(1)
 
     from parashift.tasks.launch import job_workers
 
