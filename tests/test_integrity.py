@@ -157,6 +157,20 @@ def test_a_second_writer_is_refused_naming_the_holder(store: ObjectStore) -> Non
     assert JobLease(store, JOB).acquire().generation == 2
 
 
+def test_checking_a_lease_refuses_as_acquiring_would_and_takes_nothing(store: ObjectStore) -> None:
+    JobLease(store, JOB).check_free()  # no lease yet
+    first = JobLease(store, JOB)
+    first.acquire()
+    before = read_lease(store, JOB)
+    with pytest.raises(JobLeaseHeld, match=f"job {JOB} is already running"):
+        JobLease(store, JOB).check_free()
+    first.check_free()  # its own
+    JobLease(store, JOB, clock=later(61)).check_free()  # lapsed: a run would take it over
+    assert read_lease(store, JOB) == before  # read, never written
+    first.release()
+    JobLease(store, JOB).check_free()
+
+
 def test_an_expired_lease_is_taken_over_with_the_next_generation(store: ObjectStore) -> None:
     crashed = JobLease(store, JOB)
     crashed.acquire()  # and never renewed
