@@ -28,6 +28,7 @@ import math
 import mmap
 import os
 import threading
+import time
 import uuid
 from collections.abc import Iterable, Sequence
 from typing import Any, ClassVar, Protocol
@@ -606,17 +607,37 @@ def _create_local(path: str, data: bytes) -> None:
             os.unlink(tmp)
 
 
+# A replace holds its object's lock for a read and an atomic write (milliseconds). One held far
+# longer belongs to a writer paused or frozen in the middle of its replace (SIGSTOP, a suspended
+# VM): the replace waiting on it gives up as a write conflict rather than waiting forever.
+LOCK_WAIT_S = 10.0
+
+
+def _lock_exclusive(fd: int, path: str) -> None:
+    deadline = time.monotonic() + LOCK_WAIT_S
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                raise WriteConflict(f"replace {path}: another writer has held its lock for over {LOCK_WAIT_S:.0f} s "
+                                    "(paused or frozen in the middle of a replace?)") from None
+            time.sleep(0.005)
+
+
 def _replace_local(path: str, data: bytes, tag: str) -> None:
     """Replace `path` with `data` if its bytes are still those `tag` names: under an exclusive
-    flock(2) on the object's file (held by every replace of it), checked to still be the file
-    the name points at (a replace puts a new file there), then written atomically."""
+    flock(2) on the object's file (held by every replace of it, waited for at most
+    LOCK_WAIT_S), checked to still be the file the name points at (a replace puts a new file
+    there), then written atomically."""
     while True:
         try:
             fd = os.open(path, os.O_RDONLY)
         except FileNotFoundError:
             raise ObjectNotFound(f"replace {path}: the object is gone") from None
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
+            _lock_exclusive(fd, path)
             try:
                 if os.stat(path).st_ino != os.fstat(fd).st_ino:
                     continue  # replaced while we waited for the lock: lock the new one

@@ -559,6 +559,40 @@ def test_a_refused_checkpoint_is_set_aside_on_s3(s3_endpoint: str, s3_bucket: st
 
 
 @pytest.mark.slow
+def test_a_replace_whose_lock_a_paused_writer_holds_gives_up_as_a_conflict(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """A writer paused in the middle of a replace keeps the object's lock: a replace waiting on it
+    fails as a write conflict (a lease take-over retries, then says so) instead of waiting forever."""
+    import fcntl
+
+    from parashift.storage import backends
+
+    store = file_store(tmp_path)
+    tag = store.create("jobs/x/lease.json", b"first")
+    monkeypatch.setattr(backends, "LOCK_WAIT_S", 0.3)
+    with open(tmp_path / "store/jobs/x/lease.json", "rb") as paused:
+        fcntl.flock(paused.fileno(), fcntl.LOCK_EX)
+        started = time.monotonic()
+        with pytest.raises(WriteConflict, match="held its lock"):
+            store.replace("jobs/x/lease.json", b"second", tag)
+        assert time.monotonic() - started < 5
+    store.replace("jobs/x/lease.json", b"second", tag)  # released: the replace goes through
+    assert store.get("jobs/x/lease.json") == b"second"
+
+
+def renewing(lease_file: Path) -> bool:
+    """Whether a writer holds the lease file's lock (in the middle of a renewal)."""
+    import fcntl
+
+    with open(lease_file, "rb") as f:
+        try:
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+        return False
+
+
 def test_a_paused_writer_whose_lease_was_taken_cannot_commit(tmp_path: Path) -> None:
     """A run and its workers are paused (SIGSTOP) past the lease's expiry, as a host that
     freezes would be; another run takes the lease over; the paused ones continue (SIGCONT):
@@ -594,11 +628,17 @@ def test_a_paused_writer_whose_lease_was_taken_cannot_commit(tmp_path: Path) -> 
                 paused = [holder.pid, *workers]
                 for pid in paused:
                     os.kill(pid, signal.SIGSTOP)
-                time.sleep(2.0)  # past the 1.5 s TTL: nobody renews
-                taken.append(JobLease(store, "paused").acquire().run_id)
-                before.extend(CheckpointStore(store, "paused").committed_steps())
-                for pid in paused:
-                    os.kill(pid, signal.SIGCONT)
+                try:
+                    while renewing(tmp_path / "store/jobs/paused/lease.json"):  # paused holding the lease's lock
+                        os.kill(holder.pid, signal.SIGCONT)
+                        time.sleep(0.01)
+                        os.kill(holder.pid, signal.SIGSTOP)
+                    time.sleep(2.0)  # past the 1.5 s TTL: nobody renews
+                    taken.append(JobLease(store, "paused").acquire().run_id)
+                    before.extend(CheckpointStore(store, "paused").committed_steps())
+                finally:
+                    for pid in paused:
+                        os.kill(pid, signal.SIGCONT)
 
         result = launch_workers(spec, Plan.data_parallel(2), on_line=lines.append, on_event=on_event,
                                 extra_env={LEASE_ENV: token})
