@@ -94,7 +94,6 @@ class _WarmSegment:
         self.tails = [_Tail(folder / f"rank{r}.{kind}") for r in range(len(ranks)) for kind in ("out", "err")]
         self.codes: dict[int, int] = {}
         self.failed_at: float | None = None  # when a rank returned an error
-        self.died = self.result.lost_ranks  # ranks whose process died (not answered)
         self.output = WorkerOutput(self.result, workers, on_line, on_event)
 
     def end_pending(self) -> None:
@@ -125,9 +124,9 @@ class _WarmSegment:
         if self.failed_at is None:
             self.failed()
         # A death is the cause; a peer that answered a failure first only saw its collective break.
-        if result.hung_s is None and (result.failed_rank is None or not self.died):
+        if result.hung_s is None and (result.failed_rank is None or not result.lost_ranks):
             result.failed_rank = (rank, code)
-        self.died.append(rank)
+        result.lost_ranks.append(rank)  # its memory went with it (`LaunchResult.held_step`)
         if result.failed_rank == (rank, code):
             self.on_line(f"warm worker rank {rank} (pid {self.pool.worker_pid(proc)}) died "
                          f"({'signal ' + str(-code) if code < 0 else code}): another process (a spare, or a fresh "
