@@ -18,6 +18,7 @@ from functools import partial
 from typing import Any
 
 from parashift.launcher.interrupts import signals_stop_training
+from parashift.launcher.job_workers import job_workers
 from parashift.specs import JobSpec
 from parashift.specs.elastic import Decision, Fail, Ignore, JobState, Replan, SegmentEnded, Stop, decide
 from parashift.specs.plan import Plan
@@ -26,7 +27,7 @@ from parashift.tasks.artifacts import TrainingProgress, job_tags, tag_devices, t
 from parashift.tasks.credentials import environment, storage_environment
 from parashift.tasks.events import ResourceWatcher, follow_resources
 from parashift.tasks.exclusive import one_run_per_job, one_writer_per_job
-from parashift.tasks.launch import job_workers, launch_training, segment_of
+from parashift.tasks.launch import launch_training, segment_of
 from parashift.tasks.node_watch import follow_nodes
 from parashift.tasks.plan import PlansAhead, finish_plan, plan_parallelism, publish_plan
 from parashift.tasks.pool_devices import pool_devices

@@ -9,18 +9,16 @@ recover. How the segment ended is the policy's reading (`specs.elastic.segment_o
 
 from __future__ import annotations
 
-import contextlib
 import statistics
 import threading
 import time
-from collections.abc import Iterator
 from datetime import UTC, datetime
 from typing import Any
 
 from parashift.launcher.interrupts import stoppable
-from parashift.launcher.launch import LaunchResult, RunningWorkers, start_forkserver
+from parashift.launcher.job_workers import warm_pool
+from parashift.launcher.launch import LaunchResult, RunningWorkers
 from parashift.launcher.segment import OutputTail, failure_reason, launch_segment
-from parashift.launcher.warm_pool import WarmPool
 from parashift.specs import JobSpec
 from parashift.specs.elastic import JobState, Replan, ResourceEvent, decide, likely_counts, segment_outcome
 from parashift.specs.plan import Plan
@@ -38,39 +36,6 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 from prefect.logging import get_run_logger
 from prefect.states import Failed, State
-
-# Warm workers of the jobs this process trains (resources.warm_workers), by job id: they outlive
-# each segment and are ended with the job's flow run (`job_workers`).
-_warm_pools: dict[str, WarmPool] = {}
-_warm_lock = threading.Lock()
-
-
-@contextlib.contextmanager
-def job_workers(spec: JobSpec) -> Iterator[None]:
-    """For the duration: the processes the job's segments on this node run on, started now, so
-    that their imports (seconds of a core each) overlap what comes before the first launch (the
-    Prefect API's start, the flow's profile and plan) instead of delaying the first step: its
-    warm workers, ended here, or the forkserver its torchrun workers fork from (this process's,
-    shared by its launches). Jobs across nodes start theirs on their nodes."""
-    if spec.resources.nodes is None:
-        if spec.resources.warm_workers:
-            _warm_pool(spec, spec.resources.devices)
-        else:
-            start_forkserver(spec.resources.kind)
-    try:
-        yield
-    finally:
-        with _warm_lock:
-            pool = _warm_pools.pop(spec.job_id, None)
-        if pool is not None:
-            pool.close()
-
-
-def _warm_pool(spec: JobSpec, devices: int) -> WarmPool:
-    with _warm_lock:
-        if spec.job_id not in _warm_pools:
-            _warm_pools[spec.job_id] = WarmPool(devices, spec.resources.kind, spares=spec.resources.warm_spares)
-        return _warm_pools[spec.job_id]
 
 
 # No task retries: a failed segment goes back to the flow, which resumes on the devices left.
@@ -179,7 +144,7 @@ def _launch(spec: JobSpec, plan: Plan, until_step: int | None, watch: _SegmentWa
     """The segment on this node (warm workers where the spec asks for them, else torchrun), or
     one launcher per node, each on its node's Prefect worker; the nodes that left, if any."""
     if spec.resources.nodes is None:
-        warm = _warm_pool(spec, plan.devices) if spec.resources.warm_workers else None
+        warm = warm_pool(spec, plan.devices) if spec.resources.warm_workers else None
         return launch_segment(spec, plan, until_step=until_step, warm=warm, on_line=watch.output,
                               on_event=watch.on_event, extra_env=watch.credentials, workers=watch.workers), []
     with environment(watch.credentials):

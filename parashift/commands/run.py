@@ -62,7 +62,7 @@ def run(
             typer.echo(f"{spec_file}: {held}", err=True)
             raise typer.Exit(1)
 
-    from parashift.tasks.launch import job_workers
+    from parashift.launcher.job_workers import job_workers
 
     # The job's worker processes (or the forkserver they fork from) boot while the rest imports
     # and the embedded Prefect API starts: the first step comes seconds sooner.
