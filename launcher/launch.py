@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 
 from parashift.launcher.forkserver import Forkserver, startup_environment
 from parashift.launcher.forkserver import available as forkserver_available
-from parashift.launcher.processes import kill_tree, parent_of
+from parashift.launcher.processes import hang_suspects, kill_tree, parent_of
 from parashift.specs import JobSpec, environ
 from parashift.specs.loader import resolve_model
 from parashift.specs.plan import Plan
@@ -56,6 +56,7 @@ class LaunchResult:
     returncode: int
     events: list[WorkerEvent] = field(default_factory=list)
     hung_s: float | None = None  # set when the watchdog killed workers that reported nothing this long
+    hang_suspects: dict[int, str] = field(default_factory=dict)  # hung: rank -> why its peers wait for it
     failed_rank: tuple[int, int] | None = None  # (rank, exit code; -signal) of the first rank that died, where known
     first_exited: list[int] = field(default_factory=list)  # torchrun path: the ranks seen gone first (`ExitOrder`)
     lost_ranks: list[int] = field(default_factory=list)  # warm path: ranks whose process died (their memory with it)
@@ -135,6 +136,13 @@ class RunningWorkers:
             launcher, pids = self._launcher, list(self._pids)
         parents = {launcher, *forkserver_pids()} if launcher is not None else set()
         return [pid for pid in pids if parent_of(pid) in parents]
+
+    def by_rank(self) -> dict[int, int]:
+        """{rank: pid} of the reported workers that are still this launch's processes."""
+        with self._lock:
+            pids = list(self._pids)
+        ours = set(self._ours())
+        return {rank: pid for rank, pid in enumerate(pids) if pid in ours}
 
     def kill(self) -> None:
         """End this launch's torchrun and every worker below it at once (the node is leaving,
@@ -442,6 +450,7 @@ def launch_workers(
                 silent = output.silent_s()
                 if silent > timeout_s:
                     result.hung_s = round(silent, 1)
+                    result.hang_suspects = hang_suspects(workers.by_rank())
                     workers.kill()
                     return
 

@@ -70,3 +70,40 @@ def end_with_parent(poll_s: float = 0.5) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
     threading.Thread(target=watch, name="parashift-parent-watch", daemon=True).start()
+
+
+# /proc states that say a process cannot be in its collective: what its peers wait for.
+_STUCK_STATES = {"T": "was stopped (SIGSTOP, or a debugger)", "t": "was stopped by a debugger",
+                 "D": "was in uninterruptible I/O (a disk, a network file system, a driver)",
+                 "Z": "had exited", "X": "had exited"}
+
+
+def _cpu_s(pid: int) -> float | None:
+    fields = _stat_fields(pid)
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK") if fields else None
+
+
+def hang_suspects(pids: dict[int, int], window_s: float = 0.5) -> dict[int, str]:
+    """Of a hung job's ranks ({rank: pid}), those its peers are likely waiting for, and why:
+    a process stopped, in uninterruptible I/O or gone, or (over `window_s`) the only ones
+    keeping a core busy while the rest sleep in their collective (a loop; work that never
+    reaches it). Empty where no rank stands out (a deadlock where every rank sleeps): the
+    watchdog then names none rather than guess."""
+    suspects: dict[int, str] = {}
+    for rank, pid in pids.items():
+        fields = _stat_fields(pid)
+        if fields is None:
+            suspects[rank] = "was gone"
+        elif fields[0] in _STUCK_STATES:
+            suspects[rank] = _STUCK_STATES[fields[0]]
+    if suspects:
+        return suspects
+    before = {rank: _cpu_s(pid) for rank, pid in pids.items()}
+    time.sleep(window_s)
+    busy = {rank: (after - was) / window_s for rank, pid in pids.items()
+            if (was := before[rank]) is not None and (after := _cpu_s(pid)) is not None}
+    # busy: a fifth of a core at least (the machine may be loaded); asleep: a twentieth at most
+    hot = {rank for rank, share in busy.items() if share >= 0.2}
+    if hot and len(hot) < len(busy) and all(busy[rank] < 0.05 for rank in busy.keys() - hot):
+        return {rank: f"kept {busy[rank]:.0%} of a core busy while its peers waited" for rank in sorted(hot)}
+    return {}

@@ -63,7 +63,9 @@ def failure_reason(result: LaunchResult, lines: list[str]) -> str:
     """What killed the segment, from the root cause in torchrun's failure summary (the other
     ranks it lists were stopped by torchrun itself)."""
     if result.hung_s is not None:
-        return f"workers reported nothing for {result.hung_s:.0f} s (hung; stopped by the launcher)"
+        suspects = "; ".join(f"rank {rank} {why}" for rank, why in sorted(result.hang_suspects.items()))
+        return f"workers reported nothing for {result.hung_s:.0f} s (hung; stopped by the launcher)" + \
+            (f": {suspects}" if suspects else "")
     if result.failed_rank is not None:  # warm workers: the launcher saw the rank die itself
         rank, code = result.failed_rank
         return f"rank {rank} {_how(code)} (a warm worker; another process takes its place)"

@@ -26,6 +26,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from parashift.launcher.launch import STOP_GRACE_S, LaunchResult, RunningWorkers, WorkerOutput
+from parashift.launcher.processes import hang_suspects
 from parashift.launcher.warm_pool import WarmPool
 from parashift.specs import JobSpec, environ
 from parashift.specs.plan import Plan
@@ -173,6 +174,8 @@ class _WarmSegment:
         silent = self.output.silent_s()
         if self.hang_s is not None and silent > self.hang_s and self.result.hung_s is None:
             self.result.hung_s = round(silent, 1)
+            self.result.hang_suspects = hang_suspects({rank: self.pool.worker_pid(proc) for rank, proc in
+                                                       enumerate(self.ranks) if rank not in self.codes})
             self.end_pending()
         if self.failed_at is not None and time.monotonic() - self.failed_at > PEER_GRACE_S and self._pending():
             self.failed_at = float("inf")

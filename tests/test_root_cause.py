@@ -19,6 +19,7 @@ from parashift.launcher.warm_launch import launch_warm
 from parashift.launcher.warm_pool import WarmPool
 from parashift.specs.plan import Plan
 from parashift.trainer.events import StartEvent, StepEvent
+from test_elastic_events import wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -75,3 +76,42 @@ def test_the_reason_names_the_killed_rank(path: str, tmp_path: Path, busy_machin
     finally:
         if pool is not None:
             pool.close()
+
+
+@pytest.fixture
+def three_ranks() -> Iterator[list[subprocess.Popen[bytes]]]:
+    """Three processes asleep as ranks wait in a collective (a blocking read)."""
+    procs = [subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+             for _ in range(3)]
+    try:
+        yield procs
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+
+
+def test_a_hang_names_the_rank_its_peers_wait_for(three_ranks: list[subprocess.Popen[bytes]]) -> None:
+    """The hang's watchdog names a stopped rank, or the one rank computing while the others
+    sleep; where every rank sleeps alike it names none rather than guess."""
+    from parashift.launcher.processes import hang_suspects
+
+    ranks = {rank: proc.pid for rank, proc in enumerate(three_ranks)}
+    assert hang_suspects(ranks) == {}  # a deadlock where all sleep: nobody stands out
+    os.kill(ranks[1], signal.SIGSTOP)
+    try:
+        wait_for(lambda: Path(f"/proc/{ranks[1]}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T",
+                 "the stop to land", 10)
+        assert hang_suspects(ranks) == {1: "was stopped (SIGSTOP, or a debugger)"}
+    finally:
+        os.kill(ranks[1], signal.SIGCONT)
+    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        found = hang_suspects({**ranks, 2: spinner.pid}, window_s=1.0)
+        assert list(found) == [2] and "of a core busy while its peers waited" in found[2], found
+    finally:
+        spinner.kill()
+        spinner.wait()
+    three_ranks[0].kill()
+    three_ranks[0].wait()
+    assert hang_suspects(ranks) == {0: "was gone"}
