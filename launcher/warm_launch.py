@@ -11,6 +11,8 @@ ranks out of their step (told at once, `WarmPool.tell_peer_failed`; gloo fails a
 when the peer's connection closes; a peer that has not returned within PEER_GRACE_S is ended)
 and is replaced by a fresh process before the next segment: only the dead rank pays for a new
 interpreter, and the survivors keep their state for the next segment (trainer.checkpoint.live).
+A hung job whose hang has a culprit (`launcher.processes.hang_suspects`) is handled the same:
+the culprit is ended, its peers leave as a dead rank's do.
 
     pool = WarmPool(4)
     result = launch_warm(pool, spec, plan, on_line=print, on_event=print)
@@ -168,15 +170,32 @@ class _WarmSegment:
                 self.workers._attach(None)
         return self.result
 
+    def _hung(self, silent: float) -> None:
+        """The job is hung: where some ranks stand out as what the others wait for (stopped,
+        stuck in I/O, alone busy), only they are ended, as a rank that died: their peers'
+        collectives break, and they leave with the last step they completed whole (a held step,
+        as after a death). Else every rank that has not answered is ended."""
+        self.result.hung_s = round(silent, 1)
+        pending = [rank for rank in range(len(self.ranks)) if rank not in self.codes]
+        # each rank's own pid, as the workers reported it (a forked worker's client is another
+        # process, and the pool learns the worker's pid only when its job ends)
+        started = self.result.start.pids if self.result.start is not None else []
+        pids = {rank: started[rank] if rank < len(started) else self.pool.worker_pid(self.ranks[rank]) for rank in pending}
+        suspects = hang_suspects(pids)
+        self.result.hang_suspects = suspects
+        if suspects and len(suspects) < len(pending):
+            self.pool.kill(suspects)
+            if self.failed_at is None:
+                self.failed()  # the peers ended after PEER_GRACE_S where they do not leave
+        else:
+            self.end_pending()
+
     def _watchdogs(self) -> None:
         """A job silent for longer than its hang timeout is ended as hung; a failure's peers
         that have not returned within PEER_GRACE_S are ended."""
         silent = self.output.silent_s()
         if self.hang_s is not None and silent > self.hang_s and self.result.hung_s is None:
-            self.result.hung_s = round(silent, 1)
-            self.result.hang_suspects = hang_suspects({rank: self.pool.worker_pid(proc) for rank, proc in
-                                                       enumerate(self.ranks) if rank not in self.codes})
-            self.end_pending()
+            self._hung(silent)
         if self.failed_at is not None and time.monotonic() - self.failed_at > PEER_GRACE_S and self._pending():
             self.failed_at = float("inf")
             self.end_pending()

@@ -307,6 +307,9 @@ def test_a_hung_worker_is_a_failure_the_job_recovers_from(prefect_server: None, 
     # what the failed segment announced is what the next one did: a held step only where a
     # rank that held it outlived the segment (a survivor ended by the watchdog holds nothing)
     assert failed.held_unsaved == ("/ckpt/pending/" in url), (failed.held_unsaved, url)
+    # warm: only the frozen rank is ended (the hang's culprit), as a rank that died; its peers
+    # leave their collective holding the last step they completed and serve the next segment
+    assert ("/ckpt/pending/" in url) == warm, (url, failed.reason)
     if "/ckpt/pending/" in url:
         assert warm and start == failed.final_step
         assert url.endswith(f"/ckpt/pending/{start:08d}.json")
