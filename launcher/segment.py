@@ -64,7 +64,7 @@ def failure_reason(result: LaunchResult, lines: list[str]) -> str:
     ranks it lists were stopped by torchrun itself)."""
     if result.hung_s is not None:
         suspects = "; ".join(f"rank {rank} {why}" for rank, why in sorted(result.hang_suspects.items()))
-        return f"workers reported nothing for {result.hung_s:.0f} s (hung; stopped by the launcher)" + \
+        return f"workers reported nothing for {result.hung_s:.0f} s (hung; ended by the launcher)" + \
             (f": {suspects}" if suspects else "")
     if result.failed_rank is not None:  # warm workers: the launcher saw the rank die itself
         rank, code = result.failed_rank
