@@ -72,7 +72,7 @@ def node_launcher(spec: JobSpec, plan: Plan, launch_id: str, nodes: list[str], n
     if left.is_set():
         logger.warning("node %s: its worker went away; this node's workers were stopped (the node left)", node)
     report = NodeReport(node=node, returncode=result.returncode, events=result.events, hung_s=result.hung_s,
-                        left=left.is_set(), tail=output.lines[-60:])
+                        hang_suspects=result.hang_suspects, left=left.is_set(), tail=output.lines[-60:])
     with environment(credentials):
         store.put_json(JobPaths(spec.job_id).launch(launch_id, f"node-{node}"), report.model_dump(mode="json"))
     return report

@@ -45,11 +45,13 @@ class NodeReport(BaseModel):
     returncode: int
     events: list[WorkerEvent] = Field(default_factory=list)
     hung_s: float | None = None
+    hang_suspects: dict[int, str] = Field(default_factory=dict, description="hung: this node's ranks the others waited for")
     left: bool = Field(False, description="the node's worker went away: its workers were stopped")
     tail: list[str] = Field(default_factory=list, description="the last output lines (torchrun's failure summary)")
 
     def launch_result(self) -> LaunchResult:
-        return LaunchResult(returncode=self.returncode, events=list(self.events), hung_s=self.hung_s)
+        return LaunchResult(returncode=self.returncode, events=list(self.events), hung_s=self.hung_s,
+                            hang_suspects=dict(self.hang_suspects))
 
 
 def node_address() -> str:
@@ -214,6 +216,7 @@ class NodeLaunch:
             result.returncode = failed[0] if failed else -1
         if any(r.hung_s for r in reports.values()):
             result.hung_s = max(r.hung_s or 0.0 for r in reports.values())
+            result.hang_suspects = {rank: why for r in reports.values() for rank, why in r.hang_suspects.items()}
         return result, left
 
     def tail(self) -> list[str]:

@@ -115,3 +115,13 @@ def test_a_hang_names_the_rank_its_peers_wait_for(three_ranks: list[subprocess.P
     three_ranks[0].kill()
     three_ranks[0].wait()
     assert hang_suspects(ranks) == {0: "was gone"}
+
+
+def test_a_node_s_report_carries_the_hang_s_culprit() -> None:
+    """Across nodes each node's launcher names its own ranks; its report (JSON in storage) keeps them."""
+    from parashift.tasks.nodes import NodeReport
+
+    sent = NodeReport(node="b", returncode=-9, hung_s=905.0, hang_suspects={5: "was stopped (SIGSTOP, or a debugger)"})
+    got = NodeReport.model_validate_json(sent.model_dump_json()).launch_result()
+    assert failure_reason(got, []) == ("workers reported nothing for 905 s (hung; ended by the launcher): "
+                                       "rank 5 was stopped (SIGSTOP, or a debugger)")
