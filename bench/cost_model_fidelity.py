@@ -39,12 +39,12 @@ import time
 
 import numpy as np
 from parashift.launcher.launch import launch_workers, measure_comm_timings
+from parashift.models.plans import job_plan_refusals
 from parashift.planner.comm import comm_model_from_timings
 from parashift.planner.profile import ModelProfile, profile_gpt, share_cores
 from parashift.planner.search import baselines, candidates, spaces, to_plan
 from parashift.specs import JobSpec
-from parashift.specs.plan import Plan
-from parashift.trainer.mesh import job_plan_refusals, plan_refusals
+from parashift.specs.plan import Plan, plan_refusals
 
 DEVICES = 4
 MODEL = {"n_layers": 4, "d_model": 128, "n_heads": 4, "vocab_size": 256, "seq_len": 48}

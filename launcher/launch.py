@@ -24,6 +24,7 @@ from typing import Any, TypeVar
 from parashift.launcher.forkserver import Forkserver, startup_environment
 from parashift.launcher.forkserver import available as forkserver_available
 from parashift.launcher.processes import hang_suspects, kill_tree, parent_of
+from parashift.models.plans import job_plan_refusals
 from parashift.specs import JobSpec, environ
 from parashift.specs.loader import resolve_model
 from parashift.specs.plan import Plan
@@ -40,7 +41,6 @@ from parashift.trainer.events import (
     WorkerEvent,
     parse,
 )
-from parashift.trainer.mesh import job_plan_refusals
 
 import parashift
 

@@ -41,12 +41,12 @@ from typing import Any
 from parashift.launcher.forkserver import import_what_jobs_use
 from parashift.launcher.launch import LaunchResult, PlanNotExecutable, forkserver_env, worker_env
 from parashift.launcher.processes import end_with_parent
+from parashift.models.plans import job_plan_refusals
 from parashift.specs import JobSpec, environ
 from parashift.specs.loader import resolve_model
 from parashift.specs.plan import Plan
 from parashift.trainer import events as worker_events
 from parashift.trainer.control import PEER_FAILED_SIGNAL, PeerFailed, on_peer_failed
-from parashift.trainer.mesh import forget_meshes, job_plan_refusals
 
 # How long one job may run before the pool is presumed stuck (a collective waiting for a rank
 # that failed) and started afresh.
@@ -281,7 +281,9 @@ def _clean_up() -> None:
     """What a finished job leaves behind, collected after its answer went out (the flow plans
     the next segment meanwhile). Only the job's own objects are traversed: what the imports
     made is frozen at boot (`serve`), and a warm job freezes nothing (`worker.main`)."""
+    # Imported here: the launcher's side of this module (WarmPool) imports no torch.
     import torch
+    from parashift.trainer.mesh import forget_meshes
 
     forget_meshes()  # the job's meshes, and with them its process groups' threads
     gc.collect()

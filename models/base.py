@@ -86,14 +86,6 @@ class ModelFamily:
         """(B, T) token ids -> (B, T, vocab) logits through `module` (the model or its wrapper)."""
         return module(tokens)
 
-    def refusals(self, spec: Any, plan: Any) -> list[str]:
-        """Why this family cannot run `plan` on this model beyond the generic checks
-        (trainer.mesh.plan_refusals); empty: it can."""
-        if self.sharding is None:
-            return [f"the {self.name} family runs data parallelism only (dp, FSDP, HSDP): it has no sharding "
-                    f"table for {axis}" for axis in ("tp", "pp") if plan.degree(axis) > 1]
-        return []
-
     def hf_adapter(self) -> Any:
         """The family's Hugging Face adapter (a module with `hf_name(name) -> (hf name,
         transposed)` and `hf_config(spec) -> dict`), or None."""

@@ -235,7 +235,7 @@ def plan_refusals(plan: Plan, *, n_layers: int, n_heads: int, seq_len: int, glob
                   n_kv_heads: int | None = None) -> list[str]:
     """Why this plan cannot run on this model and batch (empty: it can): what any family's layers,
     heads and batch allow. No processes, no torch (a pinned plan is checked where the spec is read);
-    a family adds its own reasons (`trainer.mesh.job_plan_refusals`)."""
+    a family adds its own reasons (`models.plans.job_plan_refusals`)."""
     reasons = list(plan.trainer_refusals)
     tp, dp, pp = plan.degree("tp"), plan.degree("dp"), plan.degree("pp")
     if tp > 1:

@@ -28,7 +28,7 @@ from prefect.logging import get_run_logger
 
 def executable_reasons(spec: JobSpec, plan: Plan) -> list[str]:
     """Why the trainer cannot run `plan` on this model and batch (empty when it can)."""
-    from parashift.trainer.mesh import job_plan_refusals
+    from parashift.models.plans import job_plan_refusals
 
     return job_plan_refusals(plan, spec)
 
@@ -164,7 +164,7 @@ def prepare_plan(spec: JobSpec, model: ModelSummary, devices: int, with_options:
         said.append((logging.INFO, f"planning within {limit / 2**30:.2f} GiB of each device's "
                      f"{profile.device.memory_bytes / 2**30:.2f} GiB "
                      f"({(profile.device.memory_bytes - limit) / 2**30:.2f} GiB reserved for transient buffers)"))
-    from parashift.trainer.mesh import pinned_plan_for  # torch: imported where a plan is made
+    from parashift.models.plans import pinned_plan_for
 
     pinned, refused = pinned_plan_for(spec, devices)
     if pinned is not None:

@@ -94,3 +94,28 @@ def test_gpt2_tied_embeddings_under_fsdp_equal_one_process(tmp_path: Path) -> No
     sharded = hf_spec("gpt2-fsdp", tmp_path, gpt2, steps=4)
     assert_losses_match(run(sharded, Plan.fully_sharded(2)), expected)
     assert "model/lm_head.weight" not in final_state(sharded) and "model/transformer.wte.weight" in final_state(sharded)
+
+
+def test_plans_an_hf_model_cannot_run_are_refused_with_reasons(tmp_path: Path) -> None:
+    """Data parallelism only, and no sequence longer than the model's positions: the config's
+    own number, or (where the config leaves it out) its class's default, read from transformers."""
+    from parashift.models.plans import job_plan_refusals
+
+    assert job_plan_refusals(Plan.data_parallel(2), hf_spec("dp", tmp_path)) == []
+    tp = job_plan_refusals(mesh_plan({"tp": 2}), hf_spec("tp", tmp_path))
+    assert tp == ["the hf family runs data parallelism only (dp, FSDP, HSDP): it has no sharding table for tp"]
+    gpt2 = {"model_type": "gpt2", "n_layer": 1, "n_embd": 32, "n_head": 2, "vocab_size": 256}
+    short = hf_spec("short", tmp_path, config={**gpt2, "n_positions": 16})
+    assert job_plan_refusals(Plan.data_parallel(1), short) == ["seq_len 32 is longer than the model's 16 positions"]
+    default = hf_spec("default", tmp_path, config=gpt2)  # GPT2Config's default: 1024 positions
+    longer = default.model_copy(update={"model": default.model.model_copy(update={"seq_len": 2048})})
+    assert job_plan_refusals(Plan.data_parallel(1), longer) == ["seq_len 2048 is longer than the model's 1024 positions"]
+
+
+def test_a_model_section_says_what_its_family_can_shard() -> None:
+    """`sharded` on each model section (read where a plan is checked, without torch) agrees with
+    its family having a sharding table (what the trainer shards by)."""
+    from parashift.models import FAMILIES, family, spec_sections
+
+    assert {name: section.sharded for name, section in spec_sections().items()} == \
+        {name: family(name).sharding is not None for name in FAMILIES}

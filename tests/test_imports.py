@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ast
 import json
+from collections.abc import Collection
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -32,10 +33,14 @@ def room_name(module: str) -> str:
     return rest if rest != module and rest.split(".")[0] in PACKAGES else module
 
 
-def imports_of(path: Path, known: dict[str, Path]) -> set[str]:
+def imports_of(path: Path, known: Collection[str]) -> set[str]:
     """Every module `path` imports, at any depth of its code (absolute imports only)."""
+    return imports_in(ast.parse(path.read_text()), known)
+
+
+def imports_in(tree: ast.AST, known: Collection[str]) -> set[str]:
     out: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             out.update(room_name(alias.name) for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
@@ -210,6 +215,61 @@ def test_gpt_and_llama_workers_never_import_transformers() -> None:
             "print([m for m in sys.modules if m.split('.')[0] in ('transformers', 'safetensors')])")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
+def imported_on_load(source: str, known: Collection[str]) -> set[str]:
+    """What a module imports when it is loaded: its body and class bodies, not functions (they
+    import when called), `if TYPE_CHECKING:` nor `if __name__ == "__main__":` blocks."""
+    out: set[str] = set()
+
+    def visit(statements: list[ast.stmt]) -> None:
+        for node in statements:
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                continue
+            if isinstance(node, ast.If) and ("TYPE_CHECKING" in ast.unparse(node.test) or "__main__" in ast.unparse(node.test)):
+                visit(node.orelse)
+                continue
+            if isinstance(node, ast.Import | ast.ImportFrom):
+                out.update(imports_in(ast.Module(body=[node], type_ignores=[]), known))
+            for field in ("body", "orelse", "finalbody", "handlers"):
+                visit(getattr(node, field, []))
+
+    visit(ast.parse(source).body)
+    return out
+
+
+def loaded_with(start: str, sources: dict[str, str]) -> set[str]:
+    """Every module that loading `start` loads, its packages' `__init__`s included (others'
+    modules by their own names: `torch`, `torch.distributed`)."""
+    seen: set[str] = set()
+    todo = [start]
+    while todo:
+        parts = todo.pop().split(".")
+        for i in range(1, len(parts) + 1):  # a package's __init__ runs before its submodule
+            name = ".".join(parts[:i])
+            if name not in seen:
+                seen.add(name)
+                todo.extend(imported_on_load(sources[name], sources) if name in sources else ())
+    return seen
+
+
+def test_a_node_s_launcher_imports_no_torch() -> None:
+    """A node's flow run starts and supervises workers, which import torch themselves: the
+    flow's process (and any module of the launcher room) loads no torch, about 1.6 s of CPU
+    per node run on this machine."""
+    sources = {name: path.read_text() for name, path in modules().items()}
+    starts = ["flows.node", *sorted(name for name in sources if name.split(".")[0] == "launcher")]
+    found = {start: sorted(m for m in loaded_with(start, sources) if m.split(".")[0] == "torch") for start in starts}
+    assert {start: torch for start, torch in found.items() if torch} == {}
+
+
+def test_a_torch_import_on_load_is_seen() -> None:
+    sources = {"a": "import b\ndef f():\n    import numpy\n",
+               "b": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import pandas\n"
+                    "try:\n    import torch.distributed\nexcept ImportError:\n    pass\n"
+                    "if __name__ == '__main__':\n    import scipy\n"}
+    loaded = loaded_with("a", sources)
+    assert "torch" in loaded and "torch.distributed" in loaded and not {"numpy", "pandas", "scipy"} & loaded
 
 
 def test_the_flow_counts_and_places_parameters_without_torchs_compiler() -> None:

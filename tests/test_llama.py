@@ -190,7 +190,7 @@ def test_plan_matches_single_process(name: str, reference, tmp_path: Path) -> No
 
 
 def test_unexecutable_llama_plans_are_refused_with_reasons(tmp_path: Path) -> None:
-    from parashift.trainer.mesh import job_plan_refusals
+    from parashift.models.plans import job_plan_refusals
 
     spec = llama_spec("refusals", tmp_path)
     assert job_plan_refusals(mesh_plan({"tp": 4}), spec) == []

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 from jobs import assert_losses_match, run, tiny_spec
+from parashift.models.plans import pinned_plan_for
 from parashift.specs import load_spec
 from parashift.specs.plan import Plan
-from parashift.trainer.mesh import pinned_plan_for
 
 LLAMA = "{family: llama, n_layers: 2, d_model: 64, n_heads: 4, n_kv_heads: 2, ffn_dim: 128, vocab_size: 256, seq_len: 32}"
 

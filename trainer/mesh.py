@@ -6,9 +6,9 @@ is dp). The dp axis is two axes underneath, ("dp_replicate", "dp_shard"), flatte
 "dp": the training state is replicated over the first and sharded (FSDP) over the second, so
 data parallelism, FSDP and HSDP are three sizes of one mesh.
 
-`plan_refusals` runs before any process group exists (the worker calls it first; launchers and
-tasks can call it before starting processes), so a plan the trainer cannot execute fails with a
-reason instead of a crash inside a collective.
+Whether a plan can run a job's model at all is asked before any process group exists, by the
+worker first and by launchers and tasks before they start processes (`models.plans`), so a plan
+the trainer cannot execute fails with a reason instead of a crash inside a collective.
 """
 
 from __future__ import annotations
@@ -19,9 +19,7 @@ import sys
 from dataclasses import dataclass
 
 import torch.distributed as dist
-from parashift.models import family_of
-from parashift.specs import JobSpec
-from parashift.specs.plan import Plan, plan_refusals
+from parashift.specs.plan import Plan
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 # The mesh as built: dp split into its replicate and shard parts (rank order is unchanged:
@@ -130,31 +128,3 @@ class Coordinates:
     def within_stage(self) -> dict[str, int]:
         """Coordinates on the axes a pipeline stage's tensors may be replicated or split over."""
         return {"dp_replicate": self.dp_replicate_rank, "dp_shard": self.dp_shard_rank, "tp": self.tp_rank}
-
-
-def job_plan_refusals(plan: Plan, spec: JobSpec) -> list[str]:
-    """`plan_refusals` for the model and batch of a job spec, with its family's own reasons."""
-    m = spec.model
-    family = family_of(m)
-    if family.sharding is None:  # data parallelism only: no layers, heads or sequence to split
-        own = family.refusals(m, plan)
-        return own or plan_refusals(plan, n_layers=1, n_heads=1, seq_len=m.seq_len, global_batch=spec.training.global_batch)
-    return plan_refusals(plan, n_layers=m.n_layers, n_heads=m.n_heads, seq_len=m.seq_len,
-                         global_batch=spec.training.global_batch, n_kv_heads=m.n_kv_heads) + family.refusals(m, plan)
-
-
-def pinned_plan_for(spec: JobSpec, devices: int) -> tuple[Plan | None, str | None]:
-    """The spec's pinned plan re-pinned on `devices` (tp and pp as pinned, dp the rest), or why
-    it cannot be (then the planner chooses). (None, None) where nothing is pinned."""
-    par = spec.parallelism
-    if par.strategy != "pinned":
-        return None, None
-    try:
-        plan = par.pinned(devices)
-    except ValueError as error:
-        return None, f"the pinned plan {dict(par.mesh or {})} cannot be re-pinned on {devices} devices: {error}"
-    reasons = job_plan_refusals(plan, spec)
-    if reasons:
-        return None, (f"the pinned plan {dict(par.mesh or {})} re-pinned on {devices} devices as {plan.mesh} cannot "
-                      f"run: {'; '.join(reasons)}")
-    return plan, None

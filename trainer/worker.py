@@ -19,9 +19,9 @@ import os
 import time
 from pathlib import Path
 
+from parashift.models.plans import job_plan_refusals
 from parashift.specs import JobSpec
 from parashift.specs.plan import Plan
-from parashift.trainer.mesh import job_plan_refusals
 from parashift.trainer.trainer import run
 from parashift.trainer.warm import is_warm_worker
 

@@ -112,7 +112,7 @@ def plain_llama(spec: JobSpec, device: torch.device, warmup: int) -> list[float]
 
 
 def plain_hf(spec: JobSpec, device: torch.device, warmup: int) -> list[float]:
-    from parashift.models.hf.family import transformers_config
+    from parashift.models.hf.spec import transformers_config
     from transformers import AutoModelForCausalLM
 
     config = transformers_config(spec.model)

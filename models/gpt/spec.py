@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal, Self
+from typing import Any, ClassVar, Literal, Self
 
 from parashift.specs.base import Section, raise_if
 from pydantic import Field, model_validator
@@ -10,6 +10,8 @@ from pydantic import Field, model_validator
 
 class GPTSpec(Section):
     """A GPT-2 style decoder: learned positions, LayerNorm, GELU MLP, untied head."""
+
+    sharded: ClassVar[bool] = True  # the family has a sharding table: tp and pp as well as dp
 
     family: Literal["gpt"] = Field("gpt", description="Model family: gpt (the default), llama or hf.")
     n_layers: int = Field(2, ge=1, le=1024, description="Number of transformer blocks.")
@@ -33,6 +35,10 @@ class GPTSpec(Section):
     def tag(self) -> str:
         """The model's shape in a few characters (run tags)."""
         return f"{self.n_layers}x{self.d_model}"
+
+    def plan_refusals(self, plan: Any) -> list[str]:
+        """Why this model cannot run `plan` beyond the generic checks: never (a head of its own)."""
+        return []
 
 
 SECTION = GPTSpec

@@ -15,27 +15,10 @@ from typing import Any
 
 import torch
 from parashift.models.base import ModelFamily
-from parashift.models.hf.spec import HFSpec
+from parashift.models.hf.spec import HFSpec, transformers_config
 from parashift.models.hub import CheckpointUnreadable, checkpoint_weights
 from parashift.models.layers import box_index, seeded_normal
 from torch import nn
-
-
-def transformers_config(spec: HFSpec) -> Any:
-    """The transformers config the spec names (its `config` mapping; `resolve` fills it from an
-    `init_from` folder)."""
-    from transformers import AutoConfig
-
-    fields = dict(spec.config or {})
-    return AutoConfig.for_model(fields.pop("model_type"), **fields)
-
-
-def max_positions(config: Any) -> int | None:
-    for name in ("max_position_embeddings", "n_positions", "n_ctx", "max_seq_len"):
-        value = getattr(config, name, None)
-        if isinstance(value, int):
-            return value
-    return None
 
 
 class HFFamily(ModelFamily):
@@ -89,13 +72,6 @@ class HFFamily(ModelFamily):
 
     def flops_per_token(self, spec: HFSpec, n_params: int) -> int:
         return 6 * n_params + 12 * spec.n_layers * spec.d_model * spec.seq_len
-
-    def refusals(self, spec: HFSpec, plan: Any) -> list[str]:
-        reasons = super().refusals(spec, plan)
-        limit = max_positions(transformers_config(spec))
-        if limit is not None and spec.seq_len > limit:
-            reasons.append(f"seq_len {spec.seq_len} is longer than the model's {limit} positions")
-        return reasons
 
     def hf_adapter(self) -> Any:
         return _SameNames

@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal, Self
+from typing import Any, ClassVar, Literal, Self
 
 from parashift.specs.base import Section, raise_if
 from pydantic import Field, model_validator
 
+# Where a transformers config keeps its number of positions, by model type's naming.
+POSITION_FIELDS = ("max_position_embeddings", "n_positions", "n_ctx", "max_seq_len")
+
 
 class HFSpec(Section):
     """Any `transformers` causal LM (AutoModelForCausalLM), from a config or a checkpoint folder."""
+
+    sharded: ClassVar[bool] = False  # data parallelism (dp, FSDP, HSDP) only: no sharding table
 
     family: Literal["hf"] = Field(description="Model family: gpt, llama or hf.")
     config: dict[str, Any] | None = Field(
@@ -54,6 +59,33 @@ class HFSpec(Section):
     @property
     def d_model(self) -> int:
         return int(self._field("hidden_size", "n_embd", "d_model") or 0)
+
+    def plan_refusals(self, plan: Any) -> list[str]:
+        """Why this model cannot run `plan` beyond data parallelism's checks: a sequence longer
+        than its positions. The limit is the config's own, or its class's default (transformers
+        is imported only then: a node's launcher checking a plan pays nothing for it otherwise)."""
+        limit = next((int(v) for name in POSITION_FIELDS if isinstance(v := self._field(name), int)), None)
+        if limit is None and self.config is not None:
+            limit = max_positions(transformers_config(self))
+        return [f"seq_len {self.seq_len} is longer than the model's {limit} positions"] \
+            if limit is not None and self.seq_len > limit else []
+
+
+def transformers_config(spec: HFSpec) -> Any:
+    """The transformers config the spec names (its `config` mapping; `resolve` fills it from an
+    `init_from` folder)."""
+    from transformers import AutoConfig
+
+    fields = dict(spec.config or {})
+    return AutoConfig.for_model(fields.pop("model_type"), **fields)
+
+
+def max_positions(config: Any) -> int | None:
+    for name in POSITION_FIELDS:
+        value = getattr(config, name, None)
+        if isinstance(value, int):
+            return value
+    return None
 
 
 SECTION = HFSpec

@@ -48,16 +48,6 @@ class LlamaFamily(ModelFamily):
     def hf_adapter(self) -> Any:
         return hf
 
-    def refusals(self, spec: LlamaSpec, plan: Any) -> list[str]:
-        reasons = []
-        if spec.tie_embeddings and plan.degree("pp") > 1:
-            reasons.append("a head tied to the embedding cannot sit on another pipeline stage than the embedding "
-                           "(set model.tie_embeddings: false, or plan without pp)")
-        if spec.tie_embeddings and plan.degree("tp") > 1:
-            regions = plan.tp_regions(spec.n_layers)
-            if regions.embed != regions.head:
-                reasons.append("a head tied to the embedding must split the vocabulary over tp with it, or neither")
-        return reasons
 
 
 FAMILY = LlamaFamily()

@@ -8,7 +8,7 @@ field that contradicts the config is an error.
 
 from __future__ import annotations
 
-from typing import Literal, Self
+from typing import Any, ClassVar, Literal, Self
 
 from parashift.specs.base import Section, raise_if
 from pydantic import Field, model_validator
@@ -37,6 +37,8 @@ class Llama3RopeScaling(Section):
 
 class LlamaSpec(Section):
     """A Llama-architecture decoder: RMSNorm, SwiGLU MLP, rotary embeddings, grouped-query attention."""
+
+    sharded: ClassVar[bool] = True  # the family has a sharding table: tp and pp as well as dp
 
     family: Literal["llama"] = Field(description="Model family: gpt, llama or hf.")
     init_from: str | None = Field(
@@ -78,6 +80,19 @@ class LlamaSpec(Section):
     def tag(self) -> str:
         """The model's shape in a few characters (run tags)."""
         return f"llama-{self.n_layers}x{self.d_model}"
+
+    def plan_refusals(self, plan: Any) -> list[str]:
+        """Why this model cannot run `plan` beyond the generic checks (`specs.plan.plan_refusals`):
+        a head tied to the embedding must stay with it."""
+        reasons = []
+        if self.tie_embeddings and plan.degree("pp") > 1:
+            reasons.append("a head tied to the embedding cannot sit on another pipeline stage than the embedding "
+                           "(set model.tie_embeddings: false, or plan without pp)")
+        if self.tie_embeddings and plan.degree("tp") > 1:
+            regions = plan.tp_regions(self.n_layers)
+            if regions.embed != regions.head:
+                reasons.append("a head tied to the embedding must split the vocabulary over tp with it, or neither")
+        return reasons
 
     @property
     def kv_heads(self) -> int:

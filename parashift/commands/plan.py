@@ -174,8 +174,8 @@ def plan(
 def _pinned_line(job: object, profile: ModelProfile, n: int, searched_s: float) -> str:
     """The spec's pinned plan on `n` devices beside the planner's pick: its estimate, or why it
     cannot run there (the job then runs the planner's pick)."""
+    from parashift.models.plans import pinned_plan_for
     from parashift.planner.pinned import estimate
-    from parashift.trainer.mesh import pinned_plan_for
 
     plan, refused = pinned_plan_for(job, n)  # type: ignore[arg-type]
     if plan is None:

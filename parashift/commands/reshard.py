@@ -27,9 +27,9 @@ def reshard_plan(
     """Show the reconfiguration plan from the newest committed checkpoint to a plan: bytes each
     new rank needs and reads, its ranged requests, and what this node's tier serves."""
     from parashift.commands.spec import load_spec_or_exit
+    from parashift.models.plans import job_plan_refusals
     from parashift.specs.plan import Plan
     from parashift.tasks.reshard import job_reshard_plan
-    from parashift.trainer.mesh import job_plan_refusals
 
     spec = load_spec_or_exit(spec_file)
     if plan_file is not None:
