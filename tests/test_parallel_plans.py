@@ -23,8 +23,7 @@ from parashift.launcher.launch import launch_workers
 from parashift.planner.profile import profile_gpt
 from parashift.planner.search import plan_model
 from parashift.specs import JobSpec
-from parashift.specs.plan import Plan, TensorParallel
-from parashift.trainer.mesh import plan_refusals
+from parashift.specs.plan import Plan, TensorParallel, plan_refusals
 
 pytestmark = pytest.mark.slow
 

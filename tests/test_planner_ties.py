@@ -22,8 +22,7 @@ from parashift.planner.problem import Weights, build_problem, tie_factors
 from parashift.planner.profile import DEFAULT_DEVICES, profile_gpt, profile_graph
 from parashift.planner.search import exhaustive_search, plan_model
 from parashift.planner.stage import TieVariants, solve_stage
-from parashift.specs.plan import OpPlacement, Plan
-from parashift.trainer.mesh import plan_refusals
+from parashift.specs.plan import OpPlacement, Plan, plan_refusals
 from test_planner_dp import _meshes, graphs
 
 # The trainer's per-op rule over "tp" (planner/execution.py), written out here to check the
