@@ -1,8 +1,9 @@
 """Whether a Plan can run a job's model: the Plan's own checks (`specs.plan.plan_refusals`) for
 the spec's sizes, plus its family's reasons, and a pinned plan re-pinned on a device count.
 
-Torch-free, as the family objects' `refusals` are: launchers and flows ask before any worker
-starts, and a process that only launches (a node's flow run) should not import torch for it.
+Torch-free: it reads the spec's model section (`models/<family>/spec.py`), never the family
+object, whose module imports torch. Launchers and flows ask before any worker starts, and a
+process that only launches (a node's flow run) should not import torch for it.
 """
 
 from __future__ import annotations

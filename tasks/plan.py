@@ -9,6 +9,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from parashift.models.plans import job_plan_refusals, pinned_plan_for
 from parashift.planner.measured import MeasuredProfile, measured_options, plan_measured
 from parashift.planner.profile import ModelProfile
 from parashift.planner.replan import Option, comparison, pick
@@ -26,22 +27,15 @@ from prefect.cache_policies import NO_CACHE
 from prefect.logging import get_run_logger
 
 
-def executable_reasons(spec: JobSpec, plan: Plan) -> list[str]:
-    """Why the trainer cannot run `plan` on this model and batch (empty when it can)."""
-    from parashift.models.plans import job_plan_refusals
-
-    return job_plan_refusals(plan, spec)
-
-
 def choose_plan(spec: JobSpec, searched: Plan, devices: int) -> Plan:
     """The planner's plan when the spec lets it choose and the trainer can run it; data parallel otherwise,
     carrying the planner's estimates so the artifact shows what was left on the table.
 
     The planner searches only layouts the trainer executes (gpt_graph declares them), so its
-    plans for GPT graphs pass `executable_reasons`; the check stays as a safety net against the
+    plans for GPT graphs pass `job_plan_refusals`; the check stays as a safety net against the
     planner and the trainer drifting apart, and says so when it triggers."""
     if spec.parallelism.strategy == "auto":
-        reasons = executable_reasons(spec, searched)
+        reasons = job_plan_refusals(searched, spec)
         if not reasons:
             return searched
         note = (f"planner's choice {searched.mesh} is refused by the trainer ({'; '.join(reasons)}), although the "
@@ -164,8 +158,6 @@ def prepare_plan(spec: JobSpec, model: ModelSummary, devices: int, with_options:
         said.append((logging.INFO, f"planning within {limit / 2**30:.2f} GiB of each device's "
                      f"{profile.device.memory_bytes / 2**30:.2f} GiB "
                      f"({(profile.device.memory_bytes - limit) / 2**30:.2f} GiB reserved for transient buffers)"))
-    from parashift.models.plans import pinned_plan_for
-
     pinned, refused = pinned_plan_for(spec, devices)
     if pinned is not None:
         plan = pinned_with_estimate(pinned, profile, spec)
@@ -184,7 +176,7 @@ def prepare_plan(spec: JobSpec, model: ModelSummary, devices: int, with_options:
         else:
             candidates = plan_options(profile, devices, limit, par.max_tp, par.max_pp, device_kind=spec.resources.kind,
                                       shard_dp=par.shard_data_parallel, searched=searched)
-        options = [p for p in candidates if not executable_reasons(spec, p)]
+        options = [p for p in candidates if not job_plan_refusals(p, spec)]
     return PreparedPlan(devices, model, plan, options, profile.device.matmul_flops, said)
 
 

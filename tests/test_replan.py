@@ -7,11 +7,12 @@ from pathlib import Path
 
 import pytest
 from jobs import run, tiny_spec
+from parashift.models.plans import job_plan_refusals
 from parashift.planner.profile import profile_gpt
 from parashift.planner.replan import Option, pick
 from parashift.planner.search import plan_options
 from parashift.specs.plan import Plan
-from parashift.tasks.plan import cheapest_to_continue, executable_reasons
+from parashift.tasks.plan import cheapest_to_continue
 
 MODEL = {"n_layers": 2, "d_model": 48, "n_heads": 4, "vocab_size": 256, "seq_len": 24, "dropout": 0.0}
 
@@ -34,7 +35,7 @@ def test_a_resumed_job_picks_a_different_plan_than_step_time_alone(tmp_path: Pat
     result = run(spec, Plan.data_parallel(2))  # a checkpoint to move (on the session's warm workers)
     assert result.final_step == 2
     profile = profile_gpt(2, 48, 4, 256, 24, 8, device_kind="cpu")
-    options = [p for p in plan_options(profile, 2, device_kind="cpu", shard_dp=False) if not executable_reasons(spec, p)]
+    options = [p for p in plan_options(profile, 2, device_kind="cpu", shard_dp=False) if not job_plan_refusals(p, spec)]
     assert {str(p.mesh) for p in options} >= {str({"dp": 2}), str({"tp": 2})}, [p.mesh for p in options]
     fastest = min(options, key=lambda p: p.estimated_step_s)
     slow_store = 1e6  # bytes/s: a move of ~1 MB costs about a second

@@ -49,5 +49,4 @@ class LlamaFamily(ModelFamily):
         return hf
 
 
-
 FAMILY = LlamaFamily()
