@@ -107,6 +107,9 @@ def test_a_hang_names_the_rank_its_peers_wait_for(three_ranks: list[subprocess.P
         os.kill(ranks[1], signal.SIGCONT)
     spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     try:
+        # Past its start-up (an interpreter reading its files can be in D state under load): spinning.
+        wait_for(lambda: sum(map(int, Path(f"/proc/{spinner.pid}/stat").read_text().rsplit(")", 1)[1].split()[11:13]))
+                 >= 30, "the spinner to spin", 30)
         found = hang_suspects({**ranks, 2: spinner.pid}, window_s=1.0)
         assert list(found) == [2] and "of a core busy while its peers waited" in found[2], found
     finally:
