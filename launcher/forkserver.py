@@ -18,32 +18,31 @@ in a flow run; and its children are `multiprocessing.Process` objects of one par
 torchrun needs a process of its own (exit status, signals) for each worker.
 
 The server is single-threaded (a fork copies only the calling thread: no lock can be left
-held) and its children are in sessions of their own. It belongs to the process that started it
-(`Forkserver`): when that process closes its end of the server's stdin, or dies, the server
-stops accepting and exits once its children have. A client whose connection closes takes its
-worker with it (SIGKILL to the worker and everything below it): whatever ends the client
-(torchrun tearing its workers down, `kill -9`) ends the worker.
+held) and its children are in sessions of their own. It runs detached, shared by every launcher
+on the machine that asks for its start-up environment (`launcher.forkservers` finds or starts
+it), until told to stop or idle for `LINGER_S`; it then exits once its children have. A client
+whose connection closes takes its worker with it (SIGKILL to the worker and everything below
+it): whatever ends the client (torchrun tearing its workers down, `kill -9`) ends the worker.
 
-    server = Forkserver(worker_env("cpu"))
-    env = {**worker_env("cpu"), **server.env()}   # torchrun ... -m parashift.launcher.forked <module> <args>
-    server.close()
+Besides a worker's request, a connection may ask `{"ping": true}` (its pid, and with
+`"files": true` the files whose change makes it stale) or `{"stop": true}`.
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
+import fcntl
 import json
 import os
 import random
 import runpy
+import select
 import selectors
-import shutil
 import signal
 import socket
-import subprocess
 import sys
-import tempfile
+import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
@@ -66,6 +65,10 @@ LATE_NAMES = frozenset({"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", 
 LATE_PREFIXES = ("TORCHELASTIC_", "TORCH_NCCL_", "NCCL_", "GLOO_", environ.PREFIX, "AWS_", "PREFECT_", "PYTEST_")
 
 MAX_MESSAGE = 1 << 20  # a request: the environment and arguments, as JSON
+# How long a server serving nobody waits for its next request before it exits: long enough to
+# outlive the gap between a job's flow runs or two `parashift run`s, short enough not to hold
+# its memory (~350 MB) long after the last.
+LINGER_S = 300.0
 
 
 def startup_environment(env: dict[str, str]) -> dict[str, str]:
@@ -84,39 +87,26 @@ def available() -> bool:
     return os.environ.get(ENABLE_ENV, "1") != "0" and hasattr(os, "pidfd_open") and hasattr(signal, "pidfd_send_signal")
 
 
-class Forkserver:
-    """A forkserver process owned by this one, started with `env` (its start-up environment is
-    what it can serve). Starting costs nothing here: the server imports in the background and
-    its first clients wait for it."""
+def registry_paths(socket_path: str) -> tuple[Path, Path]:
+    """The pointer and lock files of the environment a server at `socket_path` serves: its
+    socket is `<folder>/<key>-<token>`, the others `<folder>/<key>.json` and `.lock`
+    (`launcher.forkservers` reads and writes them)."""
+    where = Path(socket_path).parent
+    key = Path(socket_path).name.split("-")[0]
+    return where / f"{key}.json", where / f"{key}.lock"
 
-    def __init__(self, env: dict[str, str]) -> None:
-        self._folder = Path(tempfile.mkdtemp(prefix="parashift-fork-"))
-        self.path = str(self._folder / "socket")
-        self._process = subprocess.Popen([sys.executable, "-m", "parashift.launcher.forkserver", self.path],
-                                         stdin=subprocess.PIPE, env=env, start_new_session=True)
 
-    @property
-    def pid(self) -> int:
-        return self._process.pid
-
-    def alive(self) -> bool:
-        return self._process.poll() is None
-
-    def env(self) -> dict[str, str]:
-        """What a client needs to find this server."""
-        return {SOCKET_ENV: self.path, PID_ENV: str(self._process.pid)}
-
-    def close(self, timeout_s: float = 30.0) -> None:
-        """Stop it: it exits once the workers it forked have (SIGKILL after `timeout_s`)."""
-        with contextlib.suppress(OSError):
-            self._process.stdin.close()  # type: ignore[union-attr]
-        try:
-            self._process.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self._process.pid, signal.SIGKILL)
-            self._process.wait()
-        shutil.rmtree(self._folder, ignore_errors=True)
+def loaded_files() -> dict[str, list[int]]:
+    """The files whose change makes this server stale (mtime in ns, size): every parashift
+    module it imported, and each top-level package's own (an upgrade rewrites them)."""
+    files = {}
+    for name, module in list(sys.modules.items()):
+        path = getattr(module, "__file__", None)
+        if path and (name.startswith("parashift") or "." not in name):
+            with contextlib.suppress(OSError):
+                stat = os.stat(path)
+                files[path] = [stat.st_mtime_ns, stat.st_size]
+    return files
 
 
 # --- the server -----------------------------------------------------------------------------
@@ -178,14 +168,16 @@ def cuda_loaded(pid: int) -> bool:
 def _listen(path: str) -> socket.socket:
     """Listen at `path`, which appears only once the server accepts (clients wait for it)."""
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    staging = f"{path}.{os.getpid()}"
+    staging = f"{path}~"  # the token makes `path` this server's alone
     listener.bind(staging)
     listener.listen(128)
     os.rename(staging, path)
     return listener
 
 
-def serve(path: str) -> None:
+def serve(path: str, linger_s: float = LINGER_S) -> None:
+    """Serve at `path` until stopped, or idle for `linger_s`, then exit once every worker forked
+    here has."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C is for the workers' stop, not for this
     started_with = dict(os.environ)
     _prepare()
@@ -196,58 +188,146 @@ def serve(path: str) -> None:
     # What the imports put in the environment (torch sets TORCHINDUCTOR_CACHE_DIR), as they would
     # have in the worker's own interpreter.
     imports_set = {k: v for k, v in os.environ.items() if started_with.get(k) != v}
-    listener = _listen(path)
-    selector = selectors.DefaultSelector()
-    selector.register(listener, selectors.EVENT_READ, "accept")
-    selector.register(sys.stdin.fileno(), selectors.EVENT_READ, "owner")
-    children: dict[int, _Child] = {}
-    requests: list[socket.socket] = []
-    accepting = True
-    while accepting or children:
-        for key, _ in selector.select():
-            what = key.data
-            if what == "accept":
-                if not accepting:  # the owner's end came first in this round: the listener is closed
-                    continue
-                client, _ = listener.accept()
-                requests.append(client)
-                selector.register(client, selectors.EVENT_READ, ("request", client))
-            elif what == "owner":
-                if not os.read(sys.stdin.fileno(), 4096):  # the owner closed it, or died
-                    accepting = False
-                    selector.unregister(sys.stdin.fileno())
-                    selector.unregister(listener)
-                    listener.close()
-                    with contextlib.suppress(OSError):
-                        os.unlink(path)
-                        os.rmdir(os.path.dirname(path))  # the owner's folder for it, if the owner is gone
-            elif what[0] == "request":
-                client = what[1]
-                selector.unregister(client)
-                requests.remove(client)
-                child = _answer(client, listener, selector, children, requests, started_with, imports_set)
-                if child is not None:
-                    children[child.pid] = child
-                    selector.register(child.pidfd, selectors.EVENT_READ, ("exit", child.pid))
-                    selector.register(client, selectors.EVENT_READ, ("client", child.pid))
-            elif what[0] == "client":  # a client sends nothing after its request: this is its end
-                child = children.get(what[1])
-                if child is None or child.client_gone:  # its worker's exit came first in this round
-                    continue
-                selector.unregister(child.client)
+    _Server(path, linger_s, started_with, imports_set).run()
+
+
+class _Server:
+    """The server's loop: requests in, forked workers out, their ends back to their clients."""
+
+    def __init__(self, path: str, linger_s: float, started_with: dict[str, str], imports_set: dict[str, str]) -> None:
+        self.path, self.linger_s = path, linger_s
+        self.started_with, self.imports_set = started_with, imports_set
+        self.files = loaded_files()  # before listening: what a launcher checks it against
+        self.listener = _listen(path)
+        self.selector = selectors.DefaultSelector()
+        self.selector.register(self.listener, selectors.EVENT_READ, "accept")
+        self.children: dict[int, _Child] = {}
+        self.requests: list[socket.socket] = []
+        self.accepting = True
+        self.last_request = time.monotonic()
+
+    def run(self) -> None:
+        while self.accepting or self.children:
+            idle = self.accepting and not self.children and not self.requests
+            timeout = max(0.0, self.last_request + self.linger_s - time.monotonic()) if idle else None
+            events = self.selector.select(timeout)
+            if idle and not events and not self._retire():
+                self.last_request = time.monotonic() - self.linger_s + 1.0  # try again in a second
+            for key, _ in events:
+                self._handle(key.data)
+        self.selector.close()
+
+    def _handle(self, what: Any) -> None:
+        if what == "accept":
+            if self.accepting:  # else a stop came first in this round: the listener is closed
+                client, _ = self.listener.accept()
+                self.requests.append(client)
+                self.selector.register(client, selectors.EVENT_READ, ("request", client))
+                self.last_request = time.monotonic()
+        elif what[0] == "request":
+            client = what[1]
+            self.selector.unregister(client)
+            self.requests.remove(client)
+            self._request(client)
+        elif what[0] == "client":  # a client sends nothing after its request: this is its end
+            child = self.children.get(what[1])
+            if child is not None and not child.client_gone:  # else its worker's exit came first in this round
+                self.selector.unregister(child.client)
                 child.client_gone = True
                 _end(child.pid)
-            elif what[0] == "exit":
-                child = children.pop(what[1])
-                selector.unregister(child.pidfd)
-                _, status = os.waitpid(child.pid, 0)
-                os.close(child.pidfd)
-                if not child.client_gone:
-                    selector.unregister(child.client)
-                    with contextlib.suppress(OSError):
-                        child.client.send(json.dumps({"exit": os.waitstatus_to_exitcode(status)}).encode())
-                child.client.close()
-    selector.close()
+        elif what[0] == "exit":
+            child = self.children.pop(what[1])
+            self.selector.unregister(child.pidfd)
+            _, status = os.waitpid(child.pid, 0)
+            os.close(child.pidfd)
+            if not child.client_gone:
+                self.selector.unregister(child.client)
+                with contextlib.suppress(OSError):
+                    child.client.send(json.dumps({"exit": os.waitstatus_to_exitcode(status)}).encode())
+            child.client.close()
+
+    def _request(self, client: socket.socket) -> None:
+        """A worker to fork, or a launcher's question: is it alive (and on which code), or stop."""
+        try:
+            message, fds, _, _ = socket.recv_fds(client, MAX_MESSAGE, 3)
+            request = json.loads(message)
+        except (OSError, ValueError):
+            client.close()
+            return
+        if "ping" in request or "stop" in request:
+            for fd in fds:
+                os.close(fd)
+            reply: dict[str, Any] = {"pid": os.getpid()}
+            if request.get("files"):
+                reply["files"] = self.files
+            with contextlib.suppress(OSError):
+                client.send(json.dumps(reply).encode())
+            client.close()
+            if "stop" in request:
+                self._stop_accepting()
+            return
+        child = self._fork(request, fds, client)
+        if child is not None:
+            self.children[child.pid] = child
+            self.selector.register(child.pidfd, selectors.EVENT_READ, ("exit", child.pid))
+            self.selector.register(client, selectors.EVENT_READ, ("client", child.pid))
+
+    def _fork(self, request: dict[str, Any], fds: list[int], client: socket.socket) -> _Child | None:
+        """Fork the requested worker (its _Child), or tell the client why not (None)."""
+        try:
+            if len(fds) != 3:
+                raise ValueError(f"{len(fds)} file descriptors instead of stdin, stdout and stderr")
+            # A variable the imports set is the same whether the request carries it or not (a forked
+            # torchrun's workers inherit it from their agent); another value of it is a difference.
+            differences = environment_differences({**self.started_with, **self.imports_set},
+                                                  {**self.imports_set, **request["env"]})
+            if differences:
+                client.send(json.dumps({"refused": f"start-up environment differs: {', '.join(differences)}"}).encode())
+                client.close()
+                return None
+            sys.stdout.flush()
+            sys.stderr.flush()
+            pid = os.fork()
+            if pid == 0:
+                inherited = [self.listener, *self.requests, *(c.client for c in self.children.values())]
+                request["env"] = {**self.imports_set, **request["env"]}
+                _run_child(request, fds, client, inherited, [c.pidfd for c in self.children.values()], self.selector)
+            client.send(json.dumps({"pid": pid}).encode())
+            return _Child(pid=pid, client=client, pidfd=os.pidfd_open(pid))
+        except (OSError, ValueError, KeyError) as error:
+            with contextlib.suppress(OSError):
+                client.send(json.dumps({"refused": f"{type(error).__name__}: {error}"}).encode())
+            client.close()
+            return None
+        finally:
+            for fd in fds:
+                os.close(fd)
+
+    def _retire(self) -> bool:
+        """Stop accepting after `linger_s` without a request, unless a launcher holds this
+        environment's lock (it may be asking this server a question: never waited for) or a
+        connection waits. Its pointer goes with it, where it still names this server."""
+        pointer, lock = registry_paths(self.path)
+        with open(lock, "a") as handle:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return False
+            if select.select([self.listener], [], [], 0)[0]:
+                return False
+            with contextlib.suppress(OSError, ValueError):
+                if json.loads(pointer.read_text()).get("path") == self.path:
+                    pointer.unlink()
+            self._stop_accepting()
+            return True
+
+    def _stop_accepting(self) -> None:
+        if self.accepting:
+            self.accepting = False
+            self.selector.unregister(self.listener)
+            self.listener.close()
+            with contextlib.suppress(OSError):
+                os.unlink(self.path)
 
 
 def _end(pid: int) -> None:
@@ -256,45 +336,6 @@ def _end(pid: int) -> None:
     kill_tree(pid)
     with contextlib.suppress(ProcessLookupError):
         os.killpg(pid, signal.SIGKILL)
-
-
-def _answer(client: socket.socket, listener: socket.socket, selector: selectors.BaseSelector,
-            children: dict[int, _Child], requests: list[socket.socket], started_with: dict[str, str],
-            imports_set: dict[str, str]) -> _Child | None:
-    """Fork the requested worker (its _Child), or tell the client why not (None)."""
-    try:
-        message, fds, _, _ = socket.recv_fds(client, MAX_MESSAGE, 3)
-        request = json.loads(message)
-    except (OSError, ValueError):
-        client.close()
-        return None
-    try:
-        if len(fds) != 3:
-            raise ValueError(f"{len(fds)} file descriptors instead of stdin, stdout and stderr")
-        # A variable the imports set is the same whether the request carries it or not (a forked
-        # torchrun's workers inherit it from their agent); another value of it is a difference.
-        differences = environment_differences({**started_with, **imports_set}, {**imports_set, **request["env"]})
-        if differences:
-            client.send(json.dumps({"refused": f"start-up environment differs: {', '.join(differences)}"}).encode())
-            client.close()
-            return None
-        sys.stdout.flush()
-        sys.stderr.flush()
-        pid = os.fork()
-        if pid == 0:
-            inherited = [listener, *requests, *(c.client for c in children.values())]
-            request["env"] = {**imports_set, **request["env"]}
-            _run_child(request, fds, client, inherited, [c.pidfd for c in children.values()], selector)
-        client.send(json.dumps({"pid": pid}).encode())
-        return _Child(pid=pid, client=client, pidfd=os.pidfd_open(pid))
-    except (OSError, ValueError, KeyError) as error:
-        with contextlib.suppress(OSError):
-            client.send(json.dumps({"refused": f"{type(error).__name__}: {error}"}).encode())
-        client.close()
-        return None
-    finally:
-        for fd in fds:
-            os.close(fd)
 
 
 def _run_child(request: dict[str, Any], fds: list[int], client: socket.socket, sockets: list[socket.socket],
@@ -379,5 +420,19 @@ def _run_module(module: str) -> int:
     return code & 0xFF
 
 
+def main(argv: list[str]) -> None:
+    """`python -m parashift.launcher.forkserver SOCKET [LINGER_S]`: print the server's pid and
+    return at once, the server running on detached (a session of its own, its output in the
+    starter's stderr): it outlives whoever started it (`launcher.forkservers`)."""
+    pid = os.fork()  # before any import that starts a thread
+    if pid:
+        print(pid, flush=True)
+        os._exit(0)
+    os.setsid()
+    os.dup2(2, 1)  # the starter reads only the pid from the pipe: the server's output goes with its stderr
+    os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
+    serve(argv[0], float(argv[1]) if len(argv) > 1 else LINGER_S)
+
+
 if __name__ == "__main__":
-    serve(sys.argv[1])
+    main(sys.argv[1:])

@@ -6,9 +6,7 @@ lines into a flow run's log.
 
 from __future__ import annotations
 
-import atexit
 import contextlib
-import json
 import os
 import signal
 import subprocess
@@ -21,8 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from parashift.launcher.forkserver import Forkserver, startup_environment
 from parashift.launcher.forkserver import available as forkserver_available
+from parashift.launcher.forkservers import Forkserver, find_or_start
 from parashift.launcher.processes import hang_suspects, kill_tree, parent_of
 from parashift.models.plans import job_plan_refusals
 from parashift.specs import JobSpec, environ
@@ -275,16 +273,20 @@ def worker_env(kind: str) -> dict[str, str]:
     # `python -m` puts the working directory first on sys.path (where users keep a specs/
     # folder); safe-path mode leaves it out, and PYTHONPATH names where parashift lives.
     env["PYTHONSAFEPATH"] = "1"
-    env["PYTHONPATH"] = os.pathsep.join([CODE_ROOT, *filter(None, [env.get("PYTHONPATH")])])
+    # Once each: a launcher's environment may have been a launcher's worker environment already
+    # (a node's flow run), and the forkserver serves one start-up environment, PYTHONPATH included.
+    paths = [CODE_ROOT, *filter(None, env.get("PYTHONPATH", "").split(os.pathsep))]
+    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
     if kind == "cpu":
         # Several processes share the cores: one thread each (measured: 2 x 2 threads ran 2.3x slower than 2 x 1).
         env.setdefault("OMP_NUM_THREADS", "1")
     return env
 
 
-# This process's forkservers (launcher.forkserver), one for each start-up environment its launches
-# asked for: started at the first launch, shared by every launch after it, closed at exit.
-_forkservers: dict[str, Forkserver] = {}
+# The forkservers this process's launches forked from (launcher.forkservers): found or started at
+# each launch, shared with every launcher on the machine, and left running when this process
+# exits (each lingers, then exits).
+_forkservers: set[Forkserver] = set()
 _forkservers_lock = threading.Lock()
 
 
@@ -294,8 +296,8 @@ FORK_CUDA_ENV = environ.FORK_CUDA
 
 
 def forkserver_env(kind: str, env: dict[str, str]) -> dict[str, str]:
-    """What makes a launch's workers forked by a forkserver of this process for `env` (started
-    now if there is none): {} where workers start as interpreters of their own, as a CUDA job's
+    """What makes a launch's workers forked by this machine's forkserver for `env` (started now
+    if there is none): {} where workers start as interpreters of their own, as a CUDA job's
     do unless `env` sets PARASHIFT_FORK_CUDA=1 (no GPU run has shown yet that forking them pays).
     A fork after CUDA's initialisation breaks the child: the forkserver imports torch but never
     initialises CUDA, and serves nobody if its imports did (`forkserver.cuda_loaded`)."""
@@ -307,14 +309,10 @@ def forkserver_env(kind: str, env: dict[str, str]) -> dict[str, str]:
     # from its own: the server and every forked worker have it, a single worker too.
     threads = {"OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", "1")}
     env = {**env, **threads}
-    key = json.dumps(startup_environment(env), sort_keys=True)
+    server = find_or_start(env)  # a few ms: a lock, a question to the server, its files' stat
     with _forkservers_lock:
-        server = _forkservers.get(key)
-        if server is None or not server.alive():
-            if not _forkservers:
-                atexit.register(close_forkservers)
-            server = _forkservers[key] = Forkserver(env)
-        return {**threads, **server.env()}
+        _forkservers.add(server)
+    return {**threads, **server.env()}
 
 
 def start_forkserver(kind: str) -> None:
@@ -323,18 +321,10 @@ def start_forkserver(kind: str) -> None:
     forkserver_env(kind, worker_env(kind))
 
 
-def close_forkservers() -> None:
-    with _forkservers_lock:
-        servers = list(_forkservers.values())
-        _forkservers.clear()
-    for server in servers:
-        server.close()
-
-
 def forkserver_pids() -> set[int]:
     """The forkservers of this process: the parents of its forked workers."""
     with _forkservers_lock:
-        return {server.pid for server in _forkservers.values()}
+        return {server.pid for server in _forkservers}
 
 
 # How long workers interrupted from outside get to reach a step boundary and commit.

@@ -32,6 +32,7 @@ HF_CACHE = "PARASHIFT_HF_CACHE"  # where Hugging Face checkpoints read by URL ar
 STORAGE_ROOT = "PARASHIFT_STORAGE_ROOT"  # flows.git: where relative local storage URLs of a checkout resolve
 FORK_WORKERS = "PARASHIFT_FORK_WORKERS"  # "0": workers are interpreters of their own, never forked
 FORK_CUDA = "PARASHIFT_FORK_CUDA"  # "1": CUDA workers are forked too (off until a GPU run shows it pays)
+FORKSERVER_DIR = "PARASHIFT_FORKSERVER_DIR"  # launcher.forkservers: where this user's forkservers listen
 
 # Instruments of the tests and benchmarks
 SAMPLE_LOG = "PARASHIFT_SAMPLE_LOG"  # a folder where each worker logs the samples it trains on

@@ -22,6 +22,18 @@ os.environ.setdefault("PREFECT_HOME", str(_SESSION_TMP / "prefect-home"))
 os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
 os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
 os.environ.setdefault("PREFECT_LOGGING_LEVEL", "INFO")
+# The session's forkservers (launcher.forkservers), shared by the xdist workers (they inherit
+# this process's environment) and every process their tests start, in a folder of the session's
+# own: stopped by the process that made it, at its exit, before the folder goes.
+if "PARASHIFT_FORKSERVER_DIR" not in os.environ:
+    os.environ["PARASHIFT_FORKSERVER_DIR"] = str(_SESSION_TMP / "forkservers")
+    (_SESSION_TMP / "forkservers").mkdir(mode=0o700)
+
+    @atexit.register
+    def _stop_forkservers() -> None:
+        from parashift.launcher.forkservers import stop_all
+
+        stop_all(_SESSION_TMP / "forkservers")
 # Several worker processes on 2 cores: one thread each (measured: 2 x 2 threads ran 2.3x slower than 2 x 1).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 

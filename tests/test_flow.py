@@ -169,14 +169,18 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def test_sigterm_stops_parashift_run_at_a_committed_step_and_leaves_nothing_running(tmp_path: Path, prefect_home: Callable[[Path], Path]) -> None:
+def test_sigterm_stops_parashift_run_at_a_committed_step_and_leaves_nothing_running(
+        tmp_path: Path, tmp_path_factory: pytest.TempPathFactory, prefect_home: Callable[[Path], Path],
+        request: pytest.FixtureRequest) -> None:
     """A process manager's `kill PID` on `parashift run` (embedded Prefect API): the workers
     stop at a step boundary, the step is committed, and no process it started outlives it
-    (workers, torchrun, the temporary Prefect server)."""
+    (workers, torchrun, the temporary Prefect server), but for the machine's forkserver, which
+    lingers for the next run (it is this test's own, and stopped at its end)."""
     import signal
     import time
 
-    from jobs import descendants
+    from jobs import descendants, kill_tree
+    from parashift.launcher.forkservers import stop_all
 
     spec = tmp_path / "long.yaml"
     spec.write_text(
@@ -188,17 +192,26 @@ def test_sigterm_stops_parashift_run_at_a_committed_step_and_leaves_nothing_runn
     )
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API")}
     env["PREFECT_HOME"] = str(prefect_home(tmp_path / "prefect-home"))
+    forkservers = tmp_path_factory.mktemp("fs")  # short: a Unix socket's path is at most 107 bytes
+    env["PARASHIFT_FORKSERVER_DIR"] = str(forkservers)
     parashift = str(Path(sys.executable).with_name("parashift"))
     running = subprocess.Popen([parashift, "run", str(spec)], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    request.addfinalizer(lambda: (running.poll() is None and kill_tree(running.pid), stop_all(forkservers)))
     ckpt = tmp_path / "store/jobs/long-job/ckpt"
     deadline = time.monotonic() + 300
     seen: set[int] = set()
+
+    def look() -> None:  # what the run started: below it, and forked for it by its forkserver
+        seen.update(descendants(running.pid))
+        for pointer in forkservers.glob("*.json"):
+            seen.update(descendants(json.loads(pointer.read_text())["pid"]))
+
     while not list(ckpt.glob("*/manifest.json")):
         assert running.poll() is None and time.monotonic() < deadline, running.stdout.read()[-3000:]
-        seen.update(descendants(running.pid))
+        look()
         time.sleep(0.5)
-    seen.update(descendants(running.pid))
+    look()
     assert len(seen) >= 3, "torchrun and two workers at least"
     running.send_signal(signal.SIGTERM)
     output, _ = running.communicate(timeout=120)

@@ -1,8 +1,9 @@
 """Workers forked by a forkserver (launcher.forkserver) behave as `python -m <module>` in an
 interpreter of their own would, towards whoever started them: stdio, arguments, environment,
 working directory, exit status, signals; a killed client takes its worker with it; what the
-server cannot serve exactly starts as its own interpreter; and training through it is the
-same, bit for bit."""
+server cannot serve exactly starts as its own interpreter; training through it is the same,
+bit for bit; and one server is shared by every launcher asking for its environment, until its
+code changes or it idles past its linger."""
 
 from __future__ import annotations
 
@@ -17,8 +18,8 @@ from pathlib import Path
 
 import pytest
 from jobs import assert_bitwise_equal, final_state, mesh_plan, tiny_spec
-from parashift.launcher import launch
-from parashift.launcher.forkserver import Forkserver
+from parashift.launcher import forkservers, launch, processes
+from parashift.launcher.forkservers import Forkserver, find_or_start
 from parashift.launcher.processes import parent_of
 
 # A module the forkserver never imported: it reports what it sees, then does what its arguments say.
@@ -47,8 +48,8 @@ def probe_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def server(probe_env: dict[str, str]) -> Iterator[Forkserver]:
-    forkserver = Forkserver(probe_env)
+def server(probe_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Forkserver]:
+    forkserver = find_or_start(probe_env, tmp_path_factory.mktemp("forkservers"))
     yield forkserver
     forkserver.close()
 
@@ -120,7 +121,7 @@ def test_what_the_server_cannot_serve_exactly_starts_as_its_own_interpreter(serv
     assert client.returncode == 0 and seen["pid"] == client.pid
     assert "refused (start-up environment differs: OMP_NUM_THREADS)" in err
 
-    gone = Forkserver(probe_env)
+    gone = find_or_start(probe_env, tmp_path)
     gone.close()
     client = start({**probe_env, **gone.env()}, "0", cwd=tmp_path)
     seen = report(client)
@@ -161,3 +162,75 @@ def test_the_client_imports_no_torch() -> None:
     code = "import sys, parashift.launcher.forked; print('torch' in sys.modules)"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=launch.worker_env("cpu"))
     assert done.stdout.strip() == "False", done.stderr
+
+
+def test_a_server_is_found_by_its_start_up_environment(tmp_path: Path) -> None:
+    """Launchers share a server where their workers would start alike: variables read late (a
+    launch's rank, Prefect's settings) do not matter, one read at start-up does. A folder too
+    long for a Unix socket is refused before anything starts."""
+    env = launch.worker_env("cpu")
+    assert launch.worker_env("cpu")["PYTHONPATH"].split(os.pathsep).count(launch.CODE_ROOT) == 1
+    assert forkservers.environment_key(env) == forkservers.environment_key({**env, "RANK": "3", "PREFECT_API_URL": "x"})
+    assert forkservers.environment_key(env) != forkservers.environment_key({**env, "OMP_NUM_THREADS": "7"})
+    # A node's flow run inherits a worker environment: its own launches ask for the same one.
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("PYTHONPATH", env["PYTHONPATH"])
+        assert launch.worker_env("cpu")["PYTHONPATH"] == env["PYTHONPATH"]
+    with pytest.raises(ValueError, match="set PARASHIFT_FORKSERVER_DIR to a shorter one"):
+        find_or_start(env, tmp_path / ("x" * 80))
+
+
+FIND = "import json, sys; from pathlib import Path; from parashift.launcher import forkservers; " \
+       "print(forkservers.find_or_start(json.loads(sys.argv[1]), Path(sys.argv[2])).pid)"
+
+
+def test_one_server_is_shared_outlives_its_starter_and_makes_way_for_new_code(probe_env: dict[str, str], tmp_path: Path,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """Three launchers asking at once get one server, which outlives the process that started
+    it; a stopped server finishes its workers but is never handed out again (a client that chose
+    it before starts its worker as an interpreter of its own at once); a server whose
+    code changed on disk is stopped and another started in its place; an idle server exits
+    after its linger, its pointer with it."""
+    askers = [subprocess.Popen([sys.executable, "-c", FIND, json.dumps(probe_env), str(tmp_path)], env=probe_env,
+                               stdout=subprocess.PIPE, text=True) for _ in range(3)]
+    pids = {int(a.communicate(timeout=60)[0]) for a in askers}
+    assert len(pids) == 1
+    first = forkservers.find_or_start(probe_env, tmp_path)
+    assert {first.pid} == pids and first.running()  # its starter has exited
+
+    deadline = time.monotonic() + 60
+    while (reply := forkservers.ask(first.path, {"ping": True, "files": True})) is None:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    files = reply["files"]
+    assert str(Path(launch.__file__).parents[1] / "trainer" / "worker.py") in files and not forkservers.stale(files)
+    changed = tmp_path / "module.py"
+    changed.write_text("a = 1\n")
+    stat = changed.stat()
+    changed.write_text("a = 22\n")
+    assert forkservers.stale({str(changed): [stat.st_mtime_ns, stat.st_size]})
+
+    # Stopped (a benchmark's cold start) while a worker it forked runs on: never handed out again.
+    client = start({**probe_env, **first.env()}, "wait", cwd=tmp_path)
+    worker = int(report(client)["pid"])  # type: ignore[call-overload]
+    first.stop()
+    second = forkservers.find_or_start(probe_env, tmp_path, linger_s=60.0)
+    assert second.pid != first.pid and first.running() and processes.running(worker)
+    late = start({**probe_env, **first.env()}, "0", cwd=tmp_path)  # a launch that chose it just before
+    seen = report(late)
+    _, err = late.communicate(timeout=60)
+    assert late.returncode == 0 and seen["pid"] == late.pid and "forkserver" in err and "was stopped" in err
+    client.kill()
+    client.wait()
+
+    monkeypatch.setattr(forkservers, "stale", lambda files: True)
+    while forkservers.ask(second.path, {"ping": True}) is None:
+        time.sleep(0.05)
+    third = forkservers.find_or_start(probe_env, tmp_path, linger_s=1.0)
+    assert third.pid != second.pid
+    pointer = next(tmp_path.glob("*.json"))
+    deadline = time.monotonic() + 60
+    while first.running() or second.running() or third.running():  # its worker gone; stale; idle past its linger
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert not processes.running(worker) and not pointer.exists() and not list(tmp_path.glob("*-*"))

@@ -31,6 +31,7 @@ import contextlib
 import os
 import shutil
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -41,11 +42,11 @@ from typing import Any
 import torch
 from parashift.bench.gpu.common import case, device_name, part_args
 from parashift.launcher.forkserver import cuda_loaded
+from parashift.launcher.forkservers import stop_all
 from parashift.launcher.launch import (
     FORK_CUDA_ENV,
     LaunchResult,
     RunningWorkers,
-    close_forkservers,
     forkserver_pids,
     launch_workers,
 )
@@ -53,7 +54,7 @@ from parashift.launcher.processes import parent_of
 from parashift.launcher.warm_launch import launch_warm
 from parashift.launcher.warm_pool import WarmPool
 from parashift.specs import JobSpec
-from parashift.specs.environ import FORK_WORKERS
+from parashift.specs.environ import FORK_WORKERS, FORKSERVER_DIR
 from parashift.specs.plan import Plan
 from parashift.storage import JobPaths, job_store, open_store
 from parashift.tasks.credentials import environment  # Prefect-free: the device has no Prefect
@@ -289,8 +290,9 @@ def main() -> None:
         finally:
             fields["segments"] = [s.report() for s in segments]
 
-    with case(PART, "forked_relaunch") as fields, environment({FORK_WORKERS: None}):
-        close_forkservers()  # this case's server starts with its first launch, as in a flow run
+    # This case's own forkserver, started cold by its first launch (as on a machine where none lingers).
+    cold = Path(tempfile.mkdtemp(prefix="psfs-"))  # short: a Unix socket's path is at most 107 bytes
+    with case(PART, "forked_relaunch") as fields, environment({FORK_WORKERS: None, FORKSERVER_DIR: str(cold)}):
         spec = job_spec("gpu-changes-forked", device, args.tiny, root)
         segments = [Segment(2), Segment(1)]
         runs["forked_relaunch"] = (spec, segments)
@@ -298,7 +300,8 @@ def main() -> None:
             fields.update(relaunch(spec, {**env, FORK_CUDA_ENV: "1"}, segments))
         finally:
             fields.update(forkserver_state(), segments=[s.report() for s in segments])
-            close_forkservers()
+            stop_all(cold)
+            shutil.rmtree(cold, ignore_errors=True)
         forked = [s.forked_ranks for s in segments]
         if forked != [s.devices for s in segments] or fields["forkserver_cuda_initialised"]:
             fields["ok"] = False
