@@ -16,9 +16,8 @@ import signal
 import socket
 import sys
 import time
-from pathlib import Path
 
-from parashift.launcher.forkserver import MAX_MESSAGE, PID_ENV, SOCKET_ENV, registry_paths
+from parashift.launcher.forkserver import MAX_MESSAGE, PID_ENV, SOCKET_ENV, read_pointer, registry_paths
 from parashift.launcher.processes import end_with_parent, running
 
 # How long a client waits for its forkserver to finish its imports and listen (it started with
@@ -46,20 +45,12 @@ def _connect(path: str, server_pid: int) -> socket.socket | str:
             sock.close()
         if not running(server_pid):
             return f"forkserver {server_pid} is gone"
-        if not _named_by(pointer, path):  # stopped after the launcher chose it (launcher.forkservers)
+        named = read_pointer(pointer)  # a server is named from its start until it stops (before it listens, too)
+        if named is None or named[0] != path:  # stopped after the launcher chose it (launcher.forkservers)
             return f"forkserver {server_pid} was stopped"
         if time.monotonic() > deadline:
             return f"forkserver {server_pid} did not listen within {WAIT_FOR_SERVER_S:.0f} s"
         time.sleep(0.01)
-
-
-def _named_by(pointer: Path, path: str) -> bool:
-    """Whether the environment's pointer still names the server at `path`: a server is named
-    from its start until it stops (before it listens, too)."""
-    try:
-        return json.loads(pointer.read_text()).get("path") == path
-    except (OSError, ValueError, AttributeError):
-        return False
 
 
 def _end_as(code: int) -> None:

@@ -96,6 +96,22 @@ def registry_paths(socket_path: str) -> tuple[Path, Path]:
     return where / f"{key}.json", where / f"{key}.lock"
 
 
+def read_pointer(pointer: Path) -> tuple[str, int] | None:
+    """The socket path and pid of the server a pointer file names (None: none, or unreadable)."""
+    try:
+        data = json.loads(pointer.read_text())
+        return str(data["path"]), int(data["pid"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def write_pointer(pointer: Path, path: str, pid: int) -> None:
+    """Name the server at `path` in one step (readers never see half a file)."""
+    staging = pointer.with_suffix(f".{os.getpid()}")
+    staging.write_text(json.dumps({"path": path, "pid": pid}))
+    staging.replace(pointer)
+
+
 def loaded_files() -> dict[str, list[int]]:
     """The files whose change makes this server stale (mtime in ns, size): every parashift
     module it imported, and each top-level package's own (an upgrade rewrites them)."""
@@ -315,9 +331,9 @@ class _Server:
                 return False
             if select.select([self.listener], [], [], 0)[0]:
                 return False
-            with contextlib.suppress(OSError, ValueError):
-                if json.loads(pointer.read_text()).get("path") == self.path:
-                    pointer.unlink()
+            named = read_pointer(pointer)
+            if named is not None and named[0] == self.path:
+                pointer.unlink(missing_ok=True)
             self._stop_accepting()
             return True
 

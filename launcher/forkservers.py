@@ -42,8 +42,10 @@ from parashift.launcher.forkserver import (
     MAX_MESSAGE,
     PID_ENV,
     SOCKET_ENV,
+    read_pointer,
     registry_paths,
     startup_environment,
+    write_pointer,
 )
 from parashift.launcher.processes import kill_tree, running
 from parashift.specs import environ
@@ -153,9 +155,7 @@ def find_or_start(env: dict[str, str], where: Path | None = None, linger_s: floa
                 return server
             ask(server.path, {"stop": True})  # stale (or wedged): its running workers go on until they end
         server = _start(env, path, linger_s)
-        staging = pointer.with_suffix(f".{os.getpid()}")
-        staging.write_text(json.dumps({"pid": server.pid, "path": server.path}))
-        staging.replace(pointer)
+        write_pointer(pointer, server.path, server.pid)
         return server
 
 
@@ -188,11 +188,8 @@ def _locked(path: Path) -> Iterator[None]:
 
 
 def _read(pointer: Path) -> Forkserver | None:
-    try:
-        data = json.loads(pointer.read_text())
-        return Forkserver(path=str(data["path"]), pid=int(data["pid"]))
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
+    named = read_pointer(pointer)
+    return Forkserver(path=named[0], pid=named[1]) if named is not None else None
 
 
 def _is_server(pid: int, path: str) -> bool:
