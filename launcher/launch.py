@@ -210,9 +210,9 @@ def torchrun_command(devices: int, module: str, *args: str, log_dir: Path, node:
         where = [f"--nnodes={len(node.nodes)}", f"--node-rank={node.node_rank}", "--rdzv-backend=static",
                  f"--master-addr={node.master_addr}", f"--master-port={node.master_port}"]
     through = ["parashift.launcher.forked"] if forked else []
-    # torchrun's stores listen on the address given alone: loopback on one machine, the first
-    # node's address across nodes (launcher.loopback)
-    return [sys.executable, "-m", *through, "parashift.launcher.loopback", *where, f"--nproc-per-node={devices}",
+    # torchrun's agent as parashift runs it (launcher.agent): its stores listen on the address
+    # given alone (loopback on one machine, the first node's address across nodes)
+    return [sys.executable, "-m", *through, "parashift.launcher.agent", *where, f"--nproc-per-node={devices}",
             f"--log-dir={log_dir}", "-m", *through, module, *args]
 
 

@@ -66,7 +66,7 @@ def listener_on(host: str, port: int) -> socket.socket | None:
 def serve_on_given_address() -> None:
     """From now on, a TCPStore server this process creates listens on the address of the host
     it is given alone: 127.0.0.1 on one machine, the node's address (PARASHIFT_NODE_ADDR)
-    across nodes. For torchrun's agent (`python -m parashift.launcher.loopback ARGS`): its
+    across nodes. For torchrun's agent (`launcher.agent`): its
     stores are made by torch.distributed.elastic, which takes `TCPStore` from
     `torch.distributed`: the class is replaced there and in every module of it already imported."""
     import torch.distributed as dist
@@ -94,10 +94,3 @@ def serve_on_given_address() -> None:
     for name, module in list(sys.modules.items()):
         if name.startswith("torch.distributed") and getattr(module, "TCPStore", None) is base:
             module.TCPStore = BoundTCPStore
-
-
-if __name__ == "__main__":
-    serve_on_given_address()
-    from torch.distributed.run import main
-
-    main()

@@ -1,6 +1,6 @@
 """A one-machine job listens on loopback alone: on warm workers, the pool's rendezvous store and
 the workers' gloo sockets; under torchrun (forked from the forkserver or not), its agent's two
-stores too (launcher.loopback). Read from /proc/net/tcp and tcp6 while the job trains."""
+stores too (launcher.loopback, launcher.agent). Read from /proc/net/tcp and tcp6 while the job trains."""
 
 from __future__ import annotations
 
@@ -13,6 +13,8 @@ from typing import Any
 
 import pytest
 from jobs import tiny_spec, warm_pool
+from parashift.launcher.forkserver import read_pointer
+from parashift.launcher.forkservers import stop_all
 from parashift.launcher.launch import launch_workers
 from parashift.launcher.loopback import listener_on
 from parashift.specs.plan import Plan
@@ -62,14 +64,20 @@ def sockets_of(pids: set[int]) -> set[int]:
     return inodes
 
 
-def listeners_while(run: Callable[[], Any]) -> tuple[Any, dict[int, tuple[str, int]]]:
-    """`run()`'s result, and every listening socket this process and its descendants held meanwhile."""
+def listeners_while(run: Callable[[], Any], forkservers: Path | None = None) -> tuple[Any, dict[int, tuple[str, int]]]:
+    """`run()`'s result, and every listening socket this process and its descendants held
+    meanwhile; with `forkservers`, the descendants of the forkservers in that folder too (a
+    forked process is the server's child, not this one's)."""
     done = threading.Event()
     seen: dict[int, tuple[str, int]] = {}
 
+    def servers() -> set[int]:
+        pointers = forkservers.glob("*.json") if forkservers is not None else []
+        return {named[1] for named in map(read_pointer, pointers) if named is not None}
+
     def watch() -> None:
         while not done.is_set():
-            mine = sockets_of(descendants(os.getpid()) | {os.getpid()})
+            mine = sockets_of(set().union(*map(descendants, servers() | {os.getpid()})) | {os.getpid()})
             seen.update({inode: where for inode, where in listening().items() if inode in mine})
             time.sleep(0.02)
 
@@ -94,11 +102,22 @@ def test_a_warm_job_listens_on_loopback_alone(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("forked", [False, True], ids=["torchrun", "forked-torchrun"])
-def test_a_torchrun_job_listens_on_loopback_alone(tmp_path: Path, forked: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    if not forked:
+def test_a_torchrun_job_listens_on_loopback_alone(tmp_path: Path, forked: bool, monkeypatch: pytest.MonkeyPatch,
+                                                  tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Forked: the agent and its workers are forked by a forkserver of the test's own (the
+    session's serves other tests' processes too)."""
+    forkservers = None
+    if forked:
+        forkservers = tmp_path_factory.mktemp("fs")  # short: a Unix socket's path is at most 107 bytes
+        monkeypatch.setenv("PARASHIFT_FORKSERVER_DIR", str(forkservers))
+    else:
         monkeypatch.setenv("PARASHIFT_FORK_WORKERS", "0")  # interpreters of their own
     spec = tiny_spec("torchrun", f"file://{tmp_path}/store", training={"steps": 30, "checkpoint_every": 30})
-    result, seen = listeners_while(lambda: launch_workers(spec, Plan.data_parallel(2)))
+    try:
+        result, seen = listeners_while(lambda: launch_workers(spec, Plan.data_parallel(2)), forkservers)
+    finally:
+        if forkservers is not None:
+            stop_all(forkservers)
     assert result.returncode == 0
     assert len(seen) >= 2, f"the agent's stores were seen: {seen}"
     exposed = {where for where in seen.values() if where[0] not in LOOPBACK}
