@@ -32,3 +32,12 @@ def test_event_names_are_torchs_and_read_no_source(monkeypatch: pytest.MonkeyPat
     agent.name_events_cheaply()
     monkeypatch.setattr(inspect, "stack", no_stack)
     assert next_rendezvous(dynamic_rendezvous.get_method_name) == "next_rendezvous"
+
+
+def test_a_one_node_rendezvous_joins_without_its_random_wait(monkeypatch: pytest.MonkeyPatch) -> None:
+    waits: list[float | tuple[float, float]] = []
+    monkeypatch.setattr(dynamic_rendezvous, "_delay", waits.append)
+    agent.join_without_jitter()
+    dynamic_rendezvous._delay(seconds=(0, 0.3))  # the first join's spread: gone
+    dynamic_rendezvous._delay(seconds=1)  # a poll's wait: kept
+    assert waits == [1]
