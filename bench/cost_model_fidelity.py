@@ -31,13 +31,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import resource
 import statistics
 import tempfile
 import time
 
 import numpy as np
+from parashift.bench.machine import busy_cpu_s
 from parashift.launcher.launch import launch_workers, measure_comm_timings
 from parashift.models.plans import job_plan_refusals
 from parashift.planner.comm import comm_model_from_timings
@@ -142,17 +142,6 @@ def fit_nonnegative(x: np.ndarray, y: np.ndarray) -> np.ndarray:
         active.remove(int(np.argmin(coef)))
 
 
-def _busy_cpu_s() -> float | None:
-    """CPU seconds the whole machine has spent busy since boot (Linux /proc/stat), else None."""
-    try:
-        with open("/proc/stat") as f:
-            fields = [int(v) for v in f.readline().split()[1:]]
-    except (OSError, ValueError):
-        return None
-    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
-    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
-
-
 def _children_cpu_s() -> float:
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)
     return usage.ru_utime + usage.ru_stime
@@ -161,11 +150,11 @@ def _children_cpu_s() -> float:
 def measure(plan: Plan, spec: JobSpec, name: str) -> tuple[float, float | None]:
     """Median step time after warm-up on rank 0, and the cores other processes kept busy
     meanwhile on average (the machine's busy CPU time less the workers', over the run)."""
-    busy, ours, start = _busy_cpu_s(), _children_cpu_s(), time.perf_counter()
+    busy, ours, start = busy_cpu_s(), _children_cpu_s(), time.perf_counter()
     result = launch_workers(spec.model_copy(update={"name": f"fidelity-{name}"}), plan)
     if result.returncode != 0:
         raise RuntimeError(f"plan {name} failed with {result.returncode}")
-    wall, now = time.perf_counter() - start, _busy_cpu_s()
+    wall, now = time.perf_counter() - start, busy_cpu_s()
     others = None if busy is None or now is None else max(0.0, (now - busy) - (_children_cpu_s() - ours)) / wall
     return statistics.median(e.step_s for e in result.steps[WARMUP_STEPS:]), others
 

@@ -19,19 +19,19 @@ import tempfile
 import time
 from pathlib import Path
 
+from parashift.bench.machine import busy_cpu_s
 from parashift.launcher.forkservers import stop_all
 from parashift.launcher.launch import launch_workers
 from parashift.specs import JobSpec
 from parashift.specs.environ import FORKSERVER_DIR
 from parashift.specs.plan import Plan
 
-TICKS = os.sysconf("SC_CLK_TCK")
-
 
 def machine_cpu_s() -> float:
-    """Seconds of CPU (user + nice + system) the whole machine has spent since boot."""
-    fields = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
-    return (int(fields[0]) + int(fields[1]) + int(fields[2])) / TICKS
+    busy = busy_cpu_s()
+    if busy is None:
+        raise SystemExit("this benchmark reads the machine's CPU from /proc/stat (Linux)")
+    return busy
 
 
 def tiny_job(name: str, store: Path, steps: int) -> JobSpec:
