@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass, field
+from functools import lru_cache
 from math import prod
 
 import numpy as np
@@ -141,6 +142,15 @@ def _greedy(nbrs: dict[int, set[int]], variables: set[int], card: list[int], rng
     return order, float("inf") if too_big else work
 
 
+@lru_cache(maxsize=4096)
+def _order_of(scopes: tuple[tuple[int, ...], ...], variables: tuple[int, ...],
+              card: tuple[int, ...]) -> tuple[tuple[int, ...], float]:
+    """`plan_order`, kept per shape: an order depends on the tables' scopes and sizes, not on
+    their values, and a constrained search solves the same shapes at many multipliers."""
+    order, work = plan_order(list(scopes), set(variables), list(card))
+    return tuple(order), work
+
+
 def plan_order(scopes: list[tuple[int, ...]], variables: set[int], card: list[int],
                tries: int = 8) -> tuple[list[int], float]:
     """A cheap elimination order: simulate greedy orders on scopes alone, keep the least work.
@@ -176,7 +186,7 @@ def eliminate(factors: list[Factor], variables: set[int], card: list[int]) -> tu
             touching.setdefault(v, set()).add(i)
     steps: list[Step] = []
     next_id = len(factors)
-    order, _ = plan_order([f.scope for f in factors], variables, card)
+    order, _ = _order_of(tuple(f.scope for f in factors), tuple(sorted(variables)), tuple(card))
     for v in order:
         ids = touching.pop(v, set())
         group = [live.pop(i) for i in sorted(ids)]

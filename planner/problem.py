@@ -191,6 +191,85 @@ def tie_factors(graph: Graph, costs: CostModel) -> list[Factor]:
     return out
 
 
+@dataclass
+class OpBreakdown:
+    compute_s: float
+    comm_s: float  # collectives inside the op + layout conversion of its inputs + gradient sync
+    memory_bytes: float
+
+
+@dataclass
+class ProblemParts:
+    """A stage's problem without its multiplier, built once: a constrained search solves the
+    same stage at many lambdas and within many domains, and rebuilding the tables (cost lookups,
+    edge scaling, tie tables) each time was a fifth of its time. Per distinct op signature:
+    its time and memory per configuration, and the lambda-free pairwise tables (edges, ties)."""
+
+    card: list[int]
+    block_of: dict[int, str]
+    owners: list[str | None]
+    signature: list[int]  # per op: its index into the per-signature arrays below
+    computes: list[np.ndarray]
+    comms: list[np.ndarray]
+    times: list[np.ndarray]
+    memories: list[np.ndarray]
+    edges: list[Factor]  # scaled by the stage's weight
+    ties: list[Factor]
+
+    @classmethod
+    def of(cls, graph: Graph, costs: CostModel, w: Weights = UNPIPELINED, ties: bool = True) -> ProblemParts:
+        """`ties`: False for a breakdown alone, which needs no tie tables."""
+        index = graph.index()
+        first: dict[int, int] = {}
+        signature: list[int] = []
+        computes, comms, times, memories = [], [], [], []
+        card = []
+        for op in graph.ops:
+            c = costs.op_cost(op)
+            if id(c) not in first:
+                first[id(c)] = len(times)
+                computes.append(w.compute(c))
+                comms.append(w.comm(c))
+                times.append(w.time(c))
+                memories.append(w.memory(c))
+            signature.append(first[id(c)])
+            card.append(len(c.configs))
+        scaled: dict[int, np.ndarray] = {}
+        edges = []
+        for e in graph.edges:
+            table = costs.edge_cost(e)
+            if id(table) not in scaled:
+                scaled[id(table)] = w.edge(table)
+            edges.append(Factor((index[e.src], index[e.dst]), scaled[id(table)], owner=graph.ops[index[e.dst]].block))
+        return cls(card, {v: op.block for v, op in enumerate(graph.ops) if op.block is not None},
+                   [op.block for op in graph.ops], signature, computes, comms, times, memories, edges,
+                   tie_factors(graph, costs) if ties else [])
+
+    def _problem(self, unary: list[np.ndarray], pairwise: list[Factor]) -> Problem:
+        factors = [Factor((v,), unary[k], owner=o) for v, (k, o) in enumerate(zip(self.signature, self.owners, strict=True))]
+        return Problem(card=self.card, factors=factors + pairwise, block_of=self.block_of)
+
+    def at(self, lam: float = 0.0) -> Problem:
+        """min time + lam x memory: unary, edge and tie tables as factors."""
+        return self._problem([t + lam * m for t, m in zip(self.times, self.memories, strict=True)], self.edges + self.ties)
+
+    def memory_only(self) -> Problem:
+        """The objective is memory alone (no time, no edges): the least-memory assignment that
+        keeps every tie."""
+        return self._problem(self.memories, self.ties)
+
+    def breakdown(self, assign: list[int]) -> list[OpBreakdown]:
+        """Per-op time and memory of an assignment; layout conversions are charged to the consumer."""
+        rows = []
+        for v, k in enumerate(self.signature):
+            i = assign[v]
+            rows.append(OpBreakdown(float(self.computes[k][i]), float(self.comms[k][i]), float(self.memories[k][i])))
+        for f in self.edges:
+            s, d = f.scope
+            rows[d].comm_s += float(f.table[assign[s], assign[d]])
+        return rows
+
+
 def build_problem(graph: Graph, costs: CostModel, lam: float = 0.0, w: Weights = UNPIPELINED,
                   memory_only: bool = False) -> Problem:
     """One variable per op (its configuration index); unary, edge and tie tables as factors.
@@ -199,50 +278,10 @@ def build_problem(graph: Graph, costs: CostModel, lam: float = 0.0, w: Weights =
     recognise identical blocks. `memory_only`: the objective is memory alone (no time, no
     edges), for the least-memory assignment that keeps every tie.
     """
-    index = graph.index()
-    unary: dict[int, np.ndarray] = {}
-    scaled: dict[int, np.ndarray] = {}
-    factors: list[Factor] = []
-    card: list[int] = []
-    for v, op in enumerate(graph.ops):
-        c = costs.op_cost(op)
-        if id(c) not in unary:
-            memory = w.memory(c)
-            unary[id(c)] = memory if memory_only else w.time(c) + lam * memory
-        factors.append(Factor((v,), unary[id(c)], owner=op.block))
-        card.append(len(c.configs))
-    for e in () if memory_only else graph.edges:
-        table = costs.edge_cost(e)
-        if id(table) not in scaled:
-            scaled[id(table)] = w.edge(table)
-        table = scaled[id(table)]
-        s, d = index[e.src], index[e.dst]
-        factors.append(Factor((s, d), table, owner=graph.ops[d].block))
-    factors += tie_factors(graph, costs)
-    block_of = {v: op.block for v, op in enumerate(graph.ops) if op.block is not None}
-    return Problem(card=card, factors=factors, block_of=block_of)
-
-
-@dataclass
-class OpBreakdown:
-    compute_s: float
-    comm_s: float  # collectives inside the op + layout conversion of its inputs + gradient sync
-    memory_bytes: float
+    parts = ProblemParts.of(graph, costs, w)
+    return parts.memory_only() if memory_only else parts.at(lam)
 
 
 def breakdown(graph: Graph, costs: CostModel, assign: list[int], w: Weights = UNPIPELINED) -> list[OpBreakdown]:
     """Per-op time and memory of an assignment; layout conversions are charged to the consumer."""
-    index = graph.index()
-    terms: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}  # ops of equal signature share them
-    rows = []
-    for v, op in enumerate(graph.ops):
-        c = costs.op_cost(op)
-        if id(c) not in terms:
-            terms[id(c)] = (w.compute(c), w.comm(c), w.memory(c))
-        compute, comm, memory = terms[id(c)]
-        i = assign[v]
-        rows.append(OpBreakdown(float(compute[i]), float(comm[i]), float(memory[i])))
-    for e in graph.edges:
-        s, d = index[e.src], index[e.dst]
-        rows[d].comm_s += float(w.edge(costs.edge_cost(e)[assign[s], assign[d]]))
-    return rows
+    return ProblemParts.of(graph, costs, w, ties=False).breakdown(assign)

@@ -22,7 +22,7 @@ from parashift.planner.constrained import MAX_SOLVES, LagrangianSearch
 from parashift.planner.costs import CostModel
 from parashift.planner.dp import Domains, restrict, unrestrict
 from parashift.planner.graph import Graph, Op
-from parashift.planner.problem import UNPIPELINED, OpBreakdown, Weights, breakdown, build_problem, tie_factors
+from parashift.planner.problem import UNPIPELINED, OpBreakdown, ProblemParts, Weights, breakdown
 from parashift.planner.profile import ModelProfile
 from parashift.planner.repair import repair
 
@@ -100,8 +100,10 @@ def _solve(problem: dp.Problem, method: Method) -> dp.Solved:
 
 
 def stage_result(graph: Graph, costs: CostModel, assign: list[int], w: Weights, lam: float,
-                 solved: dp.Solved | None = None) -> StageResult:
-    res = StageResult(graph, costs, assign, w, breakdown(graph, costs, assign, w), lam)
+                 solved: dp.Solved | None = None, parts: ProblemParts | None = None) -> StageResult:
+    """`parts`: the stage's tables, where the caller has them (a search reads many results)."""
+    rows = parts.breakdown(assign) if parts is not None else breakdown(graph, costs, assign, w)
+    res = StageResult(graph, costs, assign, w, rows, lam)
     if solved is not None and solved.dropped:
         gap = solved.value - solved.lower
         # A bound that meets the answer up to rounding (sums in another order) proves it.
@@ -126,17 +128,28 @@ class StageSolver:
         self._floor: StageResult | None = None
         self._first: StageResult | None = None
         self._done: tuple[StageResult, list[StageResult]] | None = None
+        self._parts: ProblemParts | None = None
+
+    @property
+    def parts(self) -> ProblemParts:
+        """The stage's tables, built once for every lambda and domain its search solves at."""
+        if self._parts is None:
+            self._parts = ProblemParts.of(self.graph, self.costs, self.w)
+        return self._parts
+
+    def _result(self, assign: list[int], lam: float, solved: dp.Solved | None = None) -> StageResult:
+        return stage_result(self.graph, self.costs, assign, self.w, lam, solved, self.parts)
 
     def floor(self) -> StageResult:
         if self._floor is None:
-            g, costs, w = self.graph, self.costs, self.w
-            least = [int(w.memory(c).argmin()) for c in map(costs.op_cost, g.ops)]
-            ties = tie_factors(g, costs)
+            parts = self.parts
+            least = [int(parts.memories[k].argmin()) for k in parts.signature]
+            ties = parts.ties
             if ties and not math.isfinite(dp.evaluate(dp.Problem([], ties), least)):
                 # Each op's least-memory configuration breaks a tie: the exact least-memory
                 # assignment that keeps them all (memory is a sum of per-op terms, ties pairwise).
-                least = dp.solve(build_problem(g, costs, w=w, memory_only=True))[0]
-            self._floor = stage_result(g, costs, least, w, float("inf"))
+                least = dp.solve(self.parts.memory_only())[0]
+            self._floor = self._result(least, float("inf"))
         return self._floor
 
     def infeasible(self) -> bool:
@@ -145,9 +158,8 @@ class StageSolver:
 
     def first(self) -> StageResult:
         if self._first is None:
-            g, costs, w = self.graph, self.costs, self.w
-            solved = _solve(build_problem(g, costs, 0.0, w), self.method)
-            self._first = stage_result(g, costs, solved.assign, w, 0.0, solved)
+            solved = _solve(self.parts.at(0.0), self.method)
+            self._first = self._result(solved.assign, 0.0, solved)
         return self._first
 
     def time_floor(self) -> float:
@@ -176,7 +188,7 @@ class StageSolver:
             return first, [first]
         if self.method == "exhaustive":
             return self._enumerated(limit)
-        memory = [self.w.memory(self.costs.op_cost(op)) for op in self.graph.ops]
+        memory = [self.parts.memories[k] for k in self.parts.signature]
         search = LagrangianSearch(self._at, self._least, memory, limit, max_solves=self._solve_budget(), cutoff=cutoff,
                                   repair=lambda fast, fitting: self._repaired(memory, fast, fitting))
         out = search.run()
@@ -187,7 +199,7 @@ class StageSolver:
     def _solve_budget(self) -> int:
         """DP solves the constrained search may run: about STAGE_BUDGET_S seconds' worth, by a
         deterministic estimate of one solve (per table, and per table entry)."""
-        problem = build_problem(self.graph, self.costs, 0.0, self.w)
+        problem = self.parts.at(0.0)
         estimate = 3e-5 * len(problem.factors) + 3e-9 * sum(f.table.size for f in problem.factors)
         return max(8, min(MAX_SOLVES, int(STAGE_BUDGET_S / estimate)))
 
@@ -196,34 +208,29 @@ class StageSolver:
         `relaxation_s`); None when no assignment keeps every tie there."""
         if not domains and lam == 0.0:
             return self.first()
-        g, costs, w = self.graph, self.costs, self.w
-        solved = _solve(restrict(build_problem(g, costs, lam, w), domains), self.method)
+        solved = _solve(restrict(self.parts.at(lam), domains), self.method)
         if not math.isfinite(solved.value):
             return None
-        return stage_result(g, costs, unrestrict(solved.assign, domains), w, lam, solved)
+        return self._result(unrestrict(solved.assign, domains), lam, solved)
 
     def _repaired(self, memory: list[np.ndarray], fast: StageResult, fitting: StageResult) -> StageResult | None:
         """A fitting assignment walked from `fast` toward `fitting` (planner/repair.py)."""
         assert self.limit is not None
-        g, costs, w = self.graph, self.costs, self.w
-        assign = repair(build_problem(g, costs, 0.0, w), memory, fast.assign, fitting.assign, self.limit)
-        return None if assign is None else stage_result(g, costs, assign, w, 0.0)
+        assign = repair(self.parts.at(0.0), memory, fast.assign, fitting.assign, self.limit)
+        return None if assign is None else self._result(assign, 0.0)
 
     def _least(self, domains: Domains) -> StageResult | None:
         if not domains:
             return self.floor()
-        g, costs, w = self.graph, self.costs, self.w
-        solved = _solve(restrict(build_problem(g, costs, w=w, memory_only=True), domains), self.method)
+        solved = _solve(restrict(self.parts.memory_only(), domains), self.method)
         if not math.isfinite(solved.value):
             return None
-        return stage_result(g, costs, unrestrict(solved.assign, domains), w, math.inf)
+        return self._result(unrestrict(solved.assign, domains), math.inf)
 
     def _enumerated(self, limit: float) -> tuple[StageResult, list[StageResult]]:
         """Every assignment, the fastest that fits (small graphs: the reference of the tests)."""
-        g, costs, w = self.graph, self.costs, self.w
-        found = dp.brute_force_constrained(build_problem(g, costs, 0.0, w), build_problem(g, costs, w=w, memory_only=True),
-                                           limit)
-        best = self.floor() if found is None else stage_result(g, costs, found[0], w, 0.0)
+        found = dp.brute_force_constrained(self.parts.at(0.0), self.parts.memory_only(), limit)
+        best = self.floor() if found is None else self._result(found[0], 0.0)
         best.bound = best.time_s
         return best, [best]
 
