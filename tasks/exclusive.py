@@ -13,7 +13,9 @@ Two guards, in this order:
    says why. Its record lives in one Prefect database: the embedded API's outlives its process
    (a `parashift run` killed with -9 leaves it held, and no one renews or expires it). So a run
    that holds the storage lease, proof that every earlier holder is gone, frees a slot still
-   held instead of waiting for it forever.
+   held instead of waiting for it forever. It reads whether the slot is held before it takes
+   it: a slot taken slowly is a loaded API, not a dead run (a 1 s try used to be read as
+   one, and freed the slot with a warning that blamed a crashed run).
 """
 
 from __future__ import annotations
@@ -30,11 +32,9 @@ from prefect.concurrency.sync import concurrency
 
 LEASE_S = 60.0
 WAIT_S = 10.0
-# With the storage lease held, a slot still held is a dead run's: waited for this long only.
-WAIT_WITH_LEASE_S = 1.0
-# Taking a slot just freed: not a wait for another run, only for the API to answer (a loaded
-# server took over 0.5 s), so never shorter than this.
-WAIT_AFTER_FREEING_S = 10.0
+# With the storage lease held, taking the slot waits for no other run, only for the API to
+# answer (a loaded server took over 0.5 s, and over 1 s with the suite running): never shorter.
+WAIT_WITH_LEASE_S = 10.0
 
 
 class JobAlreadyRunning(RuntimeError):
@@ -87,29 +87,23 @@ def one_run_per_job(job_id: str, wait_s: float = WAIT_S, storage_lease: bool = F
     name = slot_name(job_id)
     with get_client(sync_client=True) as client:
         client.upsert_global_concurrency_limit_by_name(name, 1)
-
-    def take(wait: float) -> None:
-        held.enter_context(concurrency(name, occupy=1, timeout_seconds=wait, lease_duration=LEASE_S, strict=True))
-
-    with contextlib.ExitStack() as held:
-        try:
-            take(min(wait_s, WAIT_WITH_LEASE_S) if storage_lease else wait_s)
-        except TimeoutError:
-            if not storage_lease:
-                raise JobAlreadyRunning(
-                    f"job {job_id} is already running in another flow run (the concurrency limit {name!r} holds its "
-                    f"one slot; waited {wait_s:.0f} s): this run trains nothing. Let that run finish, or stop it "
-                    "with `parashift stop`, then run again."
-                ) from None
+        if storage_lease and client.read_global_concurrency_limit_by_name(name).active_slots >= 1:
             from prefect.client.schemas.actions import GlobalConcurrencyLimitUpdate
 
-            with get_client(sync_client=True) as client:
-                client.update_global_concurrency_limit(name, GlobalConcurrencyLimitUpdate(active_slots=0))
-            _logger().warning("the concurrency limit %r was held by a run that no longer holds the job's storage lease "
-                              "(it crashed, or its Prefect API went with its process): slot freed for this run", name)
-            try:
-                take(max(wait_s, WAIT_AFTER_FREEING_S))
-            except TimeoutError:
-                raise JobAlreadyRunning(f"job {job_id}: the concurrency limit {name!r} was taken again at once after "
-                                        "it was freed; this run trains nothing") from None
+            client.update_global_concurrency_limit(name, GlobalConcurrencyLimitUpdate(active_slots=0))
+            _logger().warning("the concurrency limit %r was held by a run that no longer holds the job's storage "
+                              "lease (it crashed, or its Prefect API went with its process): slot freed for this run", name)
+    with contextlib.ExitStack() as held:
+        try:
+            held.enter_context(concurrency(name, occupy=1, timeout_seconds=max(wait_s, WAIT_WITH_LEASE_S) if storage_lease
+                                           else wait_s, lease_duration=LEASE_S, strict=True))
+        except TimeoutError:
+            if storage_lease:
+                raise JobAlreadyRunning(f"job {job_id}: the concurrency limit {name!r} was taken by another run while "
+                                        "this one holds the job's storage lease; this run trains nothing") from None
+            raise JobAlreadyRunning(
+                f"job {job_id} is already running in another flow run (the concurrency limit {name!r} holds its "
+                f"one slot; waited {wait_s:.0f} s): this run trains nothing. Let that run finish, or stop it "
+                "with `parashift stop`, then run again."
+            ) from None
         yield

@@ -86,6 +86,34 @@ def test_the_prefect_slot_refuses_and_a_dead_runs_slot_is_freed(prefect_server: 
         assert client.read_global_concurrency_limit_by_name(slot_name(job)).active_slots == 0
 
 
+def test_a_free_slot_granted_slowly_is_not_taken_for_a_dead_runs(prefect_server: None, monkeypatch: Any,
+                                                                   caplog: pytest.LogCaptureFixture) -> None:
+    """With the suite running, the API took over 1 s to grant a free slot, and a run holding the
+    storage lease read that as a dead run's slot: it freed it and warned of a crashed run that
+    never was. Simulated: a grant that needs more than 2 s of patience. The run takes the slot,
+    frees nothing and blames no one."""
+    import logging
+
+    from parashift.tasks import exclusive
+    from prefect.client.orchestration import get_client
+
+    real, waits = exclusive.concurrency, []
+
+    def slow_api(name: str, **kw: Any) -> Any:
+        waits.append(kw["timeout_seconds"])
+        if kw["timeout_seconds"] < 2.0:
+            raise TimeoutError  # what Prefect's acquisition raises when the API answers too late
+        return real(name, **kw)
+
+    monkeypatch.setattr(exclusive, "concurrency", slow_api)
+    job = f"slow-{uuid.uuid4().hex[:8]}"
+    with caplog.at_level(logging.WARNING), exclusive.one_run_per_job(job, wait_s=0.5, storage_lease=True), \
+            get_client(sync_client=True) as client:
+        assert client.read_global_concurrency_limit_by_name(exclusive.slot_name(job)).active_slots == 1
+    assert waits and min(waits) >= 2.0, waits
+    assert not [r.getMessage() for r in caplog.records if "slot freed" in r.getMessage()]
+
+
 def test_a_run_on_another_server_holding_the_storage_lease_refuses_this_one(prefect_server: None,
                                                                              tmp_path: Path) -> None:
     """The Prefect slot here is free (the other run's server is another one): storage refuses,
