@@ -142,13 +142,27 @@ def _greedy(nbrs: dict[int, set[int]], variables: set[int], card: list[int], rng
     return order, float("inf") if too_big else work
 
 
-@lru_cache(maxsize=4096)
-def _order_of(scopes: tuple[tuple[int, ...], ...], variables: tuple[int, ...],
-              card: tuple[int, ...]) -> tuple[tuple[int, ...], float]:
-    """`plan_order`, kept per shape: an order depends on the tables' scopes and sizes, not on
-    their values, and a constrained search solves the same shapes at many multipliers."""
+# Elimination problems of at most this many tables have their orders kept (`_order_of`), the
+# last ORDERS_KEPT of them: a layer's block or a stage's remainder, a few hundred shapes per
+# search. Larger ones are planned each time: their keys alone would hold megabytes each.
+ORDER_KEPT_UP_TO = 512
+ORDERS_KEPT = 1024
+
+
+@lru_cache(maxsize=ORDERS_KEPT)
+def _kept_order(scopes: tuple[tuple[int, ...], ...], variables: tuple[int, ...],
+                card: tuple[int, ...]) -> tuple[tuple[int, ...], float]:
     order, work = plan_order(list(scopes), set(variables), list(card))
     return tuple(order), work
+
+
+def _order_of(factors: list[Factor], variables: set[int], card: list[int]) -> tuple[list[int] | tuple[int, ...], float]:
+    """`plan_order`, kept per shape where small: an order depends on the tables' scopes and
+    sizes, not on their values, and a constrained search solves the same shapes at many
+    multipliers."""
+    if len(factors) > ORDER_KEPT_UP_TO:
+        return plan_order([f.scope for f in factors], variables, card)
+    return _kept_order(tuple(f.scope for f in factors), tuple(sorted(variables)), tuple(card))
 
 
 def plan_order(scopes: list[tuple[int, ...]], variables: set[int], card: list[int],
@@ -186,7 +200,7 @@ def eliminate(factors: list[Factor], variables: set[int], card: list[int]) -> tu
             touching.setdefault(v, set()).add(i)
     steps: list[Step] = []
     next_id = len(factors)
-    order, _ = _order_of(tuple(f.scope for f in factors), tuple(sorted(variables)), tuple(card))
+    order, _ = _order_of(factors, variables, card)
     for v in order:
         ids = touching.pop(v, set())
         group = [live.pop(i) for i in sorted(ids)]
