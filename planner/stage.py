@@ -148,7 +148,7 @@ class StageSolver:
             if ties and not math.isfinite(dp.evaluate(dp.Problem([], ties), least)):
                 # Each op's least-memory configuration breaks a tie: the exact least-memory
                 # assignment that keeps them all (memory is a sum of per-op terms, ties pairwise).
-                least = dp.solve(self.parts.memory_only())[0]
+                least = dp.solve(parts.memory_only())[0]
             self._floor = self._result(least, float("inf"))
         return self._floor
 
