@@ -42,12 +42,23 @@ def now_epoch() -> int:
     return time.time_ns() // 1_000_000
 
 
+# `parashift run`'s own embedded API (parashift/commands/embedded_api.py), if this process started one.
+_embedded_api: str | None = None
+
+
+def mark_embedded(url: str) -> None:
+    """The API at `url` is this process's embedded one: `api_url` treats it as no server."""
+    global _embedded_api
+    _embedded_api = url
+
+
 def api_url() -> str | None:
     """The Prefect API this process talks to; None on the embedded (ephemeral) API, which no
     other process can reach, so no event could arrive there."""
     from prefect.settings import PREFECT_API_URL
 
-    return PREFECT_API_URL.value() or None
+    url = PREFECT_API_URL.value() or None
+    return None if url is not None and url == _embedded_api else url
 
 
 def emit_resource_change(job_id: str, change: ResourceEvent) -> None:

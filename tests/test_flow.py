@@ -111,6 +111,9 @@ def test_readme_run_command_trains_the_default_spec(tmp_path: Path) -> None:
     assert last < first - 1.0
     committed = sorted(p.parent.name for p in (tmp_path / "parashift-store/jobs/tiny-gpt/ckpt").glob("*/manifest.json"))
     assert committed == ["00000040", "00000060"]
+    # The embedded API is the one the command started at its first step, not one Prefect starts at the flow's first call.
+    log = next((tmp_path / ".parashift/logs").glob("tiny-gpt-*.log")).read_text()
+    assert "Beginning flow run" in log and "Starting temporary server" not in log, log[:3000]
 
 
 def test_the_embedded_api_may_start_slower_than_prefects_default(tmp_path: Path, prefect_home: Callable[[Path], Path]) -> None:

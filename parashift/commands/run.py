@@ -47,6 +47,10 @@ def run(
     # Before anything imports Prefect (the preflight below does): its settings are read once.
     _prefect_defaults(verbose)
     spec = load_spec_or_exit(spec_file)
+    from parashift.commands.embedded_api import start_unless_configured
+
+    # Booting from here, it overlaps the checks, the imports and the workers' boot (stopped at exit).
+    api = start_unless_configured()
     # Seconds, before Prefect starts: storage, data and devices (storage whose credentials live
     # in a Prefect block is probed by the flow, which can read the block).
     problems = preflight_lines(spec_file, spec, storage=spec.storage.credentials_block is None)
@@ -67,6 +71,8 @@ def run(
     # The job's worker processes (or the forkserver they fork from) boot while the rest imports
     # and the embedded Prefect API starts: the first step comes seconds sooner.
     with job_workers(spec):
+        if api is not None:
+            api.use()
         _train(spec, verbose)
 
 

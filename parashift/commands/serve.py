@@ -35,18 +35,28 @@ def start_prefect_server(env: dict[str, str], port: int | None = None, timeout_s
     env = {**{k: v for k, v in env.items() if k != "PREFECT_API_URL"}, "PREFECT_UI_API_URL": url}
     server = subprocess.Popen([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)],
                               env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        wait_healthy(server, url, timeout_s, what="prefect server")
+    except RuntimeError:
+        stop_group(server)
+        raise
+    return server, url
+
+
+def wait_healthy(process: subprocess.Popen[bytes], url: str, timeout_s: float, what: str) -> None:
+    """Return once the API at `url` answers `/health`; RuntimeError if `process` (its server)
+    exits first or `timeout_s` passes."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if server.poll() is not None:
-            raise RuntimeError(f"prefect server exited with code {server.returncode}")
+        if process.poll() is not None:
+            raise RuntimeError(f"{what} exited with code {process.returncode}")
         try:
             with urllib.request.urlopen(f"{url}/health", timeout=2) as response:
                 if response.status == 200:
-                    return server, url
+                    return
         except OSError:
-            time.sleep(0.5)
-    stop_group(server)
-    raise RuntimeError(f"prefect server did not answer on {url} within {timeout_s:.0f} s")
+            time.sleep(0.1)
+    raise RuntimeError(f"{what} did not answer on {url} within {timeout_s:.0f} s")
 
 
 def stop_group(process: subprocess.Popen[bytes]) -> None:
