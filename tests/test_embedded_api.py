@@ -31,9 +31,9 @@ else:
 """
 
 
-def run_script(home: Path) -> dict:
+def run_script(home: Path, **settings: str) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API")}
-    env["PREFECT_HOME"] = str(home)
+    env.update(PREFECT_HOME=str(home), **settings)
     done = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -50,6 +50,8 @@ def test_an_api_named_in_a_prefect_profile_is_used_and_nothing_starts(tmp_path: 
     (tmp_path / "profiles.toml").write_text(
         'active = "mine"\n[profiles.mine]\nPREFECT_API_URL = "http://127.0.0.1:9/api"\n')
     assert run_script(tmp_path) == {"started": False}
+    # nor where the user turned Prefect's ephemeral API off (Prefect's own error follows)
+    assert run_script(tmp_path / "off", PREFECT_SERVER_EPHEMERAL_ENABLED="false") == {"started": False}
 
 
 def test_the_embedded_api_serves_every_thread_and_ends_with_the_process(tmp_path: Path,

@@ -104,10 +104,11 @@ class EmbeddedAPI:
 
 
 def start_unless_configured() -> EmbeddedAPI | None:
-    """An embedded API, started now; None where Prefect's settings (any source) name an API."""
-    from prefect.settings import PREFECT_API_URL
+    """An embedded API, started now; None where Prefect's settings (any source) name an API,
+    or turn its ephemeral API off (Prefect then says what is missing, as without parashift)."""
+    from prefect.settings import PREFECT_API_URL, PREFECT_SERVER_EPHEMERAL_ENABLED
 
-    if PREFECT_API_URL.value():
+    if PREFECT_API_URL.value() or not PREFECT_SERVER_EPHEMERAL_ENABLED.value():
         return None
     api = EmbeddedAPI()
     api.start()
