@@ -172,13 +172,16 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def test_sigterm_stops_parashift_run_at_a_committed_step_and_leaves_nothing_running(
-        tmp_path: Path, tmp_path_factory: pytest.TempPathFactory, prefect_home: Callable[[Path], Path],
+@pytest.mark.parametrize("stop", ["SIGTERM", "SIGINT"])
+def test_sigterm_or_ctrl_c_stops_parashift_run_at_a_committed_step_and_leaves_nothing_running(
+        stop: str, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory, prefect_home: Callable[[Path], Path],
         request: pytest.FixtureRequest) -> None:
-    """A process manager's `kill PID` on `parashift run` (embedded Prefect API): the workers
-    stop at a step boundary, the step is committed, and no process it started outlives it
-    (workers, torchrun, the temporary Prefect server), but for the machine's forkserver, which
-    lingers for the next run (it is this test's own, and stopped at its end)."""
+    """A process manager's `kill PID` on `parashift run` (embedded Prefect API), or a terminal's
+    Ctrl-C (SIGINT to the whole foreground process group): the workers stop at a step boundary,
+    the step is committed, and no process it started outlives it (workers, torchrun, the
+    temporary Prefect server), but for the machine's forkserver, which lingers for the next run
+    (it is this test's own, and stopped at its end). Until 2026-12-06 a Ctrl-C also stopped
+    Prefect's own embedded server, in the run's group, and the run hung retrying it."""
     import signal
     import time
 
@@ -216,10 +219,13 @@ def test_sigterm_stops_parashift_run_at_a_committed_step_and_leaves_nothing_runn
         time.sleep(0.5)
     look()
     assert len(seen) >= 3, "torchrun and two workers at least"
-    running.send_signal(signal.SIGTERM)
+    if stop == "SIGTERM":
+        running.send_signal(signal.SIGTERM)
+    else:
+        os.killpg(running.pid, signal.SIGINT)  # its own session's group: the terminal's foreground group here
     output, _ = running.communicate(timeout=120)
     assert running.returncode == 0, output[-3000:]
-    assert "SIGTERM" in output and "stopped" in output and "run again to resume" in output
+    assert stop in output and "stopped" in output and "run again to resume" in output, output[-3000:]
     stopped_at = int(re.search(r"long-job at step (\d+)", output).group(1))
     assert 0 < stopped_at < 100000
     assert (ckpt / f"{stopped_at:08d}/manifest.json").exists(), "the stop step must be committed"
