@@ -62,11 +62,16 @@ def stop_on_signals(listener: Callable[[str], None] | None = None) -> None:
         signal.signal(sig, _stop_signal_handler)
 
 
+def owns_signals() -> bool:
+    """Whether this process stops its training on its own signals (`stop_on_signals`)."""
+    return _signal_listener is not None
+
+
 @contextlib.contextmanager
 def signals_stop_training() -> Iterator[None]:
     """Within a flow run: keep `stop_on_signals` in force where the process asked for it
     (Prefect installs its own SIGTERM handler for the duration of every flow run)."""
-    owned = _signal_listener is not None and threading.current_thread() is threading.main_thread()
+    owned = owns_signals() and threading.current_thread() is threading.main_thread()
     saved = signal.signal(signal.SIGTERM, _stop_signal_handler) if owned else None
     try:
         yield

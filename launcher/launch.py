@@ -21,6 +21,7 @@ from typing import Any, TypeVar
 
 from parashift.launcher.forkserver import available as forkserver_available
 from parashift.launcher.forkservers import Forkserver, find_or_start
+from parashift.launcher.interrupts import owns_signals
 from parashift.launcher.processes import hang_suspects, kill_tree, parent_of
 from parashift.models.plans import job_plan_refusals
 from parashift.specs import JobSpec, environ
@@ -427,6 +428,11 @@ def launch_workers(
             text=True,
             bufsize=1,
             env={**env, **server},
+            # A process that stops its training on its own signals (`parashift run`) keeps a
+            # terminal's Ctrl-C from torchrun, which would end its workers its own way (a
+            # traceback, SIGTERM to each) beside that stop. Elsewhere torchrun stays in its
+            # starter's group: Prefect's worker ends a flow run by killing its group.
+            process_group=0 if owns_signals() else None,
         )
         assert process.stdout is not None
         workers = workers if workers is not None else RunningWorkers()

@@ -226,6 +226,8 @@ def test_sigterm_or_ctrl_c_stops_parashift_run_at_a_committed_step_and_leaves_no
     output, _ = running.communicate(timeout=120)
     assert running.returncode == 0, output[-3000:]
     assert stop in output and "stopped" in output and "run again to resume" in output, output[-3000:]
+    log = next((tmp_path / ".parashift/logs").glob("long-job-*.log")).read_text()
+    assert "Traceback" not in log, log[-5000:]  # torchrun does not hear the Ctrl-C: it ends as the workers stop
     stopped_at = int(re.search(r"long-job at step (\d+)", output).group(1))
     assert 0 < stopped_at < 100000
     assert (ckpt / f"{stopped_at:08d}/manifest.json").exists(), "the stop step must be committed"
