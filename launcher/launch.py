@@ -430,9 +430,11 @@ def launch_workers(
             env={**env, **server},
             # A process that stops its training on its own signals (`parashift run`) keeps a
             # terminal's Ctrl-C from torchrun, which would end its workers its own way (a
-            # traceback, SIGTERM to each) beside that stop. Elsewhere torchrun stays in its
-            # starter's group: Prefect's worker ends a flow run by killing its group.
-            process_group=0 if owns_signals() else None,
+            # traceback, SIGTERM to each) beside that stop. Only a forked torchrun: its client
+            # ends with this process however it dies (a closed terminal's SIGHUP included),
+            # which a plain torchrun outside the terminal's group would not. Elsewhere torchrun
+            # stays in its starter's group: Prefect's worker ends a flow run by killing its group.
+            process_group=0 if owns_signals() and server else None,
         )
         assert process.stdout is not None
         workers = workers if workers is not None else RunningWorkers()
