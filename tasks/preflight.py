@@ -291,9 +291,13 @@ def check_devices(spec: JobSpec) -> list[Problem]:
     return problems
 
 
-def preflight(spec: JobSpec, *, storage: bool = True, timeout_s: float = PROBE_TIMEOUT_S) -> list[Problem]:
-    """Every problem found with the job's devices, data and (unless `storage=False`) storage."""
-    problems = check_devices(spec) + check_data(spec, timeout_s)
+def preflight(spec: JobSpec, *, storage: bool = True, data: bool = True, devices: bool = True,
+              timeout_s: float = PROBE_TIMEOUT_S) -> list[Problem]:
+    """Every problem found with the job's devices, data and storage (each unless turned off:
+    the device check imports torch, seconds that `parashift run` overlaps with its API's boot)."""
+    problems = check_devices(spec) if devices else []
+    if data:
+        problems += check_data(spec, timeout_s)
     if storage:
         problems += check_storage(spec, timeout_s)
     return problems

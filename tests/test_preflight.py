@@ -149,8 +149,9 @@ def test_validate_check_and_run_refuse_in_seconds_with_one_line_each(tmp_path: P
 
 def test_a_second_run_of_a_running_job_is_refused_before_prefect_starts(tmp_path: Path) -> None:
     """Another run holds the job's storage lease: `parashift run` says so in one line, in
-    seconds, before it starts a Prefect API, workers or a log (the flow's own lease still
-    decides where two runs start at once: tests/test_job_exclusive.py)."""
+    seconds, before its Prefect API answers (the one it began booting is killed unused), before
+    workers or a log (the flow's own lease still decides where two runs start at once:
+    tests/test_job_exclusive.py)."""
     from parashift.storage import ObjectStore
     from parashift.storage.lease import JobLease
 

@@ -49,22 +49,26 @@ def run(
     spec = load_spec_or_exit(spec_file)
     from parashift.commands.embedded_api import start_unless_configured
 
-    # Booting from here, it overlaps the checks, the imports and the workers' boot (stopped at exit).
+    # Booting from here, the API overlaps the checks, the imports and the workers' boot (stopped
+    # at exit; at once where the job is refused).
     api = start_unless_configured()
-    # Seconds, before Prefect starts: storage, data and devices (storage whose credentials live
-    # in a Prefect block is probed by the flow, which can read the block).
-    problems = preflight_lines(spec_file, spec, storage=spec.storage.credentials_block is None)
-    if problems:
-        for line in problems:
-            typer.echo(line, err=True)
-        raise typer.Exit(1)
-    if spec.storage.credentials_block is None:  # a second run of a running job: told before Prefect starts
+    # Seconds, before the flow: storage first (storage whose credentials live in a Prefect block
+    # is probed by the flow, which can read the block); where it answers, whether another run
+    # holds the job, told before the device check imports torch; then data and devices.
+    probe_storage = spec.storage.credentials_block is None
+    storage_problems = preflight_lines(spec_file, spec, data=False, devices=False) if probe_storage else []
+    if probe_storage and not storage_problems:
         from parashift.tasks.exclusive import running_elsewhere
 
         held = running_elsewhere(spec)
         if held is not None:
             typer.echo(f"{spec_file}: {held}", err=True)
             raise typer.Exit(1)
+    problems = preflight_lines(spec_file, spec, storage=False) + storage_problems  # `validate --check`'s order
+    if problems:
+        for line in problems:
+            typer.echo(line, err=True)
+        raise typer.Exit(1)
 
     from parashift.launcher.job_workers import job_workers
 

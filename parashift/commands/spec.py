@@ -35,12 +35,13 @@ def load_spec_or_exit(spec_file: Path) -> JobSpec:
     return load_or_exit(spec_file, load_spec)
 
 
-def preflight_lines(spec_file: Path, spec: JobSpec, *, storage: bool = True) -> list[str]:
+def preflight_lines(spec_file: Path, spec: JobSpec, *, storage: bool = True, data: bool = True,
+                    devices: bool = True) -> list[str]:
     """`FILE: field: message` for each reason the job cannot run on this machine (storage,
-    data, devices), checked in seconds; [] when it can."""
+    data, devices; each unless turned off), checked in seconds; [] when it can."""
     from parashift.tasks.preflight import preflight
 
-    return [f"{spec_file}: {problem}" for problem in preflight(spec, storage=storage)]
+    return [f"{spec_file}: {problem}" for problem in preflight(spec, storage=storage, data=data, devices=devices)]
 
 
 def validate(
