@@ -31,11 +31,18 @@ UVICORN_STARTUP_FAILURE = 3  # uvicorn's exit code when it cannot serve (its por
 PORT_TRIES = 5
 
 
+# Linux's prctl, looked up here so that the child only calls it (None elsewhere: no such signal).
+_prctl = getattr(ctypes.CDLL(None, use_errno=True), "prctl", None)
+PR_SET_PDEATHSIG = 1
+
+
 def _die_with_parent() -> None:
     """In the child: SIGTERM when `parashift run` dies, even by SIGKILL (its own session keeps
-    a terminal's Ctrl-C, meant for the run, from stopping the API under the run's last calls)."""
-    PR_SET_PDEATHSIG = 1
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    a terminal's Ctrl-C, meant for the run, from stopping the API under the run's last calls).
+    The signal follows the thread that forked, here the command's main thread, which lives as
+    long as the run."""
+    if _prctl is not None:
+        _prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 class EmbeddedAPI:
