@@ -238,10 +238,13 @@ def test_sigterm_or_ctrl_c_stops_parashift_run_at_a_committed_step_and_leaves_no
 
 
 def test_a_killed_parashift_run_does_not_block_the_next(tmp_path: Path, prefect_home: Callable[[Path], Path]) -> None:
-    """`kill -9` of `parashift run` and everything it started (embedded Prefect API): nothing
-    is left to release its storage lease or its Prefect slot, yet the next run resumes from the
-    last commit within 90 s (its lease's holder is seen gone from this machine; the slot it held
-    in the embedded API's database is freed by the run that holds the lease)."""
+    """`kill -9` of `parashift run`'s pid alone: what it started ends with it (its embedded
+    Prefect API by a parent-death signal, until 2026-12-06 left running; torchrun and the
+    workers with their launcher), nothing is left to release its storage lease or its Prefect
+    slot, yet the next run resumes from the last commit within 90 s (its lease's holder is seen
+    gone from this machine; the slot it held in the embedded API's database is freed by the run
+    that holds the lease)."""
+    import signal
     import time
 
     from jobs import descendants, kill_tree
@@ -261,8 +264,17 @@ def test_a_killed_parashift_run_does_not_block_the_next(tmp_path: Path, prefect_
     while not list(ckpt.glob("*/manifest.json")):
         assert running.poll() is None and time.monotonic() < deadline
         time.sleep(0.5)
-    kill_tree(running.pid)  # SIGKILL: the run, its embedded API, torchrun, the workers
+    started_by_it = descendants(running.pid)  # its embedded API and torchrun's forked client at least
+    assert len(started_by_it) >= 2, started_by_it
+    os.kill(running.pid, signal.SIGKILL)
     running.wait()
+    deadline = time.monotonic() + 15
+    while [pid for pid in started_by_it if _alive(pid)] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    outlived = [pid for pid in started_by_it if _alive(pid)]
+    for pid in outlived:  # not left behind by the test when it fails
+        kill_tree(pid)
+    assert not outlived, "processes outlived a killed parashift run"
     committed = max(int(p.parent.name) for p in ckpt.glob("*/manifest.json"))
     spec.write_text(body.format(steps=committed + 4))
     started = time.monotonic()
