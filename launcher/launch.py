@@ -393,6 +393,16 @@ class WorkerOutput:
         return time.monotonic() - self.last_report if self.last_report is not None else 0.0
 
 
+def torchrun_group(forked: bool) -> int | None:
+    """torchrun's process group: its own (0) where this process stops its training on its own
+    signals (`parashift run`), so that a terminal's Ctrl-C does not reach torchrun, which would
+    end its workers its own way (a traceback, SIGTERM to each) beside that stop. Only a forked
+    torchrun: its client ends with this process however it dies (a closed terminal's SIGHUP
+    included), which a plain torchrun outside the terminal's group would not. Elsewhere the
+    starter's (None): Prefect's worker ends a flow run by killing its group."""
+    return 0 if owns_signals() and forked else None
+
+
 def launch_workers(
     spec: JobSpec,
     plan: Plan,
@@ -428,13 +438,7 @@ def launch_workers(
             text=True,
             bufsize=1,
             env={**env, **server},
-            # A process that stops its training on its own signals (`parashift run`) keeps a
-            # terminal's Ctrl-C from torchrun, which would end its workers its own way (a
-            # traceback, SIGTERM to each) beside that stop. Only a forked torchrun: its client
-            # ends with this process however it dies (a closed terminal's SIGHUP included),
-            # which a plain torchrun outside the terminal's group would not. Elsewhere torchrun
-            # stays in its starter's group: Prefect's worker ends a flow run by killing its group.
-            process_group=0 if owns_signals() and server else None,
+            process_group=torchrun_group(forked=bool(server)),
         )
         assert process.stdout is not None
         workers = workers if workers is not None else RunningWorkers()
