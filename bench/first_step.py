@@ -7,7 +7,9 @@ migrations.
     .venv/bin/python -m bench.first_step [--spec specs/default.yaml] [--steps 10] [--rounds 3]
 
 The last line is JSON: `to_first_step_s` (the command's start to the run log's first
-`step 1/` line) and `total_s` per round, and their medians.
+`step 1/` line) and `total_s` per round, and their medians; and `refused_s`: how soon a
+`parashift run` of a job whose storage lease another run holds (here: this bench) says so and
+exits, per round, and its median.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ from datetime import datetime
 from pathlib import Path
 
 from parashift.specs import load_spec
+from parashift.storage import ObjectStore
+from parashift.storage.lease import JobLease
 
 REPO = Path(__file__).resolve().parents[1]
 STAMP = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) .*\bstep 1/\d+", re.MULTILINE)
@@ -47,6 +51,19 @@ def one_run(spec_file: Path, home: Path, folder: Path) -> tuple[float, float]:
         raise SystemExit("no `step 1/` line in the run log")
     at = datetime.strptime(first.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
     return at - started, ended - started
+
+
+def one_refusal(spec_file: Path, home: Path, folder: Path) -> float:
+    """Seconds `parashift run` takes to refuse a job whose storage lease another run holds."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API")}
+    env["PREFECT_HOME"] = str(home)
+    started = time.time()
+    done = subprocess.run([str(Path(sys.executable).with_name("parashift")), "run", str(spec_file)], cwd=folder,
+                          env=env, capture_output=True, text=True, timeout=600)
+    took = time.time() - started
+    if done.returncode != 1 or "is already running" not in done.stderr:
+        raise SystemExit(f"parashift run was not refused:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+    return took
 
 
 def main() -> None:
@@ -81,9 +98,17 @@ def main() -> None:
             firsts.append(round(first, 2))
             totals.append(round(total, 2))
             print(json.dumps({"round": i, "to_first_step_s": firsts[-1], "total_s": totals[-1]}), flush=True)
+        # The last round's job, held by this process as a running first run would hold it.
+        lease = JobLease(ObjectStore(f"file://{folder}/store"), spec.job_id, ttl_s=600)
+        lease.acquire()
+        try:
+            refused = [round(one_refusal(spec_file, home, folder), 2) for _ in range(args.rounds)]
+        finally:
+            lease.release()
     print(json.dumps({"bench": "first_step", "spec": str(args.spec), "steps": args.steps, "rounds": args.rounds,
-                      "to_first_step_s": firsts, "total_s": totals,
-                      "median_to_first_step_s": statistics.median(firsts), "median_total_s": statistics.median(totals)}))
+                      "to_first_step_s": firsts, "total_s": totals, "refused_s": refused,
+                      "median_to_first_step_s": statistics.median(firsts), "median_total_s": statistics.median(totals),
+                      "median_refused_s": statistics.median(refused)}))
 
 
 if __name__ == "__main__":
