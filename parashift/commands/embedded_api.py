@@ -52,14 +52,15 @@ class EmbeddedAPI:
         self.process: subprocess.Popen[bytes] | None = None
         self.url = ""
         self.used = False
+        self._env: dict[str, str] = {}
 
     def start(self) -> None:
         from prefect.settings import get_current_settings
 
         # Prefect passes the settings it resolved (profile included) to its server; so does this.
         env = {**os.environ, **EPHEMERAL_ENV, **get_current_settings().to_environment_variables(exclude_unset=True)}
-        self._spawn(env)
         self._env = env
+        self._spawn(env)
         atexit.register(self.stop)  # registered before Prefect's log and event workers: stopped after they drain
 
     def _spawn(self, env: dict[str, str]) -> None:
@@ -70,7 +71,7 @@ class EmbeddedAPI:
             [sys.executable, "-m", "uvicorn", "--app-dir", str(app_dir), "--factory",
              "prefect.server.api.server:create_app", "--host", "127.0.0.1", "--port", str(port),
              "--log-level", "error", "--lifespan", "on"],
-            env=env, start_new_session=True, preexec_fn=_die_with_parent)  # noqa: PLW1509 - no threads yet
+            env=env, start_new_session=True, preexec_fn=_die_with_parent)  # noqa: PLW1509 - one prctl call, looked up before
 
     def use(self) -> str:
         """Wait until the server answers (Prefect's ephemeral timeout, from its settings), then
@@ -93,6 +94,8 @@ class EmbeddedAPI:
                 if self.process.poll() != UVICORN_STARTUP_FAILURE:
                     raise
                 self._spawn(self._env)  # its port was taken between choosing it and binding it
+        else:
+            raise RuntimeError(f"the embedded Prefect API found no free port in {PORT_TRIES} tries")
         # The settings every thread falls back to (Prefect's test harness swaps the same object):
         # its log and event workers run in threads of their own. No UI is served (as on
         # Prefect's own ephemeral API): no "View at" links to it. No flow-run heartbeats: they
