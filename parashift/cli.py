@@ -3,6 +3,9 @@ engine lazily, so `parashift validate` answers without paying for torch or Prefe
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import typer
 
 from parashift.commands import data as data_commands
@@ -36,6 +39,19 @@ app.command("submit")(pool_commands.submit)
 app.command("pool")(pool_commands.pool)
 app.command("prepare-data")(data_commands.prepare_data)
 app.add_typer(data_commands.tokenizer_app, name="tokenizer")
+
+
+def first_sentence(command: Callable[..., Any]) -> str:
+    """A command's first sentence on one line, for the listings of `parashift --help` (Typer
+    would show its docstring's first paragraph with the line breaks, cut across lines)."""
+    text = " ".join((command.__doc__ or "").split())
+    return text.split(". ", 1)[0].rstrip(".") + "."
+
+
+for typer_app in (app, data_commands.tokenizer_app):
+    for registered in typer_app.registered_commands:
+        if registered.callback is not None and registered.short_help is None:
+            registered.short_help = first_sentence(registered.callback)
 
 
 if __name__ == "__main__":

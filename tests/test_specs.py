@@ -499,3 +499,19 @@ def test_devices_follow_from_the_nodes(tmp_path: Path) -> None:
                    "resources: {nodes: [a, b], devices_per_node: 2, devices: 2}\n")
     with pytest.raises(SpecError, match=r"bad.yaml:3:.*resources.devices: must be nodes x devices_per_node"):
         load_spec(bad)
+
+
+@pytest.mark.parametrize("args", [[], ["tokenizer"]])
+def test_help_lists_each_command_by_its_first_sentence_on_one_line(args: list[str]) -> None:
+    """`parashift --help` (and a group's) lists each command by a whole first sentence: wide
+    enough, one line each (Typer showed a docstring's first paragraph with its line breaks,
+    `(twice:` on one line and `at once).` on the next)."""
+    from typer.testing import CliRunner
+
+    from parashift.cli import app
+
+    shown = CliRunner().invoke(app, [*args, "--help"], env={"COLUMNS": "240", "TERM": "dumb"})
+    assert shown.exit_code == 0, shown.output
+    panel = shown.output.split("Commands")[1].splitlines()[1:]
+    rows = [line.strip("│ ").strip() for line in panel if line.startswith("│")]
+    assert rows and all(re.match(r"^[a-z-]+ {2,}\S.*\.$", row) for row in rows), rows
