@@ -25,7 +25,7 @@ from parashift.commands.serve import free_port, stop_group, wait_healthy
 from parashift.tasks.events import mark_embedded
 
 # What Prefect's own ephemeral server runs with (prefect.server.api.server.SubprocessASGIServer):
-# no UI, and the app in its ephemeral mode.
+# no UI, and the app in its ephemeral mode (here wrapped: commands/prefect_app.py).
 EPHEMERAL_ENV = {"PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1", "PREFECT__SERVER_FINAL": "1"}
 UVICORN_STARTUP_FAILURE = 3  # uvicorn's exit code when it cannot serve (its port was taken meanwhile)
 PORT_TRIES = 5
@@ -69,7 +69,7 @@ class EmbeddedAPI:
         app_dir = Path(find_spec("prefect").origin).parent  # type: ignore[arg-type, union-attr]
         self.process = subprocess.Popen(
             [sys.executable, "-m", "uvicorn", "--app-dir", str(app_dir), "--factory",
-             "prefect.server.api.server:create_app", "--host", "127.0.0.1", "--port", str(port),
+             "parashift.commands.prefect_app:create_app", "--host", "127.0.0.1", "--port", str(port),
              "--log-level", "error", "--lifespan", "on"],
             env=env, start_new_session=True, preexec_fn=_die_with_parent)  # noqa: PLW1509 - one prctl call, looked up before
 

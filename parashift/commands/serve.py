@@ -33,7 +33,9 @@ def start_prefect_server(env: dict[str, str], port: int | None = None, timeout_s
     url = f"http://127.0.0.1:{port}/api"
     # The UI's pages call the API at PREFECT_UI_API_URL, which otherwise defaults to port 4200.
     env = {**{k: v for k, v in env.items() if k != "PREFECT_API_URL"}, "PREFECT_UI_API_URL": url}
-    server = subprocess.Popen([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+    # Prefect's own `server start`, its app replaying writes SQLite refused (commands/prefect_app.py).
+    server = subprocess.Popen([sys.executable, "-m", "parashift.commands.prefect_app", "server", "start", "--host",
+                               "127.0.0.1", "--port", str(port)],
                               env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
         wait_healthy(server, url, timeout_s, what="prefect server")
