@@ -82,8 +82,8 @@ class ReplayRefusedWrites:
                 break
         for replay in range(self.replays + 1):
             answer = _HeldAnswer(send, hold_refusal=replay < self.replays)
-            try:
-                await self.app(scope, _body_then(body, receive), answer)
+            try:  # a fresh scope each time: routing rewrites it (a mounted app's root_path, ...)
+                await self.app(dict(scope), _body_then(body, receive), answer)
             except Exception:
                 # Starlette raises the error again after its handler answered (for the server's
                 # log): a held refusal is replayed, anything else is the server's to log.
