@@ -31,6 +31,10 @@ Method = Literal["dp", "exhaustive"]
 # Seconds of DP solves (estimated, deterministically) one stage's constrained search may spend
 # before it settles for its best assignment and a lower bound.
 STAGE_BUDGET_S = 4.0
+# A stage whose assignments times its tables number at most this is enumerated when its
+# constrained search runs out of budget (a large duality gap on a small stage): numpy sums that
+# many entries in well under a second, and the answer is then exact, not only bounded.
+ENUMERATE_WORK = 2e7
 
 
 @dataclass
@@ -177,7 +181,8 @@ class StageSolver:
     def _finish(self, cutoff: float) -> tuple[StageResult, list[StageResult]]:
         """The fastest assignment that fits: exact by enumeration (`exhaustive`) or by branch and
         bound on the Lagrangian (planner/constrained.py), which proves it optimal or stops (at
-        the cutoff, or its budget) with a lower bound (`StageResult.bound`, `proven`)."""
+        the cutoff, or its budget) with a lower bound (`StageResult.bound`, `proven`). A stage
+        small enough to enumerate (ENUMERATE_WORK) is enumerated when the budget stops it."""
         limit = self.limit
         if limit is not None and self.infeasible():
             return self.floor(), [self.floor()]
@@ -192,6 +197,9 @@ class StageSolver:
         search = LagrangianSearch(self._at, self._least, memory, limit, max_solves=self._solve_budget(), cutoff=cutoff,
                                   repair=lambda fast, fitting: self._repaired(memory, fast, fitting))
         out = search.run()
+        if not out.proven and out.bound < cutoff and self._enumerable():
+            best, _ = self._enumerated(limit)  # out of budget, not past the cutoff: small enough to be exact
+            return best, [best, *out.met]
         best = out.best if out.best is not None else self.floor()
         best.bound, best.proven = out.bound, out.proven
         return best, out.met
@@ -202,6 +210,10 @@ class StageSolver:
         problem = self.parts.at(0.0)
         estimate = 3e-5 * len(problem.factors) + 3e-9 * sum(f.table.size for f in problem.factors)
         return max(8, min(MAX_SOLVES, int(STAGE_BUDGET_S / estimate)))
+
+    def _enumerable(self) -> bool:
+        problem = self.parts.at(0.0)
+        return math.prod(problem.card) * max(1, len(problem.factors)) <= ENUMERATE_WORK
 
     def _at(self, lam: float, domains: Domains) -> StageResult | None:
         """The DP's minimum of time + lam x memory within `domains` (exact, or bracketed:
@@ -231,7 +243,7 @@ class StageSolver:
         """Every assignment, the fastest that fits (small graphs: the reference of the tests)."""
         found = dp.brute_force_constrained(self.parts.at(0.0), self.parts.memory_only(), limit)
         best = self.floor() if found is None else self._result(found[0], 0.0)
-        best.bound = best.time_s
+        best.bound, best.proven = best.time_s, True
         return best, [best]
 
 
