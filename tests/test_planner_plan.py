@@ -132,6 +132,10 @@ def test_cli_plan_json_and_table(tmp_path: Path) -> None:
     table = runner.invoke(app, ["plan", str(spec), "--devices", "2"])
     assert table.exit_code == 0, table.output
     assert "estimated step" in table.output and "megatron" in table.output
+    # each fact on one line at the runner's 80 columns, in words ("1 micro-batch", "without ...")
+    instead = next(line for line in table.output.splitlines() if "instead:" in line)
+    assert instead.rstrip().endswith("per device") and "none checkpointing" not in table.output
+    assert "1 micro-batches" not in table.output
     graph = tmp_path / "g.json"
     graph.write_text(graph_to_json(inception_graph(batch=8)))
     out = runner.invoke(app, ["plan", str(spec), "--devices", "2", "--graph", str(graph), "--json"])

@@ -136,14 +136,14 @@ def plan(
     from rich.table import Table
 
     sharded = f", dp sharded over {result.dp_shard}" if result.dp_shard > 1 else ""
-    table = Table(title=f"{profile.name} on {n} {kind} devices: mesh {result.mesh}{sharded}, "
-                        f"{result.micro_batches} micro-batches")
+    batches = f"{result.micro_batches} micro-batch{'es' if result.micro_batches != 1 else ''}"
+    table = Table(title=f"{profile.name} on {n} {kind} devices: mesh {result.mesh}{sharded}, {batches}")
     for col in ("op", "stage", "configuration", "compute ms", "comm ms", "memory MB"):
         table.add_column(col, justify="left" if col in ("op", "configuration") else "right")
     for p in result.placements:
         table.add_row(p.op, str(p.stage), _label(p.splits), f"{p.compute_s * 1e3:.3f}", f"{p.comm_s * 1e3:.3f}",
                       f"{p.memory_bytes / 2**20:.1f}")
-    console = Console()
+    console = Console(soft_wrap=True)  # a line per fact, however narrow the terminal (or a pipe's 80 columns)
     console.print(table)
     step = result.estimated_step_s or 0.0
     console.print(f"estimated step: {step:.4g} s ({result.strategy}), "
@@ -155,7 +155,8 @@ def plan(
                   if par.precision == "bf16" else f"  activation checkpointing: {chosen}")
     other = "none" if result.activation_checkpointing != "none" else "selective"
     alternative = _solve(exhaustive_search if exhaustive else plan_model, profile, n, par, label, exhaustive, (other,))
-    console.print(f"  with {other} checkpointing instead: mesh {alternative.mesh}, {alternative.estimated_step_s or 0:.4g} s, "
+    instead = "without activation checkpointing" if other == "none" else f"with {other} activation checkpointing"
+    console.print(f"  {instead} instead: mesh {alternative.mesh}, {alternative.estimated_step_s or 0:.4g} s, "
                   f"{(alternative.memory_per_device_bytes or 0) / 2**30:.2f} GiB per device"
                   + ("" if alternative.feasible else " (over the limit)"))
     if result.proven_optimal:
