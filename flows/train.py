@@ -22,7 +22,7 @@ from parashift.launcher.job_workers import job_workers
 from parashift.specs import JobSpec
 from parashift.specs.elastic import Decision, Fail, Ignore, JobState, Replan, SegmentEnded, Stop, decide
 from parashift.specs.plan import Plan
-from parashift.storage import JobLease
+from parashift.storage import JobLease, job_store
 from parashift.tasks.artifacts import TrainingProgress, job_tags, tag_devices, tag_this_run
 from parashift.tasks.credentials import environment, storage_environment
 from parashift.tasks.events import ResourceWatcher, follow_resources
@@ -74,7 +74,9 @@ def _train(spec: JobSpec, lease: JobLease | None = None) -> TrainSummary:
     profiles = {spec.resources.devices: profile_model(spec)}
     ahead = PlansAhead(spec, profiles[spec.resources.devices])  # the counts it may move to, planned while it trains
     segments: list[SegmentResult] = []
-    job = JobState.starting(spec)
+    with environment(storage_environment(spec)):  # where an earlier run left it (one listing)
+        committed = job_store(spec).manifest_steps()
+    job = JobState.starting(spec, committed[-1] if committed else 0)  # on the script's devices there
     # The storage credentials stay in the environment while the job's events are recorded.
     progress = TrainingProgress(spec.job_id, spec.training.steps)
     with environment(storage_environment(spec)), follow_resources(spec, logger) as resources, \

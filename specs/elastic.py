@@ -34,6 +34,7 @@ flow, the tasks, the CLI and plain unit tests all use this one module.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Literal, Protocol
@@ -149,9 +150,19 @@ class JobState:
     segments: tuple[Segment, ...] = ()  # how its launches ended, oldest first
 
     @classmethod
-    def starting(cls, spec: JobSpec) -> JobState:
+    def starting(cls, spec: JobSpec, step: int = 0) -> JobState:
+        """A job that starts at `step` (its newest committed one): on the devices the spec's
+        scripted changes up to that step give, as a run through them would have them (one that
+        cannot apply is ignored, as at its step); the next scripted change is the first past it."""
         nodes = spec.resources.nodes
-        return cls(devices=spec.resources.devices, nodes=list(nodes) if nodes is not None else None)
+        job = cls(devices=spec.resources.devices, nodes=list(nodes) if nodes is not None else None, step=step)
+        for change in spec.elasticity:
+            if change.at_step > step:
+                break
+            with contextlib.suppress(ValueError):
+                devices, on = apply_change(ResourceEvent(devices=change.devices, epoch=0), spec, job.devices, job.nodes)
+                job = replace(job, devices=devices, nodes=on)
+        return job
 
     def after(self, segment: Segment) -> JobState:
         """With `segment` ended: its last committed step, its outcome remembered."""

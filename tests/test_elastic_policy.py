@@ -223,6 +223,25 @@ def test_a_finished_segment_follows_the_script_or_ends_the_job() -> None:
     assert isinstance(halves, Ignore) and "not whole nodes" in halves.why
 
 
+def test_a_job_resumed_mid_script_starts_where_the_script_has_it() -> None:
+    """A job stopped at step 95 of 2 -> 3 (step 20) -> 4 (step 40) resumes on 4 devices and
+    trains to its end: not on the spec's first count up to the step-20 change it is past (found
+    by resuming specs/elastic-example.yaml: a no-op segment, then the step-20 change, on 2)."""
+    spec = job_spec(elasticity=[{"at_step": 20, "devices": 3}, {"at_step": 40, "devices": 4}])
+    for step, devices in ((0, 2), (19, 2), (20, 3), (39, 3), (40, 4), (95, 4)):
+        job = JobState.starting(spec, step)
+        assert (job.devices, job.step) == (devices, step)
+    resumed = JobState.starting(spec, 95)
+    assert spec.scripted_change_after(resumed.step) is None
+    ended = decide(spec, resumed, SegmentEnded(segment(4, 95, 100), spec.scripted_change_after(95)))
+    assert ended == Stop("finished at step 100")
+    nodes = job_spec(resources={"devices": 6, "nodes": ["a", "b", "c"]}, elasticity=[{"at_step": 4, "devices": 4}])
+    assert (JobState.starting(nodes, 5).devices, JobState.starting(nodes, 5).nodes) == (4, ["a", "b"])
+    # a change that cannot apply there (not whole nodes) leaves the spec's devices, as it would at its step
+    halves = job_spec(resources={"devices": 6, "nodes": ["a", "b", "c"]}, elasticity=[{"at_step": 4, "devices": 3}])
+    assert JobState.starting(halves, 5).devices == 6
+
+
 def test_stopped_and_fatal_segments() -> None:
     job = JobState(devices=2)
     assert decide(ONE_NODE, job, SegmentEnded(segment(2, 0, 5, "stopped"))) == Stop("asked to stop at step 5")

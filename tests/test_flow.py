@@ -66,14 +66,10 @@ def test_scripted_elasticity_matches_a_static_run(prefect_server: None, tmp_path
     from parashift.flows.train import train_job
 
     static = train_job(tiny_spec("static", f"file://{tmp_path}/static"))
-    state = train_job(
-        tiny_spec(
-            "elastic",
-            f"file://{tmp_path}/elastic",
-            elasticity=[{"at_step": 4, "devices": 3, "reason": "scale-up"}, {"at_step": 8, "devices": 1, "reason": "failure"}],
-        ),
-        return_state=True,
-    )
+    spec = tiny_spec("elastic", f"file://{tmp_path}/elastic",
+                     elasticity=[{"at_step": 4, "devices": 3, "reason": "scale-up"},
+                                 {"at_step": 8, "devices": 1, "reason": "failure"}])
+    state = train_job(spec, return_state=True)
     elastic = state.result()
     assert [(s.devices, s.start_step, s.final_step) for s in elastic.segments] == [(2, 0, 4), (3, 4, 8), (1, 8, 12)]
     assert {"devices:2", "devices:3", "devices:1"} <= set(asyncio.run(tags_of_run(state)))  # every count it ran on
@@ -88,6 +84,10 @@ def test_scripted_elasticity_matches_a_static_run(prefect_server: None, tmp_path
         assert reshard is not None and f"step {step}" in reshard.description
         rows = reshard.data if isinstance(reshard.data, list) else json.loads(reshard.data)
         assert len(rows) == devices and all(r["bytes_read"] == r["bytes_needed"] > 0 for r in rows)
+    # Run again, it starts where the script has it at its committed step (1 device), not on the
+    # spec's first count: one segment, no change made.
+    again = train_job(spec)
+    assert [(s.devices, s.start_step, s.final_step) for s in again.segments] == [(1, 12, 12)]
 
 
 def test_readme_run_command_trains_the_default_spec(tmp_path: Path) -> None:
