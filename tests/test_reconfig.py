@@ -160,6 +160,7 @@ def test_reshard_plan_command_shows_the_moves_before_anything_starts(tmp_path) -
     assert shown["totals"]["bytes_read"] == shown["totals"]["bytes_needed"] > 0
     table = runner.invoke(app, ["reshard-plan", str(spec_file), "--devices", "3"])
     assert table.exit_code == 0 and "requests" in table.output
+    assert next(line for line in table.output.splitlines() if line.startswith("total:")).endswith("from this node")
 
 
 @settings(max_examples=40, deadline=None)

@@ -65,7 +65,7 @@ def reshard_plan(
         table.add_row(str(row["rank"]), f"{row['bytes_needed'] / 1e6:.2f}", f"{row['bytes_read'] / 1e6:.2f}",
                       str(row["requests"]), f"{row['bytes_local'] / 1e6:.2f}")
     totals = reconfig.totals()
-    console = Console()
+    console = Console(soft_wrap=True)  # the totals on one line at any width
     console.print(table)
     ratio = totals["bytes_read"] / totals["bytes_needed"] if totals["bytes_needed"] else 1.0
     console.print(f"total: reads {totals['bytes_read'] / 1e6:.2f} MB for {totals['bytes_needed'] / 1e6:.2f} MB needed "
