@@ -139,7 +139,7 @@ def check_storage(spec: JobSpec, timeout_s: float = PROBE_TIMEOUT_S) -> list[Pro
     try:
         _within(timeout_s, "storage", probe)
     except Exception as error:  # noqa: BLE001 - every failure becomes the one line below
-        problems.append(Problem("storage.url", f"{url} {_describe_storage_error(error)}"))
+        problems.append(Problem("storage.url", f"{url}: {_describe_storage_error(error)}"))
     tier = spec.storage.local_tier
     if tier:
         try:

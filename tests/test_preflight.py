@@ -77,7 +77,7 @@ def test_s3_bucket_missing_credentials_missing_and_endpoint_unreachable(
         monkeypatch.delenv(key)
     monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
     monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
-    one(check_storage(s3(f"s3://{s3_bucket}/x", s3_endpoint)), "storage.url", "credentials")
+    one(check_storage(s3(f"s3://{s3_bucket}/x", s3_endpoint)), "storage.url", f"s3://{s3_bucket}/x: no credentials found")
 
 
 def test_local_tier_that_is_not_a_folder(tmp_path: Path) -> None:
