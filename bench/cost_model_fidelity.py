@@ -72,7 +72,7 @@ def plan_name(plan: Plan) -> str:
         mesh += "-held"  # FSDP keeps the gathered weights (no reshard after forward)
     if plan.activation_checkpointing != "none":
         mesh += f"-ac-{plan.activation_checkpointing}"
-    # Job names allow [a-z0-9._-]: a strategy such as "pase-dp+pipeline" (accumulation) loses its "+".
+    # Job names allow [a-z0-9._-]: a strategy such as "pase-dp+accumulation" loses its "+".
     return f"{mesh}-m{plan.micro_batches}" if plan.degree("pp") > 1 else f"{mesh}-{plan.strategy.replace('+', '-')}"
 
 

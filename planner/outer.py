@@ -243,7 +243,8 @@ class CandidateSpec:
         """The candidate's notes: its stage split and micro-batches, and the tie state fixed."""
         if self.layout is None:
             return []
-        note = f"stages of {self.layout.counts} blocks, {self.m} micro-batches (1F1B)"
+        note = (f"stages of {self.layout.counts} blocks, {self.m} micro-batches (1F1B)" if self.pp > 1 else
+                f"one stage, {self.m} micro-batches (gradient accumulation)")
         return [note, self.tie_note] if self.tie_note else [note]
 
 
@@ -332,7 +333,7 @@ def _pipelined(spec: CandidateSpec, bound: float | None) -> Candidate | None:
         results.append(StageResult(sub, ctx.costs, r.assign, ctx.w, r.rows, r.lam, r.bound, r.proven))
     time_s = step_time(results, spec.m, spec.boundary, ctx.share)
     memory = max(r.memory_bytes for r in results)
-    name = "pase-dp+pipeline" if ctx.method == "dp" else "exhaustive+pipeline"
+    name = ("pase-dp" if ctx.method == "dp" else "exhaustive") + ("+pipeline" if spec.pp > 1 else "+accumulation")
     return Candidate(name, spec.pp, spec.dp, spec.tp, spec.m, results, time_s, memory, spec.notes(),
                      proven=all(r.proven for r in results),
                      bound_s=ctx.share * max(r.bound for r in results) + spec.boundary, boundary_s=spec.boundary)

@@ -112,6 +112,17 @@ def test_graph_json_round_trip(tmp_path: Path) -> None:
                               "edges": [{"src": "embed", "dst": "loss", "slot": 0}]})
 
 
+def test_micro_batches_on_one_stage_are_called_gradient_accumulation() -> None:
+    """Under a tight limit the planner splits the batch into micro-batches on a single stage:
+    that is gradient accumulation, not a 1F1B pipeline (the plan used to say "+pipeline")."""
+    prof = profile_gpt(2, 64, 4, 256, 32, 64, "cuda")
+    roomy = plan_model(prof, 2, None)
+    tight = plan_model(prof, 2, int(roomy.memory_per_device_bytes * 0.4))
+    assert tight.feasible and tight.degree("pp") == 1 and tight.micro_batches > 1
+    assert tight.strategy == "pase-dp+accumulation"
+    assert f"one stage, {tight.micro_batches} micro-batches (gradient accumulation)" in tight.notes
+
+
 def test_plan_json_round_trip() -> None:
     plan = plan_model(profile_gpt(2, 64, 4, 256, 32, 8, "cpu"), 4, None)
     assert Plan.model_validate_json(plan.model_dump_json()) == plan
