@@ -346,3 +346,16 @@ def fully_dense_graph(n_ops: int = 40, batch: int = 8, d: int = 64, e: int = 64)
         g.add(f"op{i}", {"b": batch, "d": d, "e": e}, ("b", "e"), srcs=srcs, inputs=(("b", "d"),) * max(i, 1),
               kind="matmul", reduce=("d",), params=(("d", "e"),), flops=2.0 * batch * d * e * max(i, 1), tp_dim="e")
     return g.build()
+
+
+def gapped_chain() -> Graph:
+    """Six tiny matmuls where, on 8 devices (mesh 2 x 2 x 2: 64,000 assignments), a memory limit
+    halfway between the least and the fastest assignment's memory opens a 15% duality gap that
+    1,055 assignments fall into: more than the constrained search's budget of DP solves can
+    separate (a random property test found it; the tests and bench/constrained_budget.py use it)."""
+    def op(i: int, dims: tuple[str, ...], inp: tuple[str, ...], out: tuple[str, ...]) -> Op:
+        return Op(name=f"op{i}", kind="matmul", dims=dict.fromkeys(dims, 8), reduce=tuple(d for d in dims if d not in out),
+                  inputs=(inp,), output=out, params=(("n",),), flops=1.0, tp_dim="n")
+    ops = [op(0, ("b", "n"), ("b", "n"), ("b", "n")), op(1, ("b", "n"), ("b", "n"), ("n",)),
+           op(2, ("b", "n"), ("n",), ("n",)), *(op(i, ("n",), ("n",), ("n",)) for i in (3, 4, 5))]
+    return Graph(name="random-chain", ops=ops, edges=[Edge(src=f"op{i}", dst=f"op{i + 1}", slot=0) for i in range(5)])

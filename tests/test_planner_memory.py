@@ -12,7 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from parashift.planner import dp
-from parashift.planner.builders import chain_graph
+from parashift.planner.builders import chain_graph, gapped_chain
 from parashift.planner.comm import default_comm
 from parashift.planner.constrained import LagrangianSearch
 from parashift.planner.costs import CostModel
@@ -61,22 +61,10 @@ def test_constrained_search_equals_enumeration_on_random_dags(graph: Graph, p: i
             assert _ties_hold(g, costs, res.assign)
 
 
-def _gapped_chain() -> Graph:
-    """The 6-op chain a random run found on 2026-12-06: at p=8 (mesh 2 x 2 x 2, 10 x 10 x 10 x
-    4 x 4 x 4 assignments) the memory limit opens a 15% duality gap that 1055 assignments fall
-    into, more than the search's budget of DP solves can separate."""
-    def op(i: int, dims: tuple[str, ...], inp: tuple[str, ...], out: tuple[str, ...]) -> Op:
-        return Op(name=f"op{i}", kind="matmul", dims=dict.fromkeys(dims, 8), reduce=tuple(d for d in dims if d not in out),
-                  inputs=(inp,), output=out, params=(("n",),), flops=1.0, tp_dim="n")
-    ops = [op(0, ("b", "n"), ("b", "n"), ("b", "n")), op(1, ("b", "n"), ("b", "n"), ("n",)),
-           op(2, ("b", "n"), ("n",), ("n",)), *(op(i, ("n",), ("n",), ("n",)) for i in (3, 4, 5))]
-    return Graph(name="random-chain", ops=ops, edges=[Edge(src=f"op{i}", dst=f"op{i + 1}", slot=0) for i in range(5)])
-
-
 def test_a_stage_the_search_cannot_prove_within_its_budget_is_enumerated(monkeypatch: pytest.MonkeyPatch) -> None:
     """Stopped by its budget the search returns what it met and a lower bound (its contract);
     a stage that small is then enumerated, so the answer is the optimum."""
-    g = _gapped_chain()
+    g = gapped_chain()
     costs, problem = next(_stage_cases(g, 8))
     assert costs.mesh.sizes == (2, 2, 2) and problem.card == [10, 10, 10, 4, 4, 4]
     memory = build_problem(g, costs, w=W, memory_only=True)
