@@ -66,6 +66,7 @@ def test_a_refused_write_is_replayed_with_its_body_and_the_client_sees_only_the_
     assert raised is None and inner.calls == 3 and inner.bodies == [b'{"name": "x"}'] * 3
     assert [m.get("status") for m in sent if m["type"] == "http.response.start"] == [201]
     assert sent[-1]["body"] == b'{"name": "x"}'
+    assert (b"x-parashift-replays", b"2") in sent[0]["headers"]
 
 
 def test_a_body_sent_in_chunks_is_replayed_whole() -> None:
@@ -81,6 +82,7 @@ def test_a_refusal_that_lasts_reaches_the_client_as_before() -> None:
     sent, raised = call(ReplayRefusedWrites(inner, pause_s=0.001), "POST", b"{}")
     assert inner.calls == REPLAYS + 1 and isinstance(raised, RuntimeError)
     assert [m.get("status") for m in sent if m["type"] == "http.response.start"] == [503]
+    assert (b"x-parashift-replays", str(REPLAYS).encode()) in sent[0]["headers"]
 
 
 @pytest.mark.parametrize("method", ["GET", "HEAD"])
@@ -93,14 +95,15 @@ def test_reads_pass_through_once(method: str) -> None:
 
 def test_the_wrapped_server_start_serves_prefects_api(tmp_path: Path) -> None:
     """`start_prefect_server` (what `parashift serve` and the benches run) answers as Prefect's
-    server: health, a write, and the UI's settings."""
+    server, through the middleware (a write's answer says how often it was replayed): health, a
+    write, and the UI's settings."""
     env = {**os.environ, "PREFECT_HOME": str(tmp_path), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
     server, url = start_prefect_server(env)
     try:
         request = urllib.request.Request(f"{url}/variables/", data=json.dumps({"name": "replayed", "value": 1}).encode(),
                                          headers={"Content-Type": "application/json"})
         with urllib.request.urlopen(request, timeout=30) as response:
-            assert response.status == 201
+            assert response.status == 201 and response.headers["x-parashift-replays"] == "0"
         with urllib.request.urlopen(f"{url}/variables/name/replayed", timeout=30) as response:
             assert json.load(response)["value"] == 1
         with urllib.request.urlopen(url.removesuffix("/api") + "/ui-settings", timeout=30) as response:

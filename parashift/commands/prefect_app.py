@@ -31,17 +31,22 @@ REPLAYS = 5
 PAUSE_S = 0.05  # the pause before replay k is k x this: 0.75 s in all
 WRITES = frozenset({"POST", "PUT", "PATCH", "DELETE"})
 REFUSED = 503  # what Prefect's server answers for a write its database refused (retryable)
+# On every write's answer: how many times it was replayed (a client or `curl -i` sees that the
+# middleware is in place, and how often SQLite refused).
+REPLAYS_HEADER = b"x-parashift-replays"
 
 
 class _HeldAnswer:
     """The app's answer, passed on unless it is a refusal that will be replayed (then held back)."""
 
-    def __init__(self, send: Send, hold_refusal: bool) -> None:
-        self.send, self.hold_refusal, self.refused = send, hold_refusal, False
+    def __init__(self, send: Send, hold_refusal: bool, replay: int) -> None:
+        self.send, self.hold_refusal, self.refused, self.replay = send, hold_refusal, False, replay
 
     async def __call__(self, message: Message) -> None:
-        if message["type"] == "http.response.start" and message["status"] == REFUSED and self.hold_refusal:
-            self.refused = True
+        if message["type"] == "http.response.start":
+            if message["status"] == REFUSED and self.hold_refusal:
+                self.refused = True
+            message = {**message, "headers": [*message.get("headers", []), (REPLAYS_HEADER, str(self.replay).encode())]}
         if not self.refused:
             await self.send(message)
 
@@ -81,7 +86,7 @@ class ReplayRefusedWrites:
             if not message.get("more_body", False):
                 break
         for replay in range(self.replays + 1):
-            answer = _HeldAnswer(send, hold_refusal=replay < self.replays)
+            answer = _HeldAnswer(send, hold_refusal=replay < self.replays, replay=replay)
             try:  # a fresh scope each time: routing rewrites it (a mounted app's root_path, ...)
                 await self.app(dict(scope), _body_then(body, receive), answer)
             except Exception:
