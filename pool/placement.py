@@ -22,9 +22,11 @@ from parashift.specs import JobSpec
 
 
 def misfit(spec: JobSpec, nodes: Sequence[str] | None, devices_per_node: int | None) -> str | None:
-    """Why a job cannot be placed by a pool over `nodes` (None: it can, or the pool is one
-    machine's), naming the spec's field."""
+    """Why a job cannot be placed by a pool (over `nodes`, or one machine's: None), naming the
+    spec's field; None when it can."""
     res = spec.resources
+    if spec.elasticity:  # its own scripted counts would fight the pool's share, and take others' devices
+        return "elasticity: a pool sets its jobs' device counts; leave it out"
     if nodes is None or devices_per_node is None:
         return None
     if res.nodes is not None:

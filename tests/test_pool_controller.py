@@ -97,6 +97,28 @@ def test_submissions_are_taken_once_and_a_bad_one_is_refused_with_why(tmp_path: 
     assert book.submitted(*again[0], lambda spec: LINEAR) == "refused a: it is already in the pool (waiting)"
 
 
+def test_a_job_with_scripted_elasticity_is_refused_by_any_pool(tmp_path: Path) -> None:
+    """The pool sets its jobs' device counts: a spec's own `elasticity` would change its count
+    against the pool's share (and take device slots the pool gave others). Refused by the
+    controller (every way of submitting) and by `parashift submit`, naming the field."""
+    from typer.testing import CliRunner
+
+    from parashift.cli import app
+
+    scripted = JobSpec.model_validate({"name": "scripted", "training": {"steps": 100, "global_batch": 16},
+                                       "elasticity": [{"at_step": 50, "devices": 3}]})
+    book, _ = book_of()
+    assert book.submitted("k", 1.0, scripted, lambda spec: LINEAR) == (
+        "refused scripted: elasticity: a pool sets its jobs' device counts; leave it out")
+    assert "scripted" not in book.state.jobs
+    pool = tmp_path / "pool.yaml"
+    pool.write_text(f"name: p\ndevices: 4\nstorage: {{url: 'file://{tmp_path}/store'}}\n")
+    spec = tmp_path / "job.yaml"
+    spec.write_text("name: scripted\ntraining: {steps: 100}\nelasticity:\n  - {at_step: 50, devices: 3}\n")
+    out = CliRunner().invoke(app, ["submit", str(spec), "--pool", str(pool)])
+    assert out.exit_code == 1 and f"{spec}: elasticity: a pool sets its jobs' device counts" in out.output, out.output
+
+
 def test_a_running_job_is_told_its_devices_only_once_it_steps_and_again_if_unheard() -> None:
     book, clock = book_of()
     book.submitted("k1", 1.0, job("a"), lambda spec: LINEAR)
