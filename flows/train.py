@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
+from datetime import UTC, datetime
 from functools import partial
 from typing import Any
 
@@ -27,7 +28,7 @@ from parashift.tasks.artifacts import TrainingProgress, job_tags, tag_devices, t
 from parashift.tasks.credentials import environment, storage_environment
 from parashift.tasks.events import ResourceWatcher, follow_resources
 from parashift.tasks.exclusive import one_run_per_job, one_writer_per_job
-from parashift.tasks.launch import launch_training, segment_of
+from parashift.tasks.launch import forget_earlier_stop, launch_training, segment_of
 from parashift.tasks.node_watch import follow_nodes
 from parashift.tasks.plan import PlansAhead, finish_plan, plan_parallelism, publish_plan
 from parashift.tasks.pool_devices import pool_devices
@@ -45,10 +46,12 @@ from prefect.states import Completed
 
 
 @flow(name="train-job", flow_run_name="train-{spec.name}")
-def train_job(spec: JobSpec) -> TrainSummary:
+def train_job(spec: JobSpec, began_at: datetime | None = None) -> TrainSummary:
     """Train the job a spec describes, resuming from its latest committed checkpoint. A job
     asked to stop ends in a completed state named `Stopped` that says where (calling the flow
-    still returns its summary)."""
+    still returns its summary). `began_at`: when the run was asked for (`parashift run`'s
+    start; default: now): a stop request from before it is an earlier run's."""
+    began_at = began_at or datetime.now(UTC)
     spec = validate_spec(spec)
     tag_this_run(job_tags(spec.job_id, spec.model.tag, spec.resources.devices))
     with environment(storage_environment(spec)):
@@ -57,7 +60,7 @@ def train_job(spec: JobSpec) -> TrainSummary:
     # started this run; then the Prefect slot, freed if a dead run still holds it.
     with one_writer_per_job(spec) as lease, one_run_per_job(spec.job_id, storage_lease=True), \
             signals_stop_training(), job_workers(spec):
-        summary = _train(spec, lease)
+        summary = _train(spec, lease, began_at)
     if summary.segments and summary.segments[-1].stopped:
         return Completed(data=summary, name="Stopped",  # type: ignore[return-value]
                          message=f"{spec.job_id} stopped at step {summary.steps} of {spec.training.steps} "
@@ -65,12 +68,13 @@ def train_job(spec: JobSpec) -> TrainSummary:
     return summary
 
 
-def _train(spec: JobSpec, lease: JobLease | None = None) -> TrainSummary:
+def _train(spec: JobSpec, lease: JobLease | None = None, began_at: datetime | None = None) -> TrainSummary:
     """Profile, then segment after segment until the job is done, stopped or cannot go on: after
     each segment, and on each change heard, ask the elastic policy (`specs.elastic`) and act.
     `lease`: the job's storage lease, renewed before each launch: a run whose lease was taken
     over launches nothing more (LeaseLost)."""
     logger = get_run_logger()
+    forget_earlier_stop(spec, began_at or datetime.now(UTC))  # under the lease: a stop from before the run is not its
     profiles = {spec.resources.devices: profile_model(spec)}
     ahead = PlansAhead(spec, profiles[spec.resources.devices])  # the counts it may move to, planned while it trains
     segments: list[SegmentResult] = []

@@ -80,7 +80,8 @@ class _SegmentWatch:
         with environment(self.credentials):
             self.store = open_store(spec.storage)
             self.stop_key = JobPaths(spec.job_id).stop()
-            self.store.delete(self.stop_key)  # a stop request belongs to the run it stopped
+            if not self._asked_to_stop():  # the last segment's change (a user's stop of this run is obeyed)
+                self.store.delete(self.stop_key)
         self.workers = RunningWorkers()
         self.changing = False  # stopped for a change of device count on this node (`stop` with devices)
         self.stepped: list[float] = []  # when the first and the newest step were heard, as they were reported
@@ -107,11 +108,15 @@ class _SegmentWatch:
         """Whether the stop object asks the job to stop (`parashift stop`, a pool's preemption):
         one that names no next device count. A change's own names one."""
         with environment(self.credentials):
-            try:
-                said = self.store.get_json(self.stop_key)
-            except (StorageError, OSError):  # none (the change's was a signal alone), or unreadable
-                return False
+            return self._asked_to_stop()
+
+    def _asked_to_stop(self) -> bool:
+        try:
+            said = self.store.get_json(self.stop_key)
+        except (StorageError, OSError):  # none (the change's was a signal alone), or unreadable
+            return False
         return not (isinstance(said, dict) and "devices" in said)
+
 
     def stop_for(self, change: ResourceEvent) -> None:
         decision = decide(self.spec, self.job, change)
@@ -138,6 +143,36 @@ class _SegmentWatch:
                 self.progress_bar.update(event.step)
             except Exception as error:  # noqa: BLE001 - a progress display never stops training
                 self.logger.debug("progress artifact not updated: %s", error)
+
+
+def forget_earlier_stop(spec: JobSpec, since: datetime) -> None:
+    """A stop request made before `since` (when this run began) was meant for a run before it
+    (the one it stopped, or none: a stop when nothing ran): deleted, this run does not obey it.
+    One made since is obeyed, even before the first launch (its workers stop at their first
+    step boundary); deleting every stop at each launch lost those (`parashift stop` a second
+    after `parashift run`, or during a change). Called under the job's lease: a second run of a
+    running job deletes nothing of the first's. `requested_at` is the requester's clock."""
+    with environment(storage_environment(spec)):
+        store, key = open_store(spec.storage), JobPaths(spec.job_id).stop()
+        try:
+            said = store.get_json(key)
+        except (StorageError, OSError):  # none, or unreadable
+            said = None
+        requested = _requested_at(said)
+        if requested is None or requested < since:
+            store.delete(key)
+
+
+def _requested_at(said: object) -> datetime | None:
+    """When a stop object says it was asked for (ISO time, or Unix seconds as a pool writes it)."""
+    value = said.get("requested_at") if isinstance(said, dict) else None
+    try:
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return datetime.fromtimestamp(value, UTC)
+        when = datetime.fromisoformat(value) if isinstance(value, str) else None
+    except (ValueError, OverflowError, OSError):
+        return None
+    return when.replace(tzinfo=UTC) if when is not None and when.tzinfo is None else when
 
 
 def _launch(spec: JobSpec, plan: Plan, until_step: int | None, watch: _SegmentWatch) -> tuple[LaunchResult, list[str]]:

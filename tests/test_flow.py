@@ -9,6 +9,7 @@ import re
 import subprocess
 import sys
 from collections.abc import Callable
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -88,6 +89,48 @@ def test_scripted_elasticity_matches_a_static_run(prefect_server: None, tmp_path
     # spec's first count: one segment, no change made.
     again = train_job(spec)
     assert [(s.devices, s.start_step, s.final_step) for s in again.segments] == [(1, 12, 12)]
+
+
+def test_a_stop_asked_before_the_first_launch_is_obeyed_and_one_from_before_the_run_is_not(
+        prefect_server: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`parashift stop` a second after `parashift run` (while it profiles and plans) used to be
+    deleted by the first launch, and the job trained to its end. Now a stop asked for once the
+    run started stops it at its first step boundary; one already there when it started (for a
+    run before it) does not."""
+    from parashift.flows import train
+    from parashift.storage import JobPaths, open_store
+
+    spec = tiny_spec("stop-early", f"file://{tmp_path}/store", training={"steps": 8})
+    store, stop_key = open_store(spec.storage), JobPaths(spec.job_id).stop()
+    an_hour_ago = datetime.now(UTC) - timedelta(hours=1)
+    store.put_json(stop_key, {"reason": "a stop for an earlier run", "requested_at": an_hour_ago.isoformat()})
+    profile = train.profile_model
+
+    def profile_then_stop(*args: Any, **kwargs: Any) -> Any:
+        done = profile(*args, **kwargs)
+        store.put_json(stop_key, {"reason": "parashift stop, while the run plans",
+                                  "requested_at": datetime.now(UTC).isoformat()})  # as `parashift stop` writes it
+        return done
+
+    monkeypatch.setattr(train, "profile_model", profile_then_stop)
+    summary = train.train_job(spec)
+    assert summary.segments[-1].stopped and summary.steps < 8, summary.segments
+    assert checkpoint_store(spec).committed_steps()[-1] == summary.steps  # stopped with a checkpoint
+    monkeypatch.setattr(train, "profile_model", profile)  # the stop is still there: the next run is not stopped by it
+    again = train.train_job(spec)
+    assert again.steps == 8 and not again.segments[-1].stopped
+
+
+def test_a_stop_request_says_when_in_either_form_it_is_written() -> None:
+    """`parashift stop` writes an ISO time, a pool's preemption Unix seconds; nothing readable: None."""
+    from parashift.tasks.launch import _requested_at
+
+    when = datetime(2026, 12, 6, 14, 0, tzinfo=UTC)
+    assert _requested_at({"requested_at": when.isoformat()}) == when
+    assert _requested_at({"requested_at": when.timestamp()}) == when
+    assert _requested_at({"requested_at": "2026-12-06T14:00:00"}) == when  # no zone: UTC
+    assert _requested_at({"requested_at": "soon"}) is None and _requested_at({"requested_at": True}) is None
+    assert _requested_at({}) is None and _requested_at([1]) is None
 
 
 def test_readme_run_command_trains_the_default_spec(tmp_path: Path) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from datetime import UTC, datetime
 from pathlib import Path
 
 import typer
@@ -44,6 +45,7 @@ def run(
     """Train the job SPEC_FILE describes on its devices; resume from its latest checkpoint.
     SIGTERM or Ctrl-C stops it at the next step boundary with a committed checkpoint (twice:
     at once)."""
+    began_at = datetime.now(UTC)  # a stop request from here on is this run's (`parashift stop` while it boots)
     # Before anything imports Prefect (the preflight below does): its settings are read once.
     _prefect_defaults(verbose)
     spec = load_spec_or_exit(spec_file)
@@ -77,10 +79,10 @@ def run(
     with job_workers(spec):
         if api is not None:
             api.use()
-        _train(spec, verbose)
+        _train(spec, verbose, began_at)
 
 
-def _train(spec: JobSpec, verbose: bool) -> None:
+def _train(spec: JobSpec, verbose: bool, began_at: datetime) -> None:
     """The flow run with a progress bar, then its outcome in a few lines."""
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -113,7 +115,7 @@ def _train(spec: JobSpec, verbose: bool) -> None:
 
         progress_events.add_listener(on_event)
         try:
-            summary = train_job(spec)
+            summary = train_job(spec, began_at)
         except Exception as error:  # noqa: BLE001 - the run log has the trace; the terminal gets the reason
             bar.stop()
             console.print(f"[bold red]failed[/]: {error}")
