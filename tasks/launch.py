@@ -88,12 +88,16 @@ class _SegmentWatch:
         self.relay = WorkerLog(logger.log, spec.training.steps)
         self.output = OutputTail(self.relay)  # every line to the run log; the last ones for a failure's reason
 
-    def stop(self, reason: str, devices: int | None = None) -> None:
+    def stop(self, reason: str, devices: int | None = None, change: bool = False) -> None:
         """Stop the workers at their next step boundary: the stop object reaches workers
         anywhere, the signal at once on this node. `devices`: the next segment's device count,
         when one follows on this node (warm workers then hold the step for it rather than save
-        it first): written before the signal, so the workers read it when they stop."""
-        said = {"reason": reason, "requested_at": datetime.now(UTC).isoformat()}
+        it first): written before the signal, so the workers read it when they stop. `change`:
+        a segment follows (any resource change): the next launch deletes this stop, where it
+        obeys one that asks the job to stop."""
+        said: dict[str, object] = {"reason": reason, "requested_at": datetime.now(UTC).isoformat()}
+        if change:
+            said["change"] = True
         if devices is not None:
             said["devices"] = devices
             self.changing = True
@@ -105,8 +109,9 @@ class _SegmentWatch:
                 self.store.put_json(self.stop_key, said)
 
     def asked_to_stop(self) -> bool:
-        """Whether the stop object asks the job to stop (`parashift stop`, a pool's preemption):
-        one that names no next device count. A change's own names one."""
+        """Whether the stop object asks the job to stop (`parashift stop`, a pool's preemption,
+        a signal to `parashift run`): not a change's own (which says so, and may name the next
+        device count)."""
         with environment(self.credentials):
             return self._asked_to_stop()
 
@@ -115,8 +120,7 @@ class _SegmentWatch:
             said = self.store.get_json(self.stop_key)
         except (StorageError, OSError):  # none (the change's was a signal alone), or unreadable
             return False
-        return not (isinstance(said, dict) and "devices" in said)
-
+        return not (isinstance(said, dict) and ("devices" in said or said.get("change") is True))
 
     def stop_for(self, change: ResourceEvent) -> None:
         decision = decide(self.spec, self.job, change)
@@ -127,7 +131,7 @@ class _SegmentWatch:
         if self.ahead is not None:  # planned while the workers finish their step
             self.ahead.prepare([decision.devices], first=True)
         self.stop(f"rescale to {change.describe()} ({change.reason})",
-                  decision.devices if decision.nodes is None else None)
+                  decision.devices if decision.nodes is None else None, change=True)
 
     def on_event(self, event: WorkerEvent) -> None:
         if isinstance(event, StepEvent) and self.ahead is not None:  # training: plan ahead (once per count)
