@@ -50,8 +50,9 @@ def train_job(spec: JobSpec, began_at: datetime | None = None) -> TrainSummary:
     """Train the job a spec describes, resuming from its latest committed checkpoint. A job
     asked to stop ends in a completed state named `Stopped` that says where (calling the flow
     still returns its summary). `began_at`: when the run was asked for (`parashift run`'s
-    start; default: now): a stop request from before it is an earlier run's."""
-    began_at = began_at or datetime.now(UTC)
+    start; default: when the flow run was created, as a deployment's run waits for a worker):
+    a stop request from before it is an earlier run's."""
+    began_at = began_at or _created_at() or datetime.now(UTC)
     spec = validate_spec(spec)
     tag_this_run(job_tags(spec.job_id, spec.model.tag, spec.resources.devices))
     with environment(storage_environment(spec)):
@@ -66,6 +67,15 @@ def train_job(spec: JobSpec, began_at: datetime | None = None) -> TrainSummary:
                          message=f"{spec.job_id} stopped at step {summary.steps} of {spec.training.steps} "
                                  f"({summary.segments[-1].reason or 'asked to stop'}); run it again to resume")
     return summary
+
+
+def _created_at() -> datetime | None:
+    """When this flow run was created (by a deployment's trigger, the UI, a pool), per Prefect."""
+    from prefect.context import FlowRunContext
+
+    context = FlowRunContext.get()
+    created = context.flow_run.created if context is not None and context.flow_run is not None else None
+    return created if isinstance(created, datetime) and created.tzinfo is not None else None
 
 
 def _train(spec: JobSpec, lease: JobLease | None = None, began_at: datetime | None = None) -> TrainSummary:
