@@ -88,7 +88,8 @@ class ModelFamily:
 
     def hf_adapter(self) -> Any:
         """The family's Hugging Face adapter (a module with `hf_name(name) -> (hf name,
-        transposed)` and `hf_config(spec) -> dict`), or None."""
+        transposed)`, `hf_config(spec) -> dict` and, where a tensor changes beyond that,
+        `hf_tensor(name, tensor) -> tensor`), or None."""
         return None
 
     def graph(self, spec: Any, batch: int, precision: str) -> Any:

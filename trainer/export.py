@@ -59,6 +59,7 @@ def export_hf(spec: JobSpec, to: str, step: int | None = None, max_shard_bytes: 
     if manifest is None:
         raise FileNotFoundError(f"{spec.job_id} has no committed checkpoint to export")
     config = adapter.hf_config(spec.model)  # before anything is written: a model it cannot express fails here
+    reshaped = getattr(adapter, "hf_tensor", None)  # beyond a transposition (OPT's offset position rows)
     out = ObjectStore(to, storage_options)
     params = [name for name in manifest.tensors if name.startswith("model/")]
     sizes = [(name, prod(manifest.tensors[name].shape) * torch_dtype(manifest.tensors[name].dtype).itemsize)
@@ -70,8 +71,10 @@ def export_hf(spec: JobSpec, to: str, step: int | None = None, max_shard_bytes: 
         file = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" if len(groups) > 1 else "model.safetensors"
         tensors = {}
         for name, tensor in load_tensors(store, manifest, names).items():
-            key, transposed = adapter.hf_name(name.removeprefix("model/"))
-            tensors[key] = (tensor.t() if transposed else tensor).contiguous()
+            ours = name.removeprefix("model/")
+            key, transposed = adapter.hf_name(ours)
+            tensor = tensor.t() if transposed else tensor
+            tensors[key] = (reshaped(ours, tensor) if reshaped else tensor).contiguous()
             weight_map[key] = file
         data = safetensors_bytes(tensors, metadata={"format": "pt"})
         out.put(file, data)

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from parashift.models.base import ModelFamily
+from parashift.models.gpt import hf
 from parashift.models.gpt.model import GPT, GPTConfig, initial_value
 from parashift.models.gpt.spec import GPTSpec
 from parashift.models.sharding import Region, ShardingTable
@@ -29,6 +32,9 @@ class GPTFamily(ModelFamily):
 
     def initial_value(self, spec: GPTSpec, name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
         return initial_value(GPTConfig.of(spec), name, shape, seed)
+
+    def hf_adapter(self) -> Any:
+        return hf
 
 
 FAMILY = GPTFamily()
