@@ -49,3 +49,22 @@ def test_a_transformers_model_is_measured() -> None:
     assert measured["n_params"] == measured["root_params"] + 2 * measured["layer_params"]
     profile = profile_from_measurements("hf-llama", measured, "cpu", workers=4)
     assert profile.sequence_s > measured["sequence_s"]  # 4 workers share this machine's cores
+
+
+def test_parashift_plan_says_whether_an_hf_models_state_is_sharded(tmp_path) -> None:
+    """`parashift plan` on a model without an op graph: measured here, then one line that says
+    replicated (it said "sharded over 1") or sharded over how many."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from parashift.cli import app
+
+    config = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+              "num_attention_heads": 2, "num_key_value_heads": 2, "vocab_size": 256}
+    spec = tmp_path / "job.yaml"
+    spec.write_text(json.dumps({"name": "hf-plan", "model": {"family": "hf", "config": config, "seq_len": 16},
+                                "training": {"global_batch": 8, "micro_batch": 2}, "resources": {"devices": 2}}))
+    out = CliRunner().invoke(app, ["plan", str(spec), "--devices", "2"])
+    assert out.exit_code == 0, out.output
+    assert out.output.splitlines()[0].startswith("hf-") and ": dp 2, state replicated (" in out.output.splitlines()[0]

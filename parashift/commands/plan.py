@@ -115,9 +115,10 @@ def plan(
         result = plan_measured(measured, n, train.global_batch, train.micro_batch,
                                par.plan_memory_bytes(measured.device.memory_bytes), shard_dp=par.shard_data_parallel)
         typer.echo(result.model_dump_json(indent=2) if json_out else "\n".join(
-            [f"{model.tag} on {n} {kind} devices: dp {n}, state sharded over {result.dp_shard} "
-             f"({result.estimated_step_s or 0:.4g} s per step, {(result.memory_per_device_bytes or 0) / 2**30:.2f} GiB "
-             "per device)", *result.notes]))
+            [f"{model.tag} on {n} {kind} devices: dp {n}, "
+             + (f"state sharded over {result.dp_shard} " if result.dp_shard > 1 else "state replicated ")
+             + f"({result.estimated_step_s or 0:.4g} s per step, {(result.memory_per_device_bytes or 0) / 2**30:.2f} GiB "
+               "per device)", *result.notes]))
         return
     else:
         batch = job.training.global_batch
