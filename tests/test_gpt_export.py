@@ -13,7 +13,7 @@ from parashift.models import family_of
 from parashift.models.gpt.hf import hf_name
 from parashift.specs import JobSpec
 from parashift.specs.plan import Plan
-from parashift.storage import CheckpointStore, ObjectStore
+from parashift.storage import job_store
 from parashift.trainer.export import export_hf
 from parashift.trainer.layout import state_layout
 from states import global_state, save_all_ranks
@@ -32,7 +32,7 @@ def test_a_gpt_checkpoint_exports_to_opt_with_transformers_logits(tmp_path: Path
     for name in state:
         if name.startswith("model/"):  # weights a model computes sensibly with, distinct everywhere
             state[name] = torch.randn(state[name].shape, generator=draw) * 0.2
-    save_all_ranks(CheckpointStore(ObjectStore(spec.storage.url), spec.job_id), layout, state, step=7)
+    save_all_ranks(job_store(spec), layout, state, step=7)
 
     report = export_hf(spec, str(tmp_path / "hf"), max_shard_bytes=100_000)
     assert report.step == 7 and len(report.files) > 2  # several shards and their index
