@@ -359,6 +359,7 @@ def test_parashift_stop_asks_the_job_to_stop(tmp_path: Path) -> None:
     done = CliRunner().invoke(app, ["stop", str(spec)])
     assert done.exit_code == 0, done.output
     assert ObjectStore(f"file://{tmp_path}/store").exists(JobPaths("some-job").stop())
+    assert "no run of some-job holds its lease now" in done.output  # nothing runs: said so
 
 
 def test_auto_strategy_measures_on_real_workers_and_plans(prefect_server: None, tmp_path: Path) -> None:
