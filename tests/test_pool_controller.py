@@ -4,6 +4,7 @@ tells and stops for recorded observations, and its state in storage refusing wha
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 from parashift.pool.allocator import PoolPolicy
@@ -101,21 +102,14 @@ def test_a_job_with_scripted_elasticity_is_refused_by_any_pool(tmp_path: Path) -
     """The pool sets its jobs' device counts: a spec's own `elasticity` would change its count
     against the pool's share (and take device slots the pool gave others). Refused by the
     controller (every way of submitting) and by `parashift submit`, naming the field."""
-    from typer.testing import CliRunner
-
-    from parashift.cli import app
-
     scripted = JobSpec.model_validate({"name": "scripted", "training": {"steps": 100, "global_batch": 16},
                                        "elasticity": [{"at_step": 50, "devices": 3}]})
     book, _ = book_of()
     assert book.submitted("k", 1.0, scripted, lambda spec: LINEAR) == (
         "refused scripted: elasticity: a pool sets its jobs' device counts; leave it out")
     assert "scripted" not in book.state.jobs
-    pool = tmp_path / "pool.yaml"
-    pool.write_text(f"name: p\ndevices: 4\nstorage: {{url: 'file://{tmp_path}/store'}}\n")
-    spec = tmp_path / "job.yaml"
-    spec.write_text("name: scripted\ntraining: {steps: 100}\nelasticity:\n  - {at_step: 50, devices: 3}\n")
-    out = CliRunner().invoke(app, ["submit", str(spec), "--pool", str(pool)])
+    spec, out = submitted(tmp_path, "devices: 4",
+                          "name: scripted\ntraining: {steps: 100}\nelasticity:\n  - {at_step: 50, devices: 3}\n")
     assert out.exit_code == 1 and f"{spec}: elasticity: a pool sets its jobs' device counts" in out.output, out.output
 
 
@@ -260,17 +254,23 @@ def test_a_node_that_leaves_takes_its_devices_out_of_the_pool_until_it_is_back()
                                                       for j, n in decision.nodes.items())
 
 
-def test_submit_refuses_a_spec_a_pool_over_nodes_cannot_place(tmp_path: Path) -> None:
+def submitted(tmp_path: Path, pool_devices: str, spec_text: str) -> tuple[Path, Any]:
+    """`parashift submit` of a spec (its YAML) to a pool of `pool_devices` (YAML lines): the
+    spec's path and the command's result."""
     from typer.testing import CliRunner
 
     from parashift.cli import app
 
     pool = tmp_path / "pool.yaml"
-    pool.write_text(f"name: p\nnodes: [a, b]\ndevices_per_node: 2\nstorage: {{url: 'file://{tmp_path}/store'}}\n")
+    pool.write_text(f"name: p\n{pool_devices}\nstorage: {{url: 'file://{tmp_path}/store'}}\n")
     spec = tmp_path / "job.yaml"
-    spec.write_text("name: placed\nresources: {nodes: [a], devices_per_node: 2}\n")
-    out = CliRunner().invoke(app, ["submit", str(spec), "--pool", str(pool)])
+    spec.write_text(spec_text)
+    return spec, CliRunner().invoke(app, ["submit", str(spec), "--pool", str(pool)])
+
+
+def test_submit_refuses_a_spec_a_pool_over_nodes_cannot_place(tmp_path: Path) -> None:
+    over_nodes = "nodes: [a, b]\ndevices_per_node: 2"
+    spec, out = submitted(tmp_path, over_nodes, "name: placed\nresources: {nodes: [a], devices_per_node: 2}\n")
     assert out.exit_code == 1 and f"{spec}: resources.nodes: a pool over nodes places its jobs" in out.output, out.output
-    spec.write_text("name: fits\nresources: {devices: 3}\n")
-    out = CliRunner().invoke(app, ["submit", str(spec), "--pool", str(pool)])
+    _, out = submitted(tmp_path, over_nodes, "name: fits\nresources: {devices: 3}\n")
     assert out.exit_code == 0 and "fits submitted to pool p" in out.output, out.output

@@ -23,15 +23,14 @@ zeros, never read. Export only: a GPT checkpoint continues as `family: gpt` or, 
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 import torch
 from parashift.models.gpt.spec import GPTSpec
+from parashift.models.hf_names import NameMap
 
 POSITION_OFFSET = 2  # transformers' OPTLearnedPositionalEmbedding.offset
 
-_LAYER = re.compile(r"blocks\.(\d+)\.(.+)")
 _IN_LAYER = {  # ours (inside a block) -> OPT's (inside a layer), transposed?
     **{f"attn_norm.{k}": (f"self_attn_layer_norm.{k}", False) for k in ("weight", "bias")},
     **{f"attn.{p}_proj.{k}": (f"self_attn.{p}_proj.{k}", False) for p in "qkv" for k in ("weight", "bias")},
@@ -48,15 +47,8 @@ _OUTSIDE = {"tok_emb.weight": "model.decoder.embed_tokens.weight",
             "lm_head.weight": "lm_head.weight"}
 
 
-def hf_name(name: str) -> tuple[str, bool]:
-    """Our parameter name -> (OPT's name, whether the tensor is held transposed)."""
-    if name in _OUTSIDE:
-        return _OUTSIDE[name], False
-    match = _LAYER.fullmatch(name)
-    if match is None or match.group(2) not in _IN_LAYER:
-        raise KeyError(f"{name} has no Hugging Face name")
-    inner, transposed = _IN_LAYER[match.group(2)]
-    return f"model.decoder.layers.{match.group(1)}.{inner}", transposed
+# Our parameter name -> (OPT's name, whether the tensor is held transposed).
+hf_name = NameMap(_OUTSIDE, _IN_LAYER, "model.decoder.layers")
 
 
 def hf_tensor(name: str, tensor: torch.Tensor) -> torch.Tensor:

@@ -20,9 +20,9 @@ rotary does; its adapter permutes). Folders and weights: models/hub.py (safetens
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
+from parashift.models.hf_names import NameMap
 from parashift.models.hub import CONFIG_NAME, CheckpointUnreadable, checkpoint_weights, read_config
 from parashift.models.llama.spec import Llama3RopeScaling, LlamaSpec
 from parashift.specs.base import FieldIssues
@@ -30,8 +30,6 @@ from parashift.specs.base import FieldIssues
 # Architectures whose math is the Llama family's (checked against `transformers` by tests).
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "MistralForCausalLM": "mistral"}
 
-_LAYER = re.compile(r"blocks\.(\d+)\.(.+)")
-_HF_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 _IN_LAYER = {  # ours (inside a block) -> Hugging Face (inside a layer), transposed?
     "attn_norm.weight": ("input_layernorm.weight", False),
     "mlp_norm.weight": ("post_attention_layernorm.weight", False),
@@ -46,15 +44,8 @@ _OUTSIDE = {"tok_emb.weight": "model.embed_tokens.weight", "norm.weight": "model
             "lm_head.weight": "lm_head.weight"}
 
 
-def hf_name(name: str) -> tuple[str, bool]:
-    """Our parameter name -> (Hugging Face name, whether the tensor is held transposed)."""
-    if name in _OUTSIDE:
-        return _OUTSIDE[name], False
-    match = _LAYER.fullmatch(name)
-    if match is None or match.group(2) not in _IN_LAYER:
-        raise KeyError(f"{name} has no Hugging Face name")
-    inner, transposed = _IN_LAYER[match.group(2)]
-    return f"model.layers.{match.group(1)}.{inner}", transposed
+# Our parameter name -> (Hugging Face name, whether the tensor is held transposed).
+hf_name = NameMap(_OUTSIDE, _IN_LAYER, "model.layers")
 
 
 # ---------------------------------------------------------------------------------- configs
