@@ -208,11 +208,40 @@ def test_s3_credentials_come_from_a_prefect_secret_block(
     assert summary.checkpoint_url == f"{url}/jobs/s3-secret/ckpt/00000004/manifest.json"
 
 
-def _alive(pid: int) -> bool:
+def _stat(pid: int) -> list[str] | None:
     try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     except (OSError, IndexError):
-        return False
+        return None
+
+
+def with_start_times(pids: set[int]) -> dict[int, str]:
+    """Each process of `pids` with its start time (clock ticks since boot): with it, a pid the
+    kernel gave to another process (or thread) since is not taken for the one seen. The suite
+    starts threads by the thousand (pid_max 32768 here): a seen pid can name another by the end."""
+    return {pid: fields[19] for pid in pids if (fields := _stat(pid)) is not None and len(fields) > 19}
+
+
+def _alive(pid: int, since: str | None = None) -> bool:
+    """The process `pid` runs (not a zombie), and is the one that started at `since` if given."""
+    fields = _stat(pid)
+    return fields is not None and fields[0] != "Z" and (since is None or fields[19] == since)
+
+
+def _described(seen: dict[int, str]) -> list[str]:
+    """Each live process of `seen`: its pid, state, parent and command line (what a failure
+    needs to say which process outlived the run)."""
+    out = []
+    for pid, since in sorted(seen.items()):
+        fields = _stat(pid)
+        if fields is None or not _alive(pid, since):
+            continue
+        try:
+            command = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        out.append(f"{pid} state {fields[0]} parent {fields[1]}: {command[:300]}")
+    return out
 
 
 @pytest.mark.parametrize("stop", ["SIGTERM", "SIGINT"])
@@ -249,12 +278,12 @@ def test_sigterm_or_ctrl_c_stops_parashift_run_at_a_committed_step_and_leaves_no
     request.addfinalizer(lambda: (running.poll() is None and kill_tree(running.pid), stop_all(forkservers)))
     ckpt = tmp_path / "store/jobs/long-job/ckpt"
     deadline = time.monotonic() + 300
-    seen: set[int] = set()
+    seen: dict[int, str] = {}  # pid: its start time
 
     def look() -> None:  # what the run started: below it, and forked for it by its forkserver
-        seen.update(descendants(running.pid))
+        seen.update(with_start_times(descendants(running.pid)))
         for pointer in forkservers.glob("*.json"):
-            seen.update(descendants(json.loads(pointer.read_text())["pid"]))
+            seen.update(with_start_times(descendants(json.loads(pointer.read_text())["pid"])))
 
     while not list(ckpt.glob("*/manifest.json")):
         assert running.poll() is None and time.monotonic() < deadline, running.stdout.read()[-3000:]
@@ -275,9 +304,9 @@ def test_sigterm_or_ctrl_c_stops_parashift_run_at_a_committed_step_and_leaves_no
     assert 0 < stopped_at < 100000
     assert (ckpt / f"{stopped_at:08d}/manifest.json").exists(), "the stop step must be committed"
     deadline = time.monotonic() + 30
-    while any(_alive(pid) for pid in seen) and time.monotonic() < deadline:
+    while any(_alive(pid, since) for pid, since in seen.items()) and time.monotonic() < deadline:
         time.sleep(0.5)
-    assert not [pid for pid in seen if _alive(pid)], "processes outlived parashift run"
+    assert not _described(seen), f"processes outlived parashift run: {_described(seen)}"
 
 
 def test_a_killed_parashift_run_does_not_block_the_next(tmp_path: Path, prefect_home: Callable[[Path], Path]) -> None:
@@ -307,14 +336,14 @@ def test_a_killed_parashift_run_does_not_block_the_next(tmp_path: Path, prefect_
     while not list(ckpt.glob("*/manifest.json")):
         assert running.poll() is None and time.monotonic() < deadline
         time.sleep(0.5)
-    started_by_it = descendants(running.pid)  # its embedded API and torchrun's forked client at least
+    started_by_it = with_start_times(descendants(running.pid))  # its embedded API and torchrun's forked client at least
     assert len(started_by_it) >= 2, started_by_it
     os.kill(running.pid, signal.SIGKILL)
     running.wait()
     deadline = time.monotonic() + 15
-    while [pid for pid in started_by_it if _alive(pid)] and time.monotonic() < deadline:
+    while [pid for pid, since in started_by_it.items() if _alive(pid, since)] and time.monotonic() < deadline:
         time.sleep(0.2)
-    outlived = [pid for pid in started_by_it if _alive(pid)]
+    outlived = [pid for pid, since in started_by_it.items() if _alive(pid, since)]
     for pid in outlived:  # not left behind by the test when it fails
         kill_tree(pid)
     assert not outlived, "processes outlived a killed parashift run"
