@@ -23,7 +23,7 @@ from parashift.launcher.job_workers import job_workers
 from parashift.specs import JobSpec
 from parashift.specs.elastic import Decision, Fail, Ignore, JobState, Replan, SegmentEnded, Stop, decide
 from parashift.specs.plan import Plan
-from parashift.storage import JobLease, job_store
+from parashift.storage import JobLease
 from parashift.tasks.artifacts import TrainingProgress, job_tags, tag_devices, tag_this_run
 from parashift.tasks.credentials import environment, storage_environment
 from parashift.tasks.events import ResourceWatcher, follow_resources
@@ -37,7 +37,7 @@ from parashift.tasks.profile import profile_model
 from parashift.tasks.records import ModelSummary, SegmentResult, TrainSummary, failed_segments
 from parashift.tasks.recovery import TrainingFailed, announce_change
 from parashift.tasks.report import publish_report
-from parashift.tasks.reshard import plan_reshard
+from parashift.tasks.reshard import newest_committed_step, plan_reshard
 from parashift.tasks.validate import validate_spec
 from parashift.tasks.views import OnceTrained
 from prefect import flow
@@ -78,19 +78,18 @@ def _created_at() -> datetime | None:
     return created if isinstance(created, datetime) and created.tzinfo is not None else None
 
 
-def _train(spec: JobSpec, lease: JobLease | None = None, began_at: datetime | None = None) -> TrainSummary:
+def _train(spec: JobSpec, lease: JobLease | None, began_at: datetime) -> TrainSummary:
     """Profile, then segment after segment until the job is done, stopped or cannot go on: after
     each segment, and on each change heard, ask the elastic policy (`specs.elastic`) and act.
     `lease`: the job's storage lease, renewed before each launch: a run whose lease was taken
-    over launches nothing more (LeaseLost)."""
+    over launches nothing more (LeaseLost). `began_at`: stop requests from before it are not
+    this run's."""
     logger = get_run_logger()
-    forget_earlier_stop(spec, began_at or datetime.now(UTC))  # under the lease: a stop from before the run is not its
+    forget_earlier_stop(spec, began_at)  # under the lease: a stop from before the run is not its
     profiles = {spec.resources.devices: profile_model(spec)}
     ahead = PlansAhead(spec, profiles[spec.resources.devices])  # the counts it may move to, planned while it trains
     segments: list[SegmentResult] = []
-    with environment(storage_environment(spec)):  # where an earlier run left it (one listing)
-        committed = job_store(spec).manifest_steps()
-    job = JobState.starting(spec, committed[-1] if committed else 0)  # on the script's devices there
+    job = JobState.starting(spec, newest_committed_step(spec))  # where an earlier run left it, on the script's devices there
     # The storage credentials stay in the environment while the job's events are recorded.
     progress = TrainingProgress(spec.job_id, spec.training.steps)
     with environment(storage_environment(spec)), follow_resources(spec, logger) as resources, \

@@ -22,7 +22,7 @@ from parashift.launcher.segment import OutputTail, failure_reason, launch_segmen
 from parashift.specs import JobSpec
 from parashift.specs.elastic import JobState, Replan, ResourceEvent, decide, likely_counts, segment_outcome
 from parashift.specs.plan import Plan
-from parashift.storage import JobPaths, StorageError, open_store
+from parashift.storage import JobPaths, ObjectStore, StorageError, open_store
 from parashift.tasks import progress
 from parashift.tasks.artifacts import TrainingProgress
 from parashift.tasks.credentials import environment, storage_environment
@@ -116,11 +116,8 @@ class _SegmentWatch:
             return self._asked_to_stop()
 
     def _asked_to_stop(self) -> bool:
-        try:
-            said = self.store.get_json(self.stop_key)
-        except (StorageError, OSError):  # none (the change's was a signal alone), or unreadable
-            return False
-        return not (isinstance(said, dict) and ("devices" in said or said.get("change") is True))
+        said = _stop_request(self.store, self.stop_key)  # None: none (a change's was a signal alone), or unreadable
+        return said is not None and not (isinstance(said, dict) and ("devices" in said or said.get("change") is True))
 
     def stop_for(self, change: ResourceEvent) -> None:
         decision = decide(self.spec, self.job, change)
@@ -158,13 +155,17 @@ def forget_earlier_stop(spec: JobSpec, since: datetime) -> None:
     running job deletes nothing of the first's. `requested_at` is the requester's clock."""
     with environment(storage_environment(spec)):
         store, key = open_store(spec.storage), JobPaths(spec.job_id).stop()
-        try:
-            said = store.get_json(key)
-        except (StorageError, OSError):  # none, or unreadable
-            said = None
-        requested = _requested_at(said)
+        requested = _requested_at(_stop_request(store, key))
         if requested is None or requested < since:
             store.delete(key)
+
+
+def _stop_request(store: ObjectStore, key: str) -> object | None:
+    """The job's stop object as stored; None where there is none or it cannot be read."""
+    try:
+        return store.get_json(key)
+    except (StorageError, OSError):
+        return None
 
 
 def _requested_at(said: object) -> datetime | None:

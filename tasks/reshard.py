@@ -21,6 +21,14 @@ if TYPE_CHECKING:
     from parashift.ptc.reconfig import ReconfigPlan
 
 
+def newest_committed_step(spec: JobSpec) -> int:
+    """The newest step whose manifest is committed (0: none), from one listing, nothing read:
+    where a run resumes (the workers fall back to an older one if it does not verify)."""
+    with environment(storage_environment(spec)):
+        steps = job_store(spec).manifest_steps()
+    return steps[-1] if steps else 0
+
+
 def job_reshard_plan(spec: JobSpec, plan: Plan, held_step: int | None = None,
                      step: int | None = None) -> ReconfigPlan | None:
     """What the job's workers under `plan` would read from its newest checkpoint (or the one of
