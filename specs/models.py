@@ -428,6 +428,16 @@ class ParallelismSpec(_Section):
                                       "remove the mesh")])
         return self
 
+    @model_validator(mode="after")
+    def _mixed_precision_needs_bf16(self) -> Self:
+        """'fsdp' under fp32 would be ignored: fp32 computes in fp32 throughout. ('autocast' is the default
+        a form sends back, so only 'fsdp' is refused.)"""
+        if self.mixed_precision == "fsdp" and self.precision != "bf16":
+            _raise_if([(("mixed_precision",), f"{self.mixed_precision!r} says how bf16 compute is had, but "
+                                             "parallelism.precision is 'fp32': set precision: bf16, or remove "
+                                             "mixed_precision")])
+        return self
+
     def pinned(self, devices: int) -> Plan:
         """The pinned plan on `devices` (`specs.plan.pinned_plan`); ValueError where it cannot be."""
         assert self.mesh is not None

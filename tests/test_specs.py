@@ -363,6 +363,12 @@ def test_min_lr_above_lr(tmp_path: Path) -> None:
     assert_error(lines, file, 4, 11, "optimizer.min_lr", "must be <= optimizer.lr (0.01 > 0.001)")
 
 
+def test_mixed_precision_without_bf16_is_refused_not_ignored(tmp_path: Path) -> None:
+    file, lines = errors_of(tmp_path, "name: x\nparallelism:\n  strategy: auto\n  mixed_precision: fsdp\n")
+    assert_error(lines, file, 4, 20, "parallelism.mixed_precision", "'fsdp'", "precision: bf16")
+    assert parse_spec("name: x\nparallelism: {precision: bf16, mixed_precision: fsdp}\n", "t.yaml")
+
+
 def test_literal_with_suggestion_and_tuple_item(tmp_path: Path) -> None:
     file, lines = errors_of(tmp_path, "name: x\noptimizer:\n  schedule: cosin\n  betas: [0.9, 1.5]\n")
     assert_error(lines, file, 3, 13, "optimizer.schedule", "did you mean 'cosine'?")
