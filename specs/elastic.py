@@ -40,6 +40,7 @@ from dataclasses import dataclass, replace
 from typing import Literal, Protocol
 
 from parashift.specs.models import REASONS, JobSpec, Reason, ResourceChange
+from parashift.specs.words import counted
 from pydantic import BaseModel, Field, model_validator
 
 # How a segment (one launch of the workers) ended.
@@ -71,7 +72,7 @@ class ResourceEvent(BaseModel):
         return self.devices is not None and self.devices != devices
 
     def describe(self) -> str:
-        return f"nodes {','.join(self.nodes)}" if self.nodes is not None else f"{self.devices} devices"
+        return f"nodes {','.join(self.nodes)}" if self.nodes is not None else counted(self.devices, "device")
 
 
 class Segment(Protocol):
@@ -177,7 +178,7 @@ class JobState:
         return replace(self, epoch=heard)
 
     def describe(self) -> str:
-        return f"nodes {','.join(self.nodes)}" if self.nodes is not None else f"{self.devices} devices"
+        return f"nodes {','.join(self.nodes)}" if self.nodes is not None else counted(self.devices, "device")
 
 
 @dataclass(frozen=True)
@@ -270,7 +271,7 @@ def _follow(spec: JobSpec, job: JobState, change: ResourceEvent) -> Decision:
         return Ignore(f"{what}: {error}", change.epoch)
     if devices == job.devices and nodes == job.nodes:
         return Ignore(f"{what}: the job runs on {job.describe()} already", change.epoch)
-    return Replan(devices, nodes, change.reason, f"{change.reason}: {job.devices} devices -> {change.describe()}",
+    return Replan(devices, nodes, change.reason, f"{change.reason}: {counted(job.devices, 'device')} -> {change.describe()}",
                   epoch=change.epoch)
 
 
@@ -289,7 +290,7 @@ def _after_segment(spec: JobSpec, job: JobState, ended: SegmentEnded) -> Decisio
     scripted = ended.scripted
     if scripted is None or segment.final_step >= spec.training.steps:
         return Stop(f"finished at step {segment.final_step}")
-    what = f"scripted change at step {scripted.at_step} to {scripted.devices} devices ({scripted.reason})"
+    what = f"scripted change at step {scripted.at_step} to {counted(scripted.devices, 'device')} ({scripted.reason})"
     try:
         devices, nodes = apply_change(ResourceEvent(devices=scripted.devices, epoch=0), spec, job.devices, job.nodes)
     except ValueError as error:
@@ -315,10 +316,10 @@ def _after_failure(spec: JobSpec, job: JobState, failed: Segment) -> Decision:
         where = f"nodes {','.join(nodes)}"
     else:  # the failed worker's device is presumed gone; a later event can bring it back
         devices = max(1, failed.devices - 1)
-        where = f"{devices} devices"
+        where = counted(devices, 'device')
     who = "node" if failed.left_nodes else "worker"
     return Replan(devices, nodes, "node-left" if failed.left_nodes else "failure",
-                  f"{who} failure on {failed.devices} devices ({failed.reason}): resuming from step "
+                  f"{who} failure on {counted(failed.devices, 'device')} ({failed.reason}): resuming from step "
                   f"{failed.final_step} on {where}", announce=True)
 
 

@@ -22,6 +22,7 @@ from parashift.launcher.segment import OutputTail, failure_reason, launch_segmen
 from parashift.specs import JobSpec
 from parashift.specs.elastic import JobState, Replan, ResourceEvent, decide, likely_counts, segment_outcome
 from parashift.specs.plan import Plan
+from parashift.specs.words import counted
 from parashift.storage import JobPaths, ObjectStore, StorageError, open_store
 from parashift.tasks import progress
 from parashift.tasks.artifacts import TrainingProgress
@@ -123,8 +124,8 @@ class _SegmentWatch:
         decision = decide(self.spec, self.job, change)
         if not isinstance(decision, Replan):
             return  # the flow decides on it, and says why, when the segment ends
-        self.logger.warning("resource change (%s, epoch %d): %d devices -> %s; stopping at the next step boundary",
-                            change.reason, change.epoch, self.plan.devices, change.describe())
+        self.logger.warning("resource change (%s, epoch %d): %s -> %s; stopping at the next step boundary",
+                            change.reason, change.epoch, counted(self.plan.devices, "device"), change.describe())
         if self.ahead is not None:  # planned while the workers finish their step
             self.ahead.prepare([decision.devices], first=True)
         self.stop(f"rescale to {change.describe()} ({change.reason})",
@@ -265,7 +266,7 @@ def _ended(segment: SegmentResult) -> SegmentResult:
     if not segment.failed:
         return segment
     what = "workers failed" if segment.outcome == "failed" else "cannot go on"
-    return Failed(data=segment, message=f"{what} on {segment.devices} devices ({segment.reason}); "  # type: ignore[return-value]
+    return Failed(data=segment, message=f"{what} on {counted(segment.devices, 'device')} ({segment.reason}); "  # type: ignore[return-value]
                   f"the job resumes from step {segment.final_step}")
 
 

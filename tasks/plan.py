@@ -16,6 +16,7 @@ from parashift.planner.replan import Option, comparison, pick
 from parashift.planner.search import plan_model, plan_options
 from parashift.specs import JobSpec
 from parashift.specs.plan import AC_MODES, Plan
+from parashift.specs.words import counted
 from parashift.tasks.artifacts import artifact_key
 from parashift.tasks.credentials import environment, storage_environment
 from parashift.tasks.profile import NeedsMeasurement, ensure_profile, load_profile
@@ -225,7 +226,7 @@ def publish_plan(spec: JobSpec, prepared: PreparedPlan, plan: Plan, step: int,
         logger.info(note)
     if choice is not None:
         create_table_artifact(key=artifact_key(spec.job_id, f"plan-choice-{devices}"), table=choice,
-                              description=f"Plans for {spec.job_id} on {devices} devices from step {step}: "
+                              description=f"Plans for {spec.job_id} on {counted(devices, 'device')} from step {step}: "
                               "estimated step time x remaining steps + moving the checkpoint")
     rows = [
         {"op": p.op, "stage": p.stage, "splits": " ".join(f"{d}/{'x'.join(a)}" for d, a in p.splits.items()) or "replicated",
@@ -236,7 +237,7 @@ def publish_plan(spec: JobSpec, prepared: PreparedPlan, plan: Plan, step: int,
         key=artifact_key(spec.job_id, f"plan-{devices}"),
         table=rows,
         description=(
-            f"Plan for {spec.job_id} on {devices} {spec.resources.kind} devices: mesh {plan.mesh}, "
+            f"Plan for {spec.job_id} on {counted(devices, spec.resources.kind + ' device')}: mesh {plan.mesh}, "
             f"estimated {plan.estimated_step_s or float('nan'):.4g} s/step; baselines "
             + ", ".join(f"{k} {v:.4g} s" for k, v in plan.baselines.items())
         ),
@@ -313,6 +314,6 @@ class PlansAhead:
         except Exception as error:  # noqa: BLE001 - planned again when needed, where the error is raised and seen
             logging.getLogger(__name__).debug("planning %d devices ahead failed: %s", devices, error)
             return None
-        prepared.said[:0] = [(logging.INFO, f"planned for {devices} devices ahead, while the job trained"),
+        prepared.said[:0] = [(logging.INFO, f"planned for {counted(devices, 'device')} ahead, while the job trained"),
                              *((logging.INFO, line) for line in said)]
         return prepared

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from parashift.specs.elastic import Outcome
+from parashift.specs.words import counted
 from parashift.trainer.events import perplexity
 from pydantic import BaseModel, Field
 
@@ -109,5 +110,5 @@ class TrainSummary(BaseModel):
 
 def failed_segments(segments: list[SegmentResult]) -> list[str]:
     """`segment 1 (3 devices, steps 0→10) failed: rank 1 killed by signal 9 ...`, one per failed segment."""
-    return [f"segment {i} ({s.devices} devices, steps {s.start_step}→{s.final_step}) {s.ended}"
+    return [f"segment {i} ({counted(s.devices, 'device')}, steps {s.start_step}→{s.final_step}) {s.ended}"
             for i, s in enumerate(segments, 1) if s.failed]

@@ -7,6 +7,7 @@ import base64
 import itertools
 
 from parashift.specs import JobSpec
+from parashift.specs.words import counted
 from parashift.storage import JobPaths, StorageError, is_pending_manifest, open_store
 from parashift.tasks.artifacts import artifact_key
 from parashift.tasks.credentials import environment, storage_environment
@@ -112,7 +113,7 @@ def changes_table(segments: list[SegmentResult]) -> list[str]:
 
 def _mesh(segment: SegmentResult) -> str:
     axes = " × ".join(f"{axis} {n}" for axis, n in segment.mesh.items())
-    return f"{segment.devices} devices" + (f" ({axes})" if axes else "")
+    return counted(segment.devices, 'device') + (f" ({axes})" if axes else "")
 
 
 def segments_table(segments: list[SegmentResult]) -> list[str]:

@@ -83,7 +83,7 @@ def plan_reshard(spec: JobSpec, plan: Plan, held_step: int | None = None,
     totals = reconfig.totals()
     summary = ReshardSummary(step=reconfig.step, devices=plan.devices, **{k: totals[k] for k in ReshardSummary.totals()})
     get_run_logger().info(
-        "moving step %d onto %s: %.1f MB read for %.1f MB needed in %d requests (%.1f MB from this node's tier)",
+        "moving step %d onto %s (all ranks): %.1f MB read for %.1f MB needed in %d requests (%.1f MB from this node's tier)",
         reconfig.step, plan.mesh, summary.bytes_read / 1e6, summary.bytes_needed / 1e6, summary.requests,
         summary.bytes_local / 1e6)
     create_table_artifact(

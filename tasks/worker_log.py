@@ -10,6 +10,7 @@ import re
 from collections.abc import Callable
 from typing import Literal
 
+from parashift.specs.words import counted
 from parashift.trainer.events import (
     CheckpointEvent,
     CheckpointStallEvent,
@@ -44,10 +45,10 @@ def describe(event: WorkerEvent, total_steps: int | None = None) -> str:
                     f"{event.step_s * 1000:.0f} ms{mfu}{held}")
         case StartEvent():
             where = f"resuming at step {event.step}" if event.resumed else "starting at step 0"
-            return f"{event.world_size} workers (pids {event.pids}) {where}, training to step {event.end_step}"
+            return f"{counted(event.world_size, 'worker')} (pids {event.pids}) {where}, training to step {event.end_step}"
         case RestoringEvent():
-            return (f"restoring step {event.step}: {event.bytes_read / 1e6:,.1f} MB in {event.requests} reads "
-                    f"({event.bytes_needed / 1e6:,.1f} MB needed, {event.bytes_local / 1e6:,.1f} MB from the node, "
+            return (f"rank 0 restores step {event.step}: {event.bytes_read / 1e6:,.1f} MB in {event.requests} reads "
+                    f"(its share: {event.bytes_needed / 1e6:,.1f} MB needed, {event.bytes_local / 1e6:,.1f} MB from the node, "
                     f"{event.bytes_live / 1e6:,.1f} MB from live workers)")
         case CheckpointEvent():
             return (f"checkpoint step {event.step} committed: {event.bytes_written / 1e6:,.1f} MB, "

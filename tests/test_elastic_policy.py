@@ -93,6 +93,7 @@ def test_a_new_device_count_replans_and_the_same_one_does_nothing() -> None:
     assert (job.devices, job.epoch) == (3, 10)
     same = decide(ONE_NODE, job, ResourceEvent(devices=3, epoch=11))
     assert isinstance(same, Ignore) and "runs on 3 devices already" in same.why
+    assert decide(ONE_NODE, job, ResourceEvent(devices=1, epoch=12)).why == "scale: 3 devices -> 1 device"
     assert job.following(same).epoch == 11 and job.following(same).devices == 3
 
 

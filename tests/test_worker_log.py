@@ -11,6 +11,12 @@ def test_events_read_as_sentences() -> None:
     assert present(step, 400) == (logging.INFO, "step 12/400  loss 2.4893  11,489 tok/s  22 ms")
     start = events.PREFIX + '{"event": "start", "step": 10, "resumed": true, "world_size": 2, "pids": [5, 6], "end_step": 40}'
     assert present(start)[1] == "2 workers (pids [5, 6]) resuming at step 10, training to step 40"
+    one = events.PREFIX + '{"event": "start", "step": 0, "resumed": false, "world_size": 1, "pids": [5], "end_step": 9}'
+    assert present(one)[1] == "1 worker (pids [5]) starting at step 0, training to step 9"
+    restoring = events.PREFIX + events.RestoringEvent(step=4, bytes_needed=2_000_000, bytes_read=2_000_000,
+                                                      requests=3).model_dump_json()
+    # rank 0's share, not the whole move the flow's reshard plan reports
+    assert present(restoring)[1].startswith("rank 0 restores step 4: 2.0 MB in 3 reads (its share: 2.0 MB needed")
 
 
 def test_worker_records_keep_their_level_and_rank() -> None:

@@ -8,6 +8,8 @@ from typing import TYPE_CHECKING
 
 import typer
 
+from parashift.specs.words import counted
+
 if TYPE_CHECKING:
     from parashift.planner.profile import ModelProfile
     from parashift.specs.models import ParallelismSpec
@@ -115,7 +117,7 @@ def plan(
         result = plan_measured(measured, n, train.global_batch, train.micro_batch,
                                par.plan_memory_bytes(measured.device.memory_bytes), shard_dp=par.shard_data_parallel)
         typer.echo(result.model_dump_json(indent=2) if json_out else "\n".join(
-            [f"{model.tag} on {n} {kind} devices: dp {n}, "
+            [f"{model.tag} on {counted(n, kind + ' device')}: dp {n}, "
              + (f"state sharded over {result.dp_shard} " if result.dp_shard > 1 else "state replicated ")
              + f"({result.estimated_step_s or 0:.4g} s per step, {(result.memory_per_device_bytes or 0) / 2**30:.2f} GiB "
                "per device)", *result.notes]))
@@ -138,7 +140,7 @@ def plan(
 
     sharded = f", dp sharded over {result.dp_shard}" if result.dp_shard > 1 else ""
     batches = f"{result.micro_batches} micro-batch{'es' if result.micro_batches != 1 else ''}"
-    table = Table(title=f"{profile.name} on {n} {kind} devices: mesh {result.mesh}{sharded}, {batches}")
+    table = Table(title=f"{profile.name} on {counted(n, kind + ' device')}: mesh {result.mesh}{sharded}, {batches}")
     for col in ("op", "stage", "configuration", "compute ms", "comm ms", "memory MB"):
         table.add_column(col, justify="left" if col in ("op", "configuration") else "right")
     for p in result.placements:

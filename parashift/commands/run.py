@@ -10,6 +10,7 @@ import typer
 
 from parashift.commands.spec import load_spec_or_exit, preflight_lines
 from parashift.specs import JobSpec
+from parashift.specs.words import counted
 
 
 def _prefect_defaults(verbose: bool) -> None:
@@ -109,7 +110,7 @@ def _train(spec: JobSpec, verbose: bool, began_at: datetime) -> None:
 
         def on_event(event: WorkerEvent) -> None:
             if isinstance(event, StartEvent):
-                bar.update(task_id, completed=event.step, description=f"{spec.name} on {event.world_size} workers")
+                bar.update(task_id, completed=event.step, description=f"{spec.name} on {counted(event.world_size, 'worker')}")
             elif isinstance(event, StepEvent):
                 bar.update(task_id, completed=event.step, loss=f"{event.loss:.4f}", rate=f"{event.tokens_per_s:,.0f} tok/s")
 
