@@ -165,6 +165,7 @@ def test_events_are_ordered_by_epoch_and_scoped_to_their_job(prefect_server: Non
         done = subprocess.run([parashift, "scale", "watched", "--devices", "3", "--epoch", "20"], env=env,
                               capture_output=True, text=True, timeout=120)
         assert done.returncode == 0, done.stderr
+        assert "no run of" not in done.stdout  # given a name only, it cannot know
         wait_for(lambda: watcher.latest is not None and watcher.latest.devices == 3, "the CLI's event")
         emit_resource_change("watched", ResourceEvent(devices=5, epoch=10, reason="manual"))  # late: a lower epoch
         emit_resource_change("other-job", ResourceEvent(devices=7, epoch=99))
@@ -178,6 +179,13 @@ def test_events_are_ordered_by_epoch_and_scoped_to_their_job(prefect_server: Non
     assert EventLog(store, "watched").highest_epoch() == 20
     again = ResourceWatcher("watched", EventLog(store, "watched"))
     assert not again.offer(ResourceEvent(devices=4, epoch=20)) and again.offer(ResourceEvent(devices=4, epoch=21))
+    # Given the spec, the CLI says when no run holds the job (the event then reaches no one).
+    spec = tmp_path / "watched.yaml"
+    spec.write_text(f"name: watched\nstorage: {{url: 'file://{tmp_path}/store'}}\n")
+    alone = subprocess.run([parashift, "scale", str(spec), "--devices", "2"], env=env, capture_output=True,
+                           text=True, timeout=120)
+    assert alone.returncode == 0, alone.stderr
+    assert "no run of watched holds its lease now: none hears this change" in alone.stdout, alone.stdout
 
 
 def prepared_corpus(tmp_path: Path) -> tuple[dict[str, Any], int]:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import typer
 
-from parashift.commands.spec import load_spec_or_exit
+from parashift.commands.spec import held_by_a_run, load_spec_or_exit
 
 
 def scale(
@@ -59,3 +59,7 @@ def scale(
             raise typer.Exit(2) from None
     emit_resource_change(job_id, change)
     typer.echo(f"{EVENT} {resource_id(job_id)}: {change.describe()} epoch={change.epoch} reason={change.reason}")
+    if spec is not None and not held_by_a_run(spec):
+        typer.echo(f"no run of {job_id} holds its lease now: none hears this change (events reach running jobs "
+                   "only); a run started later starts on its spec's resources")
+

@@ -74,3 +74,14 @@ def schema() -> None:
     from parashift.specs import json_schema
 
     typer.echo(json.dumps(json_schema(), indent=2))
+
+
+def held_by_a_run(spec: JobSpec) -> bool:
+    """Whether a run holds the job's storage lease now: what `stop` and `scale` tell their user."""
+    from parashift.storage import JobLease, JobLeaseHeld, open_store
+
+    try:
+        JobLease(open_store(spec.storage), spec.job_id).check_free()
+    except JobLeaseHeld:
+        return True
+    return False
