@@ -39,7 +39,8 @@ API_ERRORS = (httpx.HTTPError, PrefectHTTPStatusError, OSError)
 
 @flow(name="pool-controller", flow_run_name="pool-{pool.name}")
 def pool_controller(pool: PoolSpec, until_idle: bool = False, max_s: float | None = None) -> dict[str, Any]:
-    """Run the pool: until stopped, or (`until_idle`) until every job submitted has ended.
+    """Run the pool: until stopped, or (`until_idle`) until every job submitted has ended (a
+    controller started before the first submission waits for it: it used to end at once).
     Returns each job's status, submission, start and end times."""
     store = open_store(pool.storage)
     ensure_pool_limit(pool.name, pool.devices, pool.nodes, pool.devices_per_node)
@@ -52,13 +53,14 @@ def pool_controller(pool: PoolSpec, until_idle: bool = False, max_s: float | Non
         while True:
             lease.ensure()  # LeaseLost: another controller runs this pool now
             try:
-                if tick(pool, store, book) and until_idle:
+                if tick(pool, store, book) and until_idle and book.state.jobs:  # none yet: wait for one
                     break
             except API_ERRORS as error:  # a Prefect server restarting: what was not done is done next tick
                 get_run_logger().warning("pool %s: the Prefect API did not answer (%s); trying again in %.0f s",
                                          pool.name, " ".join(str(error).split())[:200], pool.tick_s)
             if deadline is not None and time.monotonic() > deadline:
-                get_run_logger().warning("pool %s: stopping after %.0f s with jobs still active", pool.name, max_s)
+                get_run_logger().warning("pool %s: stopping after %.0f s with %s", pool.name, max_s,
+                                         "jobs still active" if book.state.jobs else "no job submitted")
                 break
             time.sleep(pool.tick_s)
     return {job.job_id: job.model_dump(include={"status", "submitted_at", "started_at", "finished_at", "reason",

@@ -4,6 +4,9 @@ onto a node before the job there has let go, while another node stays free to ta
 
 from __future__ import annotations
 
+import time
+from pathlib import Path
+
 import pytest
 from parashift.specs import JobSpec
 from parashift.tasks.pool_devices import (
@@ -38,3 +41,16 @@ def test_a_segment_holds_its_share_of_each_of_its_nodes(prefect_server: None) ->
     with get_client(sync_client=True) as client:
         assert all(client.read_global_concurrency_limit_by_name(node_limit_name("nodes-pool", n)).active_slots == 0
                    for n in "abc")
+
+
+def test_a_controller_until_idle_waits_for_its_first_job(prefect_server: None, tmp_path: Path) -> None:
+    """`parashift pool --until-idle` started before any submission (as docs/pool.md shows) waits
+    for one instead of ending at its first look (it did: found by using it)."""
+    from parashift.flows.pool import pool_controller
+    from parashift.specs.pool import PoolSpec
+
+    pool = PoolSpec.model_validate({"name": "empty", "devices": 2, "storage": {"url": f"file://{tmp_path}/store"},
+                                    "tick_s": 0.2})
+    began = time.monotonic()
+    assert pool_controller(pool, until_idle=True, max_s=2.0) == {}
+    assert time.monotonic() - began >= 2.0  # it looked until its deadline, not once
