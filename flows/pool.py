@@ -25,6 +25,7 @@ from parashift.pool.state import pool_key, read_state, submissions, submit, writ
 from parashift.pool.step_times import Measured, counts_for, measured
 from parashift.specs import JobSpec
 from parashift.specs.pool import PoolSpec
+from parashift.specs.words import counted
 from parashift.storage import JobLease, JobPaths, ObjectStore, open_store
 from parashift.tasks.artifacts import artifact_key
 from parashift.tasks.pool_devices import ensure_pool_limit
@@ -134,7 +135,7 @@ def act(pool: PoolSpec, book: PoolBook, action: Action) -> None:
                                             as_subflow=False).id)
             book.state.jobs[job_id].flow_run_id = run_id
             res = spec.resources
-            where = f"nodes {','.join(res.nodes)}" if res.nodes else f"{res.devices} device(s)"
+            where = f"nodes {','.join(res.nodes)}" if res.nodes else counted(res.devices, 'device')
             logger.info("pool %s: %s runs on %s: flow run %s", pool.name, job_id, where, run_id)
         case Resize(job_id=job_id, devices=devices, before=before, nodes=nodes):
             from parashift.specs.elastic import ResourceEvent
@@ -144,7 +145,8 @@ def act(pool: PoolSpec, book: PoolBook, action: Action) -> None:
             change = ResourceEvent(devices=devices if nodes is None else None, nodes=nodes, epoch=now_epoch(),
                                    reason=reason)  # over nodes: the nodes alone say where
             emit_resource_change(job_id, change)
-            logger.info("pool %s: told %s to run on %s (was %d device(s))", pool.name, job_id, change.describe(), before)
+            logger.info("pool %s: told %s to run on %s (was %s)", pool.name, job_id, change.describe(),
+                        counted(before, "device"))
         case Preempt(job_id=job_id, why=why):
             job_store = open_store(book.state.jobs[job_id].spec.storage)
             job_store.put_json(JobPaths(job_id).stop(), {"reason": f"pool {pool.name}: {why}",

@@ -29,6 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import numpy as np
+from parashift.specs.words import counted
 
 MAX_PRIORITY = 9
 # The least a change costs (a stop at a step boundary): equal values keep what runs.
@@ -165,7 +166,7 @@ def static_fifo(jobs: list[PoolJob], devices: int) -> Allocation:
             blocked = True
     decisions = [JobDecision(j.job_id, j.devices, out[j.job_id], j.step_s.get(j.devices), j.step_s.get(out[j.job_id]),
                              0.0, "static FIFO: " + ("keeps its devices" if j.devices else
-                                                     f"starts on its {out[j.job_id]} requested device(s)"
+                                                     f"starts on its {counted(out[j.job_id], 'requested device')}"
                                                      if out[j.job_id] else "waits its turn"))
                  for j in jobs]
     return Allocation(out, decisions)
@@ -209,12 +210,12 @@ def _best_choices(choices: list[list[int]], values: list[np.ndarray], devices: i
 def _explain(job: PoolJob, after: int, waits: bool) -> JobDecision:
     before = job.devices
     if waits:
-        why = (f"waits: its minimum of {job.min_devices} device(s) is not free after the jobs ranked before it"
+        why = (f"waits: its minimum of {counted(job.min_devices, 'device')} is not free after the jobs ranked before it"
                if job.counts(10**9) else "waits: no plan of it fits this pool")
     elif before == after:
         why = "keeps its devices: no change gains more than it costs over the horizon"
     elif before == 0:
-        why = f"starts on {after} device(s)"
+        why = f"starts on {counted(after, 'device')}"
     else:
         gain = job.step_s[before] / job.step_s[after] if before in job.step_s else float("nan")
         why = (f"{before} -> {after} devices: step time x{1 / gain:.3g}; the pool gains more over the horizon "

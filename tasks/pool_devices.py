@@ -19,6 +19,7 @@ import contextlib
 from collections.abc import Iterator
 
 from parashift.specs import JobSpec
+from parashift.specs.words import counted
 
 LEASE_S = 60.0
 WAIT_S = 900.0  # a job given devices that another job still holds waits this long for them
@@ -65,7 +66,7 @@ def pool_devices(spec: JobSpec, devices: int, wait_s: float = WAIT_S) -> Iterato
                            raise_on_lease_renewal_failure=False)  # a restarted server must not end training
         held.__enter__()
     except TimeoutError:
-        raise PoolDevicesUnavailable(f"{spec.job_id}: {devices} device(s) of pool {pool} did not come free within "
+        raise PoolDevicesUnavailable(f"{spec.job_id}: {counted(devices, 'device')} of pool {pool} did not come free within "
                                      f"{wait_s:.0f} s (the concurrency limit {name!r})") from None
     except Exception as error:
         raise PoolDevicesUnavailable(f"{spec.job_id}: cannot hold devices of pool {pool} (the concurrency limit "
