@@ -129,6 +129,11 @@ class RunningWorkers:
         with self._lock:
             self._pids = list(pids)
 
+    def reported_pid(self, rank: int) -> int | None:
+        """The pid rank `rank` reported running as (its start event), if it did."""
+        with self._lock:
+            return self._pids[rank] if rank < len(self._pids) else None
+
     def _ours(self) -> list[int]:
         """The reported workers that are still this launch's processes."""
         with self._lock:

@@ -131,7 +131,10 @@ class _WarmSegment:
             result.failed_rank = (rank, code)
         result.lost_ranks.append(rank)  # its memory went with it (`LaunchResult.held_step`)
         if result.failed_rank == (rank, code):
-            self.on_line(f"warm worker rank {rank} (pid {self.pool.worker_pid(proc)}) died "
+            # The pid it reported (a forked worker's client is another process, and the pool
+            # learns the worker's own pid only from its first answer).
+            pid = self.workers.reported_pid(rank) or self.pool.worker_pid(proc)
+            self.on_line(f"warm worker rank {rank} (pid {pid}) died "
                          f"({'signal ' + str(-code) if code < 0 else code}): another process (a spare, or a fresh "
                          "one) takes its place; its peers end their job or are ended")
 

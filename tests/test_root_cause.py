@@ -73,6 +73,8 @@ def test_the_reason_names_the_killed_rank(path: str, tmp_path: Path, busy_machin
             assert killed and result.returncode != 0
             reason = failure_reason(result, lines)
             assert reason.startswith(f"rank {victim} killed by signal 9"), (i, reason)
+            if pool is not None:  # the pid the log names is the process killed (the first segment too)
+                assert any(f"warm worker rank {victim} (pid {killed[0]}) died" in line for line in lines), lines
     finally:
         if pool is not None:
             pool.close()
