@@ -146,13 +146,15 @@ class ResourceWatcher:
     def offer(self, change: ResourceEvent, job_id: str | None = None) -> bool:
         """Take `change` if it is this job's and newer than any seen; True if taken."""
         with self._lock:
+            echo = change == self.latest  # a change this job announced itself, back from the event feed
             refused = admit(self.job_id, change, self.highest_epoch, sent_to=job_id)
             if refused is None:
                 self.highest_epoch, self.latest = change.epoch, change
-            else:
+            elif not echo:
                 self.ignored.append((change, refused.why))
         if refused is not None:
-            self.log.info("resource change ignored: %s", refused.why)
+            if not echo:
+                self.log.info("resource change ignored: %s", refused.why)
             return False
         self.log.info("resource change for job %s: %s (%s, epoch %d)", self.job_id, change.describe(),
                       change.reason, change.epoch)

@@ -227,8 +227,9 @@ def _segment_result(spec: JobSpec, plan: Plan, job: JobState, result: LaunchResu
     if outcome == "fatal":
         logger.error("%s", reason)
     elif outcome == "failed" and held is not None:
-        logger.error("workers failed: %s; the surviving workers hold step %d in memory (the last committed step "
-                     "is %s): the job resumes there", reason, final_step, last_commit)
+        logger.error("workers failed: %s; the surviving workers hold step %d in memory (%s): the job resumes there",
+                     reason, final_step, "no step committed yet" if last_commit is None
+                     else f"the last committed step is {last_commit}")
     elif outcome == "failed":
         logger.error("workers failed: %s; the last committed step is %d", reason, final_step)
     rates = [e.tokens_per_s for e in result.steps[1:]]  # the first step pays for warm-up

@@ -149,6 +149,24 @@ def run_tags(state: Any) -> list[str]:
         return client.read_flow_run(state.state_details.flow_run_id).tags
 
 
+def test_a_change_the_job_announced_comes_back_from_the_feed_unremarked(caplog: pytest.LogCaptureFixture) -> None:
+    """A failure's change is offered by the flow, then heard again from Prefect's event feed: that
+    echo is no change ignored (the run log said "resource change ignored ... epoch not above 0"
+    right after the recovery it announced), while a real late event still is."""
+    from parashift.tasks.events import ResourceEvent, ResourceWatcher
+
+    watcher = ResourceWatcher("echoed", logger=logging.getLogger("echo-test"))
+    announced = ResourceEvent(devices=2, epoch=0, reason="failure")
+    with caplog.at_level(logging.INFO, logger="echo-test"):
+        assert watcher.offer(announced)
+        assert not watcher.offer(announced.model_copy())  # the echo
+        assert not watcher.offer(ResourceEvent(devices=3, epoch=0))  # another change, not newer
+    said = [r.getMessage() for r in caplog.records]
+    assert said == ["resource change for job echoed: 2 devices (failure, epoch 0)",
+                    "resource change ignored: 3 devices (scale, epoch 0): epoch not above 0"], said
+    assert [c.devices for c, _ in watcher.ignored] == [3]
+
+
 def test_events_are_ordered_by_epoch_and_scoped_to_their_job(prefect_server: None, tmp_path: Path) -> None:
     """`parashift scale` reaches a watcher through the server; a lower epoch arriving after a
     higher one, a malformed payload and another job's event change nothing."""
