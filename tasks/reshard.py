@@ -82,10 +82,12 @@ def plan_reshard(spec: JobSpec, plan: Plan, held_step: int | None = None,
         return None
     totals = reconfig.totals()
     summary = ReshardSummary(step=reconfig.step, devices=plan.devices, **{k: totals[k] for k in ReshardSummary.totals()})
+    held = held_step is not None and reconfig.step == held_step  # not saved: every byte comes from live workers
     get_run_logger().info(
-        "moving step %d onto %s (all ranks): %.1f MB read for %.1f MB needed in %d requests (%.1f MB from this node's tier)",
+        "moving step %d onto %s (all ranks): %.1f MB read for %.1f MB needed in %d requests (%s)",
         reconfig.step, plan.mesh, summary.bytes_read / 1e6, summary.bytes_needed / 1e6, summary.requests,
-        summary.bytes_local / 1e6)
+        "from the warm workers' memory: the step is not saved" if held
+        else f"{summary.bytes_local / 1e6:.1f} MB from this node's tier")
     create_table_artifact(
         key=artifact_key(spec.job_id, f"reshard-{plan.devices}"),
         table=reconfig.summary(),

@@ -475,6 +475,7 @@ def test_warm_workers_outlive_a_change_and_replace_a_killed_rank(prefect_server:
         assert failed.held_unsaved
         assert (recovering.resumed_from_url or "").endswith(f"/ckpt/pending/{failed.final_step:08d}.json")
         assert len(run_log(state, f"holds step {failed.final_step} whole in memory")) > 0
+        assert len(run_log(state, "from the warm workers' memory: the step is not saved")) > 0  # not "read"
         # The run's summary shows each change: why, the plans, the downtime, where the state came from.
         markdown = read_artifact(f"{spec.job_id}-summary").data
         change = re.search(r"\| 1 \| rescaled: [^|]* \| 2 devices[^|]*→ 3 devices[^|]* \| (\d+\.\d+) \|", markdown)
