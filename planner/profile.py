@@ -7,12 +7,20 @@ timed on this machine (a couple of seconds on CPU). Collectives are measured on 
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import os
 import time
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 from parashift.planner.builders import gpt_graph
 from parashift.planner.comm import CommModel, default_comm
 from parashift.planner.graph import Graph
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt
+
+if TYPE_CHECKING:
+    import torch
 
 
 class DeviceModel(BaseModel):
@@ -115,36 +123,95 @@ class ModelProfile(BaseModel):
         default="none", description="the checkpointing the graph's layers are priced under (planner/checkpointing.py)")
 
 
+def cpu_worker_threads() -> int:
+    """The threads one CPU worker computes with: OMP_NUM_THREADS, which the launcher sets to 1
+    where it is unset (`launcher.launch.worker_env`: several workers share the cores)."""
+    try:
+        return max(1, int(os.environ.get("OMP_NUM_THREADS") or 1))
+    except ValueError:
+        return 1
+
+
+@contextlib.contextmanager
+def _as_a_worker(dev: torch.device) -> Iterator[None]:
+    """Time on CPU with a worker's threads, not this process's: a flow process's torch uses every
+    core, so its GEMMs ran 2x (on 2 cores; 16x on 16) faster than any worker's, and the planner
+    and MFU took that for each worker's rate."""
+    import torch
+
+    if dev.type != "cpu":
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(cpu_worker_threads())
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def _best_s(fn: Callable[[], object], dev: torch.device, repeats: int) -> float:
+    import torch
+
+    fn()
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+    out = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        out = min(out, time.perf_counter() - t0)
+    return out
+
+
+def _gemm_flops(dev: torch.device, sizes: tuple[int, ...], repeats: int) -> float:
+    """The best rate of square GEMMs of `sizes` (bf16 on a GPU, fp32 on CPU), best of `repeats`."""
+    import torch
+
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    rate = 0.0
+    for n in sizes:
+        a = torch.randn(n, n, device=dev, dtype=dtype)
+        b = torch.randn(n, n, device=dev, dtype=dtype)
+        rate = max(rate, 2.0 * n**3 / _best_s(lambda a=a, b=b: a @ b, dev, repeats))
+    return rate
+
+
+@functools.cache
+def cpu_gemm_flops() -> float:
+    """A CPU worker's GEMM rate on an idle core, measured once per process (~0.1 s): GEMMs of a
+    few ms at most, best of 10, so a core busy with other processes meanwhile still leaves
+    some uninterrupted. MFU's denominator on CPU where the profile holds default rates."""
+    import torch
+
+    cpu = torch.device("cpu")
+    with _as_a_worker(cpu):
+        return _gemm_flops(cpu, (256, 512, 768), repeats=10)
+
+
+def peak_flops(device: DeviceModel) -> float:
+    """Each device's GEMM peak for MFU: the profile's rate where measured (or on a GPU, whose
+    trainer takes its data sheet's), else on CPU one measured here, at the device's core share."""
+    if device.kind == "cpu" and not device.measured:
+        return cpu_gemm_flops() * device.core_share
+    return device.matmul_flops
+
+
 def measure_device(kind: str = "cpu", repeats: int = 3) -> DeviceModel:
-    """Time GEMMs of 256..1024 and a large add (beyond the caches) on this process's device;
-    best-of-`repeats`."""
+    """Time GEMMs of 256..1024 and a large add (beyond the caches) on this process's device, on
+    CPU with one worker's threads (`cpu_worker_threads`); best-of-`repeats`."""
     import torch
 
     dev = torch.device("cuda") if kind == "cuda" and torch.cuda.is_available() else torch.device("cpu")
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-
-    def best(fn) -> float:
-        fn()
-        if dev.type == "cuda":
-            torch.cuda.synchronize()
-        out = float("inf")
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            fn()
-            if dev.type == "cuda":
-                torch.cuda.synchronize()
-            out = min(out, time.perf_counter() - t0)
-        return out
-
-    rate = 0.0
-    for n in (256, 512, 1024) if dev.type == "cpu" else (2048, 4096, 8192):
-        a = torch.randn(n, n, device=dev, dtype=dtype)
-        b = torch.randn(n, n, device=dev, dtype=dtype)
-        rate = max(rate, 2.0 * n**3 / best(lambda a=a, b=b: a @ b))
-    # Well beyond the last-level cache (32 MiB L3 on the CI machines, 50 MB L2 on an H200): with
-    # 16 MiB the figure swung between 5 and 85 GB/s from run to run with what else held the cache.
-    x = torch.randn(1 << 25, device=dev, dtype=dtype)
-    bw = 3.0 * x.numel() * x.element_size() / best(lambda x=x: x + x)  # two reads, one write
+    with _as_a_worker(dev):
+        rate = _gemm_flops(dev, (256, 512, 1024) if dev.type == "cpu" else (2048, 4096, 8192), repeats)
+        # Well beyond the last-level cache (32 MiB L3 on the CI machines, 50 MB L2 on an H200): with
+        # 16 MiB the figure swung between 5 and 85 GB/s from run to run with what else held the cache.
+        x = torch.randn(1 << 25, device=dev, dtype=dtype)
+        bw = 3.0 * x.numel() * x.element_size() / _best_s(lambda x=x: x + x, dev, repeats)  # two reads, one write
     default = DEFAULT_DEVICES.get(kind, DEFAULT_DEVICES["cuda"])
     update: dict[str, object] = {"kind": kind, "matmul_flops": rate, "memory_Bps": bw, "memory_bytes": None,
                                  "measured": True}

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from parashift.models.plans import job_plan_refusals, pinned_plan_for
 from parashift.planner.measured import MeasuredProfile, measured_options, plan_measured
-from parashift.planner.profile import ModelProfile
+from parashift.planner.profile import ModelProfile, peak_flops
 from parashift.planner.replan import Option, comparison, pick
 from parashift.planner.search import plan_model, plan_options
 from parashift.specs import JobSpec
@@ -178,7 +178,7 @@ def prepare_plan(spec: JobSpec, model: ModelSummary, devices: int, with_options:
             candidates = plan_options(profile, devices, limit, par.max_tp, par.max_pp, device_kind=spec.resources.kind,
                                       shard_dp=par.shard_data_parallel, searched=searched)
         options = [p for p in candidates if not job_plan_refusals(p, spec)]
-    return PreparedPlan(devices, model, plan, options, profile.device.matmul_flops, said)
+    return PreparedPlan(devices, model, plan, options, peak_flops(profile.device), said)
 
 
 def finish_plan(spec: JobSpec, prepared: PreparedPlan, step: int,

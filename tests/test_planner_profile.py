@@ -19,6 +19,46 @@ def test_profile_gpt_measures_this_device_quickly() -> None:
     assert prof.n_params == prof.graph.n_params > 0 and prof.flops_per_token > 0
 
 
+@pytest.mark.parametrize("omp", [None, "3"])
+def test_cpu_rates_are_timed_with_one_worker_s_threads(omp: str | None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """CPU workers compute on OMP_NUM_THREADS threads (1 unless set: launcher.launch), so the rates
+    are timed on that many, whatever this process's torch uses (every core: each worker's GEMM
+    rate read 2x on 2 cores), and this process's setting is left as it was."""
+    import torch
+    from parashift.planner.profile import measure_device
+
+    if omp is None:
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    else:
+        monkeypatch.setenv("OMP_NUM_THREADS", omp)
+    seen: list[int] = []
+    randn = torch.randn
+    monkeypatch.setattr(torch, "randn", lambda *a, **k: (seen.append(torch.get_num_threads()), randn(*a, **k))[1])
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        measure_device("cpu", repeats=1)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+    assert seen and set(seen) == {int(omp or 1)}
+
+
+def test_mfu_peak_on_cpu_is_measured_even_where_the_profile_holds_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A data-parallel job's profile keeps the default CPU rates (nothing to choose), but its MFU
+    is against a GEMM rate measured here (an 80% MFU read against the default on a fast host),
+    at each worker's core share; a measured profile's own rate serves as it is."""
+    from parashift.planner import profile
+    from parashift.planner.profile import DEFAULT_DEVICES, peak_flops, share_cores
+
+    monkeypatch.setattr(profile, "cpu_gemm_flops", lambda: 120e9)
+    assert peak_flops(share_cores(DEFAULT_DEVICES["cpu"], 4, cores=2)) == pytest.approx(60e9)
+    assert peak_flops(share_cores(DEFAULT_DEVICES["cpu"], 2, cores=2)) == pytest.approx(120e9)
+    measured = DEFAULT_DEVICES["cpu"].model_copy(update={"matmul_flops": 80e9, "measured": True})
+    assert peak_flops(measured) == 80e9
+    assert peak_flops(DEFAULT_DEVICES["cuda"]) == DEFAULT_DEVICES["cuda"].matmul_flops
+
+
 def test_comm_model_costs() -> None:
     comm = default_comm("cuda", devices_per_node=8)
     assert comm.all_reduce(1e6, 1) == 0.0

@@ -10,8 +10,8 @@ over steps.
 
 MFU divides the model's training FLOPs per token (PaLM's 6N + attention, the family's
 `flops_per_token`) at the measured tokens/s, per device, by the device's peak: a GPU's dense
-bf16 (or fp32) rate from the table below by name, or on CPU the GEMM rate the job's profile
-measured (`Plan.device_peak_flops`).
+bf16 (or fp32) rate from the table below by name, or on CPU the GEMM rate measured with one
+worker's threads at its share of the cores (`Plan.device_peak_flops`, `planner.profile.peak_flops`).
 
 Optionally (`metrics.wandb`) the same scalars go to Weights & Biases in offline mode, as
 torchtitan offers: no account and no network while training; each segment is one offline run
