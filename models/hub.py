@@ -57,6 +57,23 @@ def local_folder(url: str) -> Path:
     return target
 
 
+# What a Hugging Face folder holds beside config and weights that a user of a model expects to find
+# with it: the tokenizer and the generation defaults (its end-of-sequence ids). Copied as bytes,
+# never loaded here.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                   "vocab.json", "merges.txt", "added_tokens.json", "chat_template.jinja", "chat_template.json")
+GENERATION_FILE = "generation_config.json"
+
+
+def companion_files(url: str, names: tuple[str, ...]) -> dict[str, bytes]:
+    """Those of `names` the folder at `url` (a path or any fsspec URL) holds, by name."""
+    import fsspec
+
+    fs, root = fsspec.core.url_to_fs(str(Path(url.removeprefix("file://")).expanduser()) if _is_local(url) else url)
+    held = {p.rsplit("/", 1)[-1] for p in fs.ls(root, detail=False)}
+    return {name: fs.cat_file(f"{root.rstrip('/')}/{name}") for name in names if name in held}
+
+
 class CheckpointUnreadable(RuntimeError):
     """An `init_from` folder the workers cannot read weights from: no retry can fix it."""
 

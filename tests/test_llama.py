@@ -268,3 +268,44 @@ def test_a_qwen2_checkpoint_trains_under_tp_and_exports_to_transformers(tmp_path
     ours = parashift_logits(spec.model, final_state(spec), TOKENS)
     theirs = transformers_logits(tmp_path / "hf", TOKENS)
     assert torch.allclose(ours, theirs, rtol=0, atol=1e-5), (ours - theirs).abs().max()
+
+
+def test_an_export_keeps_what_its_source_folder_says_beyond_the_math(tmp_path: Path) -> None:
+    """A model started from a folder, fine-tuned at a shorter context and exported: the config
+    keeps the folder's token ids and the context it supports (they were dropped: an export
+    generated with transformers' default end-of-sequence id and served 24 tokens of context),
+    and the folder's tokenizer and generation defaults come along, byte for byte; a job that
+    names a tokenizer of its own exports that one instead."""
+    import json
+
+    from parashift.corpus.tokenizer import save_tokenizer, train_bpe
+    from parashift.trainer.export import export_hf
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    folder = tmp_path / "source"
+    config = LlamaConfig(hidden_size=48, intermediate_size=80, num_hidden_layers=1, num_attention_heads=8,
+                         num_key_value_heads=4, vocab_size=256, bos_token_id=3, eos_token_id=4, pad_token_id=5,
+                         max_position_embeddings=4096)
+    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    save_tokenizer(train_bpe(["a source tokenizer " * 50], 300), str(folder))
+    (folder / "tokenizer_config.json").write_text('{"tokenizer_class": "PreTrainedTokenizerFast"}')
+    assert (folder / "generation_config.json").exists()
+    spec = tiny_spec("sourced", f"file://{tmp_path}/store", training={"steps": 2})
+    spec = resolve_model(spec.model_copy(update={"model": LlamaSpec(family="llama", init_from=str(folder), seq_len=24)}))
+    assert run(spec, Plan.data_parallel(1)).final_step == 2
+    report = export_hf(spec, str(tmp_path / "hf"))
+    exported = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert (exported["bos_token_id"], exported["eos_token_id"], exported["pad_token_id"]) == (3, 4, 5)
+    assert exported["max_position_embeddings"] == 4096
+    for name in ("generation_config.json", "tokenizer.json", "tokenizer_config.json"):
+        assert (tmp_path / "hf" / name).read_bytes() == (folder / name).read_bytes(), name
+        assert report.copied[name] == str(folder)
+    assert AutoModelForCausalLM.from_pretrained(tmp_path / "hf").config.eos_token_id == 4
+    own = tmp_path / "own"
+    save_tokenizer(train_bpe(["the job's own tokenizer " * 50], 280), str(own))
+    spec = spec.model_copy(update={"data": spec.data.model_copy(update={"tokenizer": str(own)})})
+    report = export_hf(spec, str(tmp_path / "hf-own"))
+    assert (tmp_path / "hf-own" / "tokenizer.json").read_bytes() != (folder / "tokenizer.json").read_bytes()
+    assert json.loads((tmp_path / "hf-own" / "tokenizer.json").read_text())["model"]["type"] == "BPE"
+    assert not (tmp_path / "hf-own" / "tokenizer_config.json").exists()  # the folder's belongs to its tokenizer
+    assert (tmp_path / "hf-own" / "generation_config.json").exists()

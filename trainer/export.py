@@ -13,8 +13,11 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from math import prod
+from typing import Any
 
+from parashift.corpus.tokenizer import load_tokenizer
 from parashift.models import family_of
+from parashift.models.hub import GENERATION_FILE, TOKENIZER_FILES, companion_files, read_config
 from parashift.ptc.codec import torch_dtype
 from parashift.specs import JobSpec
 from parashift.storage import ObjectStore, job_store
@@ -32,6 +35,42 @@ class ExportReport:
     files: list[str] = field(default_factory=list)
     tensors: int = 0
     bytes_written: int = 0
+    copied: dict[str, str] = field(default_factory=dict)  # companion file -> where it came from
+
+
+def exported_config(spec: JobSpec, ours: dict[str, Any]) -> dict[str, Any]:
+    """The family's config for the model (`ours`), over its `init_from` folder's config where
+    there is one: what the model's math does not decide stays the source's (its token ids, the
+    context it supports: a Llama 3 fine-tuned at 2,048 tokens still serves 8,192; both were
+    lost, so an export generated with transformers' default end-of-sequence id)."""
+    source = getattr(spec.model, "init_from", None)
+    if source is None:
+        return ours
+    theirs = read_config(source)
+    merged = {**theirs, **ours}
+    if "max_position_embeddings" in theirs:
+        merged["max_position_embeddings"] = max(theirs["max_position_embeddings"], ours.get("max_position_embeddings", 0))
+    for key in ("torch_dtype", "dtype"):  # the weights written are the checkpoint's fp32 (transformers 4 and 5 names)
+        if key in merged:
+            merged[key] = "float32"
+    return merged
+
+
+def companions(spec: JobSpec) -> dict[str, tuple[bytes, str]]:
+    """The files an export carries beside config and weights, each with where it came from: the
+    `init_from` folder's generation defaults and tokenizer, or, where the job names a tokenizer
+    of its own (`data.tokenizer`), that one's tokenizer.json instead of the folder's."""
+    out: dict[str, tuple[bytes, str]] = {}
+    source = getattr(spec.model, "init_from", None)
+    own = spec.data.tokenizer not in (None, "bytes")
+    if source is not None:
+        wanted = (GENERATION_FILE,) if own else (GENERATION_FILE, *TOKENIZER_FILES)
+        out.update({name: (data, source) for name, data in companion_files(source, wanted).items()})
+    if own:
+        tokenizer = load_tokenizer(spec.data.tokenizer, spec.data.storage_options)
+        assert tokenizer.backend is not None  # not the bytes tokenizer
+        out["tokenizer.json"] = (tokenizer.backend.to_str().encode(), tokenizer.name)
+    return out
 
 
 def shard_groups(sizes: list[tuple[str, int]], max_bytes: int) -> list[list[str]]:
@@ -58,7 +97,8 @@ def export_hf(spec: JobSpec, to: str, step: int | None = None, max_shard_bytes: 
     manifest = store.latest() if step is None else store.load_manifest(step)
     if manifest is None:
         raise FileNotFoundError(f"{spec.job_id} has no committed checkpoint to export")
-    config = adapter.hf_config(spec.model)  # before anything is written: a model it cannot express fails here
+    config = exported_config(spec, adapter.hf_config(spec.model))  # before anything is written: a model it
+    # cannot express fails here
     reshaped = getattr(adapter, "hf_tensor", None)  # beyond a transposition (OPT's offset position rows)
     out = ObjectStore(to, storage_options)
     params = [name for name in manifest.tensors if name.startswith("model/")]
@@ -87,4 +127,8 @@ def export_hf(spec: JobSpec, to: str, step: int | None = None, max_shard_bytes: 
                 json.dumps({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, indent=2).encode())
     out.put("config.json", json.dumps(config, indent=2).encode())
     report.files.append("config.json")
+    for name, (data, origin) in companions(spec).items():
+        out.put(name, data)
+        report.files.append(name)
+        report.copied[name] = origin
     return report

@@ -33,3 +33,5 @@ def export(
         raise typer.Exit(1) from None
     typer.echo(f"exported step {report.step} of {spec.job_id}: {report.tensors} tensors, "
                f"{report.bytes_written / 1e6:.1f} MB in {len(report.files)} files to {report.url}")
+    for name, origin in report.copied.items():
+        typer.echo(f"  {name} from {origin}")
