@@ -60,6 +60,8 @@ def describe(event: WorkerEvent, total_steps: int | None = None) -> str:
         case HeldEvent():
             return (f"a peer died: rank {event.rank} holds step {event.step} whole in memory "
                     f"({event.samples_consumed:,} samples consumed) for the job's next segment")
+        case FinishedEvent() if total_steps and event.step < total_steps:  # the end of its segment, not the job's
+            return f"segment done at step {event.step} ({event.samples_consumed:,} samples consumed)"
         case StoppedEvent() | FinishedEvent():
             return f"{event.event} at step {event.step} ({event.samples_consumed:,} samples consumed)"
     fields = ", ".join(f"{k}={v}" for k, v in event.model_dump(exclude={"event", "received_at"}).items())

@@ -11,6 +11,9 @@ def test_events_read_as_sentences() -> None:
     assert present(step, 400) == (logging.INFO, "step 12/400  loss 2.4893  11,489 tok/s  22 ms")
     start = events.PREFIX + '{"event": "start", "step": 10, "resumed": true, "world_size": 2, "pids": [5, 6], "end_step": 40}'
     assert present(start)[1] == "2 workers (pids [5, 6]) resuming at step 10, training to step 40"
+    done = events.PREFIX + '{"event": "finished", "step": 6, "samples_consumed": 48}'
+    assert present(done, 12)[1] == "segment done at step 6 (48 samples consumed)"  # a scripted change comes next
+    assert present(done, 6)[1] == "finished at step 6 (48 samples consumed)"
     one = events.PREFIX + '{"event": "start", "step": 0, "resumed": false, "world_size": 1, "pids": [5], "end_step": 9}'
     assert present(one)[1] == "1 worker (pids [5]) starting at step 0, training to step 9"
     restoring = events.PREFIX + events.RestoringEvent(step=4, bytes_needed=2_000_000, bytes_read=2_000_000,
