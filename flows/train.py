@@ -102,7 +102,7 @@ def _train(spec: JobSpec, lease: JobLease | None, began_at: datetime) -> TrainSu
             if lease is not None:
                 lease.ensure()  # LeaseLost: another run writes this job now
             here = spec if job.nodes is None else spec.on_nodes(job.nodes)  # the nodes of this segment
-            node_watch.now_on(job.nodes)  # a node of the spec that left is taken back once its worker is
+            node_watch.now_on(job.nodes, job.left)  # a node the job lost is taken back once its worker is
             scripted = spec.scripted_change_after(job.step)
             model, plan, show_plan = _plan(spec, job, profiles, ahead, segments)
             held = segments[-1].final_step if segments and segments[-1].held_unsaved else None

@@ -149,6 +149,9 @@ class JobState:
     step: int = 0  # the last committed step
     epoch: int = -1  # the highest epoch of a resource event it has decided on
     segments: tuple[Segment, ...] = ()  # how its launches ended, oldest first
+    # Nodes it lost because they left (their worker went away): taken back when they return
+    # (`rejoined_nodes`). A node an event moved the job off is not one: it was let go.
+    left: tuple[str, ...] = ()
 
     @classmethod
     def starting(cls, spec: JobSpec, step: int = 0) -> JobState:
@@ -174,8 +177,20 @@ class JobState:
         decided = decision.epoch if isinstance(decision, Ignore | Replan) else None
         heard = max(e for e in (self.epoch, epoch, decided) if e is not None)
         if isinstance(decision, Replan):
-            return replace(self, devices=decision.devices, nodes=decision.nodes, epoch=heard)
+            return replace(self, devices=decision.devices, nodes=decision.nodes, epoch=heard,
+                           left=self._left_after(decision))
         return replace(self, epoch=heard)
+
+    def _left_after(self, change: Replan) -> tuple[str, ...]:
+        """The nodes lost to a departure once `change` is made: a node that left joins them, one
+        that came back leaves them, a worker's failure keeps them; any other change (an event
+        naming nodes or devices, a scripted count) was asked for, and lets them all go."""
+        now = change.nodes or []
+        if change.reason == "node-left":
+            return (*self.left, *(n for n in self.nodes or [] if n not in now and n not in self.left))
+        if change.reason in ("node-joined", "failure"):
+            return tuple(n for n in self.left if n not in now)
+        return ()
 
     def describe(self) -> str:
         return f"nodes {','.join(self.nodes)}" if self.nodes is not None else counted(self.devices, "device")

@@ -1,5 +1,6 @@
-"""Nodes that come back: a node of the job's spec that left, whose Prefect worker is heard from
-again, becomes a resource change naming the nodes the job has plus that one.
+"""Nodes that come back: a node the job lost because it left (`JobState.left`: its worker went
+away, not an event that moved the job off it), whose Prefect worker is heard from again, becomes
+a resource change naming the nodes the job has plus that one.
 
 A node's worker is the worker named `node-NAME` of the node deployment's work pool (as
 `parashift serve --nodes` and docs/nodes.md start them). "Heard from again": its last heartbeat
@@ -32,16 +33,18 @@ class NodeWatch:
         self._thread: threading.Thread | None = None
         self._pool: str | None = None
 
-    def now_on(self, nodes: list[str] | None) -> None:
-        """The job runs on `nodes` from now: the spec's others count as left (since now, if
-        they were not already)."""
+    def now_on(self, nodes: list[str] | None, left: tuple[str, ...] = ()) -> None:
+        """The job runs on `nodes` from now, and watches for the return of the nodes it lost
+        (`left`; since now, if they were not watched already). A node it was moved off by an
+        event is not taken back by itself (it was: 4 s after `parashift scale --nodes a`, at
+        node b's next heartbeat)."""
         with self._lock:
             self.nodes = list(nodes or [])
             for node in self.spec.resources.nodes or []:
-                if node in self.nodes:
-                    self.left_at.pop(node, None)
-                else:
+                if node in left and node not in self.nodes:
                     self.left_at.setdefault(node, time.time())
+                else:
+                    self.left_at.pop(node, None)
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="parashift-node-watch", daemon=True)

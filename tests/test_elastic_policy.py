@@ -202,6 +202,27 @@ def test_a_node_that_comes_back_is_taken_in_again() -> None:
     assert decision == Replan(4, ["a", "c"], "node-joined", "node-joined: 2 devices -> nodes a,c", epoch=4)
 
 
+def test_only_a_node_that_left_is_watched_for_its_return_not_one_an_event_let_go() -> None:
+    """`JobState.left`: the nodes lost to a departure, which the flow's node watch takes back.
+    `parashift scale --nodes a` was undone 4 s later at node b's next heartbeat (every node of
+    the spec the job did not run on counted as left)."""
+    job = JobState.starting(NODES)
+    lost = job.following(decide(NODES, job, SegmentEnded(
+        segment(6, 0, 10, "failed", "node b left", nodes=["a", "b", "c"], left=["b"]))))
+    assert (lost.nodes, lost.left) == (["a", "c"], ("b",))
+    crashed = lost.following(decide(NODES, lost, SegmentEnded(  # a worker's crash on a node that stays
+        segment(4, 10, 20, "failed", "rank 1 killed", nodes=["a", "c"]))))
+    assert (crashed.nodes, crashed.left) == (["a", "c"], ("b",))
+    back = crashed.following(decide(NODES, crashed, ResourceEvent(nodes=["a", "b", "c"], epoch=5, reason="node-joined")))
+    assert (back.nodes, back.left) == (["a", "b", "c"], ())
+    asked = JobState.starting(NODES).following(decide(NODES, JobState.starting(NODES),
+                                                      ResourceEvent(nodes=["a"], epoch=6)))
+    assert (asked.nodes, asked.left) == (["a"], ())  # let go: not taken back by itself
+    # a node lost, then an event naming the nodes: what the event names is what the job wants
+    named = lost.following(decide(NODES, lost, ResourceEvent(nodes=["a"], epoch=7)))
+    assert (named.nodes, named.left) == (["a"], ())
+
+
 # How segments end, and what follows
 
 

@@ -237,3 +237,22 @@ def test_node_changes_apply_to_the_node_set() -> None:
     assert not ResourceEvent(nodes=["a"], epoch=1).differs(2, ["a"])
     with pytest.raises(ValueError):
         ResourceEvent(epoch=1)  # names neither devices nor nodes
+
+
+def test_the_node_watch_waits_only_for_nodes_the_job_lost() -> None:
+    """`NodeWatch.now_on`: a node the job lost (`JobState.left`) is watched for its worker's
+    return; one an event moved it off, or one it runs on, is not (no server needed)."""
+    from parashift.tasks.events import ResourceWatcher
+    from parashift.tasks.node_watch import NodeWatch
+
+    spec = tiny_spec("watched-nodes", "file:///tmp/unused", resources={"devices": 6, "nodes": ["a", "b", "c"]})
+    watch = NodeWatch(spec, ResourceWatcher(spec.job_id))
+    watch.now_on(["a"])  # `parashift scale --nodes a`: b and c let go
+    assert watch.left_at == {}
+    watch.now_on(["a", "c"], left=("b",))  # b's worker went away
+    assert set(watch.left_at) == {"b"}
+    since = watch.left_at["b"]
+    watch.now_on(["a", "c"], left=("b",))  # still waiting, since it left
+    assert watch.left_at == {"b": since}
+    watch.now_on(["a", "b", "c"])  # back
+    assert watch.left_at == {}
