@@ -255,23 +255,52 @@ def _host_memory_bytes() -> int:
     return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def check_devices(spec: JobSpec) -> list[Problem]:
-    """Devices of the spec's kind exist here, and the training state fits them at least when
-    split as far as the strategy allows (a lower bound: a refusal is never wrong)."""
+def check_nodes(spec: JobSpec) -> list[Problem]:
+    """A job across nodes runs a launcher on each node through a Prefect server's node workers:
+    without one (the embedded API) it waited 180 s for launchers nobody could start, then said
+    every node left."""
+    from parashift.tasks.events import api_url
+
+    if spec.resources.nodes is None or api_url() is not None:
+        return []
+    return [Problem("resources.nodes", "a job across nodes runs a launcher on each node through a Prefect server's "
+                                       "node workers, and PREFECT_API_URL names none: set it (`parashift serve --nodes "
+                                       "a,b` tries it on one machine; docs/nodes.md), or remove resources.nodes to "
+                                       "train on this machine")]
+
+
+def _devices_here(spec: JobSpec) -> list[Problem]:
+    """The devices a one-machine job names exist on this machine."""
     import torch
 
     resources = spec.resources
-    problems = []
     if resources.kind == "cuda" and not torch.cuda.is_available():
-        problems.append(Problem("resources.kind", "cuda, but no CUDA device is visible on this machine: "
-                                                  "use kind: cpu, or run the job where the GPUs are"))
-        return problems
+        return [Problem("resources.kind", "cuda, but no CUDA device is visible on this machine: "
+                                          "use kind: cpu, or run the job where the GPUs are")]
     if resources.kind == "cpu" and resources.devices * WORKER_PROCESS_BYTES > _host_memory_bytes():
         most = _host_memory_bytes() // WORKER_PROCESS_BYTES
         return [Problem("resources.devices", f"{resources.devices:,} CPU worker processes need about "
                                              f"{resources.devices * WORKER_PROCESS_BYTES / 1e9:,.0f} GB before any "
                                              f"tensor; this machine has {_host_memory_bytes() / 1e9:.1f} GB: "
                                              f"use at most {most}")]
+    return []
+
+
+def check_devices(spec: JobSpec) -> list[Problem]:
+    """Devices of the spec's kind exist here, and the training state fits them at least when
+    split as far as the strategy allows (a lower bound: a refusal is never wrong). A job across
+    nodes has its devices on the nodes, not here (where its flow runs): only the bound against
+    a `memory_gb` it states is checked."""
+    import torch
+
+    resources = spec.resources
+    problems: list[Problem] = []
+    if resources.nodes is None:
+        here = _devices_here(spec)
+        if here:
+            return here
+    elif resources.memory_gb is None:
+        return problems
     params = exact_parameter_count(spec)[0]
     replica = params * STATE_BYTES_PER_PARAM
     split = resources.devices if spec.parallelism.strategy == "auto" else 1
@@ -295,7 +324,7 @@ def preflight(spec: JobSpec, *, storage: bool = True, data: bool = True, devices
               timeout_s: float = PROBE_TIMEOUT_S) -> list[Problem]:
     """Every problem found with the job's devices, data and storage (each unless turned off:
     the device check imports torch, seconds that `parashift run` overlaps with its API's boot)."""
-    problems = check_devices(spec) if devices else []
+    problems = check_nodes(spec) + check_devices(spec) if devices else []
     if data:
         problems += check_data(spec, timeout_s)
     if storage:

@@ -132,6 +132,23 @@ def test_cuda_where_there_is_none(tmp_path: Path) -> None:
     one(check_devices(spec_with(tmp_path, resources={"devices": 1, "kind": "cuda"})), "resources.kind", "no CUDA device")
 
 
+def test_a_job_across_nodes_needs_a_server_and_not_this_machine_s_devices(tmp_path: Path) -> None:
+    """Its launchers run through a Prefect server's node workers: without one it is refused
+    here (it waited 180 s for launchers, then said every node left). Its devices are the
+    nodes' own: GPUs the machine its flow runs on lacks are not a problem."""
+    from parashift.tasks.preflight import check_nodes
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    spec = spec_with(tmp_path, resources={"nodes": ["a", "b"], "devices_per_node": 1, "kind": "cuda"})
+    with temporary_settings(restore_defaults={PREFECT_API_URL}):
+        one(check_nodes(spec), "resources.nodes", "PREFECT_API_URL", "parashift serve --nodes")
+    with temporary_settings({PREFECT_API_URL: "http://127.0.0.1:9/api"}):
+        assert check_nodes(spec) == []
+    assert check_devices(spec) == []  # no CUDA here, and none needed here
+    small = spec_with(tmp_path, resources={"nodes": ["a", "b"], "devices_per_node": 1, "memory_gb": 0.0001})
+    one(check_devices(small), "model", "resources.memory_gb 0.0001")  # a bound it states still holds
+
+
 def test_validate_check_and_run_refuse_in_seconds_with_one_line_each(tmp_path: Path) -> None:
     spec = tmp_path / "job.yaml"
     spec.write_text("name: pre\nmodel: {n_layers: 1, d_model: 32, n_heads: 2, seq_len: 32}\n"
