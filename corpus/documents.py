@@ -86,7 +86,17 @@ def documents(url: str, raw: bytes, fmt: str, text_field: str = "text") -> Itera
             import pyarrow.parquet as pq
         except ImportError:
             raise InputError(f"{url}: reading Parquet needs pyarrow (pip install pyarrow)") from None
-        table = pq.read_table(io.BytesIO(raw), columns=[text_field])
+        import pyarrow as pa
+
+        try:
+            parquet = pq.ParquetFile(io.BytesIO(raw))
+        except pa.ArrowException as error:
+            raise InputError(f"{url}: not a Parquet file ({error})") from None
+        columns = parquet.schema_arrow.names
+        if text_field not in columns:  # pyarrow says "No match for FieldRef.Name(text)" in a traceback
+            raise InputError(f"{url}: no column {text_field!r} (columns: {', '.join(columns)}); name the text's "
+                             "column with --text-field") from None
+        table = parquet.read(columns=[text_field])
         for value in table.column(text_field).to_pylist():
             if value is not None:
                 yield str(value)

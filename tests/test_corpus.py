@@ -111,6 +111,22 @@ def test_parquet_rows_and_jsonl_lines_are_documents(trained: Path, tmp_path: Pat
     assert ends[-1] == manifest.tokens and len(ends) == 35
 
 
+def test_a_parquet_input_without_the_text_column_is_named_with_its_columns(tmp_path: Path) -> None:
+    """Not pyarrow's traceback ("No match for FieldRef.Name(text)"): the file, the column asked
+    for, the columns it has; a file that is not Parquet is said to be so."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from parashift.corpus.documents import InputError, documents
+
+    pq.write_table(pa.table({"content": ["a row"]}), tmp_path / "a.parquet")
+    raw = (tmp_path / "a.parquet").read_bytes()
+    with pytest.raises(InputError, match=r"a\.parquet: no column 'text' \(columns: content\); .*--text-field"):
+        list(documents(f"file://{tmp_path}/a.parquet", raw, "parquet"))
+    assert list(documents("a.parquet", raw, "parquet", "content")) == ["a row"]
+    with pytest.raises(InputError, match="b.parquet: not a Parquet file"):
+        list(documents("b.parquet", b"garbage", "parquet"))
+
+
 def test_a_vocabulary_beyond_uint16_is_stored_as_uint32(tmp_path: Path) -> None:
     wide = Tokenizer("wide", 128_256, None, "sha256:wide")  # encodes bytes, claims Llama 3's vocabulary
     (tmp_path / "in").mkdir()
