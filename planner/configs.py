@@ -14,8 +14,12 @@ On a mesh, ops may restrict what the "tp" axis splits (`Op.tp_dims`, `Op.tp_requ
 planner/graph.py): configurations outside that are never generated. The counts space has no
 "tp" axis and ignores these fields.
 
-Uneven splits are pruned: DTensor can shard unevenly, but the cost model assumes equal blocks
-and sequence parallelism crashes on uneven sequence splits (torch 2.13, measured).
+Uneven splits are pruned, but one: DTensor can shard unevenly, yet sequence parallelism crashes
+on uneven sequence splits (torch 2.13, measured). The exception is the batch over "dp" alone,
+which the trainer splits into shares that differ by one sample (16 sequences on 3 ranks: 6, 5,
+5); the cost model charges each rank the largest share (`costs.rank_shares`). It used to replicate
+such an op over "dp" instead: every rank computing the whole batch, 3x the cost, a replicated
+layout shown for what runs as data parallelism, and no baseline on 3 devices.
 """
 
 from __future__ import annotations
@@ -147,7 +151,8 @@ def mesh_configs(op: Op, mesh: Mesh) -> list[Config]:
     generation, so the search never sees a layout the op does not declare. A `tp_required` op
     with no even split over "tp" has no configuration at all (the caller avoids that state, or
     that mesh: planner/outer.py `_Context.configurable`).
-    Where the batch does not split evenly over "dp", the op is replicated over "dp" instead.
+    The batch may split unevenly over "dp" alone (the trainer's shares differ by one); where
+    there are more ranks than samples, the op is replicated over "dp" instead.
     """
     targets = [axis_targets(op, mesh, n) for n in mesh.names]
     return _even_configs(op, mesh, targets) or _even_configs(
@@ -156,6 +161,7 @@ def mesh_configs(op: Op, mesh: Mesh) -> list[Config]:
 
 def _even_configs(op: Op, mesh: Mesh, targets: list[list[int | None]]) -> list[Config]:
     sizes = list(op.dims.values())
+    names = list(op.dims)
     out = []
     for choice in product(*targets):
         axes: list[list[int]] = [[] for _ in sizes]
@@ -163,9 +169,16 @@ def _even_configs(op: Op, mesh: Mesh, targets: list[list[int | None]]) -> list[C
             if dim is not None:
                 axes[dim].append(a)
         counts = tuple(prod(mesh.sizes[a] for a in ax) for ax in axes)
-        if all(n % c == 0 for n, c in zip(sizes, counts, strict=True)):
+        if all(n % c == 0 or _shares(names[i], axes[i], n, c, mesh) for i, (n, c) in enumerate(zip(sizes, counts,
+                                                                                                     strict=True))):
             out.append(Config(tuple(tuple(ax) for ax in axes), counts))
     return out
+
+
+def _shares(dim: str, axes: list[int], n: int, c: int, mesh: Mesh) -> bool:
+    """Whether `n` items of `dim` split `c` ways unevenly is a layout the trainer runs: the batch
+    over data-parallel axes alone, each rank at least one sample."""
+    return dim == mesh.batch_dim and c <= n and all(mesh.names[a] in mesh.batch_only for a in axes)
 
 
 def count_configs(op: Op, mesh: Mesh) -> list[Config]:

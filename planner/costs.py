@@ -83,6 +83,14 @@ class OpCost:
     replica_weight: np.ndarray
 
 
+def rank_shares(op: Op, cfg: Config) -> dict[str, float]:
+    """Per op dim, what a configuration divides it by for the busiest rank: the split count, or
+    for a batch split unevenly over data parallelism (`configs._shares`: 16 over 3 is 6, 5, 5)
+    the size over the largest share (16 / 6), so every per-rank quantity is the slowest rank's."""
+    return {d: c if n % c == 0 else n / -(-n // c)
+            for (d, n), c in zip(op.dims.items(), cfg.counts, strict=True)}
+
+
 class CostModel:
     """Cost tables of one graph on one mesh, cached by op signature."""
 
@@ -129,7 +137,7 @@ class CostModel:
         dp_axis = self._dp_axis()
         if dp_axis is None:
             return 0.0, 0.0
-        local = op.numel(weight) / prod(c for d, c in zip(op.dims, cfg.counts, strict=True) if d in weight)
+        local = op.numel(weight) / prod(c for d, c in rank_shares(op, cfg).items() if d in weight)
         group, intra = self.mesh.group({dp_axis})
         link = self.comm.link(intra)
         share = 1.0 / (len(op.params) * self._unit_ops.get(op.block, 1))
@@ -149,7 +157,7 @@ class CostModel:
         if not axes:
             return 0.0
         group, intra = self.mesh.group(axes)
-        local = op.numel(tensor) / prod(c for d, c in zip(op.dims, cfg.counts, strict=True) if d in tensor)
+        local = op.numel(tensor) / prod(c for d, c in rank_shares(op, cfg).items() if d in tensor)
         reduce = self.comm.bucketed_all_reduce if bucketed else self.comm.all_reduce
         return reduce(local * elem_bytes, group, intra)
 
@@ -169,12 +177,12 @@ class CostModel:
         tp_axis = self.mesh.names.index("tp") if "tp" in self.mesh.names else None
         state_share = 1 if dp_axis is None else self.mesh.sizes[dp_axis]  # FSDP: each rank holds 1/dp
         for i, cfg in enumerate(configs):
-            split = dict(zip(op.dims, cfg.counts, strict=True))
+            split = rank_shares(op, cfg)
 
             def local(tensor: tuple[str, ...], split: dict[str, int] = split) -> float:
                 return op.numel(tensor) / prod(split[d] for d in tensor)
 
-            share = prod(cfg.counts)
+            share = prod(split.values())
             act = sum(local(t) for t in op.inputs) + local(op.output)
             params = sum(local(t) for t in op.params)
             moved = passes * g.act_bytes * (act + params)
@@ -182,7 +190,8 @@ class CostModel:
             host = dev.op_overhead_s + (dev.sharded_op_overhead_s if sharded else 0.0)
             efficiency = 1.0
             if gemm is not None:
-                batch, rows, cols = (prod(op.dims[d] // split[d] for d in dims) for dims in gemm)
+                batch, rows, cols = (prod(-(-op.dims[d] // c) for d, c in zip(op.dims, cfg.counts, strict=True)
+                                          if d in dims) for dims in gemm)
                 efficiency = dev.gemm_efficiency(batch, rows, cols)
             device_s = max(passes * op.flops / share / (rate * efficiency), moved / dev.memory_Bps)
             compute[i] = max(device_s, host) if dev.host_async else device_s + host
