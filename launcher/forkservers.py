@@ -113,9 +113,10 @@ class Forkserver:
         `timeout_s` (only for a server none but the caller uses: a test's own)."""
         self.stop(timeout_s)
         deadline = time.monotonic() + timeout_s
-        while _is_server(self.pid, self.path):
+        while _is_server(self.pid, self.path) or _exiting(self.pid):
             if time.monotonic() > deadline:
-                kill_tree(self.pid)
+                if _is_server(self.pid, self.path):  # an exiting pid is ended already
+                    kill_tree(self.pid)
                 break
             time.sleep(0.02)
         with contextlib.suppress(OSError):
@@ -190,6 +191,16 @@ def _locked(path: Path) -> Iterator[None]:
 def _read(pointer: Path) -> Forkserver | None:
     named = read_pointer(pointer)
     return Forkserver(path=named[0], pid=named[1]) if named is not None else None
+
+
+def _exiting(pid: int) -> bool:
+    """Whether `pid` is tearing itself down: not yet a zombie, its command line already gone
+    (a server's pid until it has exited: `close` returned there, and a client that looked a
+    moment later still found the server running)."""
+    try:
+        return running(pid) and Path(f"/proc/{pid}/cmdline").read_bytes() == b""
+    except OSError:
+        return False
 
 
 def _is_server(pid: int, path: str) -> bool:
