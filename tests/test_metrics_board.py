@@ -45,6 +45,32 @@ def test_an_elastic_run_writes_every_step_once_with_mfu(tmp_path: Path) -> None:
     assert all(value > 0 for _, value in found["grad_norm"])
 
 
+def test_steps_trained_again_after_a_fallback_show_once_in_tensorboard(tmp_path: Path) -> None:
+    """The newest checkpoint (step 6) is corrupted, so the next segment resumes at step 3 and
+    trains 4..6 again: TensorBoard, reading the folder as one run (its own directory loader),
+    shows steps 1..9 once each, 4..6 from the segment that kept them (each segment's writer
+    purges the steps after its start; both were shown, a zigzag over 4..6)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    spec = tiny_spec("fallback", f"file://{tmp_path}/store", training={"steps": 9, "log_every": 1,
+                                                                      "checkpoint_every": 3})
+    first = run(spec, Plan.data_parallel(2), until_step=6)
+    victim = next((tmp_path / "store/jobs/fallback/ckpt/00000006").glob("rank*.bin"))
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 3] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    from parashift.launcher.launch import launch_workers
+
+    second = launch_workers(spec, Plan.data_parallel(2))  # fresh processes: nothing held in memory
+    assert second.returncode == 0 and second.start is not None and second.start.step == 3
+    board = EventAccumulator(str(tmp_path / "store/jobs/fallback/metrics"))
+    board.Reload()
+    shown = [(e.step, e.value) for e in board.Scalars("loss")]
+    assert [step for step, _ in shown] == list(range(1, 10))
+    kept = {e.step: e.loss for e in first.steps if e.step <= 3} | {e.step: e.loss for e in second.steps}
+    assert dict(shown) == pytest.approx(kept, rel=1e-6)
+
+
 def test_metrics_can_be_switched_off(tmp_path: Path) -> None:
     spec = tiny_spec("quiet", f"file://{tmp_path}/store", training={"steps": 2}, metrics={"tensorboard": False})
     run(spec, Plan.data_parallel(1))

@@ -6,7 +6,8 @@ Rank 0 writes them with TensorBoard's own writer into a local folder and copies 
 file to the store in the background (any fsspec URL: local files, S3), so a slow store never
 holds a step. Every segment of a job (each launch, each device count) writes its own event
 file into the same folder: `tensorboard --logdir` shows an elastic run as one curve per tag
-over steps.
+over steps, each step once (a segment that trains steps again, after a failure or a fallback to
+an older checkpoint, hides the earlier file's copies of them: TensorBoard's `purge_step`).
 
 MFU divides the model's training FLOPs per token (PaLM's 6N + attention, the family's
 `flops_per_token`) at the measured tokens/s, per device, by the device's peak: a GPU's dense
@@ -93,7 +94,11 @@ class _TensorBoard:
         from torch.utils.tensorboard import SummaryWriter
 
         self._folder = tempfile.TemporaryDirectory(prefix="parashift-metrics-")
-        self._writer = SummaryWriter(self._folder.name, filename_suffix=f".from-step-{first_step:08d}")
+        # `purge_step`: TensorBoard hides the steps from here on that earlier files hold, so a
+        # segment that trains again what a failed one had logged past its last commit (or a job
+        # started over) shows each step once, the one kept; nothing is hidden after a planned change.
+        self._writer = SummaryWriter(self._folder.name, filename_suffix=f".from-step-{first_step:08d}",
+                                     purge_step=first_step + 1)
         path = Path(self._writer.file_writer.event_writer._file_name)
         self._uploader = _Uploader(store, f"jobs/{job_id}/metrics/{path.name}", path)
 
