@@ -51,6 +51,20 @@ def test_a_gpt_checkpoint_exports_to_opt_with_transformers_logits(tmp_path: Path
         got, expected = theirs(tokens).logits, ours(tokens)
     assert torch.allclose(got, expected, rtol=0, atol=1e-5), (got - expected).abs().max()
 
+    # Exported again into the same folder, in one file and then in shards: only this export's
+    # weight files stay (a single file left beside a newer sharded export is what transformers
+    # loads: the old weights, silently); other files are left alone.
+    (tmp_path / "hf" / "README.md").write_text("mine")
+
+    def weight_files() -> set[str]:
+        return {p.name for p in (tmp_path / "hf").iterdir() if "safetensors" in p.name}
+
+    export_hf(spec, str(tmp_path / "hf"))
+    assert weight_files() == {"model.safetensors"}
+    export_hf(spec, str(tmp_path / "hf"), max_shard_bytes=100_000)
+    assert "model.safetensors" not in weight_files() and "model.safetensors.index.json" in weight_files()
+    assert (tmp_path / "hf" / "README.md").read_text() == "mine"
+
 
 def test_every_gpt_parameter_has_one_opt_name() -> None:
     spec = JobSpec.model_validate({"name": "names", "model": MODEL}).model

@@ -11,6 +11,7 @@ safetensors only, never pickle.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from math import prod
 from typing import Any
@@ -73,6 +74,17 @@ def companions(spec: JobSpec) -> dict[str, tuple[bytes, str]]:
     return out
 
 
+# The weight files of a Hugging Face folder (transformers' names, which an export writes).
+WEIGHT_FILE = re.compile(r"^model(-\d{5}-of-\d{5})?\.safetensors$|^model\.safetensors\.index\.json$")
+
+
+def stale_weights(out: ObjectStore, written: list[str]) -> list[str]:
+    """Weight files at the top of `out` that this export did not write: an earlier export's.
+    Left, a sharded export over a single-file one loaded the old weights (transformers reads
+    `model.safetensors` before an index), silently; `save_pretrained` removes them too."""
+    return [key for key in out.list() if "/" not in key and WEIGHT_FILE.match(key) and key not in written]
+
+
 def shard_groups(sizes: list[tuple[str, int]], max_bytes: int) -> list[list[str]]:
     """Names in order, cut into runs of at most `max_bytes` (a larger tensor alone)."""
     groups: list[list[str]] = [[]]
@@ -125,6 +137,9 @@ def export_hf(spec: JobSpec, to: str, step: int | None = None, max_shard_bytes: 
         total = sum(n for _, n in sizes)
         out.put("model.safetensors.index.json",
                 json.dumps({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, indent=2).encode())
+        report.files.append("model.safetensors.index.json")
+    for stale in stale_weights(out, report.files):
+        out.delete(stale)
     out.put("config.json", json.dumps(config, indent=2).encode())
     report.files.append("config.json")
     for name, (data, origin) in companions(spec).items():
