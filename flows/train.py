@@ -23,7 +23,7 @@ from parashift.launcher.job_workers import job_workers
 from parashift.specs import JobSpec
 from parashift.specs.elastic import Decision, Fail, Ignore, JobState, Replan, SegmentEnded, Stop, decide
 from parashift.specs.plan import Plan
-from parashift.specs.words import counted
+from parashift.specs.words import counted, counted_each
 from parashift.storage import JobLease
 from parashift.tasks.artifacts import TrainingProgress, job_tags, tag_devices, tag_this_run
 from parashift.tasks.credentials import environment, storage_environment
@@ -132,8 +132,7 @@ def _train(spec: JobSpec, lease: JobLease | None, began_at: datetime) -> TrainSu
             job = _act(spec, job, decision, resources)
     progress.update(segments[-1].final_step if segments else 0, force=True)
     logger.info("%s: %s on %s", spec.job_id, counted(len(segments), "segment"),
-                " -> ".join(str(s.devices) for s in segments) + (" device" if [s.devices for s in segments] == [1]
-                                                                    else " devices"))
+                counted_each([s.devices for s in segments] or [0], "device", " -> "))
     for failure in failed_segments(segments):  # recovered from, but said
         logger.warning("%s: %s", spec.job_id, failure)
     return publish_report(spec, model, segments)

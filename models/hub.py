@@ -69,7 +69,7 @@ def companion_files(url: str, names: tuple[str, ...]) -> dict[str, bytes]:
     """Those of `names` the folder at `url` (a path or any fsspec URL) holds, by name."""
     import fsspec
 
-    fs, root = fsspec.core.url_to_fs(str(Path(url.removeprefix("file://")).expanduser()) if _is_local(url) else url)
+    fs, root = fsspec.core.url_to_fs(str(local_folder(url)) if _is_local(url) else url)
     held = {p.rsplit("/", 1)[-1] for p in fs.ls(root, detail=False)}
     return {name: fs.cat_file(f"{root.rstrip('/')}/{name}") for name in names if name in held}
 

@@ -83,11 +83,16 @@ class OpCost:
     replica_weight: np.ndarray
 
 
+def largest_share(n: int, c: int) -> int:
+    """The most items of `n` split `c` ways that one rank holds (shares differ by one at most)."""
+    return -(-n // c)
+
+
 def rank_shares(op: Op, cfg: Config) -> dict[str, float]:
     """Per op dim, what a configuration divides it by for the busiest rank: the split count, or
     for a batch split unevenly over data parallelism (`configs._shares`: 16 over 3 is 6, 5, 5)
     the size over the largest share (16 / 6), so every per-rank quantity is the slowest rank's."""
-    return {d: c if n % c == 0 else n / -(-n // c)
+    return {d: c if n % c == 0 else n / largest_share(n, c)
             for (d, n), c in zip(op.dims.items(), cfg.counts, strict=True)}
 
 
@@ -190,7 +195,7 @@ class CostModel:
             host = dev.op_overhead_s + (dev.sharded_op_overhead_s if sharded else 0.0)
             efficiency = 1.0
             if gemm is not None:
-                batch, rows, cols = (prod(-(-op.dims[d] // c) for d, c in zip(op.dims, cfg.counts, strict=True)
+                batch, rows, cols = (prod(largest_share(op.dims[d], c) for d, c in zip(op.dims, cfg.counts, strict=True)
                                           if d in dims) for dims in gemm)
                 efficiency = dev.gemm_efficiency(batch, rows, cols)
             device_s = max(passes * op.flops / share / (rate * efficiency), moved / dev.memory_Bps)

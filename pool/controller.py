@@ -22,7 +22,7 @@ from parashift.pool.placement import misfit, place, whole_nodes
 from parashift.pool.state import Decision, JobRecord, PoolState
 from parashift.pool.step_times import Measured, blended
 from parashift.specs import JobSpec
-from parashift.specs.words import counted
+from parashift.specs.words import counted_each
 
 RESEND_S = 60.0
 # Before a job has measured a change: a planned change's downtime on CPU workers is 1.2-1.9 s
@@ -118,9 +118,7 @@ class PoolBook:
         job.steps_done = max(job.steps_done, seen.last_step)
         if seen.change_cost_s is not None:
             job.change_cost_s = seen.change_cost_s
-        if not new:
-            return None
-        return f"{job_id} measured on " + (counted(new[0], "device") if len(new) == 1 else f"{', '.join(map(str, new))} devices")
+        return f"{job_id} measured on {counted_each(new, 'device')}" if new else None
 
     # -- decisions ---------------------------------------------------------------------------
 

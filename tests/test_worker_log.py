@@ -162,3 +162,11 @@ Root Cause (first observed failure):
     both = [line.replace("exitcode  : 1 (pid: 4243)", "exitcode  : -9 (pid: 4243)") for line in summary]
     assert root_cause(both, first_exited=[1]) == (1, -9)
     assert root_cause(both, first_exited=[2]) == (2, -9)
+
+
+def test_counts_read_in_words() -> None:
+    from parashift.specs.words import counted, counted_each
+
+    assert (counted(1, "device"), counted(3, "device")) == ("1 device", "3 devices")
+    assert counted_each([1], "device") == "1 device"
+    assert counted_each([2, 3, 1], "device", " -> ") == "2 -> 3 -> 1 devices"
