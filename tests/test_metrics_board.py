@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 from jobs import run, tiny_spec
 from parashift.planner.profile import measure_device
 from parashift.specs.plan import Plan
@@ -134,3 +135,36 @@ def test_an_elastic_run_also_records_offline_to_wandb(tmp_path: Path) -> None:
     by_step = {row["_step"]: row for row in rows}
     assert {step: value for step, value in board["loss"]} == pytest.approx({s: by_step[s]["loss"] for s in by_step})
     assert all(0 < by_step[s]["mfu"] <= 1 for s in by_step)
+
+
+def test_segments_read_in_the_order_they_ran_whatever_their_clocks_say(tmp_path: Path, monkeypatch) -> None:
+    """TensorBoard reads a folder's event files in name order, and TensorBoard's names start with
+    the writer's whole second: two segments started within one second (seen in CI: a warm
+    segment, then a fresh launch) or on a node whose clock lags read in the wrong order, and the
+    first segment's start hid the second's steps. The store's names follow the segments' order."""
+    from parashift.storage import ObjectStore
+    from parashift.trainer.scalars import Metrics
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.summary.writer import event_file_writer
+
+    store = ObjectStore(f"file://{tmp_path}/store")
+    clocks = iter([1_800_000_005.0, 1_800_000_001.0])  # the second segment's clock reads earlier
+
+    class Clock:
+        now = 0.0
+
+        @staticmethod
+        def time() -> float:
+            return Clock.now
+
+    monkeypatch.setattr(event_file_writer, "time", Clock)
+    for first, last in ((0, 6), (3, 9)):
+        Clock.now = next(clocks)
+        board = Metrics(store, "skew", 1.0, 1, torch.device("cpu"), "fp32", None, first_step=first)
+        for step in range(first + 1, last + 1):
+            board.record(step, {"loss": float(100 * first + step)})
+        board.close()
+    events = EventAccumulator(str(tmp_path / "store/jobs/skew/metrics"))
+    events.Reload()
+    shown = {e.step: e.value for e in events.Scalars("loss")}
+    assert shown == {1: 1.0, 2: 2.0, 3: 3.0, 4: 304.0, 5: 305.0, 6: 306.0, 7: 307.0, 8: 308.0, 9: 309.0}

@@ -87,6 +87,23 @@ class _Uploader:
         self._thread.join(timeout=30)
 
 
+_EVENTS = "events.out.tfevents."
+
+
+def _name_after(store: Any, job_id: str, name: str) -> str:
+    """`name` (TensorBoard's: `events.out.tfevents.<whole second>.<host>.<pid>...`) with its
+    second raised past every event file already in the job's folder. TensorBoard reads a folder's
+    files in name order and a segment's start hides the steps after it in files read before, so a
+    segment started within the same second as the one before it (seen: a warm segment, then a
+    fresh launch), or on a node whose clock lags, would be read first and hidden by its predecessor.
+    One writer per job (the lease) makes the folder's newest name the previous segment's."""
+    second, _, rest = name.removeprefix(_EVENTS).partition(".")
+    taken = [key.rpartition("/")[2].removeprefix(_EVENTS).partition(".")[0]
+             for key in store.list(f"jobs/{job_id}/metrics") if _EVENTS in key]
+    newest = max((int(each) for each in taken if each.isdigit()), default=-1)
+    return f"{_EVENTS}{max(int(second), newest + 1):010d}.{rest}"
+
+
 class _TensorBoard:
     """TensorBoard's own writer into a local folder; each flush copies the event file to the store."""
 
@@ -100,7 +117,7 @@ class _TensorBoard:
         self._writer = SummaryWriter(self._folder.name, filename_suffix=f".from-step-{first_step:08d}",
                                      purge_step=first_step + 1)
         path = Path(self._writer.file_writer.event_writer._file_name)
-        self._uploader = _Uploader(store, f"jobs/{job_id}/metrics/{path.name}", path)
+        self._uploader = _Uploader(store, f"jobs/{job_id}/metrics/{_name_after(store, job_id, path.name)}", path)
 
     def record(self, step: int, values: dict[str, float]) -> None:
         for name, value in values.items():
