@@ -108,10 +108,10 @@ def _train(spec: JobSpec, lease: JobLease | None, began_at: datetime) -> TrainSu
             held = segments[-1].final_step if segments and segments[-1].held_unsaved else None
             # What the UI shows of the segment (what its workers read, its device tag, its plan
             # where made ahead), once they train; in a pool: its devices (its nodes'), held while they run.
-            # After the first segment the flow knows the step its workers restore (a view made
-            # once they train may find newer commits); the first restores the newest there is.
-            restored = job.step if segments else None
-            views = [partial(plan_reshard.submit, here, plan, held, restored), partial(tag_devices, job.devices),
+            # The step its workers restore is the job's newest commit as it starts (a view made once
+            # they train finds their own commits too: a fresh job's first segment was shown "moving
+            # step 20" after committing step 20; workers that fall back from a damaged step show none).
+            views = [partial(plan_reshard.submit, here, plan, held, job.step), partial(tag_devices, job.devices),
                      *show_plan]
             with OnceTrained(*views) as shown, pool_devices(here, job.devices):
                 launched = launch_training(here, plan, scripted.at_step if scripted else None, resources, progress,

@@ -8,6 +8,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -61,15 +62,30 @@ async def tags_of_run(state: Any) -> list[str]:
         return (await client.read_flow_run(state.state_details.flow_run_id)).tags
 
 
-def test_scripted_elasticity_matches_a_static_run(prefect_server: None, tmp_path: Path) -> None:
+def test_scripted_elasticity_matches_a_static_run(prefect_server: None, tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """2 -> 3 -> 1 devices with the same global batch gives the static run's loss at every step:
     uneven shares (3, 3, 2) included, and the data position carries across every change."""
+    from parashift.flows import train
     from parashift.flows.train import train_job
 
     static = train_job(tiny_spec("static", f"file://{tmp_path}/static"))
     spec = tiny_spec("elastic", f"file://{tmp_path}/elastic",
                      elasticity=[{"at_step": 4, "devices": 3, "reason": "scale-up"},
                                  {"at_step": 8, "devices": 1, "reason": "failure"}])
+
+    class LateView:
+        """The reshard view as a busy flow makes it: after the segment has committed a step."""
+
+        @staticmethod
+        def submit(*args: Any, **kwargs: Any) -> Any:
+            deadline = time.monotonic() + 30
+            while not checkpoint_store(spec).committed_steps() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            return view.submit(*args, **kwargs)
+
+    view = train.plan_reshard
+    monkeypatch.setattr(train, "plan_reshard", LateView)
     state = train_job(spec, return_state=True)
     elastic = state.result()
     assert [(s.devices, s.start_step, s.final_step) for s in elastic.segments] == [(2, 0, 4), (3, 4, 8), (1, 8, 12)]
@@ -79,7 +95,9 @@ def test_scripted_elasticity_matches_a_static_run(prefect_server: None, tmp_path
     assert sorted(elastic_losses) == list(range(1, 13))
     for step, loss in static_losses.items():
         assert elastic_losses[step] == pytest.approx(loss, rel=1e-5), f"step {step}"
-    # Before each change the flow published what the new workers would read (and they did).
+    # Before each change the flow published what the new workers would read (and they did); the
+    # first segment, a fresh start, read nothing (not the step 4 it committed itself).
+    assert read_artifact("elastic-reshard-2") is None
     for devices, step in ((3, 4), (1, 8)):
         reshard = read_artifact(f"elastic-reshard-{devices}")
         assert reshard is not None and f"step {step}" in reshard.description
