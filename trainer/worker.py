@@ -64,6 +64,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     # The rank in every record: the run log interleaves every worker's lines.
     logging.basicConfig(level=logging.INFO, format=f"%(levelname)s rank{os.environ.get('RANK', '0')} %(name)s: %(message)s")
+    # The trainer reports each commit ("checkpoint step N committed: ...") and prune as its own
+    # lines; the store's would say each a second time in the run log.
+    logging.getLogger("parashift.storage").setLevel(logging.WARNING)
     spec = JobSpec.model_validate_json(args.spec.read_text())
     plan = Plan.model_validate_json(args.plan.read_text())
     refusals = job_plan_refusals(plan, spec)
