@@ -655,8 +655,10 @@ class JobSpec(_Section):
                     "every device needs at least one sequence per step",
                 )
             )
+        issues += self._outside_bounds(("resources", "devices"), self.resources.devices)
         previous = 0
         for i, change in enumerate(self.elasticity):
+            issues += self._outside_bounds(("elasticity", i, "devices"), change.devices)
             if change.at_step <= previous:
                 issues.append(
                     (
@@ -683,6 +685,16 @@ class JobSpec(_Section):
         issues += self._pinned_plan_issues()
         _raise_if(issues)
         return self
+
+    def _outside_bounds(self, where: Loc, devices: int) -> list[tuple[Loc, str]]:
+        """A device count the job's own min_devices / max_devices rule out (what a pool would
+        never give it, and `parashift run` took without a word)."""
+        low, high = self.resources.min_devices, self.resources.max_devices
+        if low is not None and devices < low:
+            return [(where, f"must be >= resources.min_devices ({devices} < {low})")]
+        if high is not None and devices > high:
+            return [(where, f"must be <= resources.max_devices ({devices} > {high})")]
+        return []
 
     def _pinned_plan_issues(self) -> list[tuple[Loc, str]]:
         """A pinned plan that cannot run on this model, batch and device count is refused here,

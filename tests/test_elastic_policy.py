@@ -155,8 +155,8 @@ def test_the_counts_planned_ahead_are_where_the_policy_goes_next() -> None:
     assert isinstance(failed, Replan) and failed.devices == likely_counts(ONE_NODE, job)[0]
     scripted = job_spec(elasticity=[{"at_step": 20, "devices": 5}])
     assert likely_counts(scripted, job)[0] == 5
-    bounded = job_spec(resources={"devices": 2, "min_devices": 4, "max_devices": 5})
-    assert likely_counts(bounded, job) == []  # 3 below the minimum, 6 above the maximum, 2 below it too
+    bounded = job_spec(resources={"devices": 4, "min_devices": 4, "max_devices": 5})
+    assert likely_counts(bounded, job) == []  # 3 below the minimum, 6 above the maximum, 2 below it too, 4 running
     assert likely_counts(ONE_NODE, JobState(devices=1)) == [2]  # no zero; the spec's count
     assert likely_counts(NODES, JobState(devices=6, nodes=["a", "b", "c"])) == [4]  # a node less (6: running)
 

@@ -358,6 +358,17 @@ def test_start_devices_above_global_batch(tmp_path: Path) -> None:
     assert_error(lines, file, 3, 12, "resources.devices", "<= training.global_batch (32 > 16)")
 
 
+def test_devices_outside_the_job_s_own_bounds(tmp_path: Path) -> None:
+    """`min_devices: 4` with `devices: 2` was taken by `parashift run` without a word (it trained
+    on 2); the start and every scripted count lie within min_devices..max_devices."""
+    file, lines = errors_of(tmp_path, "name: x\nresources:\n  devices: 2\n  min_devices: 4\n")
+    assert_error(lines, file, 3, 12, "resources.devices", "must be >= resources.min_devices (2 < 4)")
+    file, lines = errors_of(tmp_path, "name: x\nresources:\n  devices: 6\n  max_devices: 4\n")
+    assert_error(lines, file, 3, 12, "resources.devices", "must be <= resources.max_devices (6 > 4)")
+    file, lines = errors_of(tmp_path, ELASTIC.format(second_step=40, second_devices=1) + "resources:\n  min_devices: 2\n")
+    assert any("elasticity.1.devices: must be >= resources.min_devices (1 < 2)" in line for line in lines), lines
+
+
 def test_min_lr_above_lr(tmp_path: Path) -> None:
     file, lines = errors_of(tmp_path, "name: x\noptimizer:\n  lr: 1e-3\n  min_lr: 1e-2\n")
     assert_error(lines, file, 4, 11, "optimizer.min_lr", "must be <= optimizer.lr (0.01 > 0.001)")
