@@ -225,7 +225,7 @@ def admit(job_id: str, change: ResourceEvent, highest_epoch: int, sent_to: str |
 def check_change(change: ResourceEvent, spec: JobSpec) -> None:
     """ValueError (the rule) for a change the job refuses whatever it runs on now: nodes named to
     a job on one node, devices that are not whole nodes of a job across nodes, more devices than
-    sequences per step."""
+    sequences per step, fewer or more than the job's own min_devices / max_devices."""
     per_node = spec.resources.devices_per_node or 1
     if change.devices is None:
         assert change.nodes is not None
@@ -240,6 +240,11 @@ def check_change(change: ResourceEvent, spec: JobSpec) -> None:
     if devices > batch:
         raise ValueError(f"{devices} devices exceed training.global_batch ({batch}): every device needs at least "
                          "one sequence per step")
+    low, high = spec.resources.min_devices, spec.resources.max_devices
+    if low is not None and devices < low:
+        raise ValueError(f"{counted(devices, 'device')}: below resources.min_devices ({low})")
+    if high is not None and devices > high:
+        raise ValueError(f"{devices} devices: above resources.max_devices ({high})")
 
 
 def apply_change(change: ResourceEvent, spec: JobSpec, devices: int,

@@ -106,6 +106,20 @@ def test_no_device_gets_less_than_one_sequence_per_step() -> None:
         check_change(ResourceEvent(devices=9, epoch=1), ONE_NODE)  # what `parashift scale SPEC` refuses up front
 
 
+def test_a_change_outside_the_job_s_own_bounds_is_refused() -> None:
+    """`parashift scale --devices 1` of a job with min_devices 2 moved it onto 1 device: its
+    min_devices and max_devices bound what an event gives it, as they bound its spec."""
+    bounded = job_spec(resources={"devices": 2, "min_devices": 2, "max_devices": 4})
+    job = JobState.starting(bounded)
+    below = decide(bounded, job, ResourceEvent(devices=1, epoch=1))
+    assert isinstance(below, Ignore) and "1 device: below resources.min_devices (2)" in below.why
+    above = decide(bounded, job, ResourceEvent(devices=5, epoch=2))
+    assert isinstance(above, Ignore) and "5 devices: above resources.max_devices (4)" in above.why
+    assert isinstance(decide(bounded, job, ResourceEvent(devices=4, epoch=3)), Replan)
+    with pytest.raises(ValueError, match="min_devices"):
+        check_change(ResourceEvent(devices=1, epoch=1), bounded)  # what `parashift scale SPEC` refuses up front
+
+
 def test_a_job_on_one_node_takes_devices_not_nodes() -> None:
     ignored = decide(ONE_NODE, JobState.starting(ONE_NODE), ResourceEvent(nodes=["a"], epoch=1))
     assert isinstance(ignored, Ignore) and "runs on one node" in ignored.why
