@@ -199,12 +199,24 @@ def peak_flops(device: DeviceModel) -> float:
     return device.matmul_flops
 
 
-def measure_device(kind: str = "cpu", repeats: int = 3) -> DeviceModel:
-    """Time GEMMs of 256..1024 and a large add (beyond the caches) on this process's device, on
-    CPU with one worker's threads (`cpu_worker_threads`); best-of-`repeats`."""
+def measurable_here(kind: str) -> bool:
+    """Whether this process can time a `kind` device: a CUDA job's flow (or `parashift plan`) may
+    run on a head node without GPUs."""
     import torch
 
-    dev = torch.device("cuda") if kind == "cuda" and torch.cuda.is_available() else torch.device("cpu")
+    return kind != "cuda" or torch.cuda.is_available()
+
+
+def measure_device(kind: str = "cpu", repeats: int = 3) -> DeviceModel:
+    """Time GEMMs of 256..1024 and a large add (beyond the caches) on this process's device, on
+    CPU with one worker's threads (`cpu_worker_threads`); best-of-`repeats`. ValueError for a
+    device this process has none of (it timed the CPU for CUDA before: an 8B Llama planned at
+    1e4 s per step with unlimited memory)."""
+    import torch
+
+    if not measurable_here(kind):
+        raise ValueError(f"no {kind} device here to measure (torch.cuda.is_available() is False)")
+    dev = torch.device(kind)
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     with _as_a_worker(dev):
         rate = _gemm_flops(dev, (256, 512, 1024) if dev.type == "cpu" else (2048, 4096, 8192), repeats)

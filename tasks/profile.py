@@ -13,7 +13,7 @@ from collections.abc import Callable
 from parashift.models import family_of
 from parashift.planner.comm import CommModel, comm_model_from_timings
 from parashift.planner.measured import MeasuredProfile, profile_from_measurements
-from parashift.planner.profile import ModelProfile, profile_graph, share_cores
+from parashift.planner.profile import ModelProfile, measurable_here, profile_graph, share_cores
 from parashift.specs import JobSpec
 from parashift.storage import JobPaths, open_store
 from parashift.tasks.credentials import environment, storage_environment
@@ -74,8 +74,9 @@ def build_profile(spec: JobSpec, comm: CommModel | None = None) -> ModelProfile 
     if family.graph_builder is None:  # no op graph: the data axis's options, costed from the model measured
         return measured_profile(spec, comm)
     graph = family.graph(m, batch, spec.parallelism.precision)
-    profile = profile_graph(graph, res.kind, measure, memory_gb=res.memory_gb, devices_per_node=res.devices_per_node,
-                            comm=comm, tokens=batch * m.seq_len)
+    # A job across nodes may plan on a head node without its GPUs: the kind's default rates there.
+    profile = profile_graph(graph, res.kind, measure and measurable_here(res.kind), memory_gb=res.memory_gb,
+                            devices_per_node=res.devices_per_node, comm=comm, tokens=batch * m.seq_len)
     # CPU workers on a host share its cores (across nodes: a node's workers share that node's).
     return profile.model_copy(update={"device": share_cores(profile.device, workers)})
 
@@ -155,9 +156,13 @@ def ensure_profile(spec: JobSpec, comm_from: str | None = None, say: Callable[[s
                     f"{profile.activation_bytes / 2**20:.1f} MiB kept per sequence; comm {used}")
             else:
                 say(f"profiled {len(profile.graph.ops)} ops; {profile.device.matmul_flops:.3g} FLOP/s GEMM "
-                    f"({'measured' if profile.device.measured else 'default'}); comm {used}")
+                    f"({'measured' if profile.device.measured else _default_why(res.kind)}); comm {used}")
     say(f"model: {params:,} parameters, {per_token:,} FLOPs per token")
     return ModelSummary(params=params, flops_per_token=per_token, device_kind=spec.resources.kind, profile_key=key)
+
+
+def _default_why(kind: str) -> str:
+    return "default" if measurable_here(kind) else f"default: no {kind} device where this flow runs"
 
 
 @task(name="profile-model", retries=2, retry_delay_seconds=2, retry_condition_fn=retry_if_it_may_help)

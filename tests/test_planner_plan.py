@@ -12,7 +12,7 @@ from parashift.planner.builders import gpt_graph, inception_graph, pase_transfor
 from parashift.planner.configs import dtensor_placements, named_mesh
 from parashift.planner.costs import CostModel
 from parashift.planner.graph import Graph, graph_to_json, load_graph_json
-from parashift.planner.profile import profile_gpt, profile_graph
+from parashift.planner.profile import measure_device, profile_gpt, profile_graph
 from parashift.planner.search import CLOSE_TO_LEAST_MEMORY, candidates, exhaustive_search, plan_model, spaces
 from parashift.specs.plan import Plan
 
@@ -172,6 +172,32 @@ def test_cli_plan_json_and_table(tmp_path: Path) -> None:
     out = runner.invoke(app, ["plan", str(spec), "--devices", "2", "--graph", str(graph), "--json"])
     assert out.exit_code == 0, out.output
     assert len(Plan.model_validate_json(out.output).placements) == len(inception_graph(batch=8).ops)
+
+
+def test_cli_plan_says_what_it_assumed_of_a_device_and_measures_none_it_lacks(tmp_path: Path) -> None:
+    """A CUDA job planned on a machine without CUDA: the table says the device it assumed (the
+    default, an H200's memory; the spec's memory_gb wins), and `--measure` is refused: it timed
+    this CPU for the GPUs and planned an 8B Llama at 1e4 s per step with unlimited memory."""
+    import torch
+    from typer.testing import CliRunner
+
+    from parashift.cli import app
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: --measure times it")
+    spec = tmp_path / "gpu.yaml"
+    spec.write_text((REPO / "specs" / "llama3-1b-cuda.yaml").read_text())
+    runner = CliRunner()
+    table = runner.invoke(app, ["plan", str(spec)])
+    assert table.exit_code == 0, table.output
+    assert "device: 395.6 TFLOP/s GEMM, 141.0 GiB" in table.output and "the cuda default: an H200" in table.output
+    spec.write_text(spec.read_text().replace("  kind: cuda\n", "  kind: cuda\n  memory_gb: 80\n"))
+    table = runner.invoke(app, ["plan", str(spec)])
+    assert "80.0 GiB" in table.output and "memory from resources.memory_gb" in table.output, table.output
+    refused = runner.invoke(app, ["plan", str(spec), "--measure"])
+    assert refused.exit_code == 1 and "--measure times this machine's cuda devices, and it has none" in refused.output
+    with pytest.raises(ValueError, match="no cuda device here"):
+        measure_device("cuda", repeats=1)
 
 
 def test_mesh_degrees_are_bounded_in_the_device_count() -> None:

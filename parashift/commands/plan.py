@@ -11,7 +11,7 @@ import typer
 from parashift.specs.words import counted
 
 if TYPE_CHECKING:
-    from parashift.planner.profile import ModelProfile
+    from parashift.planner.profile import DeviceModel, ModelProfile
     from parashift.specs.models import ParallelismSpec
     from parashift.specs.plan import Plan
 
@@ -91,7 +91,7 @@ def plan(
     from parashift.commands.spec import load_spec_or_exit
     from parashift.models import family_of
     from parashift.planner.graph import GraphError, load_graph_json
-    from parashift.planner.profile import profile_graph
+    from parashift.planner.profile import measurable_here, profile_graph
     from parashift.planner.search import exhaustive_search, plan_model
 
     count = _device_count(devices)
@@ -99,6 +99,11 @@ def plan(
     res, model, par = job.resources, job.model, job.parallelism
     n = count or res.devices
     kind = getattr(res, "kind", "cpu")
+    if measure and not measurable_here(kind):
+        typer.echo(f"{spec}: --measure times this machine's {kind} devices, and it has none; plan without it "
+                   "(the cuda default: an H200) and set resources.memory_gb, or run it where the job's GPUs are",
+                   err=True)
+        raise typer.Exit(1)
     if graph is not None:
         try:
             op_graph = load_graph_json(graph)
@@ -148,6 +153,7 @@ def plan(
                       f"{p.memory_bytes / 2**20:.1f}")
     console = Console(soft_wrap=True)  # a line per fact, however narrow the terminal (or a pipe's 80 columns)
     console.print(table)
+    console.print(_device_line(profile.device, kind, measure, res.memory_gb, par.plan_memory_bytes(profile.device.memory_bytes)))
     step = result.estimated_step_s or 0.0
     console.print(f"estimated step: {step:.4g} s ({result.strategy}), "
                   f"memory {result.memory_per_device_bytes / 2**30:.2f} GiB per device"
@@ -173,6 +179,23 @@ def plan(
         console.print(_pinned_line(job, profile, n, step))
     for note in result.notes:
         console.print(f"  note: {note}")
+
+
+def _device_line(device: DeviceModel, kind: str, measured: bool, memory_gb: float | None, limit: int | None) -> str:
+    """What the plan assumed of each device, and where that came from: planned on a head node
+    without the job's GPUs, a plan for the default device (an H200's memory) reads as one for
+    the cluster's, and an H100 job's plan could need more memory than its devices have."""
+    if measured:
+        source = "measured here"
+    elif kind == "cuda":
+        source = "the cuda default: an H200; --measure on the job's GPU, or resources.memory_gb"
+    else:
+        source = "the cpu default; --measure times this machine"
+    if memory_gb is not None:
+        source += "; memory from resources.memory_gb"
+    memory = ("memory unlimited" if device.memory_bytes is None or limit is None else
+              f"{device.memory_bytes / 2**30:.1f} GiB, {limit / 2**30:.1f} GiB planned (less the reserve)")
+    return f"device: {device.matmul_flops / 1e12:.4g} TFLOP/s GEMM, {memory} ({source})"
 
 
 def _pinned_line(job: object, profile: ModelProfile, n: int, searched_s: float) -> str:
