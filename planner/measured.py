@@ -45,21 +45,29 @@ class MeasuredProfile(BaseModel):
     root_params: int = Field(ge=0, description="parameters outside the decoder layers (gathered for the whole step)")
     sequence_s: float = Field(gt=0, description="forward + backward of one sequence on one device, measured")
     activation_bytes: float = Field(ge=0, description="bytes autograd keeps for one sequence, measured")
+    sequence_from: str = Field("measured", description="where sequence_s came from: measured, or the model's "
+                                                       "FLOPs at the device's rate")
     device: DeviceModel
     comm: CommModel
 
 
 def profile_from_measurements(name: str, measured: dict[str, float], device_kind: str, workers: int,
                               memory_gb: float | None = None, comm: CommModel | None = None,
-                              devices_per_node: int | None = None) -> MeasuredProfile:
-    """A MeasuredProfile from `trainer.measure_model`'s numbers (one thread), for `workers`
-    processes per host: CPU workers outnumbering the cores each get a share of one."""
+                              devices_per_node: int | None = None, seq_len: int | None = None) -> MeasuredProfile:
+    """A MeasuredProfile from `trainer.measure_model`'s numbers (one CPU thread), for `workers`
+    processes per host: CPU workers outnumbering the cores each get a share of one. A GPU's
+    sequence seconds are its FLOPs (`seq_len` tokens) at the device's rate, as the op-graph
+    planner costs GEMMs: the CPU's time (the measurement runs there) was taken for the GPU's,
+    ~1000x too slow against the GPU's collectives."""
     device = DEFAULT_DEVICES.get(device_kind, DEFAULT_DEVICES["cuda"]).model_copy()
     if memory_gb is not None:
         device.memory_bytes = int(memory_gb * 2**30)
-    share = share_cores(device, workers).core_share
+    if device_kind != "cpu" and seq_len is not None:
+        sequence_s, source = measured["flops_per_token"] * seq_len / device.matmul_flops, "flops"
+    else:
+        sequence_s, source = measured["sequence_s"] / share_cores(device, workers).core_share, "measured"
     return MeasuredProfile(name=name, device=device, comm=comm or default_comm(device_kind, devices_per_node),
-                           **{**measured, "sequence_s": measured["sequence_s"] / share})
+                           **{**measured, "sequence_s": sequence_s, "sequence_from": source})
 
 
 class Option(BaseModel):
@@ -98,9 +106,13 @@ def plan_measured(profile: MeasuredProfile, devices: int, global_batch: int, mic
     options = [option_cost(profile, devices, s, global_batch, micro_batch) for s in shards]
     fitting = [o for o in options if limit is None or o.memory_bytes <= limit]
     best = min(fitting, key=lambda o: (o.step_s, o.memory_bytes)) if fitting else min(options, key=lambda o: o.memory_bytes)
-    listed = ", ".join(f"dp_shard {o.dp_shard}: {o.step_s * 1e3:.1f} ms, {o.memory_bytes / 2**20:.0f} MiB" for o in options)
+    listed = ", ".join(f"dp_shard {o.dp_shard}: {o.step_s * 1e3:.3g} ms, {o.memory_bytes / 2**20:.0f} MiB" for o in options)
+    per_sequence = (f"{profile.sequence_s * 1e3:.3g} ms per sequence from its FLOPs at "
+                    f"{profile.device.matmul_flops / 1e12:.4g} TFLOP/s, {profile.activation_bytes / 2**20:.1f} MiB kept "
+                    "per sequence measured" if profile.sequence_from == "flops" else
+                    f"{profile.sequence_s * 1e3:.1f} ms and {profile.activation_bytes / 2**20:.1f} MiB kept per sequence")
     notes = [f"{profile.name} has no op graph: options of the data axis costed from measurements of the model itself "
-             f"({profile.sequence_s * 1e3:.1f} ms and {profile.activation_bytes / 2**20:.1f} MiB kept per sequence): {listed}"]
+             f"({per_sequence}): {listed}"]
     if not fitting:
         notes.append(f"no option fits {limit / 2**30:.2f} GiB per device; the least memory is chosen")
     named = {"data-parallel": options[0], **({"fsdp": options[-1]} if len(options) > 1 else {})}

@@ -3,6 +3,7 @@ option of the data axis (replicated, HSDP, FSDP) costed, the fastest that fits c
 
 from __future__ import annotations
 
+import pytest
 from parashift.planner.comm import default_comm
 from parashift.planner.measured import (
     MeasuredProfile,
@@ -47,8 +48,13 @@ def test_a_transformers_model_is_measured() -> None:
     measured = measure_model(spec, 2, "fp32")
     assert measured["sequence_s"] > 0 and measured["activation_bytes"] > 16 * 32 * 4
     assert measured["n_params"] == measured["root_params"] + 2 * measured["layer_params"]
-    profile = profile_from_measurements("hf-llama", measured, "cpu", workers=4)
+    profile = profile_from_measurements("hf-llama", measured, "cpu", workers=4, seq_len=16)
     assert profile.sequence_s > measured["sequence_s"]  # 4 workers share this machine's cores
+    # A GPU is not timed by this CPU: its sequence is the model's FLOPs at the device's rate.
+    gpu = profile_from_measurements("hf-llama", measured, "cuda", workers=4, seq_len=16)
+    assert gpu.sequence_s == pytest.approx(measured["flops_per_token"] * 16 / gpu.device.matmul_flops)
+    assert gpu.sequence_s < measured["sequence_s"] / 100 and gpu.sequence_from == "flops"
+    assert gpu.activation_bytes == measured["activation_bytes"]
 
 
 def test_parashift_plan_says_whether_an_hf_models_state_is_sharded(tmp_path) -> None:

@@ -118,7 +118,8 @@ def plan(
 
         train = job.training
         measured = profile_from_measurements(model.tag, measure_model(model, train.micro_batch, par.precision), kind,
-                                             res.devices_per_node or n, res.memory_gb, None, res.devices_per_node)
+                                             res.devices_per_node or n, res.memory_gb, None, res.devices_per_node,
+                                             model.seq_len)
         result = plan_measured(measured, n, train.global_batch, train.micro_batch,
                                par.plan_memory_bytes(measured.device.memory_bytes), shard_dp=par.shard_data_parallel)
         typer.echo(result.model_dump_json(indent=2) if json_out else "\n".join(
