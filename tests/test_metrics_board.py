@@ -3,6 +3,9 @@ an elastic run its own file, read back with TensorBoard's own reader as one curv
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -10,7 +13,7 @@ import torch
 from jobs import run, tiny_spec
 from parashift.planner.profile import measure_device
 from parashift.specs.plan import Plan
-from parashift.storage import job_store
+from parashift.storage import ObjectStore, job_store
 
 pytestmark = pytest.mark.slow
 
@@ -142,7 +145,7 @@ def test_segments_read_in_the_order_they_ran_whatever_their_clocks_say(tmp_path:
     the writer's whole second: two segments started within one second (seen in CI: a warm
     segment, then a fresh launch) or on a node whose clock lags read in the wrong order, and the
     first segment's start hid the second's steps. The store's names follow the segments' order."""
-    from parashift.storage import ObjectStore
+
     from parashift.trainer.scalars import Metrics
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     from tensorboard.summary.writer import event_file_writer
@@ -168,3 +171,27 @@ def test_segments_read_in_the_order_they_ran_whatever_their_clocks_say(tmp_path:
     events.Reload()
     shown = {e.step: e.value for e in events.Scalars("loss")}
     assert shown == {1: 1.0, 2: 2.0, 3: 3.0, 4: 304.0, 5: 305.0, 6: 306.0, 7: 307.0, 8: 308.0, 9: 309.0}
+
+
+def test_metrics_on_an_s3_server_read_back_with_the_command_the_run_prints(s3_endpoint: str, s3_bucket: str) -> None:
+    """TensorBoard reads s3:// itself, from S3_ENDPOINT's server: the run printed a bare
+    `tensorboard --logdir s3://...`, which asks AWS for a bucket that lives on MinIO or moto."""
+    from parashift.trainer.scalars import Metrics
+
+    from parashift.commands.run import tensorboard_command
+
+    options = {"client_kwargs": {"endpoint_url": s3_endpoint}}
+    board = Metrics(ObjectStore(f"s3://{s3_bucket}/root", options), "remote", 1.0, 1, torch.device("cpu"), "fp32", None)
+    for step in (1, 2, 3):
+        board.record(step, {"loss": float(step)})
+    board.close()
+    url = f"s3://{s3_bucket}/root/jobs/remote/metrics"
+    command = tensorboard_command(url, options)
+    assert command == f"S3_ENDPOINT={s3_endpoint} tensorboard --logdir {url}"
+    assert tensorboard_command("file:///x/metrics", options) == "tensorboard --logdir file:///x/metrics"
+    # As the command runs it: TensorBoard's S3 reader takes S3_ENDPOINT once, when it is imported.
+    read = ("from tensorboard.backend.event_processing.event_accumulator import EventAccumulator as E\n"
+            f"e = E({url!r}); e.Reload(); print([(s.step, s.value) for s in e.Scalars('loss')])")
+    env = {**os.environ, "S3_ENDPOINT": command.split()[0].removeprefix("S3_ENDPOINT=")}
+    shown = subprocess.run([sys.executable, "-c", read], env=env, capture_output=True, text=True, timeout=120)
+    assert shown.stdout.strip() == "[(1, 1.0), (2, 2.0), (3, 3.0)]", shown.stderr[-2000:]

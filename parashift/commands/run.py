@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 import typer
 
@@ -145,10 +146,18 @@ def _train(spec: JobSpec, verbose: bool, began_at: datetime) -> None:
     if plans:
         console.print(f"  plan          {' -> '.join(dict.fromkeys(plans))}")
     if summary.metrics_url:
-        console.print(f"  metrics       tensorboard --logdir {summary.metrics_url}")
+        console.print(f"  metrics       {tensorboard_command(summary.metrics_url, spec.storage.storage_options)}")
     if summary.wandb_url:  # wandb reads local files: a store elsewhere is copied first
         where = summary.wandb_url.removeprefix("file://")
         console.print(f"  wandb         wandb sync {where}" if where != summary.wandb_url else
                       f"  wandb         copy {summary.wandb_url} here, then `wandb sync` it")
     console.print(f"  checkpoint    {summary.checkpoint_url}")
     console.print(f"  log           {log_path}")
+
+
+def tensorboard_command(url: str, storage_options: dict[str, Any]) -> str:
+    """The command that shows a job's metrics. TensorBoard reads s3:// itself (with boto3), from
+    the endpoint in S3_ENDPOINT: a store on MinIO or another S3-compatible server needs it said."""
+    endpoint = storage_options.get("endpoint_url") or (storage_options.get("client_kwargs") or {}).get("endpoint_url")
+    prefix = f"S3_ENDPOINT={endpoint} " if url.startswith("s3://") and endpoint else ""
+    return f"{prefix}tensorboard --logdir {url}"
