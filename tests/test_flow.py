@@ -109,6 +109,32 @@ def test_scripted_elasticity_matches_a_static_run(prefect_server: None, tmp_path
     assert [(s.devices, s.start_step, s.final_step) for s in again.segments] == [(1, 12, 12)]
 
 
+def test_a_run_that_fell_back_from_a_refused_checkpoint_says_so_in_its_summary(prefect_server: None,
+                                                                             tmp_path: Path) -> None:
+    """`parashift run` shows progress and a summary, the log holds the rest: a damaged newest
+    checkpoint sent the job back one checkpoint (more steps than due) and the terminal said
+    nothing of it. The summary counts the run's warnings and shows the first."""
+    import logging
+
+    from parashift.flows.train import train_job
+
+    from parashift.commands.run import RunWarnings
+
+    spec = tiny_spec("warned", f"file://{tmp_path}/store", training={"steps": 4, "checkpoint_every": 2})
+    train_job(spec)
+    manifest = tmp_path / "store/jobs/warned/ckpt/00000004/manifest.json"
+    manifest.write_bytes(manifest.read_bytes()[:-10])
+    warnings = RunWarnings()
+    logging.getLogger().addHandler(warnings)
+    try:
+        summary = train_job(spec.model_copy(update={"training": spec.training.model_copy(update={"steps": 6})}))
+    finally:
+        logging.getLogger().removeHandler(warnings)
+    assert [(s.start_step, s.final_step) for s in summary.segments] == [(2, 6)]
+    line = warnings.line()
+    assert line is not None and "the checkpoint at step 4" in line and "in the log; the first: " in line, line
+
+
 def test_a_stop_asked_before_the_first_launch_is_obeyed_and_one_from_before_the_run_is_not(
         prefect_server: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """`parashift stop` a second after `parashift run` (while it profiles and plans) used to be

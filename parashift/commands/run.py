@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from datetime import UTC, datetime
 from pathlib import Path
@@ -27,7 +28,6 @@ def _log_to_file(job: str) -> Path:
     """Every line of the run's log (the flow's, its tasks', the workers' relayed output) into
     `.parashift/logs/` of the working directory: without -v the terminal shows progress and one
     line of outcome, and a failure says where the rest is."""
-    import logging
     import time
 
     folder = Path(".parashift") / "logs"
@@ -116,6 +116,8 @@ def _train(spec: JobSpec, verbose: bool, began_at: datetime) -> None:
                 bar.update(task_id, completed=event.step, loss=f"{event.loss:.4f}", rate=f"{event.tokens_per_s:,.0f} tok/s")
 
         progress_events.add_listener(on_event)
+        warnings = RunWarnings()
+        logging.getLogger().addHandler(warnings)
         try:
             summary = train_job(spec, began_at)
         except Exception as error:  # noqa: BLE001 - the run log has the trace; the terminal gets the reason
@@ -125,6 +127,7 @@ def _train(spec: JobSpec, verbose: bool, began_at: datetime) -> None:
             raise typer.Exit(1) from None
         finally:
             progress_events.remove_listener(on_event)
+            logging.getLogger().removeHandler(warnings)
 
     trained = sum(seg.final_step - seg.start_step for seg in summary.segments)
     if summary.segments and summary.segments[-1].stopped:
@@ -152,7 +155,33 @@ def _train(spec: JobSpec, verbose: bool, began_at: datetime) -> None:
         console.print(f"  wandb         wandb sync {where}" if where != summary.wandb_url else
                       f"  wandb         copy {summary.wandb_url} here, then `wandb sync` it")
     console.print(f"  checkpoint    {summary.checkpoint_url}")
+    if warnings.line() is not None:
+        console.print(f"  [yellow]warnings[/]      {warnings.line()}", markup=True, highlight=False)
     console.print(f"  log           {log_path}")
+
+
+class RunWarnings(logging.Handler):
+    """The run's warnings, for its summary: without -v the terminal shows none of the log, and a
+    run that fell back from a refused checkpoint (trained 30 steps where 10 were due) ended in
+    the same lines as any other."""
+
+    SHOWN = 240  # characters of the first warning
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.name.startswith(("prefect.flow_runs", "prefect.task_runs", "parashift")):
+            self.messages.append(" ".join(record.getMessage().split()))
+
+    def line(self) -> str | None:
+        """How many, and the first (the cause; what follows it is often its consequence)."""
+        if not self.messages:
+            return None
+        first = self.messages[0]
+        shown = first if len(first) <= self.SHOWN else first[: self.SHOWN] + "..."
+        return f"{counted(len(self.messages), 'warning')} in the log; the first: {shown}"
 
 
 def tensorboard_command(url: str, storage_options: dict[str, Any]) -> str:
