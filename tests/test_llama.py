@@ -183,6 +183,8 @@ def test_plan_matches_single_process(name: str, reference, tmp_path: Path) -> No
         spec_file.write_text(spec.model_dump_json())
         out = CliRunner().invoke(app, ["export", str(spec_file), "--to", str(tmp_path / "hf"), "--max-shard-gb", "0.00003"])
         assert out.exit_code == 0, out.output
+        missing = CliRunner().invoke(app, ["export", str(spec_file), "--to", str(tmp_path / "no"), "--step", "1"])
+        assert missing.exit_code == 1 and f"its committed steps: {HALF}" in missing.output, missing.output
         assert len(list((tmp_path / "hf").glob("*.safetensors"))) > 1  # size-sharded, with its index
         ours = parashift_logits(spec.model, final_state(spec), TOKENS)
         theirs = transformers_logits(tmp_path / "hf", TOKENS)

@@ -23,13 +23,17 @@ def export(
         typer.echo(f"unknown format {format!r}: the only one is hf", err=True)
         raise typer.Exit(1)
     spec = load_spec_or_exit(spec_file)
-    from parashift.storage import StorageError
+    from parashift.storage import CheckpointNotFound, StorageError, job_store
     from parashift.trainer.export import export_hf
 
     try:
         report = export_hf(spec, to, step, max_shard_bytes=max(1, int(max_shard_gb * 1e9)))
     except (ValueError, FileNotFoundError, KeyError, StorageError) as error:
-        typer.echo(f"{spec_file}: cannot export: {error}", err=True)
+        there = ""
+        if isinstance(error, CheckpointNotFound) and step is not None:  # which steps may be asked for
+            steps = job_store(spec).committed_steps()
+            there = f"; its committed steps: {', '.join(map(str, steps))}" if steps else "; it has no committed step"
+        typer.echo(f"{spec_file}: cannot export: {error}{there}", err=True)
         raise typer.Exit(1) from None
     typer.echo(f"exported step {report.step} of {spec.job_id}: {report.tensors} tensors, "
                f"{report.bytes_written / 1e6:.1f} MB in {len(report.files)} files to {report.url}")
