@@ -111,7 +111,8 @@ def _train(spec: JobSpec, lease: JobLease | None, began_at: datetime) -> TrainSu
             # The step its workers restore is the job's newest commit as it starts (a view made once
             # they train finds their own commits too: a fresh job's first segment was shown "moving
             # step 20" after committing step 20; workers that fall back from a damaged step show none).
-            views = [partial(plan_reshard.submit, here, plan, held, job.step), partial(tag_devices, job.devices),
+            warm = bool(segments) and here.resources.warm_workers and job.nodes is None  # they hold the step
+            views = [partial(plan_reshard.submit, here, plan, held, job.step, warm), partial(tag_devices, job.devices),
                      *show_plan]
             with OnceTrained(*views) as shown, pool_devices(here, job.devices):
                 launched = launch_training(here, plan, scripted.at_step if scripted else None, resources, progress,

@@ -197,11 +197,29 @@ class WarmPool:
             argv += ["--until-step", str(until_step)]
         request = {"folder": str(folder), "world": plan.devices, "port": self._rendezvous_port(),
                    "prefix": f"{folder.name}/", "argv": argv, "env": dict(extra_env or {})}
+        self._keep_the_holders(spec, plan)
         ranks = self._procs[: plan.devices]
+        self._last = (spec.job_id, plan, ranks)
         for rank, proc in enumerate(ranks):
             proc.stdin.write(json.dumps({**request, "rank": rank}) + "\n")  # type: ignore[union-attr]
             proc.stdin.flush()  # type: ignore[union-attr]
         return folder, ranks
+
+    def _keep_the_holders(self, spec: JobSpec, plan: Plan) -> None:
+        """Where the job runs on fewer ranks than its last segment, the processes it keeps
+        first are those whose held state covers the most of its step (`ptc.Layout.
+        covering_ranks`): what they do not hold is read from storage. After pp 2 x dp 2, the
+        first two ranks held stage 0 twice and stage 1 came from storage; one of each stage
+        holds all of it."""
+        last = getattr(self, "_last", None)
+        if last is None or last[0] != spec.job_id or plan.devices >= last[1].devices:
+            return
+        from parashift.trainer.layout import state_layout  # torch, only where a job shrinks
+
+        _, previous, procs = last
+        order = [procs[r] for r in state_layout(previous, spec.model).covering_ranks(plan.devices)]
+        first = [proc for proc in order if proc in self._procs and proc.poll() is None][: plan.devices]
+        self._procs = first + [proc for proc in self._procs if proc not in first]
 
     def run(self, spec: JobSpec, plan: Plan, until_step: int | None = None,
             extra_env: dict[str, str] | None = None, timeout_s: float = JOB_TIMEOUT_S) -> LaunchResult:

@@ -94,6 +94,27 @@ class Layout:
         """The boxes this rank writes in a checkpoint, in a stable order."""
         return sorted(key for key, writer in self.writers().items() if writer == rank)
 
+    def covering_ranks(self, count: int) -> list[int]:
+        """Every rank, ordered so that the first `count` hold as many of the state's distinct
+        bytes as any `count` ranks greedily can: each next, the rank adding the most bytes no
+        rank before it holds (ties to the lowest). A job keeping `count` of these ranks' warm
+        processes keeps that much of its step in memory: after pp 2 x dp 2, the first two ranks
+        hold stage 0 twice, one rank of each stage holds everything."""
+        held: dict[int, set[tuple[str, Slice]]] = {r: set() for r in range(self.world_size)}
+        size: dict[tuple[str, Slice], int] = {}
+        for name, box, ranks in self.distinct_slices():
+            size[(name, box)] = box.numel * self.tensors[name].itemsize
+            for rank in ranks:
+                held[rank].add((name, box))
+        order: list[int] = []
+        covered: set[tuple[str, Slice]] = set()
+        for _ in range(min(count, self.world_size)):
+            best = max((r for r in held if r not in order),
+                       key=lambda r: (sum(size[k] for k in held[r] - covered), -r))
+            order.append(best)
+            covered |= held[best]
+        return order + [r for r in range(self.world_size) if r not in order]
+
     def boxes_of(self, rank: int) -> dict[str, Slice]:
         """Every box `rank` holds, by tensor name."""
         return {name: t.holders[rank] for name, t in self.tensors.items() if rank in t.holders}

@@ -64,12 +64,14 @@ def job_reshard_plan(spec: JobSpec, plan: Plan, held_step: int | None = None,
 
 @task(name="plan-reshard", retries=2, retry_delay_seconds=2, retry_condition_fn=retry_if_it_may_help)
 def plan_reshard(spec: JobSpec, plan: Plan, held_step: int | None = None,
-                 step: int | None = None) -> ReshardSummary | None:
+                 step: int | None = None, warm: bool = False) -> ReshardSummary | None:
     """Compute (without starting anything) each new rank's reads from the newest committed
     checkpoint (or the one of `step`, or the pending manifest of `held_step`, which warm
     workers hold); None when there is none, or when `held_step` has no pending manifest yet (a
     failure's survivors hold it). The workers then execute exactly these reads (those a live
-    rank holds from its memory)."""
+    rank holds from its memory). `warm`: the segment's workers held the step before it, so
+    what they hold comes from their memory, which this plan does not see (the start line
+    counts it)."""
     with environment(storage_environment(spec)):
         if held_step is not None and held_step not in job_store(spec).pending_steps():
             # Held by the survivors of a failure: nothing describes that step until the next
@@ -83,11 +85,12 @@ def plan_reshard(spec: JobSpec, plan: Plan, held_step: int | None = None,
     totals = reconfig.totals()
     summary = ReshardSummary(step=reconfig.step, devices=plan.devices, **{k: totals[k] for k in ReshardSummary.totals()})
     held = held_step is not None and reconfig.step == held_step  # not saved: every byte comes from live workers
-    get_run_logger().info(
-        "moving step %d onto %s (all ranks): %.1f MB read for %.1f MB needed in %d requests (%s)",
-        reconfig.step, plan.mesh, summary.bytes_read / 1e6, summary.bytes_needed / 1e6, summary.requests,
-        "from the warm workers' memory: the step is not saved" if held
-        else f"{summary.bytes_local / 1e6:.1f} MB from this node's tier")
+    where = ("from the warm workers' memory: the step is not saved" if held
+             else f"{summary.bytes_local / 1e6:.1f} MB from this node's tier" + (
+                 "; the warm workers serve what they hold from memory instead, the rest is read" if warm else ""))
+    get_run_logger().info("moving step %d onto %s (all ranks): %.1f MB read for %.1f MB needed in %d requests (%s)",
+                          reconfig.step, plan.mesh, summary.bytes_read / 1e6, summary.bytes_needed / 1e6,
+                          summary.requests, where)
     create_table_artifact(
         key=artifact_key(spec.job_id, f"reshard-{plan.devices}"),
         table=reconfig.summary(),

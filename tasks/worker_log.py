@@ -44,7 +44,7 @@ def describe(event: WorkerEvent, total_steps: int | None = None) -> str:
             return (f"step {event.step}{of}  loss {event.loss:.4f}  {event.tokens_per_s:,.0f} tok/s  "
                     f"{event.step_s * 1000:.0f} ms{mfu}{held}")
         case StartEvent():
-            where = f"resuming at step {event.step}" if event.resumed else "starting at step 0"
+            where = f"resuming at step {event.step}{_restored(event)}" if event.resumed else "starting at step 0"
             return f"{counted(event.world_size, 'worker')} (pids {event.pids}) {where}, training to step {event.end_step}"
         case RestoringEvent():
             return (f"rank 0 restores step {event.step}: {event.bytes_read / 1e6:,.1f} MB in {event.requests} reads "
@@ -66,6 +66,18 @@ def describe(event: WorkerEvent, total_steps: int | None = None) -> str:
             return f"{event.event} at step {event.step} ({event.samples_consumed:,} samples consumed)"
     fields = ", ".join(f"{k}={v}" for k, v in event.model_dump(exclude={"event", "received_at"}).items())
     return f"{event.event}: {fields}"
+
+
+def _restored(event: StartEvent) -> str:
+    """What every rank restored and from where, summed (the workers' own count: the flow's
+    reshard view is planned from the checkpoint and cannot see what warm workers hold)."""
+    got = event.restore_bytes
+    if not got or not got.get("needed"):
+        return ""
+    took = f" in {event.restore_s:.2f} s" if event.restore_s is not None else ""
+    return (f" ({got['needed'] / 1e6:,.1f} MB restored{took}: {got.get('live', 0) / 1e6:,.1f} MB from the workers' "
+            f"memory, {got.get('local', 0) / 1e6:,.1f} MB from the node's tier, {got.get('store', 0) / 1e6:,.1f} MB "
+            "from storage)")
 
 
 def present(line: str, total_steps: int | None = None) -> tuple[int, str]:

@@ -543,3 +543,31 @@ def test_an_event_in_the_middle_of_a_warm_change_ends_on_the_newest_count(prefec
     for before, after in itertools.pairwise(summary.segments):
         assert after.start_step == before.final_step  # each resumed exactly where the last committed
     assert_as_static(summary, static, spec, tmp_path / "samples")
+
+
+def test_a_pipeline_shrinking_on_warm_workers_keeps_a_rank_of_each_stage_and_saves_nothing(
+        prefect_server: None, tmp_path: Path) -> None:
+    """pp 2 x dp 2 on four warm workers, told to run on two: the pool keeps one rank of each
+    stage (`ptc.Layout.covering_ranks`), so the change holds its step in memory instead of
+    saving it, and the next segment restores every byte from the kept workers' own memory.
+    Before, the first two ranks were kept (stage 0 twice): the step was saved first and half of
+    it read back from storage."""
+    from parashift.tasks.events import ResourceEvent, emit_resource_change
+
+    spec = tiny_spec("pp-shrink", f"file://{tmp_path}/warm", model={"n_layers": 2},
+                     training={"steps": 80, "checkpoint_every": 100, "log_every": 1},
+                     resources={"devices": 4, "warm_workers": True},
+                     parallelism={"strategy": "pinned", "mesh": {"pp": 2, "dp": 2}, "micro_batches": 2,
+                                  "shard_data_parallel": False})
+
+    def react(event: WorkerEvent) -> None:
+        if isinstance(event, StepEvent) and event.step == 3:
+            emit_resource_change(spec.job_id, ResourceEvent(devices=2, epoch=10))
+
+    summary = run_flow(spec, react).result()
+    assert [(s.devices, s.outcome) for s in summary.segments] == [(4, "rescaled"), (2, "finished")]
+    first, second = summary.segments
+    assert first.held_unsaved and first.checkpoint_urls == [], first
+    moved = second.restore_bytes or {}
+    assert moved["store"] == 0 and moved["live"] == moved["read"] == moved["needed"] > 0, moved
+    assert sorted(step for seg in summary.segments for step, _ in seg.losses) == list(range(1, 81))

@@ -166,15 +166,18 @@ def test_a_pending_step_no_live_rank_can_serve_resumes_from_the_committed_one(re
     ("dp2", 1, True),  # rank 1's generator state is not needed on one device
     ("tp2", 1, False),  # rank 1's shards are held by rank 1 alone
     ("tp2", 3, True),  # every rank stays
-    ("pp2xtp2", 2, False),  # the second stage's ranks leave
+    ("pp2xtp2", 2, False),  # four distinct holdings: two ranks cannot hold them
+    ("pp2xdp2", 2, True),  # one rank of each stage is kept (the first two held stage 0 alone)
+    ("dp2xtp2", 2, True),  # one rank of each tp shard
+    ("dp2xtp2", 1, False),
 ])
-def test_a_step_is_held_for_the_next_segment_only_where_its_first_ranks_hold_every_box(plan: str, devices: int,
-                                                                                          held: bool) -> None:
+def test_a_step_is_held_for_the_next_segment_only_where_the_ranks_kept_hold_every_box(plan: str, devices: int,
+                                                                                      held: bool) -> None:
     from parashift.trainer.layout import state_layout
-    from parashift.trainer.state import held_by_first
+    from parashift.trainer.state import held_by_kept
     from test_reconfig import CONFIG, PLANS
 
-    assert held_by_first(state_layout(PLANS[plan], CONFIG), devices) is held
+    assert held_by_kept(state_layout(PLANS[plan], CONFIG), devices) is held
 
 
 def test_only_a_stop_object_that_names_the_next_device_count_announces_a_change(tmp_path: Path) -> None:
@@ -197,3 +200,24 @@ def test_only_a_stop_object_that_names_the_next_device_count_announces_a_change(
     finally:
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
+
+
+def test_a_job_shrinking_on_warm_workers_keeps_the_processes_that_hold_its_state(tmp_path: Path) -> None:
+    """pp 2 x dp 2 on four warm workers, then dp 2 on two: the pool keeps one rank of each stage
+    (`launcher.warm_pool`; keeping the first two kept stage 0 twice, and stage 1 was read from
+    storage). Every byte of the step comes from their memory, and the losses are a static run's."""
+    from jobs import assert_losses_match, mesh_plan, run, tiny_spec
+    from parashift.specs.plan import Plan
+
+    model, training = {"n_layers": 2}, {"steps": 8, "checkpoint_every": 4}
+    static = run(tiny_spec("static-shrink", f"file://{tmp_path}/static", model=model, training=training),
+                 Plan.data_parallel(2))
+    spec = tiny_spec("shrink", f"file://{tmp_path}/store", model=model, training=training)
+    first = run(spec, mesh_plan({"pp": 2, "dp": 2}, micro_batches=2), until_step=4)
+    second = run(spec, Plan.data_parallel(2))
+    assert second.start is not None and second.start.step == 4
+    moved = second.start.restore_bytes or {}
+    assert moved["store"] == 0 and moved["live"] == moved["read"] == moved["needed"] > 0, moved
+    losses = [loss for _, loss in sorted({e.step: e.loss for e in static.steps}.items())]
+    assert_losses_match(first, losses)
+    assert_losses_match(second, losses)

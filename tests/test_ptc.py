@@ -63,3 +63,38 @@ def test_rank_local_tensors_are_written_by_their_rank() -> None:
 def test_layout_distinct_slices_groups_replicas() -> None:
     layout = Layout(2, {"w": TensorLayout("w", (4,), "float32", {0: Slice((0,), (4,)), 1: Slice((0,), (4,))})})
     assert layout.distinct_slices() == [("w", Slice((0,), (4,)), [0, 1])]
+
+
+def test_the_first_ranks_cover_the_most_of_the_state_a_subset_of_their_size_can() -> None:
+    """`Layout.covering_ranks`: the warm processes a job keeps when it shrinks. For a GPT's state
+    under meshes of pp, tp, dp and FSDP, the first k ranks hold as many distinct bytes as the
+    best k ranks (every subset tried), and once k reaches the number of distinct holdings, all
+    of the state: after pp 2 x dp 2, ranks 0 and 1 held stage 0 twice."""
+    from itertools import combinations
+
+    from jobs import mesh_plan, tiny_spec
+    from parashift.trainer.layout import state_layout
+
+    model = tiny_spec("cover", "memory://cover", model={"n_layers": 2}).model
+    meshes = [({"pp": 2, "dp": 2}, {"micro_batches": 2}), ({"dp": 2, "tp": 2}, {}), ({"pp": 2, "tp": 2}, {"micro_batches": 2}),
+              ({"dp": 4}, {"dp_shard": 2}), ({"pp": 2, "dp": 4}, {"micro_batches": 2, "dp_shard": 2})]
+    for mesh, fields in meshes:
+        layout = state_layout(mesh_plan(mesh, **fields), model)
+        size = {(n, b): b.numel * layout.tensors[n].itemsize for n, b, _ in layout.distinct_slices()}
+        held = {r: {(n, b) for n, b in layout.boxes_of(r).items()} for r in range(layout.world_size)}
+
+        def covered(ranks, held=held, size=size):
+            return sum(size[k] for k in set().union(*(held[r] for r in ranks)))
+
+        for k in range(1, layout.world_size + 1):
+            order = layout.covering_ranks(k)
+            assert sorted(order) == list(range(layout.world_size))
+            best = max(covered(c) for c in combinations(range(layout.world_size), k))
+            assert covered(order[:k]) == best, (mesh, k, order)
+    # Two ranks of pp 2 x dp 2 hold the whole model and optimizer state (a rank's generator
+    # state is its own; warm workers keep every rank's, a few KB: trainer.checkpoint.live.hold).
+    pp = state_layout(mesh_plan({"pp": 2, "dp": 2}, micro_batches=2), model)
+    kept = pp.covering_ranks(2)[:2]
+    state = {(n, b) for n, b, _ in pp.distinct_slices() if not n.startswith("rng/")}
+    assert state <= {(n, b) for r in kept for n, b in pp.boxes_of(r).items()}, kept
+    assert not state <= {(n, b) for r in (0, 1) for n, b in pp.boxes_of(r).items()}  # the first two did not

@@ -11,6 +11,13 @@ def test_events_read_as_sentences() -> None:
     assert present(step, 400) == (logging.INFO, "step 12/400  loss 2.4893  11,489 tok/s  22 ms")
     start = events.PREFIX + '{"event": "start", "step": 10, "resumed": true, "world_size": 2, "pids": [5, 6], "end_step": 40}'
     assert present(start)[1] == "2 workers (pids [5, 6]) resuming at step 10, training to step 40"
+    # What every rank restored, and from where: warm workers serve much of it from memory
+    moved = events.PREFIX + events.StartEvent(step=20, resumed=True, world_size=2, pids=[5, 6], end_step=40, restore_s=0.02,
+                                              restore_bytes={"needed": 3_300_000, "read": 3_300_000, "local": 0,
+                                                             "live": 1_800_000, "network": 900_000,
+                                                             "store": 1_500_000}).model_dump_json()
+    assert present(moved)[1] == ("2 workers (pids [5, 6]) resuming at step 20 (3.3 MB restored in 0.02 s: 1.8 MB from the "
+                                 "workers' memory, 0.0 MB from the node's tier, 1.5 MB from storage), training to step 40")
     done = events.PREFIX + '{"event": "finished", "step": 6, "samples_consumed": 48}'
     assert present(done, 12)[1] == "segment done at step 6 (48 samples consumed)"  # a scripted change comes next
     assert present(done, 6)[1] == "finished at step 6 (48 samples consumed)"

@@ -230,9 +230,10 @@ def rank_private(name: str) -> int | None:
     return int(match.group(1)) if match else None
 
 
-def held_by_first(layout: Layout, devices: int) -> bool:
-    """Whether ranks below `devices` of `layout` hold every box a job on `devices` devices
-    needs, so that warm workers that keep those ranks' processes can serve it from memory
-    alone. Ranks' own generator states do not count: every warm rank holds every rank's
-    (`trainer.worker`, at the end of a segment)."""
-    return all(min(ranks) < devices for name, _, ranks in layout.distinct_slices() if rank_private(name) is None)
+def held_by_kept(layout: Layout, devices: int) -> bool:
+    """Whether the ranks of `layout` whose processes warm workers keep for a job on `devices`
+    devices (`Layout.covering_ranks`, as `launcher.warm_pool` keeps them) hold every box it
+    needs, so that they can serve it from memory alone. Ranks' own generator states do not
+    count: every warm rank holds every rank's (`trainer.worker`, at the end of a segment)."""
+    kept = set(layout.covering_ranks(devices)[:devices])
+    return all(kept & set(ranks) for name, _, ranks in layout.distinct_slices() if rank_private(name) is None)

@@ -24,7 +24,7 @@ from parashift.trainer.saves import Ended, Saves
 from parashift.trainer.state import (
     collect_state,
     generator_states,
-    held_by_first,
+    held_by_kept,
     rank_private,
 )
 
@@ -85,10 +85,10 @@ def hold_after_failure(spec: JobSpec, built: Built, layout: Any, save: Saves, wh
 def holds_for_next(stops: StopRequests, layout: Any, rank: int, world_size: int, device: torch.device) -> bool:
     """At a stop: whether the ranks keep the step in memory for the next segment instead of
     saving it first, decided by rank 0 for all. Only warm workers, only for a planned change
-    (the stop object names the next device count), and only where the ranks the next segment
-    keeps (the first ones) hold every box it can need."""
+    (the stop object names the next device count), and only where the ranks whose processes
+    the next segment keeps (`trainer.state.held_by_kept`) hold every box it can need."""
     devices = stops.next_devices() if rank == 0 and is_warm_worker() else None
-    decision = torch.tensor([1.0 if devices is not None and held_by_first(layout, devices) else 0.0], device=device)
+    decision = torch.tensor([1.0 if devices is not None and held_by_kept(layout, devices) else 0.0], device=device)
     if world_size > 1:
         dist.broadcast(decision, src=0)
     return decision.item() > 0
