@@ -55,6 +55,8 @@ def test_text_glob_and_token_files(tmp_path) -> None:
     (tmp_path / "b.txt").write_bytes(b"world")
     tokens = load_tokens(DataSpec(url=f"file://{tmp_path}/*.txt"))
     assert bytes(tokens.astype(np.uint8)) == b"hello world"
+    # `max_bytes: null` is "all of it" (it asked each file for 2**62 bytes: a MemoryError, retried as a failure)
+    assert bytes(load_tokens(DataSpec(url=f"file://{tmp_path}/*.txt", max_bytes=None)).astype(np.uint8)) == b"hello world"
     np.array([1, 300, 65535], dtype="<u2").tofile(tmp_path / "t.bin")
     toks = load_tokens(DataSpec(url=f"file://{tmp_path}/t.bin", format="tokens"))
     assert toks.tolist() == [1, 300, 65535]

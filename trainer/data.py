@@ -80,15 +80,15 @@ def _read_files(spec: DataSpec) -> list[bytes]:
     paths = _expand(spec.url, storage_options)
     if not paths:
         raise FileNotFoundError(f"data.url {spec.url!r} matches no files")
-    budget = spec.max_bytes or 1 << 62
+    budget = spec.max_bytes  # None: all of it (a read of "at most 2**62 bytes" allocates them first)
     chunks: list[bytes] = []
     for path in paths:
-        if budget <= 0:
+        if budget is not None and budget <= 0:
             break
         with fsspec.open(path, "rb", **({} if path.startswith("file://") else storage_options)) as handle:
-            data = handle.read(budget)
+            data = handle.read() if budget is None else handle.read(budget)
         chunks.append(data)
-        budget -= len(data)
+        budget = None if budget is None else budget - len(data)
     return chunks
 
 
