@@ -24,6 +24,10 @@ from parashift.specs.plan import Plan
 from parashift.trainer.events import WorkerEvent
 
 # torchrun's summary of a failed worker: "rank : 1 (local_rank: 1)" and "exitcode : -9 (pid: 123)"
+# A line's relayed prefixes ("[rank0]: ", a node's "[a] ") before what the worker wrote.
+_PREFIXES = re.compile(r"^(?:\[[^\]]*\]:?\s?)+")
+_TRACEBACK = "Traceback (most recent call last):"
+_EXCEPTION = re.compile(r"^[A-Za-z_][\w.]*(?::|\s*$)")  # "ValueError: ...", "MemoryError"
 _FAILED_RANK = re.compile(r"^\s*rank\s*:\s*(\d+)")
 _EXIT_CODE = re.compile(r"^\s*exitcode\s*:\s*(-?\d+)")
 
@@ -68,16 +72,35 @@ def failure_reason(result: LaunchResult, lines: list[str]) -> str:
             (f": {suspects}" if suspects else "")
     if result.failed_rank is not None:  # warm workers: the launcher saw the rank die itself
         rank, code = result.failed_rank
-        return f"rank {rank} {_how(code)} (a warm worker; another process takes its place)"
+        return f"rank {rank} {_how(code, lines)} (a warm worker; another process takes its place)"
     found = root_cause(lines, result.first_exited)
     if found is not None:
         rank, code = found
-        return f"rank {rank} {_how(code)} (torchrun exited with {result.returncode})"
+        return f"rank {rank} {_how(code, lines)} (torchrun exited with {result.returncode})"
     return f"workers exited with code {result.returncode}"
 
 
-def _how(code: int) -> str:
-    return f"killed by signal {-code}" if code < 0 else f"exited with code {code}"
+def _how(code: int, lines: list[str]) -> str:
+    if code < 0:
+        return f"killed by signal {-code}"
+    raised = first_exception(lines)
+    return f"exited with code {code}" + (f": {raised}" if raised else "")
+
+
+def first_exception(lines: list[str]) -> str | None:
+    """The exception line of the first Python traceback in the workers' output (torchrun's own
+    ChildFailedError aside): the error a rank raised first, which its peers' broken collectives
+    follow. A run that failed on a MemoryError in every rank said only "exited with code 1"."""
+    inside = False
+    for line in lines:
+        text = _PREFIXES.sub("", line)
+        if _TRACEBACK in text:
+            inside = True
+        elif inside and _EXCEPTION.match(text):
+            inside = False
+            if "ChildFailedError" not in text:
+                return text.strip()[:300]
+    return None
 
 
 def root_cause(lines: list[str], first_exited: list[int] | None = None) -> tuple[int, int] | None:

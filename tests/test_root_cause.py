@@ -130,3 +130,22 @@ def test_a_node_s_report_carries_the_hang_s_culprit() -> None:
     got = NodeReport.model_validate_json(sent.model_dump_json()).launch_result()
     assert failure_reason(got, []) == ("workers reported nothing for 905 s (hung; ended by the launcher): "
                                        "rank 5 was stopped (SIGSTOP, or a debugger)")
+
+
+def test_a_rank_that_raised_is_named_with_its_exception(tmp_path: Path) -> None:
+    """Every rank raised (a data URL that matches nothing): the reason carries the first
+    traceback's exception, not only "exited with code 1" (a run that failed on a MemoryError in
+    every rank said nothing more, twice, then "cannot make progress")."""
+    from parashift.launcher.segment import first_exception
+
+    spec = tiny_spec("raised", f"file://{tmp_path}/store", data={"url": f"file://{tmp_path}/nothing/*.txt"})
+    lines: list[str] = []
+    result = launch_workers(spec, Plan.data_parallel(2), on_line=lines.append)
+    assert result.returncode != 0
+    assert failure_reason(result, lines).startswith(
+        f"rank 0 exited with code 1: FileNotFoundError: data.url 'file://{tmp_path}/nothing/*.txt' matches no files"), lines
+    # torchrun's own ChildFailedError, and a line of another rank's output inside a traceback, are not it
+    assert first_exception(["Traceback (most recent call last):", '  File "run.py", line 1', "E1206 12:00:01.5 77 x] y",
+                            "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: ",
+                            "[rank1]: Traceback (most recent call last):", "[rank1]:   File \"w.py\", line 2",
+                            "[rank1]: MemoryError"]) == "MemoryError"
