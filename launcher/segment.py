@@ -23,11 +23,11 @@ from parashift.specs import JobSpec
 from parashift.specs.plan import Plan
 from parashift.trainer.events import WorkerEvent
 
-# torchrun's summary of a failed worker: "rank : 1 (local_rank: 1)" and "exitcode : -9 (pid: 123)"
 # A line's relayed prefixes ("[rank0]: ", a node's "[a] ") before what the worker wrote.
 _PREFIXES = re.compile(r"^(?:\[[^\]]*\]:?\s?)+")
 _TRACEBACK = "Traceback (most recent call last):"
 _EXCEPTION = re.compile(r"^[A-Za-z_][\w.]*(?::|\s*$)")  # "ValueError: ...", "MemoryError"
+# torchrun's summary of a failed worker: "rank : 1 (local_rank: 1)" and "exitcode : -9 (pid: 123)"
 _FAILED_RANK = re.compile(r"^\s*rank\s*:\s*(\d+)")
 _EXIT_CODE = re.compile(r"^\s*exitcode\s*:\s*(-?\d+)")
 

@@ -66,6 +66,8 @@ class WarmPool:
         self._spares: list[subprocess.Popen[str]] = []
         self._worker_pids: dict[int, int] = {}  # by process started: the pid that runs its jobs
         self._store: Any = None  # the jobs' rendezvous (`_rendezvous_port`)
+        # The last job run here: its id, plan and the processes that ran its ranks (`_keep_the_holders`).
+        self._last: tuple[str, Plan, list[subprocess.Popen[str]]] | None = None
         self._start()
 
     def _rendezvous_port(self) -> int:
@@ -211,7 +213,7 @@ class WarmPool:
         covering_ranks`): what they do not hold is read from storage. After pp 2 x dp 2, the
         first two ranks held stage 0 twice and stage 1 came from storage; one of each stage
         holds all of it."""
-        last = getattr(self, "_last", None)
+        last = self._last
         if last is None or last[0] != spec.job_id or plan.devices >= last[1].devices:
             return
         from parashift.trainer.layout import state_layout  # torch, only where a job shrinks
