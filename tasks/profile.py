@@ -84,10 +84,11 @@ def build_profile(spec: JobSpec, comm: CommModel | None = None) -> ModelProfile 
 def measured_profile(spec: JobSpec, comm: CommModel | None) -> MeasuredProfile:
     """A model without an op graph (the hf family) measured here: one sequence's forward and
     backward, what autograd keeps, its parameters (planner/measured.py)."""
-    from parashift.trainer.measure_model import measure_model
+    from parashift.trainer.measure_model import measure_for_gpus, measure_model
 
     res, train = spec.resources, spec.training
-    measured = measure_model(spec.model, train.micro_batch, spec.parallelism.precision, train.seed)
+    measured = (measure_model(spec.model, train.micro_batch, spec.parallelism.precision, train.seed)
+                if res.kind == "cpu" else measure_for_gpus(spec.model, spec.parallelism.precision, train.seed))
     return profile_from_measurements(spec.model.tag, measured, res.kind, res.devices_per_node if res.nodes else res.devices,
                                      res.memory_gb, comm, res.devices_per_node, spec.model.seq_len)
 

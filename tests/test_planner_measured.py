@@ -74,3 +74,23 @@ def test_parashift_plan_says_whether_an_hf_models_state_is_sharded(tmp_path) -> 
     out = CliRunner().invoke(app, ["plan", str(spec), "--devices", "2"])
     assert out.exit_code == 0, out.output
     assert out.output.splitlines()[0].startswith("hf-") and ": dp 2, state replicated (" in out.output.splitlines()[0]
+
+
+@pytest.mark.parametrize("model_type", ["llama", "gpt2"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_a_gpu_model_is_measured_without_building_it_whole(model_type: str, precision: str) -> None:
+    """A GPU job's hf model was built whole on the flow's CPU and timed there (an 8B model: 32 GB
+    and half an hour on one thread). Its counts now come from the meta device and its kept bytes
+    from small copies (1 and 2 layers, 256 and 512 ids), extended to its depth and vocabulary:
+    equal to the whole model's measurement."""
+    from parashift.models.hf.spec import HFSpec
+    from parashift.trainer.measure_model import measure_for_gpus, measure_model
+
+    # 1,000 ids: the small copies' 256 and 512 extended to them; a pad id beyond the copies'
+    config = ({"model_type": "llama", "num_hidden_layers": 4, "hidden_size": 32, "num_attention_heads": 4,
+               "intermediate_size": 64, "vocab_size": 1000, "pad_token_id": 999} if model_type == "llama" else
+              {"model_type": "gpt2", "n_layer": 4, "n_embd": 32, "n_head": 4, "vocab_size": 1000})
+    spec = HFSpec(family="hf", seq_len=16, config=config)
+    whole, gpu = measure_model(spec, 1, precision, repeats=1), measure_for_gpus(spec, precision)
+    for key in ("activation_bytes", "n_params", "layer_params", "root_params", "flops_per_token"):
+        assert gpu[key] == whole[key], key

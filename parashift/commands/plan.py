@@ -114,10 +114,12 @@ def plan(
         profile = profile_graph(op_graph, kind, measure, memory_gb=res.memory_gb, devices_per_node=res.devices_per_node)
     elif family_of(model).graph_builder is None:  # no op graph: the data axis's options, measured here
         from parashift.planner.measured import plan_measured, profile_from_measurements
-        from parashift.trainer.measure_model import measure_model
+        from parashift.trainer.measure_model import measure_for_gpus, measure_model
 
         train = job.training
-        measured = profile_from_measurements(model.tag, measure_model(model, train.micro_batch, par.precision), kind,
+        numbers = (measure_model(model, train.micro_batch, par.precision) if kind == "cpu"
+                   else measure_for_gpus(model, par.precision))
+        measured = profile_from_measurements(model.tag, numbers, kind,
                                              res.devices_per_node or n, res.memory_gb, None, res.devices_per_node,
                                              model.seq_len)
         result = plan_measured(measured, n, train.global_batch, train.micro_batch,
