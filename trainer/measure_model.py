@@ -11,7 +11,7 @@ from parashift.models import family_of
 from parashift.models.layers import token_loss_sum
 from parashift.trainer.memory import kept_for_backward
 
-_DEPTH_FIELDS = ("num_hidden_layers", "n_layer", "num_layers")
+_DEPTH_FIELDS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
 _TOKEN_FIELDS = ("pad_token_id", "bos_token_id", "eos_token_id")
 _SMALL_VOCAB = 256
 
