@@ -274,3 +274,33 @@ def test_submit_refuses_a_spec_a_pool_over_nodes_cannot_place(tmp_path: Path) ->
     assert out.exit_code == 1 and f"{spec}: resources.nodes: a pool over nodes places its jobs" in out.output, out.output
     _, out = submitted(tmp_path, over_nodes, "name: fits\nresources: {devices: 3}\n")
     assert out.exit_code == 0 and "fits submitted to pool p" in out.output, out.output
+
+
+def test_pool_status_shows_each_job_s_devices_progress_and_why_from_storage(tmp_path: Path) -> None:
+    """`parashift pool POOL --status`: the pool seen from a terminal (the UI's artifacts need a
+    server): its line, then a row per job with the last decision's reason; a submission the
+    controller has not taken in yet is counted."""
+    from parashift.pool.state import submit, write_state
+    from parashift.storage import ObjectStore
+    from typer.testing import CliRunner
+
+    from parashift.cli import app
+
+    book, _ = book_of(devices=2)
+    book.state.pool = "lab"
+    book.submitted("k1", 1.0, job("low", min_devices=2), lambda spec: {2: 1.0})
+    book.submitted("k2", 2.0, job("high", min_devices=2, priority=3), lambda spec: {2: 1.0})
+    book.allocate(["low, high submitted"])
+    book.state.jobs["high"].status, book.state.jobs["high"].steps_done = "running", 250
+    store = ObjectStore(f"file://{tmp_path}/store")
+    write_state(store, book.state)
+    submit(store, "lab", job("later"))
+    (tmp_path / "pool.yaml").write_text(f"name: lab\ndevices: 2\nstorage: {{url: 'file://{tmp_path}/store'}}\n")
+    shown = CliRunner().invoke(app, ["pool", str(tmp_path / "pool.yaml"), "--status"], env={"COLUMNS": "200"})
+    assert shown.exit_code == 0, shown.output
+    lines = shown.output.splitlines()
+    assert lines[0].startswith("pool lab: 2 devices (2 allocated), jobs: 1 running, 1 waiting; 1 submission not taken in"), lines
+    high = next(line for line in lines[1:] if "high" in line)
+    assert "running" in high and "250/1000" in high and "2..16" in high
+    low = next(line for line in lines[1:] if " low " in line)
+    assert "waiting" in low and "waits" in low

@@ -54,11 +54,16 @@ def submit(
 def pool(
     pool_file: Path = typer.Argument(..., help="the pool file (pool.yaml)"),
     until_idle: bool = typer.Option(False, "--until-idle", help="end when every job submitted has ended"),
+    status: bool = typer.Option(False, "--status", help="show what the pool is doing (from its storage) and exit"),
 ) -> None:
     """Run the pool's controller (a `pool-controller` flow run) against the Prefect server of
-    PREFECT_API_URL: jobs start as runs of its train-job deployment, which a process worker runs."""
+    PREFECT_API_URL: jobs start as runs of its train-job deployment, which a process worker runs.
+    With --status: each job's devices, progress and why, read from the pool's storage."""
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     spec = load_pool_or_exit(pool_file).with_storage_root(os.getcwd())
+    if status:
+        show_status(spec)
+        return
     from parashift.tasks.events import api_url
 
     if api_url() is None:
@@ -70,3 +75,25 @@ def pool(
     result = pool_controller(spec, until_idle=until_idle)
     for job, record in result.items():
         typer.echo(f"{job}: {record['status']}" + (f" ({record['reason']})" if record.get("reason") else ""))
+
+
+def show_status(spec: PoolSpec) -> None:
+    """The pool's line and a row per job, from the state its controller keeps in storage."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from parashift.pool.state import pool_key, read_state
+    from parashift.pool.status import status_line, status_rows
+    from parashift.storage import open_store
+
+    store = open_store(spec.storage)
+    state = read_state(store, spec.name, spec.devices, spec.nodes, spec.devices_per_node)
+    pending = [k for k in store.list(pool_key(spec.name, "submitted")) if k not in set(state.submissions_seen)]
+    console = Console(soft_wrap=True)
+    console.print(status_line(state, len(pending)), markup=False, highlight=False)
+    rows = status_rows(state)
+    if rows:
+        table = Table(*rows[0].keys())
+        for row in rows:
+            table.add_row(*row.values())
+        console.print(table)
