@@ -17,6 +17,7 @@ from parashift.commands import run as run_command
 from parashift.commands import scale as scale_command
 from parashift.commands import serve as serve_command
 from parashift.commands import spec as spec_commands
+from parashift.commands import status as status_command
 from parashift.commands import stop as stop_command
 
 app = typer.Typer(
@@ -31,6 +32,7 @@ app.command("schema")(spec_commands.schema)
 app.command("plan")(plan_command.plan)
 app.command("run")(run_command.run)
 app.command("reshard-plan")(reshard_command.reshard_plan)
+app.command("status")(status_command.status)
 app.command("stop")(stop_command.stop)
 app.command("scale")(scale_command.scale)
 app.command("serve")(serve_command.serve)

@@ -16,7 +16,7 @@ from parashift.ptc import Layout
 from parashift.ptc.chunks import chunk_rows, split_points, storage_order
 from parashift.ptc.layout import Slice
 from parashift.specs.plan import Plan
-from parashift.storage import CheckpointStore, ObjectStore
+from parashift.storage import CheckpointStore, JobLease, ObjectStore
 from parashift.storage.manifest import manifest_digest
 from parashift.trainer.checkpoint import execute_reads, reads_for, reshard_plan
 from parashift.trainer.layout import state_layout
@@ -161,6 +161,17 @@ def test_reshard_plan_command_shows_the_moves_before_anything_starts(tmp_path) -
     table = runner.invoke(app, ["reshard-plan", str(spec_file), "--devices", "3"])
     assert table.exit_code == 0 and "requests" in table.output
     assert next(line for line in table.output.splitlines() if line.startswith("total:")).endswith("from this node")
+    # `parashift status`: where the job stands, from its storage alone
+    (tmp_path / "store/jobs/moving/ckpt/00000007").mkdir()
+    (tmp_path / "store/jobs/moving/ckpt/00000007/manifest.json").write_text('{"format_version": 3}')
+    JobLease(ObjectStore(url), "moving").acquire()
+    runner.invoke(app, ["stop", str(spec_file), "--reason", "a test"])
+    shown = runner.invoke(app, ["status", str(spec_file)])
+    assert shown.exit_code == 0, shown.output
+    lines = {line.split()[0]: line for line in shown.output.splitlines()[1:]}
+    assert "holds it, its lease live for" in lines["run"]
+    assert lines["checkpoints"].startswith("  checkpoints   5 (newest: step 5 of"), lines
+    assert "on 4 devices" in lines["newest"] and "step 7" in lines["refused"] and "(a test)" in lines["stop"]
 
 
 @settings(max_examples=40, deadline=None)
