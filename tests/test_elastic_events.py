@@ -555,7 +555,7 @@ def test_a_pipeline_shrinking_on_warm_workers_keeps_a_rank_of_each_stage_and_sav
     from parashift.tasks.events import ResourceEvent, emit_resource_change
 
     spec = tiny_spec("pp-shrink", f"file://{tmp_path}/warm", model={"n_layers": 2},
-                     training={"steps": 80, "checkpoint_every": 100, "log_every": 1},
+                     training={**LONG, "checkpoint_every": 200},
                      resources={"devices": 4, "warm_workers": True},
                      parallelism={"strategy": "pinned", "mesh": {"pp": 2, "dp": 2}, "micro_batches": 2,
                                   "shard_data_parallel": False})
@@ -570,4 +570,4 @@ def test_a_pipeline_shrinking_on_warm_workers_keeps_a_rank_of_each_stage_and_sav
     assert first.held_unsaved and first.checkpoint_urls == [], first
     moved = second.restore_bytes or {}
     assert moved["store"] == 0 and moved["live"] == moved["read"] == moved["needed"] > 0, moved
-    assert sorted(step for seg in summary.segments for step, _ in seg.losses) == list(range(1, 81))
+    assert sorted(step for seg in summary.segments for step, _ in seg.losses) == list(range(1, LONG["steps"] + 1))
