@@ -41,6 +41,7 @@ from parashift.planner.stage import (
     stage_result,
 )
 from parashift.specs.plan import OpPlacement, Plan
+from parashift.specs.words import gib
 
 
 def _as_profile(source: ModelProfile | Graph, device_kind: str, devices_per_node: int | None) -> ModelProfile:
@@ -115,10 +116,10 @@ def to_plan(best: Candidate, devices: int, base: dict[str, Candidate | None], li
         if cand is None:
             notes.append(f"{name} baseline: not executable here (a split does not divide, or it breaks a tie group)")
         elif not cand.fits(limit):
-            notes.append(f"{name} baseline needs {cand.memory_bytes / 2**30:.1f} GiB per device, over the limit")
+            notes.append(f"{name} baseline needs {gib(cand.memory_bytes)} per device, over the limit")
     feasible = best.fits(limit)
     if not feasible:
-        notes.append(f"no strategy fits {limit / 2**30:.1f} GiB per device")
+        notes.append(f"no strategy fits {gib(limit)} per device")
     proven, lower = optimality(best, searched, limit) if feasible and searched is not None else (None, None)
     if best.stage_ac:  # outside the searched space (one mode per candidate): its optimality is not claimed
         proven, lower = None, None
@@ -240,9 +241,9 @@ def plan_model(source: ModelProfile | Graph, devices: int, memory_limit_bytes: i
         pool += found
     pool += [c for c in base.values() if c is not None]
     best = closest_to_fitting(pool)
-    best.notes.append(f"nothing fits {limit / 2**30:.1f} GiB per device: this is the layout closest to fitting, "
-                      f"needing {best.memory_bytes / 2**30:.1f} GiB per device (weights and optimizer state alone "
-                      f"need >= {floor / 2**30:.1f} GiB even split {devices} ways)")
+    best.notes.append(f"nothing fits {gib(limit)} per device: this is the layout closest to fitting, "
+                      f"needing {gib(best.memory_bytes)} per device (weights and optimizer state alone "
+                      f"need >= {gib(floor)} even split {devices} ways)")
     return to_plan(best, devices, base, limit, profile.graph)
 
 

@@ -266,7 +266,8 @@ class ResourcesSpec(_Section):
         "for CPU ones. gloo: gloo for everything (several ranks sharing one GPU, which NCCL refuses).",
     )
     memory_gb: float | None = Field(
-        None, gt=0.0, le=1e6, description="Memory per device in GB, for the planner (null: measure).",
+        None, gt=0.0, le=1e6, description="Memory per device in GiB, for the planner, which keeps the "
+                                           "parallelism.memory_reserve of it free (null: measure).",
     )
     devices_per_node: int | None = Field(
         None, ge=1, le=1024, description="Devices per node, for the planner's communication model (null: one node)."

@@ -16,7 +16,7 @@ from parashift.planner.replan import Option, comparison, pick
 from parashift.planner.search import plan_model, plan_options
 from parashift.specs import JobSpec
 from parashift.specs.plan import AC_MODES, Plan
-from parashift.specs.words import counted
+from parashift.specs.words import counted, gib
 from parashift.tasks.artifacts import artifact_key
 from parashift.tasks.credentials import environment, storage_environment
 from parashift.tasks.profile import NeedsMeasurement, ensure_profile, load_profile
@@ -214,6 +214,16 @@ def plan_parallelism(spec: JobSpec, model: ModelSummary, devices: int, step: int
     return plan
 
 
+def plan_warnings(plan: Plan) -> list[str]:
+    """What the run log says as warnings of a plan: one that does not fit its devices' memory
+    (the layout closest to fitting) was said in INFO notes alone, and a run summary showed nothing."""
+    if plan.feasible:
+        return []
+    return [f"no plan fits each device's memory less the reserve: this one needs {gib(plan.memory_per_device_bytes or 0)} "
+            "per device and may run out of memory (more devices, activation checkpointing, a smaller micro_batch, or "
+            "resources.memory_gb if the devices have more)"]
+
+
 @task(name="publish-plan", cache_policy=NO_CACHE)
 def publish_plan(spec: JobSpec, prepared: PreparedPlan, plan: Plan, step: int,
                  choice: list[dict[str, object]] | None = None) -> None:
@@ -224,6 +234,8 @@ def publish_plan(spec: JobSpec, prepared: PreparedPlan, plan: Plan, step: int,
         logger.log(level, line)
     for note in plan.notes:
         logger.info(note)
+    for warning in plan_warnings(plan):
+        logger.warning(warning)
     if choice is not None:
         create_table_artifact(key=artifact_key(spec.job_id, f"plan-choice-{devices}"), table=choice,
                               description=f"Plans for {spec.job_id} on {counted(devices, 'device')} from step {step}: "

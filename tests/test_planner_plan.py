@@ -421,6 +421,11 @@ def test_the_spec_can_forbid_sharding_data_parallelism(tmp_path: Path) -> None:
         plans[allowed] = Plan.model_validate_json(out.output)
     assert plans[False].dp_shard == 1 and not plans[False].feasible
     assert plans[True].dp_shard == 8 and plans[True].feasible, (plans[True].mesh, plans[True].dp_shard)
+    # A run of the plan that does not fit warns (its notes are INFO): the run's summary shows it
+    from parashift.tasks.plan import plan_warnings
+
+    (warning,) = plan_warnings(plans[False])
+    assert "may run out of memory" in warning and plan_warnings(plans[True]) == []
 
 
 def test_the_planner_leaves_the_spec_s_reserve_of_each_device_free(tmp_path: Path) -> None:

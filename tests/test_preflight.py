@@ -112,10 +112,17 @@ def test_max_bytes_below_one_sample_is_named(tmp_path: Path) -> None:
 
 def test_model_too_big_for_the_devices(tmp_path: Path) -> None:
     big = {"n_layers": 96, "d_model": 12288, "n_heads": 96, "vocab_size": 50257, "seq_len": 32, "dropout": 0.0}
-    one(check_devices(spec_with(tmp_path, model=big)), "model", "needs at least", "GB per device",
+    one(check_devices(spec_with(tmp_path, model=big)), "model", "needs at least", "GiB per device",
         "parallelism.strategy: auto")
     small_gpu = spec_with(tmp_path, resources={"devices": 2, "kind": "cpu", "memory_gb": 0.0001})
     one(check_devices(small_gpu), "model", "resources.memory_gb 0.0001")
+    # What the planner may fill, as it reads memory_gb (GiB, less its reserve): 0.05 GiB held the
+    # tiny model's state (passed here) and the 1 GiB reserve left the planner nothing: a plan over
+    # its limit ran. Without the reserve it fits.
+    reserved = spec_with(tmp_path, resources={"devices": 2, "kind": "cpu", "memory_gb": 0.05})
+    one(check_devices(reserved), "model", "less the planner's reserve gives 0 GiB", "parallelism.memory_reserve_gb")
+    assert check_devices(spec_with(tmp_path, resources={"devices": 2, "kind": "cpu", "memory_gb": 0.05},
+                                   parallelism={"memory_reserve": 0, "memory_reserve_gb": 0})) == []
 
 
 def test_more_cpu_workers_than_the_machine_holds(tmp_path: Path) -> None:
