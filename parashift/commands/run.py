@@ -133,7 +133,8 @@ def _train(spec: JobSpec, verbose: bool, began_at: datetime) -> None:
     if summary.segments and summary.segments[-1].stopped:
         console.print(f"[bold yellow]stopped[/]: {summary.job_id} at step {summary.steps}, checkpoint committed; run again to resume")
     elif trained == 0:
-        console.print(f"[bold green]done[/]: {summary.job_id} was already trained to step {summary.steps}")
+        past = f" (past training.steps, {spec.training.steps})" if summary.steps > spec.training.steps else ""
+        console.print(f"[bold green]done[/]: {summary.job_id} was already trained to step {summary.steps}{past}")
     else:
         console.print(f"[bold green]done[/]: {summary.job_id} trained to step {summary.steps} ({trained} steps this run)")
     if summary.final_loss is not None:
