@@ -31,9 +31,9 @@ def status_line(state: PoolState, pending: int, now: float | None = None) -> str
     by_status: dict[str, int] = {}
     for record in state.jobs.values():
         by_status[record.status] = by_status.get(record.status, 0) + 1
-    held = sum(r.devices for r in state.jobs.values() if r.status in ("waiting", "running"))
+    allocated = sum(r.devices for r in state.jobs.values() if r.status in ("waiting", "running"))
     jobs = ", ".join(f"{n} {status}" for status, n in sorted(by_status.items())) or "none yet"
-    line = f"pool {state.pool}: {counted(state.devices, 'device')} ({held} allocated), jobs: {jobs}"
+    line = f"pool {state.pool}: {counted(state.devices, 'device')} ({allocated} allocated), jobs: {jobs}"
     if pending:
         line += f"; {counted(pending, 'submission')} not taken in yet (the controller takes them at its next look)"
     if state.decisions:

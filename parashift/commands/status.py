@@ -10,6 +10,7 @@ from pathlib import Path
 import typer
 
 from parashift.commands.spec import load_spec_or_exit
+from parashift.specs.words import counted
 
 
 def status(spec_file: Path = typer.Argument(..., help="the job's spec YAML")) -> None:
@@ -28,22 +29,20 @@ def status(spec_file: Path = typer.Argument(..., help="the job's spec YAML")) ->
         who = held.record
         typer.echo(f"  run           {who.run_id} on {who.host} (pid {who.pid}) holds it, its lease live for "
                    f"{held.remaining_s:.0f} s more unless renewed")
-    steps, refused = [], []
+    manifests, refused = {}, []
     for step in checkpoints.manifest_steps():  # each one read: a manifest that does not verify is said, not used
         try:
-            checkpoints.load_manifest(step)
-            steps.append(step)
+            manifests[step] = checkpoints.load_manifest(step)
         except StorageError as error:
             refused.append(f"step {step}: {' '.join(str(error).split())}")
-    if not steps:
+    if not manifests:
         typer.echo("  checkpoints   none committed: a run starts at step 0")
     else:
-        newest = checkpoints.load_manifest(steps[-1])
+        newest = manifests[max(manifests)]
         loss = newest.metadata.get("loss")
-        typer.echo(f"  checkpoints   {', '.join(map(str, steps))} (newest: step {newest.step} of {spec.training.steps:,}, "
-                   f"{newest.created_at})")
-        typer.echo(f"  newest        {_plan_of(newest.plan)} on {newest.world_size} "
-                   f"device{'s' if newest.world_size != 1 else ''}, "
+        typer.echo(f"  checkpoints   {', '.join(map(str, manifests))} (newest: step {newest.step} of "
+                   f"{spec.training.steps:,}, {newest.created_at})")
+        typer.echo(f"  newest        {_plan_of(newest.plan)} on {counted(newest.world_size, 'device')}, "
                    f"{newest.data_position.get('samples_consumed', 0):,} samples consumed"
                    + (f", loss {loss:.4f}" if isinstance(loss, float) else ""))
     for why in refused:
