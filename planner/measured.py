@@ -53,7 +53,7 @@ class MeasuredProfile(BaseModel):
 
 def profile_from_measurements(name: str, measured: dict[str, float], device_kind: str, workers: int,
                               memory_gb: float | None = None, comm: CommModel | None = None,
-                              devices_per_node: int | None = None, seq_len: int | None = None) -> MeasuredProfile:
+                              devices_per_node: int | None = None, *, seq_len: int) -> MeasuredProfile:
     """A MeasuredProfile from `trainer.measure_model`'s numbers (one CPU thread), for `workers`
     processes per host: CPU workers outnumbering the cores each get a share of one. A GPU's
     sequence seconds are its FLOPs (`seq_len` tokens) at the device's rate, as the op-graph
@@ -62,7 +62,7 @@ def profile_from_measurements(name: str, measured: dict[str, float], device_kind
     device = DEFAULT_DEVICES.get(device_kind, DEFAULT_DEVICES["cuda"]).model_copy()
     if memory_gb is not None:
         device.memory_bytes = int(memory_gb * 2**30)
-    if device_kind != "cpu" and seq_len is not None:
+    if device_kind != "cpu":
         sequence_s, source = measured["flops_per_token"] * seq_len / device.matmul_flops, "flops"
     else:
         sequence_s, source = measured["sequence_s"] / share_cores(device, workers).core_share, "measured"

@@ -240,11 +240,11 @@ def check_change(change: ResourceEvent, spec: JobSpec) -> None:
     if devices > batch:
         raise ValueError(f"{devices} devices exceed training.global_batch ({batch}): every device needs at least "
                          "one sequence per step")
-    low, high = spec.resources.min_devices, spec.resources.max_devices
-    if low is not None and devices < low:
-        raise ValueError(f"{counted(devices, 'device')}: below resources.min_devices ({low})")
-    if high is not None and devices > high:
-        raise ValueError(f"{devices} devices: above resources.max_devices ({high})")
+    match spec.resources.outside_bounds(devices):
+        case ("min_devices", low):
+            raise ValueError(f"{counted(devices, 'device')}: below resources.min_devices ({low})")
+        case ("max_devices", high):
+            raise ValueError(f"{devices} devices: above resources.max_devices ({high})")
 
 
 def apply_change(change: ResourceEvent, spec: JobSpec, devices: int,

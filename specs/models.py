@@ -335,6 +335,16 @@ class ResourcesSpec(_Section):
     def _node_names(cls, nodes: list[str] | None) -> list[str] | None:
         return checked_node_names(nodes)
 
+    def outside_bounds(self, devices: int) -> tuple[str, int] | None:
+        """("min_devices", its value) or ("max_devices", its value) where `devices` lies outside
+        the job's own bounds (what a pool never gives it); None within them. The spec, an event
+        and `parashift scale` all refuse such a count, each in its own words."""
+        if self.min_devices is not None and devices < self.min_devices:
+            return "min_devices", self.min_devices
+        if self.max_devices is not None and devices > self.max_devices:
+            return "max_devices", self.max_devices
+        return None
+
     @model_validator(mode="after")
     def _pool_bounds(self) -> Self:
         low, high = self.min_devices or 1, self.max_devices
@@ -688,13 +698,13 @@ class JobSpec(_Section):
         return self
 
     def _outside_bounds(self, where: Loc, devices: int) -> list[tuple[Loc, str]]:
-        """A device count the job's own min_devices / max_devices rule out (what a pool would
-        never give it, and `parashift run` took without a word)."""
-        low, high = self.resources.min_devices, self.resources.max_devices
-        if low is not None and devices < low:
-            return [(where, f"must be >= resources.min_devices ({devices} < {low})")]
-        if high is not None and devices > high:
-            return [(where, f"must be <= resources.max_devices ({devices} > {high})")]
+        """A device count the job's own min_devices / max_devices rule out (`parashift run` took
+        one without a word)."""
+        match self.resources.outside_bounds(devices):
+            case ("min_devices", low):
+                return [(where, f"must be >= resources.min_devices ({devices} < {low})")]
+            case ("max_devices", high):
+                return [(where, f"must be <= resources.max_devices ({devices} > {high})")]
         return []
 
     def _pinned_plan_issues(self) -> list[tuple[Loc, str]]:

@@ -310,7 +310,7 @@ def check_devices(spec: JobSpec) -> list[Problem]:
     # What the planner may fill of a device: its memory (memory_gb in GiB, as the planner reads
     # it) less the spec's reserve. A 0.05 GiB device passed here (50 MB > the state's 40 MB) and
     # the planner, left 0 GiB by the 1 GiB reserve, ran a plan over its limit.
-    reserve = spec.parallelism.plan_memory_bytes
+    reserve, reserved = spec.parallelism.plan_memory_bytes, True
     if resources.memory_gb is not None:
         have = reserve(int(resources.memory_gb * 2**30)) or 0
         where = f"resources.memory_gb {resources.memory_gb:g} (GiB) less the planner's reserve"
@@ -318,11 +318,11 @@ def check_devices(spec: JobSpec) -> list[Problem]:
         have, where = reserve(torch.cuda.get_device_properties(0).total_memory) or 0, \
             "the GPU's memory less the planner's reserve"
     else:  # CPU workers share the host's memory, each a process of its own
-        have = _host_memory_bytes() / resources.devices - WORKER_PROCESS_BYTES
+        have, reserved = _host_memory_bytes() / resources.devices - WORKER_PROCESS_BYTES, False
         where = f"this machine's {_host_memory_bytes() / 1e9:.1f} GB shared by {resources.devices} worker processes"
     if per_device > have:
         fix = "a smaller model or more devices" + ("" if split > 1 else ", or parallelism.strategy: auto to split it")
-        if "reserve" in where:
+        if reserved:
             fix += ", or a smaller parallelism.memory_reserve_gb"
         problems.append(Problem("model", f"the training state needs at least {gib(per_device)} per device "
                                          f"({how}); {where} gives {gib(max(have, 0))}: {fix}"))

@@ -90,7 +90,7 @@ def measured_profile(spec: JobSpec, comm: CommModel | None) -> MeasuredProfile:
     measured = (measure_model(spec.model, train.micro_batch, spec.parallelism.precision, train.seed)
                 if res.kind == "cpu" else measure_for_gpus(spec.model, spec.parallelism.precision, train.seed))
     return profile_from_measurements(spec.model.tag, measured, res.kind, res.devices_per_node if res.nodes else res.devices,
-                                     res.memory_gb, comm, res.devices_per_node, spec.model.seq_len)
+                                     res.memory_gb, comm, res.devices_per_node, seq_len=spec.model.seq_len)
 
 
 def measure_on_nodes(spec: JobSpec) -> dict:

@@ -121,7 +121,7 @@ def plan(
                    else measure_for_gpus(model, par.precision))
         measured = profile_from_measurements(model.tag, numbers, kind,
                                              res.devices_per_node or n, res.memory_gb, None, res.devices_per_node,
-                                             model.seq_len)
+                                             seq_len=model.seq_len)
         result = plan_measured(measured, n, train.global_batch, train.micro_batch,
                                par.plan_memory_bytes(measured.device.memory_bytes), shard_dp=par.shard_data_parallel)
         typer.echo(result.model_dump_json(indent=2) if json_out else "\n".join(
