@@ -51,7 +51,9 @@ def describe(event: WorkerEvent, total_steps: int | None = None) -> str:
                     f"(its share: {event.bytes_needed / 1e6:,.1f} MB needed, {event.bytes_local / 1e6:,.1f} MB from the node, "
                     f"{event.bytes_live / 1e6:,.1f} MB from live workers)")
         case CheckpointEvent():
-            return (f"checkpoint step {event.step} committed: {event.bytes_written / 1e6:,.1f} MB, "
+            size = (f"{event.bytes_total / 1e6:,.1f} MB from {counted(event.ranks, 'rank')}" if event.ranks
+                    else f"{event.bytes_written / 1e6:,.1f} MB")
+            return (f"checkpoint step {event.step} committed: {size}, "
                     f"written in {event.write_s:.2f} s, training waited {event.stall_s:.3f} s")
         case CheckpointStallEvent():
             return f"step {event.step}: the loop waited {event.stall_s:.3f} s for a checkpoint"

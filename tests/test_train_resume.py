@@ -12,6 +12,7 @@ from jobs import assert_bitwise_equal, checkpoint_store, final_state, kill_tree,
 from parashift.launcher.launch import LaunchResult, launch_workers
 from parashift.specs.plan import Plan
 from parashift.storage import JobPaths, open_store
+from parashift.tasks.worker_log import describe
 from parashift.trainer.events import CheckpointEvent, FatalEvent, StepEvent, WorkerEvent, parse
 
 pytestmark = pytest.mark.slow
@@ -46,7 +47,16 @@ def test_uninterrupted_run_learns_and_commits(reference) -> None:
     assert [line for line in result.lines if "Warning" in line] == []
     losses = [e.loss for e in result.steps]
     assert len(losses) == 12 and losses[-1] < losses[0] - 0.3
-    assert checkpoint_store(spec).committed_steps() == [8, 12]  # keep_checkpoints=2 pruned step 4
+    store = checkpoint_store(spec)
+    assert store.committed_steps() == [8, 12]  # keep_checkpoints=2 pruned step 4
+    # A commit's line says the whole checkpoint's size (every rank's object), not rank 0's share
+    commits = {e.step: e for e in result.checkpoints}
+    for step in (8, 12):
+        objects = store.load_manifest(step).objects.values()
+        assert len(objects) == 2 and commits[step].bytes_total == sum(o.nbytes for o in objects)
+        assert commits[step].ranks == 2
+    assert describe(commits[12]).startswith(f"checkpoint step 12 committed: {commits[12].bytes_total / 1e6:,.1f} "
+                                            "MB from 2 ranks, written in ")
 
 
 def test_stop_request_then_resume_is_bitwise_equal(reference, tmp_path: Path) -> None:

@@ -85,7 +85,9 @@ class CheckpointEvent(_Event):
     url: str | None = Field(None, description="its manifest")
     stall_s: float = 0.0
     write_s: float = 0.0
-    bytes_written: int = 0
+    bytes_written: int = 0  # rank 0's own object
+    bytes_total: int = Field(0, description="the checkpoint's size: every rank's object")
+    ranks: int = Field(0, description="the ranks that wrote an object")
 
 
 class CheckpointStallEvent(_Event):

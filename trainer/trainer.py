@@ -188,7 +188,8 @@ class Trainer:
 
         def committed(report: SaveReport) -> None:
             metrics.emit(CheckpointEvent(step=report.step, url=report.url, stall_s=round(report.stall_s, 4),
-                                         write_s=round(report.write_s, 4), bytes_written=report.bytes_written))
+                                         write_s=round(report.write_s, 4), bytes_written=report.bytes_written,
+                                         bytes_total=report.bytes_total, ranks=report.ranks))
 
         ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         restored = resumed.restored

@@ -105,9 +105,11 @@ class SaveReport:
 
     step: int
     stall_s: float
-    bytes_written: int = 0
+    bytes_written: int = 0  # this rank's object
     write_s: float = 0.0
     url: str | None = None
+    bytes_total: int = 0  # rank 0, once committed: every rank's object, the checkpoint's size
+    ranks: int = 0  # rank 0, once committed: the ranks that wrote an object
 
 
 NO_SPACE = "no space left on device: "  # how a rank tells rank 0 its save found the disk full
@@ -422,6 +424,7 @@ class Checkpointer:
                                             + "; ".join(f"rank {r}: {e}" for r, e in failed),
                                             no_space=any(e.startswith(NO_SPACE) for _, e in failed))
             objects = [ObjectRecord(**o) for _, o, _, _ in gathered if o is not None]
+            report.bytes_total, report.ranks = sum(o.nbytes for o in objects), len(objects)
             copies = holding_copies(self.layout, [r for r, (_, _, _, k) in enumerate(gathered) if k])
             records = [SliceRecord(**{**r, "copies": copies.get((r["tensor"], Slice(tuple(r["offsets"]), tuple(r["lengths"]))), [])})
                        for _, _, rs, _ in gathered for r in rs]
