@@ -259,9 +259,12 @@ def host_overhead_s(device: object, repeats: int = 200) -> float:
 
 def profile_graph(graph: Graph, device_kind: str = "cuda", measure: bool = False, *,
                   memory_gb: float | None = None, devices_per_node: int | None = None,
-                  comm: CommModel | None = None, tokens: int | None = None) -> ModelProfile:
-    """A profile for any graph: measured or default device rates, given or default comm model."""
-    device = measure_device(device_kind) if measure else DEFAULT_DEVICES.get(device_kind, DEFAULT_DEVICES["cuda"])
+                  comm: CommModel | None = None, tokens: int | None = None,
+                  device: DeviceModel | None = None) -> ModelProfile:
+    """A profile for any graph: measured or default device rates (or `device`'s, measured
+    before), given or default comm model."""
+    if device is None:
+        device = measure_device(device_kind) if measure else DEFAULT_DEVICES.get(device_kind, DEFAULT_DEVICES["cuda"])
     device = device.model_copy()
     if memory_gb is not None:
         device.memory_bytes = int(memory_gb * 2**30)

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from parashift.models import family_of
 from parashift.planner.comm import CommModel, comm_model_from_timings
 from parashift.planner.measured import MeasuredProfile, profile_from_measurements
-from parashift.planner.profile import ModelProfile, measurable_here, profile_graph, share_cores
+from parashift.planner.profile import DeviceModel, ModelProfile, measurable_here, profile_graph, share_cores
 from parashift.specs import JobSpec
 from parashift.storage import JobPaths, open_store
 from parashift.tasks.credentials import environment, storage_environment
@@ -58,9 +58,11 @@ def exact_parameter_count(spec: JobSpec) -> tuple[int, int]:
     return params, family.flops_per_token(spec.model, params)
 
 
-def build_profile(spec: JobSpec, comm: CommModel | None = None) -> ModelProfile | MeasuredProfile:
-    """The planner's profile: GEMM rates timed here and collectives timed on the job's own
-    workers when the planner will choose; the defaults for the device kind otherwise."""
+def build_profile(spec: JobSpec, comm: CommModel | None = None,
+                  device: DeviceModel | None = None) -> ModelProfile | MeasuredProfile:
+    """The planner's profile: GEMM rates timed here (or `device`'s, timed for another device
+    count of the job) and collectives timed on the job's own workers when the planner will
+    choose; the defaults for the device kind otherwise."""
     from parashift.launcher.launch import measure_comm_timings
 
     measure = needs_measurement(spec)
@@ -76,7 +78,8 @@ def build_profile(spec: JobSpec, comm: CommModel | None = None) -> ModelProfile 
     graph = family.graph(m, batch, spec.parallelism.precision)
     # A job across nodes may plan on a head node without its GPUs: the kind's default rates there.
     profile = profile_graph(graph, res.kind, measure and measurable_here(res.kind), memory_gb=res.memory_gb,
-                            devices_per_node=res.devices_per_node, comm=comm, tokens=batch * m.seq_len)
+                            devices_per_node=res.devices_per_node, comm=comm, tokens=batch * m.seq_len,
+                            device=device if measure else None)
     # CPU workers on a host share its cores (across nodes: a node's workers share that node's).
     return profile.model_copy(update={"device": share_cores(profile.device, workers)})
 
@@ -122,16 +125,20 @@ class NeedsMeasurement(RuntimeError):
     """Profiling this count would time collectives on the job's workers first (a launch of its own)."""
 
 
-def measured_comm(spec: JobSpec, key: str | None) -> CommModel | None:
-    """The collectives measured for another device count of the job (the profile at `key`):
-    a fitted latency and bandwidth per link, whatever the group size, so a new count needs no
-    new measurement (issue 26: a change of device count measured collectives for 65 s)."""
+def measured_rates(spec: JobSpec, key: str | None) -> tuple[CommModel | None, DeviceModel | None]:
+    """The collectives and the device rates measured for another device count of the job (the
+    profile at `key`): a fitted latency and bandwidth per link, whatever the group size, and one
+    worker's GEMM and memory rates, whatever the count (`share_cores` rescales a CPU's to the
+    new count's share of the cores), so a new count needs no new measurement (issue 26: a change
+    of device count measured collectives for 65 s; a count planned ahead timed GEMMs for ~0.5 s
+    of a core the training workers were using, and read them ~15% slow for it)."""
     if key is None:
-        return None
+        return None, None
     with environment(storage_environment(spec)):
         stored = open_store(spec.storage).get_json(key)
     comm = CommModel.model_validate(stored["comm"])
-    return comm if comm.measured else None
+    device = DeviceModel.model_validate(stored["device"]) if "graph" in stored else None
+    return (comm if comm.measured else None), (device if device is not None and device.measured else None)
 
 
 def ensure_profile(spec: JobSpec, comm_from: str | None = None, say: Callable[[str], None] = lambda line: None,
@@ -145,11 +152,11 @@ def ensure_profile(spec: JobSpec, comm_from: str | None = None, say: Callable[[s
         if store.exists(key):
             say(f"reusing profile {store.url_for(key)}")
         else:
-            comm = measured_comm(spec, comm_from)
+            comm, device = measured_rates(spec, comm_from)
             res = spec.resources
             if not may_measure and comm is None and needs_measurement(spec) and res.devices > 1:
                 raise NeedsMeasurement(f"profiling {res.devices} devices times collectives first")
-            profile = build_profile(spec, comm)
+            profile = build_profile(spec, comm, device)
             store.put_json(key, profile.model_dump(mode="json"))
             used = "measured" if profile.comm.measured else "default"
             if isinstance(profile, MeasuredProfile):
@@ -157,12 +164,14 @@ def ensure_profile(spec: JobSpec, comm_from: str | None = None, say: Callable[[s
                     f"{profile.activation_bytes / 2**20:.1f} MiB kept per sequence; comm {used}")
             else:
                 say(f"profiled {len(profile.graph.ops)} ops; {profile.device.matmul_flops:.3g} FLOP/s GEMM "
-                    f"({'measured' if profile.device.measured else _default_why(res.kind)}); comm {used}")
+                    f"({_rates_from(profile.device.measured, device is not None, res.kind)}); comm {used}")
     say(f"model: {params:,} parameters, {per_token:,} FLOPs per token")
     return ModelSummary(params=params, flops_per_token=per_token, device_kind=spec.resources.kind, profile_key=key)
 
 
-def _default_why(kind: str) -> str:
+def _rates_from(measured: bool, reused: bool, kind: str) -> str:
+    if measured:
+        return "measured for another device count of the job" if reused else "measured"
     return "default" if measurable_here(kind) else f"default: no {kind} device where this flow runs"
 
 

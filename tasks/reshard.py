@@ -89,12 +89,12 @@ def plan_reshard(spec: JobSpec, plan: Plan, held_step: int | None = None,
              else f"{summary.bytes_local / 1e6:.1f} MB from this node's tier" + (
                  "; the warm workers serve what they hold from memory instead, the rest is read" if warm else ""))
     get_run_logger().info("moving step %d onto %s (all ranks): %.1f MB read for %.1f MB needed in %d requests (%s)",
-                          reconfig.step, plan.mesh, summary.bytes_read / 1e6, summary.bytes_needed / 1e6,
+                          reconfig.step, plan.describe(), summary.bytes_read / 1e6, summary.bytes_needed / 1e6,
                           summary.requests, where)
     create_table_artifact(
         key=artifact_key(spec.job_id, f"reshard-{plan.devices}"),
         table=reconfig.summary(),
-        description=(f"Checkpoint at step {reconfig.step} onto mesh {plan.mesh}: {summary.bytes_read:,} bytes read for "
+        description=(f"Checkpoint at step {reconfig.step} onto {plan.describe()}: {summary.bytes_read:,} bytes read for "
                      f"{summary.bytes_needed:,} needed, {summary.requests} ranged requests, "
                      f"{summary.bytes_local:,} from the node-local tier"),
     )

@@ -100,7 +100,7 @@ def test_scripted_elasticity_matches_a_static_run(prefect_server: None, tmp_path
     assert read_artifact("elastic-reshard-2") is None
     for devices, step in ((3, 4), (1, 8)):
         reshard = read_artifact(f"elastic-reshard-{devices}")
-        assert reshard is not None and f"step {step}" in reshard.description
+        assert reshard is not None and f"step {step} onto dp {devices}:" in reshard.description
         rows = reshard.data if isinstance(reshard.data, list) else json.loads(reshard.data)
         assert len(rows) == devices and all(r["bytes_read"] == r["bytes_needed"] > 0 for r in rows)
     # Run again, it starts where the script has it at its committed step (1 device), not on the

@@ -147,3 +147,37 @@ def test_a_plan_made_ahead_is_the_plan_made_at_the_change(tmp_path: Path) -> Non
     assert taken.model_dump() == now.model_dump() and choice == choice_now
     assert one_ahead.devices == 1 and one_ahead.model_dump() == one_now.model_dump()
     assert choice is not None and str(taken.mesh) == min(choice, key=lambda r: r["move_mb"])["mesh"]
+
+
+def test_another_device_count_reuses_the_jobs_measured_rates(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A count planned ahead (while the job trains) or at a change takes the device rates the
+    job's first profile measured, at its own share of the cores: it times no GEMM on cores the
+    workers are using. Equal to a profile measured fresh for that count, up to the timing."""
+    from parashift.planner import profile as planner_profile
+    from parashift.planner.comm import CommModel, Link
+    from parashift.planner.profile import DeviceModel, share_cores
+    from parashift.storage import JobPaths, open_store
+    from parashift.tasks.profile import build_profile, ensure_profile, load_profile, profile_key
+
+    spec = tiny_spec("rates", f"file://{tmp_path}/store", model=MODEL, resources={"devices": 4},
+                     parallelism={"strategy": "auto"})
+    link = Link(latency_s=1e-4, bandwidth_Bps=1e9)
+    timed = DeviceModel(kind="cpu", matmul_flops=4e10, memory_Bps=8e9, measured=True)
+    monkeypatch.setattr(planner_profile, "measure_device", lambda kind="cpu", repeats=3: timed.model_copy())
+    profile = build_profile(spec, CommModel(intra=link, inter=link, measured=True))
+    open_store(spec.storage).put_json(JobPaths("rates").profile(profile_key(spec)), profile.model_dump(mode="json"))
+    first = ensure_profile(spec)
+
+    def no_timing(kind: str = "cpu", repeats: int = 3) -> DeviceModel:
+        raise AssertionError("timed GEMMs again for another count of the same job")
+
+    monkeypatch.setattr(planner_profile, "measure_device", no_timing)
+    said: list[str] = []
+    for devices in (1, 2, 3):
+        other = spec.on_devices(devices)
+        reused = load_profile(other, ensure_profile(other, comm_from=first.profile_key, say=said.append).profile_key)
+        fresh = build_profile(other, profile.comm, timed.model_copy())  # as measuring here would make it
+        assert reused.device == fresh.device == share_cores(timed, devices)
+        assert reused.comm == profile.comm
+    assert profile.device == share_cores(timed, 4)
+    assert sum("measured for another device count of the job" in line for line in said) == 3, said
