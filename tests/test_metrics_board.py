@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -195,3 +196,63 @@ def test_metrics_on_an_s3_server_read_back_with_the_command_the_run_prints(s3_en
     env = {**os.environ, "S3_ENDPOINT": command.split()[0].removeprefix("S3_ENDPOINT=")}
     shown = subprocess.run([sys.executable, "-c", read], env=env, capture_output=True, text=True, timeout=120)
     assert shown.stdout.strip() == "[(1, 1.0), (2, 2.0), (3, 3.0)]", shown.stderr[-2000:]
+
+
+def test_a_long_segment_copies_its_scalars_in_bounded_pieces_and_tensorboard_reads_each_step_once(
+        tmp_path: Path, monkeypatch) -> None:
+    """Each copy to the store rewrites a whole object (S3 has no append): the event file copied
+    after every logged step cost the square of a segment's length. Past ROTATE_BYTES a segment
+    goes on in a new file, a growing file is copied at most every UPLOAD_EVERY_S, and at once
+    when asked (a commit) and at the end. TensorBoard, reading the folder as one run, still shows
+    every step once, with a later segment that trains steps again (a fallback) hiding the earlier
+    copies of them."""
+    from parashift.trainer import scalars
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    monkeypatch.setattr(scalars, "ROTATE_BYTES", 4096, raising=False)
+    monkeypatch.setattr(scalars, "UPLOAD_EVERY_S", 3600.0, raising=False)  # nothing copied by the clock in this test
+    store = ObjectStore(f"file://{tmp_path}/store")
+    folder = tmp_path / "store/jobs/long/metrics"
+
+    def copies_settle(expected_puts: int) -> None:
+        """The store's count of copies reaches `expected_puts` (the uploader's thread) and stays there."""
+        deadline = time.monotonic() + 30
+        while store.stats.put_requests < expected_puts and time.monotonic() < deadline:
+            time.sleep(0.02)
+        time.sleep(0.2)
+        assert store.stats.put_requests == expected_puts
+
+    def settled() -> int:
+        """The store's count of copies once the uploader's thread has made none for a while."""
+        seen = -1
+        while store.stats.put_requests != seen:
+            seen = store.stats.put_requests
+            time.sleep(0.3)
+        return seen
+
+    board = scalars.Metrics(store, "long", 1.0, 1, torch.device("cpu"), "fp32", None, first_step=0)
+    tags = ("loss", "grad_norm", "lr", "tokens_per_s", "step_s")
+    board.record(1, {tag: 1.0 for tag in tags})
+    copies_settle(1)  # the first copy at once
+    for step in range(2, 41):
+        board.record(step, {tag: float(step) for tag in tags})
+    puts = settled()
+    finished = len(list(folder.iterdir())) - 1
+    assert finished >= 2 and puts == 1 + 2 * finished  # each finished file's last copy and its successor's first
+    board.flush()  # a commit: what is recorded is copied now
+    copies_settle(2 + 2 * finished)
+    for step in range(41, 61):
+        board.record(step, {tag: float(step) for tag in tags})
+    board.close()
+    assert max(p.stat().st_size for p in folder.iterdir()) < 4096 + 1024  # no copy is much over the bound
+    # A fallback to step 50: the next segment trains 51..70, its copies of 51..60 are the ones shown
+    board = scalars.Metrics(store, "long", 1.0, 1, torch.device("cpu"), "fp32", None, first_step=50)
+    for step in range(51, 71):
+        board.record(step, {tag: 1000.0 + step for tag in tags})
+    board.close()
+    events = EventAccumulator(str(folder))
+    events.Reload()
+    for tag in tags:
+        shown = {e.step: e.value for e in events.Scalars(tag)}
+        assert len(events.Scalars(tag)) == 70 and sorted(shown) == list(range(1, 71)), tag
+        assert shown[50] == 50.0 and shown[51] == 1051.0 and shown[70] == 1070.0

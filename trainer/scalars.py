@@ -4,7 +4,8 @@ TensorBoard event files in the job's storage under `jobs/{job}/metrics/`.
 
 Rank 0 writes them with TensorBoard's own writer into a local folder and copies each event
 file to the store in the background (any fsspec URL: local files, S3), so a slow store never
-holds a step. Every segment of a job (each launch, each device count) writes its own event
+holds a step: at most every few seconds, and at once at each commit and at the end (a segment's
+file continues in a new one past a size, as each copy rewrites a whole object). Every segment of a job (each launch, each device count) writes its own event
 file into the same folder: `tensorboard --logdir` shows an elastic run as one curve per tag
 over steps, each step once (a segment that trains steps again, after a failure or a fallback to
 an older checkpoint, hides the earlier file's copies of them: TensorBoard's `purge_step`).
@@ -26,6 +27,7 @@ import contextlib
 import resource
 import tempfile
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -58,42 +60,78 @@ def memory_bytes(device: torch.device) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
+# Each copy rewrites a whole object (S3 has no append): a segment's event file copied after every
+# logged step cost the square of its length (~450 bytes a step: a 100k-step segment rewrote up to
+# 45 MB at each step). A growing file is copied at most this often, and at once at a commit and at
+# the segment's end: a crash loses at most the steps logged since, and those after the last commit
+# are trained again (and hidden, `purge_step`) anyway. A segment's TensorBoard file is continued in
+# a new one past ROTATE_BYTES, so no copy exceeds it.
+UPLOAD_EVERY_S = 5.0
+ROTATE_BYTES = 256 * 1024
+
+
 class _Uploader:
-    """Copies the local event file to the store, in a thread of its own: at most one copy in
-    flight, a request made during one is served by one more copy after it."""
+    """Copies a local file to the store, in a thread of its own: the first copy at once, later
+    ones at most every UPLOAD_EVERY_S unless asked for `now`; one in flight at a time. `switch`
+    moves on to the next file of a sequence: the one before gets its last copy at once, before
+    the next one's first, so the store never holds a file after one that is still growing."""
 
     def __init__(self, store: Any, key: str, path: Path) -> None:
-        self.store, self.key, self.path = store, key, path
-        self._wanted = threading.Event()
+        self.store, self._current = store, (key, path)
+        self._finished: list[tuple[str, Path]] = []
+        self._lock = threading.Lock()
+        self._wanted, self._now = threading.Event(), threading.Event()
+        self._last = float("-inf")
         self._closing = False
         self._thread = threading.Thread(target=self._run, name="metrics-upload", daemon=True)
         self._thread.start()
 
-    def request(self) -> None:
+    def request(self, now: bool = False) -> None:
+        if now:
+            self._now.set()
         self._wanted.set()
+
+    def switch(self, key: str, path: Path) -> None:
+        with self._lock:
+            self._finished.append(self._current)
+            self._current = (key, path)
+        self.request(now=True)  # a finished file's last copy (and the next one's first) at once
+
+    def _copy(self, key: str, path: Path) -> None:
+        with contextlib.suppress(Exception):  # metrics never fail a job; the next copy tries again
+            self.store.put(key, path.read_bytes())
 
     def _run(self) -> None:
         while True:
             self._wanted.wait()
+            self._now.wait(timeout=max(0.0, self._last + UPLOAD_EVERY_S - time.monotonic()))
             self._wanted.clear()
-            with contextlib.suppress(Exception):  # metrics never fail a job; the next copy tries again
-                self.store.put(self.key, self.path.read_bytes())
+            self._now.clear()
+            with self._lock:
+                finished, self._finished = self._finished, []
+                current = self._current
+            for key, path in finished:
+                self._copy(key, path)
+                path.unlink(missing_ok=True)
+            self._copy(*current)
+            self._last = time.monotonic()
             if self._closing and not self._wanted.is_set():
                 return
 
     def close(self) -> None:
         self._closing = True
-        self._wanted.set()
+        self.request(now=True)
         self._thread.join(timeout=30)
 
 
 _EVENTS = "events.out.tfevents."
 
 
-def _name_after(store: Any, job_id: str, name: str) -> str:
+def _name_after(store: Any, job_id: str, name: str, after: int = -1) -> str:
     """`name` (TensorBoard's: `events.out.tfevents.<whole second>.<host>.<pid>...`) with its
-    second raised past every event file already in the job's folder. TensorBoard reads a folder's
-    files in name order and a segment's start hides the steps after it in files read before, so a
+    second raised past every event file already in the job's folder, and past `after` (the
+    segment's previous file, which may not be copied yet). TensorBoard reads a folder's files in
+    name order and a segment's start hides the steps after it in files read before, so a
     segment started within the same second as the one before it (seen: a warm segment, then a
     fresh launch), or on a node whose clock lags, would be read first and hidden by its predecessor.
     One writer per job (the lease) makes the folder's newest name the previous segment's."""
@@ -101,29 +139,48 @@ def _name_after(store: Any, job_id: str, name: str) -> str:
     taken = [key.rpartition("/")[2].removeprefix(_EVENTS).partition(".")[0]
              for key in store.list(f"jobs/{job_id}/metrics") if _EVENTS in key]
     newest = max((int(each) for each in taken if each.isdigit()), default=-1)
-    return f"{_EVENTS}{max(int(second), newest + 1):010d}.{rest}"
+    return f"{_EVENTS}{max(int(second), newest + 1, after + 1):010d}.{rest}"
+
+
+def _second_of(key: str) -> int:
+    return int(key.rpartition("/")[2].removeprefix(_EVENTS).partition(".")[0])
 
 
 class _TensorBoard:
-    """TensorBoard's own writer into a local folder; each flush copies the event file to the store."""
+    """TensorBoard's own writer into a local folder, copied to the store (`_Uploader`); a segment
+    continues in a new file past ROTATE_BYTES."""
 
     def __init__(self, store: Any, job_id: str, first_step: int) -> None:
-        from torch.utils.tensorboard import SummaryWriter
-
+        self._store, self._job_id = store, job_id
         self._folder = tempfile.TemporaryDirectory(prefix="parashift-metrics-")
         # `purge_step`: TensorBoard hides the steps from here on that earlier files hold, so a
         # segment that trains again what a failed one had logged past its last commit (or a job
         # started over) shows each step once, the one kept; nothing is hidden after a planned change.
-        self._writer = SummaryWriter(self._folder.name, filename_suffix=f".from-step-{first_step:08d}",
-                                     purge_step=first_step + 1)
-        path = Path(self._writer.file_writer.event_writer._file_name)
-        self._uploader = _Uploader(store, f"jobs/{job_id}/metrics/{_name_after(store, job_id, path.name)}", path)
+        self._writer, path = self._open(f".from-step-{first_step:08d}", purge_step=first_step + 1)
+        self._key = f"jobs/{job_id}/metrics/{_name_after(store, job_id, path.name)}"
+        self._uploader = _Uploader(store, self._key, path)
+
+    def _open(self, suffix: str, purge_step: int | None = None) -> tuple[Any, Path]:
+        from torch.utils.tensorboard import SummaryWriter
+
+        writer = SummaryWriter(self._folder.name, filename_suffix=suffix, purge_step=purge_step)
+        return writer, Path(writer.file_writer.event_writer._file_name)
 
     def record(self, step: int, values: dict[str, float]) -> None:
         for name, value in values.items():
             self._writer.add_scalar(name, value, step)
         self._writer.flush()
-        self._uploader.request()
+        if Path(self._writer.file_writer.event_writer._file_name).stat().st_size >= ROTATE_BYTES:
+            self._writer.close()  # the rest of the segment goes on in a new file, read after this one
+            self._writer, path = self._open(f".from-step-{step + 1:08d}")
+            self._key = (f"jobs/{self._job_id}/metrics/"
+                         f"{_name_after(self._store, self._job_id, path.name, _second_of(self._key))}")
+            self._uploader.switch(self._key, path)
+        else:
+            self._uploader.request()
+
+    def flush(self) -> None:
+        self._uploader.request(now=True)  # `record` flushed the writer: the file holds every step recorded
 
     def close(self) -> None:
         self._writer.close()
@@ -149,6 +206,9 @@ class _WandB:
     def record(self, step: int, values: dict[str, float]) -> None:
         self._run.log(values, step=step)
         self._uploader.request()
+
+    def flush(self) -> None:
+        self._uploader.request(now=True)
 
     def close(self) -> None:
         import wandb
@@ -188,6 +248,12 @@ class Metrics:
         present = {name: value for name, value in values.items() if value is not None}
         for sink in self._sinks:
             sink.record(step, present)
+
+    def flush(self) -> None:
+        """Copy what is recorded to the store now (a checkpoint was committed: the steps up to it
+        are never trained again, so a crash after this must not lose their scalars)."""
+        for sink in self._sinks:
+            sink.flush()
 
     def close(self) -> None:
         for sink in self._sinks:

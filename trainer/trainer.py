@@ -187,6 +187,8 @@ class Trainer:
             ))
 
         def committed(report: SaveReport) -> None:
+            if self.board is not None:  # the steps up to a commit are never trained again: their scalars are copied now
+                self.board.flush()
             metrics.emit(CheckpointEvent(step=report.step, url=report.url, stall_s=round(report.stall_s, 4),
                                          write_s=round(report.write_s, 4), bytes_written=report.bytes_written,
                                          bytes_total=report.bytes_total, ranks=report.ranks))
