@@ -68,6 +68,35 @@ def test_a_trained_tokenizer_loads_in_transformers_and_the_reader_yields_its_ids
     assert fast.decode(want) == SAMPLE
 
 
+def test_the_commands_reach_an_s3_compatible_server_through_storage_options(tmp_path: Path, s3_endpoint: str,
+                                                                           s3_bucket: str) -> None:
+    """`tokenizer train` and `prepare-data` on a MinIO-like server: the engine took storage
+    options but the commands had no way to give them (an endpoint was asked of AWS: 35 s of
+    retries, then a traceback). Now `--storage-options` (JSON, as a spec's storage_options)
+    reaches inputs, tokenizer and output, and bad JSON is refused naming the flag."""
+    import fsspec
+
+    options = {"client_kwargs": {"endpoint_url": s3_endpoint}}
+    fs = fsspec.filesystem("s3", **options)
+    corpus = write_corpus(tmp_path / "corpus", files=2)
+    fs.put(f"{corpus}/", f"{s3_bucket}/raw/", recursive=True)
+    runner, flag = CliRunner(), ["--storage-options", json.dumps(options)]
+    out = runner.invoke(app, ["tokenizer", "train", f"s3://{s3_bucket}/raw", f"s3://{s3_bucket}/tok", "--vocab-size",
+                              "300", *flag])
+    assert out.exit_code == 0, out.output
+    out = runner.invoke(app, ["prepare-data", f"s3://{s3_bucket}/raw/*.txt", f"s3://{s3_bucket}/ds", "--tokenizer",
+                              f"s3://{s3_bucket}/tok", *flag])
+    assert out.exit_code == 0 and "2 documents" in out.output, out.output
+    tokenizer = load_tokenizer(f"s3://{s3_bucket}/tok", options)
+    texts = [p.read_text() for p in sorted(corpus.glob("*.txt"))]
+    want = [i for ids in tokenizer.encode_batch(texts) for i in [*ids, tokenizer.eos_id]]
+    dataset = open_dataset(f"s3://{s3_bucket}/ds", options)
+    assert dataset.read_many([(0, len(dataset))])[0].tolist() == want
+    for bad, said in (("{endpoint", "not JSON"), ("[1]", "a JSON object of fsspec options is needed")):
+        out = runner.invoke(app, ["prepare-data", str(corpus), str(tmp_path / "x"), "--storage-options", bad])
+        assert out.exit_code == 2 and f"--storage-options: {said}" in out.output, out.output
+
+
 @pytest.mark.parametrize("where", ["file", "s3"])
 def test_prepared_shards_read_back_exactly_across_shard_edges(trained: Path, tmp_path: Path, where: str,
                                                               request: pytest.FixtureRequest) -> None:
