@@ -70,7 +70,7 @@ from parashift.trainer.saves import Ended, Saves
 from parashift.trainer.scalars import Metrics
 from parashift.trainer.schedule import learning_rate
 from parashift.trainer.state import rng_state_bytes
-from parashift.trainer.warm import WarmHooks, is_warm_worker
+from parashift.trainer.warm import Gathered, WarmHooks, is_warm_worker
 
 
 class Fatal(Exception):
@@ -323,14 +323,19 @@ class Trainer:
         elif logged:
             squares = local_grad_squares(params, self.coords.within_stage())
         self.checkpointer.before_update()  # a save in flight may still be reading these tensors
+        # Every collective of the step before its update: a rank that dies at any moment leaves
+        # its peers with a whole step, this one's or the last (a warm worker holds it), never an
+        # update ahead of what they gathered of each other's generators.
+        self._report_stall(step + 1)
+        loss, stop_now, norm, gathered = self._report(step + 1, loss_sum, squares)
         may_leave(False)
         where.consistent = False  # no collective until the step count follows the update
         built.optimizer.step()
         built.optimizer.zero_grad()
         where.step, where.position, where.loss, where.consistent = (
             step + 1, DataPosition(position.samples_consumed + spec.training.global_batch), None, True)
-        self._report_stall(step + 1)
-        loss, stop_now, norm = self._report(step + 1, loss_sum, squares)
+        if self.warm is not None:
+            self.warm.stepped(step + 1, gathered)
         if grad_norm is None and logged:
             grad_norm = norm
         where.loss = loss
@@ -367,10 +372,11 @@ class Trainer:
             metrics.emit(CheckpointStallEvent(step=step, stall_s=round(stall.item(), 4)))
         self.checkpointer.last_stall_s = None
 
-    def _report(self, step: int, loss_sum: torch.Tensor, squares: torch.Tensor) -> tuple[float, bool, torch.Tensor]:
+    def _report(self, step: int, loss_sum: torch.Tensor,
+                squares: torch.Tensor) -> tuple[float, bool, torch.Tensor, Gathered | None]:
         """One small all-reduce: the global loss (counted once per dp rank: on the last stage, by
         tp rank 0), whether any rank was asked to stop, whether any rank's generators moved
-        (then every rank's are gathered again), and the gradient's squares."""
+        (then every rank's are gathered again, for the step's end), and the gradient's squares."""
         counts_loss = self.coords.tp_rank == 0 and self.coords.pp_rank == self.dims.pp - 1
         moved = self.warm is not None and self.warm.moved()
         report = torch.stack([loss_sum if counts_loss else torch.zeros_like(loss_sum),
@@ -379,9 +385,8 @@ class Trainer:
                               squares.to(loss_sum.dtype)])
         if self.world_size > 1:
             dist.all_reduce(report)
-        if self.warm is not None:
-            self.warm.stepped(step, report[2].item() > 0)
-        return report[0].item() / self.tokens_per_step, report[1].item() > 0, report[3].sqrt()
+        gathered = self.warm.gather_if_moved(report[2].item() > 0) if self.warm is not None else None
+        return report[0].item() / self.tokens_per_step, report[1].item() > 0, report[3].sqrt(), gathered
 
     def _evaluate_after(self, step: int) -> float | None:
         """The held-out loss every eval_every steps and at the job's last (trainer.evaluate)."""

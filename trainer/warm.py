@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -48,6 +49,14 @@ def every_ranks_own(state: dict[str, torch.Tensor], world_size: int, group: Any)
     return {name: t for said in everyone for name, t in said.items()}
 
 
+@dataclass(frozen=True)
+class Gathered:
+    """Generator states gathered at one moment: this rank's, and every rank's own."""
+
+    mine: dict[str, torch.Tensor]
+    every: dict[str, torch.Tensor]
+
+
 class PeersGenerators:
     """Every rank's generator states as of step `step`, kept by every warm rank: what a survivor
     of a peer's death needs to hold that step whole (the dead rank's generators included).
@@ -56,13 +65,17 @@ class PeersGenerators:
 
     def __init__(self, rank: int, device: torch.device, world_size: int, step: int) -> None:
         self.rank, self.device, self.world_size = rank, device, world_size
-        self.gather(step)
+        self.set(step, self.gather())
 
-    def gather(self, step: int) -> None:
-        """A collective on the default group (the loop's; the checkpoint's group is the saver's)."""
-        self.step = step
-        self.mine = generator_states(self.rank, self.device)
-        self.every = every_ranks_own(self.mine, self.world_size, None)
+    def gather(self) -> Gathered:
+        """Every rank's generator states now: a collective on the default group (the loop's; the
+        checkpoint's group is the saver's). Kept by `set` once the step they end is whole: a
+        death during the gather, or before the update, leaves the step before as it was."""
+        mine = generator_states(self.rank, self.device)
+        return Gathered(mine, every_ranks_own(mine, self.world_size, None))
+
+    def set(self, step: int, gathered: Gathered) -> None:
+        self.step, self.mine, self.every = step, gathered.mine, gathered.every
 
     def moved(self) -> bool:
         """Whether this rank's generators moved since the last gather."""
@@ -126,14 +139,16 @@ class WarmHooks:
         """Whether this rank's generators moved in the step just done (a flag in its report)."""
         return self.generators is not None and self.generators.moved()
 
-    def stepped(self, step: int, any_moved: bool) -> None:
-        """After a step's report: gather every rank's generators again where any moved."""
-        if self.generators is None:
-            return
-        if any_moved:
-            self.generators.gather(step)
-        else:  # nobody's moved: what was gathered is this step's too
-            self.generators.step = step
+    def gather_if_moved(self, any_moved: bool) -> Gathered | None:
+        """At a step's report, before its update: every rank's generators gathered again where
+        any moved (None: nobody's moved, what was gathered is this step's too)."""
+        return self.generators.gather() if self.generators is not None and any_moved else None
+
+    def stepped(self, step: int, gathered: Gathered | None) -> None:
+        """After the step's update: its generators are those of step `step`."""
+        if self.generators is not None:
+            self.generators.set(step, gathered if gathered is not None else
+                                Gathered(self.generators.mine, self.generators.every))
 
     def holds_for_next(self, stops: StopRequests, layout: Any) -> bool:
         return holds_for_next(stops, layout, self.rank, self.world_size, self.device)
