@@ -177,3 +177,28 @@ def test_counts_read_in_words() -> None:
     assert (counted(1, "device"), counted(3, "device")) == ("1 device", "3 devices")
     assert counted_each([1], "device") == "1 device"
     assert counted_each([2, 3, 1], "device", " -> ") == "2 -> 3 -> 1 devices"
+
+
+def test_the_run_summary_names_a_failure_by_the_launchers_line_not_a_peers_traceback() -> None:
+    """A warm rank SIGKILLed mid-step: its peers' tracebacks (gloo's "Connection reset by peer")
+    reach the log first, then the launcher's line naming the killed rank. The summary's warning
+    is that line (it showed a peer's traceback); a traceback alone is still shown."""
+    import logging
+
+    from parashift.commands.run import RunWarnings
+
+    def record(message: str) -> logging.LogRecord:
+        return logging.LogRecord("prefect.task_runs", logging.ERROR, __file__, 1, message, None, None)
+
+    warnings = RunWarnings()
+    peer = ("Traceback (most recent call last):\n  File \"trainer.py\", line 381, in _report\n"
+            "RuntimeError: Read error [127.0.0.1]:16820: Connection reset by peer.")
+    for message in (peer, peer, "workers failed: rank 2 killed by signal 9 (a warm worker; another process takes "
+                                "its place); the surviving workers hold step 42 in memory"):
+        warnings.emit(record(message))
+    assert warnings.line() == ("3 warnings in the log (2 tracebacks of workers); the first other: workers failed: "
+                               "rank 2 killed by signal 9 (a warm "
+                               "worker; another process takes its place); the surviving workers hold step 42 in memory")
+    alone = RunWarnings()
+    alone.emit(record(peer))
+    assert alone.line().startswith("1 warning in the log; the first: Traceback (most recent call last): File")

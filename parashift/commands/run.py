@@ -177,11 +177,18 @@ class RunWarnings(logging.Handler):
             self.messages.append(" ".join(record.getMessage().split()))
 
     def line(self) -> str | None:
-        """How many, and the first (the cause; what follows it is often its consequence)."""
+        """How many, and the first (the cause; what follows it is often its consequence) that is
+        not a worker's traceback: a rank killed mid-step leaves its peers' tracebacks of broken
+        collectives in the log before the launcher's line that names it."""
         if not self.messages:
             return None
-        first = self.messages[0]
+        tracebacks = [m for m in self.messages if m.startswith("Traceback (most recent call last)")]
+        others = [m for m in self.messages if m not in tracebacks]
+        first = (others or self.messages)[0]
         shown = first if len(first) <= self.SHOWN else first[: self.SHOWN] + "..."
+        if tracebacks and others:
+            return (f"{counted(len(self.messages), 'warning')} in the log ({counted(len(tracebacks), 'traceback')} "
+                    f"of workers); the first other: {shown}")
         return f"{counted(len(self.messages), 'warning')} in the log; the first: {shown}"
 
 
