@@ -107,6 +107,8 @@ class PoolBook:
             job.status = "waiting"
             return f"{job_id} stopped (preempted); it waits"
         job.status, job.reason, job.finished_at, job.devices = status, reason, self.clock(), 0  # type: ignore[assignment]
+        if status == "finished":  # every step trained, whatever its metrics said at the last tick
+            job.steps_done = job.spec.training.steps
         return f"{job_id} {status}" + (f": {reason}" if reason else "")
 
     def observed(self, job_id: str, seen: Measured) -> str | None:

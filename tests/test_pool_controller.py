@@ -304,3 +304,18 @@ def test_pool_status_shows_each_job_s_devices_progress_and_why_from_storage(tmp_
     assert "running" in high and "250/1000" in high and "2..16" in high
     low = next(line for line in lines[1:] if " low " in line)
     assert "waiting" in low and "waits" in low
+
+
+def test_a_finished_job_shows_every_step_done() -> None:
+    """Progress comes from the job's metrics, read at the controller's ticks: a job that ended
+    between two reads was shown "finished" at 80/120 steps (seen by hand: both jobs of a pool).
+    A finished run has trained every step; a preempted one keeps what was read."""
+    book, _ = book_of()
+    book.submitted("k1", 1.0, job("done", steps=120), lambda spec: {1: 1.0, 2: 0.6})
+    book.submitted("k2", 2.0, job("preempted", steps=120), lambda spec: {1: 1.0, 2: 0.6})
+    book.allocate(["submitted"])
+    for name in ("done", "preempted"):
+        book.state.jobs[name].status, book.state.jobs[name].steps_done = "running", 80
+    book.ended("done", "finished")
+    book.ended("preempted", "stopped")
+    assert book.state.jobs["done"].steps_done == 120 and book.state.jobs["preempted"].steps_done == 80
