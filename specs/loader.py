@@ -295,6 +295,9 @@ _EXPECTED = {
     "list_type": "a list",
     "tuple_type": "a list",
 }
+# Literal values people write for one the spec names differently: suggested by meaning, not
+# by spelling ("gpu" is closest to "cpu").
+_MEANT = {"gpu": "cuda", "gpus": "cuda", "nvidia": "cuda"}
 _NUMBER = re.compile(r"^\s*[-+]?(\d[\d_]*(\.\d*)?|\.\d+)([eE][-+]?\d+)?\s*$")
 
 
@@ -319,7 +322,8 @@ def _message(detail: Any, loc: Loc, known: list[str]) -> str:
     if kind == "literal_error":
         choices = re.findall(r"'([^']*)'", str(ctx.get("expected", "")))
         message = f"must be {ctx.get('expected')}, got {_describe(value)}"
-        close = difflib.get_close_matches(str(value), choices, n=1, cutoff=0.6)
+        meant = _MEANT.get(str(value).lower())
+        close = [meant] if meant in choices else difflib.get_close_matches(str(value), choices, n=1, cutoff=0.6)
         return f"{message}; did you mean {close[0]!r}?" if close else message
     if kind in ("value_error", "assertion_error") and "error" in ctx:
         return str(ctx["error"])

@@ -386,6 +386,14 @@ def test_literal_with_suggestion_and_tuple_item(tmp_path: Path) -> None:
     assert_error(lines, file, 4, 16, "optimizer.betas.1", "must be in [0, 1)")
 
 
+def test_a_device_kind_said_as_people_say_it_is_suggested_by_meaning(tmp_path: Path) -> None:
+    """`kind: gpu` was answered "did you mean 'cpu'?" (closest by spelling): the opposite."""
+    file, lines = errors_of(tmp_path, "name: x\nresources:\n  kind: gpu\n")
+    assert_error(lines, file, 3, 9, "resources.kind", "did you mean 'cuda'?")
+    file, lines = errors_of(tmp_path, "name: x\nresources:\n  kind: GPU\n")
+    assert_error(lines, file, 3, 9, "resources.kind", "did you mean 'cuda'?")
+
+
 def test_section_of_wrong_kind(tmp_path: Path) -> None:
     file, lines = errors_of(tmp_path, "name: x\nmodel: 5\n")
     assert_error(lines, file, 2, 8, "model", "expected a mapping, got integer 5")
