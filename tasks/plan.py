@@ -42,7 +42,8 @@ def choose_plan(spec: JobSpec, searched: Plan, devices: int) -> Plan:
         note = (f"planner's choice {searched.mesh} is refused by the trainer ({'; '.join(reasons)}), although the "
                 "planner searches only executable layouts: planner and trainer disagree (a bug); data parallel instead")
     else:
-        note = f"strategy data-parallel; the planner's choice would be {searched.mesh} at {searched.estimated_step_s:.4g} s"
+        note = (f"strategy data-parallel; the planner's choice would be {searched.describe()} at "
+                f"{searched.estimated_step_s:.4g} s per step")
     return Plan.data_parallel(
         devices,
         estimated_step_s=searched.baselines.get("data-parallel"),
@@ -194,7 +195,7 @@ def finish_plan(spec: JobSpec, prepared: PreparedPlan, step: int,
             best, rows = chosen
             fastest = min(prepared.options, key=lambda p: p.estimated_step_s or float("inf"))
             if best.plan is not fastest:
-                note = (f"{best.plan.mesh} chosen over the faster-stepping {fastest.mesh}: its checkpoint move is "
+                note = (f"{best.plan.describe()} chosen over the faster-stepping {fastest.describe()}: its checkpoint move is "
                         f"cheaper over the {spec.training.steps - step} remaining steps")
                 best = Option(best.plan.model_copy(update={"notes": [*best.plan.notes, note]}), best.step_s, best.move_bytes)
             plan = best.plan

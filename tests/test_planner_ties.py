@@ -325,6 +325,11 @@ def test_choose_plan_keeps_planner_plans_and_falls_back_only_on_refusal(tmp_path
     assert any("l0.fc1 splits ['b'] over tp" in r for r in refused.trainer_refusals), refused.trainer_refusals
     fallback = choose_plan(spec, refused, 2)
     assert fallback.mesh == {"dp": 2} and "refused by the trainer" in fallback.notes[-1]
+    # Data parallel by the spec: the note names the planner's choice as the run summary does
+    searched = plan_model(prof, 2, None, max_pp=1)
+    note = choose_plan(tiny_spec("dp", f"file://{tmp_path}/store"), searched, 2).notes[-1]
+    assert note.startswith(f"strategy data-parallel; the planner's choice would be {searched.describe()} at "), note
+    assert "{" not in note, note
 
 
 def test_no_plan_breaks_a_tie_not_even_a_baseline() -> None:

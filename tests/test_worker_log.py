@@ -27,6 +27,11 @@ def test_events_read_as_sentences() -> None:
                                                       requests=3).model_dump_json()
     # rank 0's share, not the whole move the flow's reshard plan reports
     assert present(restoring)[1].startswith("rank 0 restores step 4: 2.0 MB in 3 reads (its share: 2.0 MB needed")
+    # A loop's wait of a millisecond or two for a save is not worth a line in every run log; a long one is
+    short = events.PREFIX + events.CheckpointStallEvent(step=21, stall_s=0.001).model_dump_json()
+    long = events.PREFIX + events.CheckpointStallEvent(step=41, stall_s=0.8).model_dump_json()
+    assert present(short) == (logging.DEBUG, "step 21: the loop waited 0.001 s for a checkpoint")
+    assert present(long) == (logging.INFO, "step 41: the loop waited 0.800 s for a checkpoint")
 
 
 def test_worker_records_keep_their_level_and_rank() -> None:
