@@ -43,6 +43,10 @@ from parashift.specs.models import REASONS, JobSpec, Reason, ResourceChange
 from parashift.specs.words import counted
 from pydantic import BaseModel, Field, model_validator
 
+# Reasons for a change that nobody asked for: the job lost what it ran on (a warning in its log);
+# the others are the job working as meant (a scale, a pool's share, a node added).
+UNPLANNED: frozenset[Reason] = frozenset({"preemption", "failure", "node-left"})
+
 # How a segment (one launch of the workers) ended.
 Outcome = Literal["finished", "stopped", "rescaled", "failed", "fatal"]
 
@@ -395,6 +399,6 @@ def likely_counts(spec: JobSpec, job: JobState, most: int = 3) -> list[int]:
     return likely[:most]
 
 
-__all__ = ["REASONS", "Change", "Decision", "Fail", "Ignore", "JobState", "Outcome", "Reason", "Replan",
+__all__ = ["REASONS", "UNPLANNED", "Change", "Decision", "Fail", "Ignore", "JobState", "Outcome", "Reason", "Replan",
            "ResourceEvent", "Segment", "SegmentEnded", "Stop", "admit", "apply_change", "check_change", "decide", "rejoined_nodes",
            "likely_counts", "segment_outcome"]

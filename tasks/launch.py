@@ -9,6 +9,7 @@ recover. How the segment ended is the policy's reading (`specs.elastic.segment_o
 
 from __future__ import annotations
 
+import logging
 import statistics
 import threading
 import time
@@ -20,7 +21,15 @@ from parashift.launcher.job_workers import warm_pool
 from parashift.launcher.launch import LaunchResult, RunningWorkers
 from parashift.launcher.segment import OutputTail, failure_reason, launch_segment
 from parashift.specs import JobSpec
-from parashift.specs.elastic import JobState, Replan, ResourceEvent, decide, likely_counts, segment_outcome
+from parashift.specs.elastic import (
+    UNPLANNED,
+    JobState,
+    Replan,
+    ResourceEvent,
+    decide,
+    likely_counts,
+    segment_outcome,
+)
 from parashift.specs.plan import Plan
 from parashift.specs.words import counted
 from parashift.storage import JobPaths, ObjectStore, StorageError, open_store
@@ -124,8 +133,10 @@ class _SegmentWatch:
         decision = decide(self.spec, self.job, change)
         if not isinstance(decision, Replan):
             return  # the flow decides on it, and says why, when the segment ends
-        self.logger.warning("resource change (%s, epoch %d): %s -> %s; stopping at the next step boundary",
-                            change.reason, change.epoch, counted(self.plan.devices, "device"), change.describe())
+        # Asked for (a scale, a pool's share) is the job working as meant; a device lost is not
+        level = logging.WARNING if change.reason in UNPLANNED else logging.INFO
+        self.logger.log(level, "resource change (%s, epoch %d): %s -> %s; stopping at the next step boundary",
+                        change.reason, change.epoch, counted(self.plan.devices, "device"), change.describe())
         if self.ahead is not None:  # planned while the workers finish their step
             self.ahead.prepare([decision.devices], first=True)
         self.stop(f"rescale to {change.describe()} ({change.reason})",

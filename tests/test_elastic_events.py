@@ -249,8 +249,13 @@ def test_events_rescale_a_running_job_and_losses_match_a_static_run(prefect_serv
             emit_resource_change("some-other-job", ResourceEvent(devices=2, epoch=50))
             emit_resource_change(spec.job_id, ResourceEvent(devices=1, epoch=20))
 
-    elastic = run_flow(spec, WorkerEvents(react)).result()
+    state = run_flow(spec, WorkerEvents(react))
+    elastic = state.result()
     assert [(s.devices, s.outcome) for s in elastic.segments] == [(2, "rescaled"), (3, "rescaled"), (1, "finished")]
+    # Changes asked for are the job working as meant: said at INFO, not among the run's warnings
+    said = [level for level, message in run_records(state, "1 device; stopping at the next step boundary")
+            if message.startswith("resource change (scale, epoch ")]
+    assert said == [logging.INFO, logging.INFO], said
     first, second, third = elastic.segments
     assert first.start_step == 0 and sent[0] < first.final_step == second.start_step < sent[1]
     assert second.final_step == third.start_step < third.final_step == RESCALED["steps"]
