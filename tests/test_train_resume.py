@@ -49,6 +49,7 @@ def test_uninterrupted_run_learns_and_commits(reference) -> None:
     assert len(losses) == 12 and losses[-1] < losses[0] - 0.3
     store = checkpoint_store(spec)
     assert store.committed_steps() == [8, 12]  # keep_checkpoints=2 pruned step 4
+    assert any(line.endswith("pruned checkpoint 4 (keep_checkpoints: 2)") for line in result.lines), result.lines
     # A commit's line says the whole checkpoint's size (every rank's object), not rank 0's share
     commits = {e.step: e for e in result.checkpoints}
     for step in (8, 12):

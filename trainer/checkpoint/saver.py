@@ -454,7 +454,8 @@ class Checkpointer:
             log.warning("pruning old checkpoints failed: %s", error)
             return
         if pruned:
-            log.info("pruned checkpoints %s", pruned)
+            log.info("pruned %s %s (keep_checkpoints: %d)", "checkpoint" if len(pruned) == 1 else "checkpoints",
+                     ", ".join(map(str, pruned)), self.keep)
 
     def _keep_on_node(self, step: int, held: list[SlicePayload]) -> bool:
         """Keep everything this rank holds in the node-local tier (its holding object) for the
