@@ -65,6 +65,19 @@ def test_a_gpt_checkpoint_exports_to_opt_with_transformers_logits(tmp_path: Path
     assert "model.safetensors" not in weight_files() and "model.safetensors.index.json" in weight_files()
     assert (tmp_path / "hf" / "README.md").read_text() == "mine"
 
+    # In bf16 (`parashift export --dtype bfloat16`): half the bytes, the config says so, and
+    # transformers loads the fp32 weights rounded once, no other change.
+    half = export_hf(spec, str(tmp_path / "hf16"), dtype="bfloat16")
+    assert half.bytes_written < 0.6 * export_hf(spec, str(tmp_path / "hf32")).bytes_written
+    assert json.loads((tmp_path / "hf16" / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    rounded = AutoModelForCausalLM.from_pretrained(tmp_path / "hf16", dtype="auto")
+    full = AutoModelForCausalLM.from_pretrained(tmp_path / "hf32", dtype="auto")
+    for (name, got), (_, want) in zip(rounded.state_dict().items(), full.state_dict().items(), strict=True):
+        assert got.dtype == torch.bfloat16 and want.dtype == torch.float32, name
+        assert torch.equal(got, want.to(torch.bfloat16)), name
+    with pytest.raises(ValueError, match="float8"):
+        export_hf(spec, str(tmp_path / "no"), dtype="float8")
+
 
 def test_every_gpt_parameter_has_one_opt_name() -> None:
     spec = JobSpec.model_validate({"name": "names", "model": MODEL}).model

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from math import prod
 from typing import Any
 
+import torch
 from parashift.corpus.tokenizer import load_tokenizer
 from parashift.models import family_of
 from parashift.models.hub import GENERATION_FILE, TOKENIZER_FILES, companion_files, read_config
@@ -51,10 +52,7 @@ def exported_config(spec: JobSpec, ours: dict[str, Any]) -> dict[str, Any]:
     merged = {**theirs, **ours}
     if "max_position_embeddings" in theirs:
         merged["max_position_embeddings"] = max(theirs["max_position_embeddings"], ours.get("max_position_embeddings", 0))
-    for key in ("torch_dtype", "dtype"):  # the weights written are the checkpoint's fp32 (transformers 4 and 5 names)
-        if key in merged:
-            merged[key] = "float32"
-    return merged
+    return merged  # its dtype is the one written (`export_hf`)
 
 
 def companions(spec: JobSpec) -> dict[str, tuple[bytes, str]]:
@@ -98,9 +96,18 @@ def shard_groups(sizes: list[tuple[str, int]], max_bytes: int) -> list[list[str]
     return groups
 
 
+# What `dtype` may name: the checkpoint's fp32 weights as they are, or rounded to half their size
+# (as Llama and most checkpoints on the Hub are published: an fp32 70B is 280 GB).
+DTYPES = ("float32", "bfloat16", "float16")
+
+
 def export_hf(spec: JobSpec, to: str, step: int | None = None, max_shard_bytes: int = DEFAULT_SHARD_BYTES,
-              storage_options: dict | None = None) -> ExportReport:
-    """Write the job's newest (or `step`'s) committed checkpoint to the folder or fsspec URL `to`."""
+              storage_options: dict | None = None, dtype: str = "float32") -> ExportReport:
+    """Write the job's newest (or `step`'s) committed checkpoint to the folder or fsspec URL `to`,
+    its floating-point weights in `dtype` (one of DTYPES; the config says which)."""
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype {dtype!r}: one of {', '.join(DTYPES)}")
+    to_dtype = getattr(torch, dtype)
     family = family_of(spec.model)
     adapter = family.hf_adapter()
     if adapter is None:
@@ -111,10 +118,16 @@ def export_hf(spec: JobSpec, to: str, step: int | None = None, max_shard_bytes: 
         raise FileNotFoundError(f"{spec.job_id} has no committed checkpoint to export")
     config = exported_config(spec, adapter.hf_config(spec.model))  # before anything is written: a model it
     # cannot express fails here
+    for key in ("torch_dtype", "dtype"):  # transformers 4 and 5 names
+        if key in config or key == "torch_dtype":
+            config[key] = dtype
     reshaped = getattr(adapter, "hf_tensor", None)  # beyond a transposition (OPT's offset position rows)
     out = ObjectStore(to, storage_options)
     params = [name for name in manifest.tensors if name.startswith("model/")]
-    sizes = [(name, prod(manifest.tensors[name].shape) * torch_dtype(manifest.tensors[name].dtype).itemsize)
+    def written_as(stored: torch.dtype) -> torch.dtype:
+        return to_dtype if stored.is_floating_point else stored
+
+    sizes = [(name, prod(manifest.tensors[name].shape) * written_as(torch_dtype(manifest.tensors[name].dtype)).itemsize)
              for name in params]
     groups = shard_groups(sizes, max_shard_bytes)
     report = ExportReport(manifest.step, out.url)
@@ -126,7 +139,8 @@ def export_hf(spec: JobSpec, to: str, step: int | None = None, max_shard_bytes: 
             ours = name.removeprefix("model/")
             key, transposed = adapter.hf_name(ours)
             tensor = tensor.t() if transposed else tensor
-            tensors[key] = (reshaped(ours, tensor) if reshaped else tensor).contiguous()
+            tensor = reshaped(ours, tensor) if reshaped else tensor
+            tensors[key] = tensor.to(written_as(tensor.dtype)).contiguous()
             weight_map[key] = file
         data = safetensors_bytes(tensors, metadata={"format": "pt"})
         out.put(file, data)

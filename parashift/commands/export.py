@@ -14,6 +14,8 @@ def export(
     format: str = typer.Option("hf", "--format", help="hf: a Hugging Face checkpoint (the only format)"),
     step: int | None = typer.Option(None, "--step", help="a committed step (default: the newest)"),
     max_shard_gb: float = typer.Option(5.0, "--max-shard-gb", min=0.0, help="largest *.safetensors file"),
+    dtype: str = typer.Option("float32", "--dtype", help="the weights' dtype: float32 (as trained and stored), "
+                                                         "bfloat16 or float16 (half the size)"),
 ) -> None:
     """Write a committed checkpoint of the job as a Hugging Face checkpoint, one shard at a
     time, every byte read verified against its checksum."""
@@ -27,7 +29,7 @@ def export(
     from parashift.trainer.export import export_hf
 
     try:
-        report = export_hf(spec, to, step, max_shard_bytes=max(1, int(max_shard_gb * 1e9)))
+        report = export_hf(spec, to, step, max_shard_bytes=max(1, int(max_shard_gb * 1e9)), dtype=dtype)
     except (ValueError, FileNotFoundError, KeyError, StorageError) as error:
         there = ""
         if isinstance(error, CheckpointNotFound) and step is not None:  # which steps may be asked for
