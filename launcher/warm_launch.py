@@ -32,18 +32,17 @@ from parashift.launcher.processes import hang_suspects
 from parashift.launcher.warm_pool import WarmPool
 from parashift.specs import JobSpec, environ
 from parashift.specs.plan import Plan
-from parashift.trainer.events import HeldEvent, WorkerEvent
+from parashift.trainer.events import WorkerEvent
 
 POLL_S = 0.02  # how soon a worker's event is relayed (the stop of a change waits on it)
 # After a rank fails, how long its peers get to return by themselves (gloo fails their pending
 # collective when the peer's connection closes) before they are ended (NCCL waits on): the
 # peers that return stay warm.
 PEER_GRACE_S = 5.0
-# ... and how long once a peer that returned holds the whole step (`HeldEvent`): the others add
-# nothing the next segment needs, and one may wait forever on a survivor that left the broken
-# collective before it (gloo closes a connection only when its process exits; measured: a
-# destroyed, aborted or shut-down group keeps it open). Seen in 2 of 28 kills under load.
-HELD_GRACE_S = 1.0
+# Not shortened once a returned peer holds the whole step (tried, 140d868, reverted): a survivor
+# can wait the whole grace on another that left the broken collective first (gloo closes a
+# connection only when its process exits), but a 1 s grace also ended a rank 0 still finishing
+# the held step under load, and that step's loss (its event, its scalars) went with it.
 
 
 class _Tail:
@@ -198,17 +197,12 @@ class _WarmSegment:
         else:
             self.end_pending()
 
-    def _held_by_a_returned_rank(self) -> bool:
-        return any(e.rank in self.codes and e.rank not in self.result.lost_ranks for e in self.result.of(HeldEvent))
-
     def _watchdogs(self) -> None:
         """A job silent for longer than its hang timeout is ended as hung; a failure's peers
-        that have not returned within PEER_GRACE_S are ended (HELD_GRACE_S once a returned
-        peer holds the whole step)."""
+        that have not returned within PEER_GRACE_S are ended."""
         silent = self.output.silent_s()
         if self.hang_s is not None and silent > self.hang_s and self.result.hung_s is None:
             self._hung(silent)
-        grace = HELD_GRACE_S if self.failed_at is not None and self._held_by_a_returned_rank() else PEER_GRACE_S
-        if self.failed_at is not None and time.monotonic() - self.failed_at > grace and self._pending():
+        if self.failed_at is not None and time.monotonic() - self.failed_at > PEER_GRACE_S and self._pending():
             self.failed_at = float("inf")
             self.end_pending()

@@ -4,11 +4,12 @@ TensorBoard event files in the job's storage under `jobs/{job}/metrics/`.
 
 Rank 0 writes them with TensorBoard's own writer into a local folder and copies each event
 file to the store in the background (any fsspec URL: local files, S3), so a slow store never
-holds a step: at most every few seconds, and at once at each commit and at the end (a segment's
-file continues in a new one past a size, as each copy rewrites a whole object). Every segment of a job (each launch, each device count) writes its own event
-file into the same folder: `tensorboard --logdir` shows an elastic run as one curve per tag
-over steps, each step once (a segment that trains steps again, after a failure or a fallback to
-an older checkpoint, hides the earlier file's copies of them: TensorBoard's `purge_step`).
+holds a step: at most once a second, and at once at each commit and at the end (a segment's
+file continues in a new one past 64 KiB, as each copy rewrites a whole object). Every segment
+of a job (each launch, each device count) writes its own event file into the same folder:
+`tensorboard --logdir` shows an elastic run as one curve per tag over steps, each step once (a
+segment that trains steps again, after a failure or a fallback to an older checkpoint, hides
+the earlier file's copies of them: TensorBoard's `purge_step`).
 
 MFU divides the model's training FLOPs per token (PaLM's 6N + attention, the family's
 `flops_per_token`) at the measured tokens/s, per device, by the device's peak: a GPU's dense
@@ -62,12 +63,13 @@ def memory_bytes(device: torch.device) -> int:
 
 # Each copy rewrites a whole object (S3 has no append): a segment's event file copied after every
 # logged step cost the square of its length (~450 bytes a step: a 100k-step segment rewrote up to
-# 45 MB at each step). A growing file is copied at most this often, and at once at a commit and at
-# the segment's end: a crash loses at most the steps logged since, and those after the last commit
-# are trained again (and hidden, `purge_step`) anyway. A segment's TensorBoard file is continued in
-# a new one past ROTATE_BYTES, so no copy exceeds it.
-UPLOAD_EVERY_S = 5.0
-ROTATE_BYTES = 256 * 1024
+# 45 MB at each step). A segment's TensorBoard file is continued in a new one past ROTATE_BYTES, so
+# no copy exceeds it, and a growing file is copied at most once a second (steps of a second or
+# more: each, as before), at once at a commit and at the segment's end. Rank 0 killed loses at
+# most the last second's scalars: those of steps its peers may hold and the job resume past (warm
+# workers), so not much longer.
+UPLOAD_EVERY_S = 1.0
+ROTATE_BYTES = 64 * 1024
 
 
 class _Uploader:
