@@ -153,7 +153,7 @@ def _plan(spec: JobSpec, job: JobState, profiles: dict[int, ModelSummary], ahead
         return prepared.model, plan, [partial(publish_plan.submit, spec, prepared, plan, job.step, choice)]
     if job.devices not in profiles:  # the core share on this count; collectives measured once (cached in storage)
         first = profiles[spec.resources.devices].profile_key
-        profiles[job.devices] = profile_model(spec.on_devices(job.devices), comm_from=first)
+        profiles[job.devices] = profile_model(spec.on_devices(job.devices), rates_from=first)
     model = profiles[job.devices]
     return model, plan_parallelism(spec, model, job.devices, job.step, bandwidth), []
 

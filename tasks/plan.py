@@ -319,7 +319,7 @@ class PlansAhead:
     def _compute(self, devices: int) -> PreparedPlan | None:
         said: list[str] = []
         try:  # as the flow plans a count it did not plan ahead: the count's profile, the job's spec
-            model = ensure_profile(self.spec.on_devices(devices), comm_from=self.first.profile_key, say=said.append,
+            model = ensure_profile(self.spec.on_devices(devices), rates_from=self.first.profile_key, say=said.append,
                                    may_measure=False)
             prepared = prepare_plan(self.spec, model, devices)
         except NeedsMeasurement:  # a launch of its own: left to the flow, in the open

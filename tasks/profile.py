@@ -141,7 +141,7 @@ def measured_rates(spec: JobSpec, key: str | None) -> tuple[CommModel | None, De
     return (comm if comm.measured else None), (device if device is not None and device.measured else None)
 
 
-def ensure_profile(spec: JobSpec, comm_from: str | None = None, say: Callable[[str], None] = lambda line: None,
+def ensure_profile(spec: JobSpec, rates_from: str | None = None, say: Callable[[str], None] = lambda line: None,
                    may_measure: bool = True) -> ModelSummary:
     """The body of `profile_model`, without Prefect: what `tasks.plan.PlansAhead` runs while the job
     trains. `may_measure=False`: NeedsMeasurement rather than launch workers to time collectives."""
@@ -152,7 +152,7 @@ def ensure_profile(spec: JobSpec, comm_from: str | None = None, say: Callable[[s
         if store.exists(key):
             say(f"reusing profile {store.url_for(key)}")
         else:
-            comm, device = measured_rates(spec, comm_from)
+            comm, device = measured_rates(spec, rates_from)
             res = spec.resources
             if not may_measure and comm is None and needs_measurement(spec) and res.devices > 1:
                 raise NeedsMeasurement(f"profiling {res.devices} devices times collectives first")
@@ -176,8 +176,8 @@ def _rates_from(measured: bool, reused: bool, kind: str) -> str:
 
 
 @task(name="profile-model", retries=2, retry_delay_seconds=2, retry_condition_fn=retry_if_it_may_help)
-def profile_model(spec: JobSpec, comm_from: str | None = None) -> ModelSummary:
+def profile_model(spec: JobSpec, rates_from: str | None = None) -> ModelSummary:
     """Profile the model, or reuse the profile stored for the same model, batch and devices.
-    `comm_from`: the key of this job's profile on another device count, whose measured
-    collectives serve this one too."""
-    return ensure_profile(spec, comm_from, get_run_logger().info)
+    `rates_from`: the key of this job's profile on another device count, whose measured
+    collectives and device rates serve this one too."""
+    return ensure_profile(spec, rates_from, get_run_logger().info)

@@ -139,7 +139,7 @@ def test_a_plan_made_ahead_is_the_plan_made_at_the_change(tmp_path: Path) -> Non
         taken, choice = finish_plan(near_end, ahead.take(2), 2, slow_store)
         now, choice_now = finish_plan(near_end, prepare_plan(near_end, first, 2), 2, slow_store)
         # a count other than the spec's, as the flow plans it when nothing was made ahead
-        one_profile = ensure_profile(spec.on_devices(1), comm_from=first.profile_key)
+        one_profile = ensure_profile(spec.on_devices(1), rates_from=first.profile_key)
         one_ahead, _ = finish_plan(near_end, ahead.take(1), 2, slow_store)
         one_now, _ = finish_plan(near_end, prepare_plan(near_end, one_profile, 1), 2, slow_store)
     finally:
@@ -175,7 +175,7 @@ def test_another_device_count_reuses_the_jobs_measured_rates(tmp_path: Path, mon
     said: list[str] = []
     for devices in (1, 2, 3):
         other = spec.on_devices(devices)
-        reused = load_profile(other, ensure_profile(other, comm_from=first.profile_key, say=said.append).profile_key)
+        reused = load_profile(other, ensure_profile(other, rates_from=first.profile_key, say=said.append).profile_key)
         fresh = build_profile(other, profile.comm, timed.model_copy())  # as measuring here would make it
         assert reused.device == fresh.device == share_cores(timed, devices)
         assert reused.comm == profile.comm

@@ -118,12 +118,13 @@ def export_hf(spec: JobSpec, to: str, step: int | None = None, max_shard_bytes: 
         raise FileNotFoundError(f"{spec.job_id} has no committed checkpoint to export")
     config = exported_config(spec, adapter.hf_config(spec.model))  # before anything is written: a model it
     # cannot express fails here
-    for key in ("torch_dtype", "dtype"):  # transformers 4 and 5 names
-        if key in config or key == "torch_dtype":
-            config[key] = dtype
+    config["torch_dtype"] = dtype  # what is written; transformers 5 also reads "dtype"
+    if "dtype" in config:
+        config["dtype"] = dtype
     reshaped = getattr(adapter, "hf_tensor", None)  # beyond a transposition (OPT's offset position rows)
     out = ObjectStore(to, storage_options)
     params = [name for name in manifest.tensors if name.startswith("model/")]
+
     def written_as(stored: torch.dtype) -> torch.dtype:
         return to_dtype if stored.is_floating_point else stored
 

@@ -138,14 +138,15 @@ def _name_after(store: Any, job_id: str, name: str, after: int = -1) -> str:
     fresh launch), or on a node whose clock lags, would be read first and hidden by its predecessor.
     One writer per job (the lease) makes the folder's newest name the previous segment's."""
     second, _, rest = name.removeprefix(_EVENTS).partition(".")
-    taken = [key.rpartition("/")[2].removeprefix(_EVENTS).partition(".")[0]
-             for key in store.list(f"jobs/{job_id}/metrics") if _EVENTS in key]
-    newest = max((int(each) for each in taken if each.isdigit()), default=-1)
+    taken = [_second_of(key) for key in store.list(f"jobs/{job_id}/metrics") if _EVENTS in key]
+    newest = max((each for each in taken if each is not None), default=-1)
     return f"{_EVENTS}{max(int(second), newest + 1, after + 1):010d}.{rest}"
 
 
-def _second_of(key: str) -> int:
-    return int(key.rpartition("/")[2].removeprefix(_EVENTS).partition(".")[0])
+def _second_of(key: str) -> int | None:
+    """The whole second an event file's name starts with (None: not one TensorBoard names)."""
+    second = key.rpartition("/")[2].removeprefix(_EVENTS).partition(".")[0]
+    return int(second) if second.isdigit() else None
 
 
 class _TensorBoard:
@@ -176,7 +177,7 @@ class _TensorBoard:
             self._writer.close()  # the rest of the segment goes on in a new file, read after this one
             self._writer, path = self._open(f".from-step-{step + 1:08d}")
             self._key = (f"jobs/{self._job_id}/metrics/"
-                         f"{_name_after(self._store, self._job_id, path.name, _second_of(self._key))}")
+                         f"{_name_after(self._store, self._job_id, path.name, _second_of(self._key) or -1)}")
             self._uploader.switch(self._key, path)
         else:
             self._uploader.request()
