@@ -39,10 +39,11 @@ POLL_S = 0.02  # how soon a worker's event is relayed (the stop of a change wait
 # collective when the peer's connection closes) before they are ended (NCCL waits on): the
 # peers that return stay warm.
 PEER_GRACE_S = 5.0
-# Not shortened once a returned peer holds the whole step (tried, 140d868, reverted): under load
-# a survivor sometimes waits the whole grace in a collective after another has left it and
-# returned (on what is not found: that one keeps no process group), but a 1 s grace also ended a
-# rank 0 still finishing the held step, and that step's loss (its event, its scalars) with it.
+# Not shortened once a returned peer holds the whole step (tried, 140d868, reverted): a 1 s grace
+# ended a rank 0 still finishing the held step under load, and that step's loss (its event, its
+# scalars) with it. What the grace still ends (1 of 100 kills under load): a peer whose gloo
+# ring all-reduce waits on a send to the dead rank until the collective's timeout (seen with gdb
+# in `UnboundBuffer::waitSend`); torch 2.13's `abort()` and `set_timeout()` do not interrupt it.
 
 
 class _Tail:

@@ -303,10 +303,11 @@ def _clean_up() -> None:
     made is frozen at boot (`serve`), and a warm job freezes nothing (`worker.main`)."""
     # Imported here: the launcher's side of this module (WarmPool) imports no torch.
     import torch
-    from parashift.trainer.mesh import forget_meshes
+    from parashift.trainer.mesh import forget_meshes, release_leftover_groups
 
     forget_meshes()  # the job's meshes, and with them its process groups' threads
     gc.collect()
+    release_leftover_groups()  # a mesh torch still holds after a failed collective
 
     if torch.cuda.is_available():
         torch.cuda.empty_cache()  # the next job's model may be laid out otherwise

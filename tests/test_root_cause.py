@@ -28,9 +28,21 @@ ROUNDS = {"warm": int(os.environ.get("PARASHIFT_ROOT_CAUSE_ROUNDS", "6")),
           "torchrun": int(os.environ.get("PARASHIFT_ROOT_CAUSE_ROUNDS", "2"))}
 
 
-def kill_at_step_two(victim: int, killed: list[int]):
-    """An on_event that SIGKILLs rank `victim` once step 2 is reported (its pid from the start event)."""
-    pids: list[int] = []
+def tcp_sockets(pid: int) -> int:
+    """How many TCP sockets (listening or connected) the process holds (none once it is gone:
+    the launcher ends a peer that waits too long)."""
+    try:
+        inodes = {line.split()[9] for table in ("tcp", "tcp6")
+                  for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]}
+        links = [os.readlink(fd) for fd in Path(f"/proc/{pid}/fd").iterdir()]
+    except OSError:  # gone (a descriptor closed while listed is the same: looked at again)
+        return 0 if not Path(f"/proc/{pid}").exists() else -1
+    return sum(link.startswith("socket:[") and link[8:-1] in inodes for link in links)
+
+
+def kill_at_step_two(victim: int, killed: list[int], pids: list[int]):
+    """An on_event that SIGKILLs rank `victim` once step 2 is reported (its pid from the start
+    event, which fills `pids`)."""
 
     def on_event(event: object) -> None:
         if isinstance(event, StartEvent):
@@ -66,7 +78,8 @@ def test_the_reason_names_the_killed_rank(path: str, tmp_path: Path, busy_machin
                              training={"steps": 40, "checkpoint_every": 40, "log_every": 1})
             killed: list[int] = []
             lines: list[str] = []
-            on_event = kill_at_step_two(victim, killed)
+            pids: list[int] = []
+            on_event = kill_at_step_two(victim, killed, pids)
             if pool is not None:
                 result = launch_warm(pool, spec, Plan.data_parallel(3), on_line=lines.append, on_event=on_event)
             else:
@@ -81,6 +94,12 @@ def test_the_reason_names_the_killed_rank(path: str, tmp_path: Path, busy_machin
                 # kill during the update left them past the step their peers' generators were
                 # gathered for, and 17 steps were trained again).
                 held.append(result.held_step())
+                # Nor do they keep anything of the failed job's process groups once they have
+                # cleaned up (seen: a failed all-reduce on the world group kept the job's mesh, its
+                # groups' threads, and an open connection on which a peer still in that
+                # all-reduce waited out the 5 s grace).
+                for pid in set(pids) - set(killed):
+                    wait_for(lambda pid=pid: tcp_sockets(pid) == 0, f"rank pid {pid} to close its sockets", 20)
     finally:
         if pool is not None:
             pool.close()

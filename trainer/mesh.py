@@ -91,6 +91,28 @@ def forget_meshes() -> None:
             cached.cache_clear()
 
 
+def release_leftover_groups() -> int:
+    """Let go of the process groups of every mesh still alive once a job's objects are collected
+    (call after `forget_meshes` and `gc.collect()`); returns how many meshes held some.
+
+    Why: when a warm rank's all-reduce on the world group fails (a peer died during the gradient
+    clipping's; each of the 6 such failures traced), torch keeps the job's root mesh alive from
+    outside Python's reach: no tracked object refers to it (`gc.get_referrers`, after
+    `gc.unfreeze()`), and what does is not found. The mesh keeps its groups (`_pg_registry`,
+    torch 2.13), the world group among them: 12 threads, and an open connection to each
+    surviving peer. A peer still in that all-reduce then never saw this rank leave, and waited
+    out its launcher's 5 s grace. Emptying the leftover meshes' registries drops the last
+    references to their groups: the connections close, the waiting peer's all-reduce fails at
+    once, and the threads end."""
+    released = 0
+    for leftover in gc.get_objects():
+        if isinstance(leftover, DeviceMesh) and (leftover._pg_registry or leftover._flatten_mapping):
+            leftover._pg_registry.clear()
+            leftover._flatten_mapping.clear()  # its flattened meshes hold the same groups
+            released += 1
+    return released
+
+
 def _held_by_modules(prefix: str) -> list[object]:
     """Everything that modules named `prefix...` and their own classes hold at top level (the
     caller picks the caches out of it)."""
