@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from typing import Any
+
 from parashift.specs.elastic import Outcome
 from parashift.specs.words import counted
 from parashift.trainer.events import perplexity
@@ -53,6 +56,13 @@ class SegmentResult(BaseModel):
     held_unsaved: bool = Field(default=False, description="stopped for a planned change with its last step held in "
                                "the warm workers' memory, described by a pending manifest: the next segment saves it")
 
+    def __repr_args__(self) -> Iterator[tuple[str | None, Any]]:
+        """Losses by step shortened to their count and ends: Prefect logs a failed launch's state
+        with its result's repr at ERROR, in the run log and the UI (a segment of 10,000 steps
+        was a line of ~280 kB); `model_dump` keeps every step."""
+        for name, value in super().__repr_args__():
+            yield name, _Steps(value) if name in ("losses", "eval_losses") and len(value) > 4 else value
+
     @property
     def stopped(self) -> bool:
         """Asked to stop by the user (not by a resource change): the rest of the job waits."""
@@ -67,6 +77,16 @@ class SegmentResult(BaseModel):
     def ended(self) -> str:
         """How it ended, with why where there is a why: `finished`, `failed: rank 1 killed by signal 9`."""
         return f"{self.outcome}: {self.reason}" if self.reason else self.outcome
+
+
+class _Steps:
+    """A long list of (step, value) said by its length and its two ends."""
+
+    def __init__(self, pairs: list[tuple[int, float]]) -> None:
+        self.pairs = pairs
+
+    def __repr__(self) -> str:
+        return f"[{self.pairs[0]!r}, ... {len(self.pairs) - 2} more ..., {self.pairs[-1]!r}]"
 
 
 class ReshardSummary(BaseModel):

@@ -50,3 +50,15 @@ def test_the_summary_says_where_the_offline_wandb_runs_are() -> None:
     assert "W&B" not in summary_markdown(recovered(), MODEL)
     summary = TrainSummary(**{**recovered().model_dump(), "wandb_url": "s3://bucket/jobs/job/metrics/wandb"})
     assert "| W&B (offline runs, `wandb sync`) | s3://bucket/jobs/job/metrics/wandb |" in summary_markdown(summary, MODEL)
+
+
+def test_a_segment_is_said_short_and_kept_whole() -> None:
+    """Prefect logs a failed launch's state, its SegmentResult's repr with it, at ERROR: a long
+    segment's losses are said by their count and ends, and kept whole in the data."""
+    losses = [(step, 3.0 - step / 1e4) for step in range(1, 10_001)]
+    segment = SegmentResult(devices=4, start_step=0, final_step=10_000, outcome="failed", losses=losses,
+                            eval_losses=[(5000, 2.5)])
+    said = repr(segment)
+    assert len(said) < 1000, len(said)
+    assert "losses=[(1, 2.9999), ... 9998 more ..., (10000, 2.0)]" in said and "eval_losses=[(5000, 2.5)]" in said
+    assert SegmentResult.model_validate(segment.model_dump()).losses == losses
