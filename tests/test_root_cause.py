@@ -23,7 +23,7 @@ from test_elastic_events import wait_for
 
 pytestmark = pytest.mark.slow
 
-# Kills per path in the suite; bench runs of 20 each are in BENCHMARKS.md ("Root cause").
+# Kills per path in the suite; longer series: `bench/warm_kills.py`, and BENCHMARKS.md ("Root cause").
 ROUNDS = {"warm": int(os.environ.get("PARASHIFT_ROOT_CAUSE_ROUNDS", "6")),
           "torchrun": int(os.environ.get("PARASHIFT_ROOT_CAUSE_ROUNDS", "2"))}
 
