@@ -26,6 +26,7 @@ import sys
 import time
 from pathlib import Path
 
+from parashift.bench.machine import busy_cores
 from parashift.launcher.launch import KEEP_FREED_MEMORY
 
 CHILD = "import sys, time, torch; t = torch.ones(int(sys.argv[1]) * 2**18); print('ready', flush=True); time.sleep(600)"
@@ -58,16 +59,11 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--spinners", type=int, default=2)
     args = parser.parse_args()
-    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.spinners)]
     results = {}
-    try:
+    with busy_cores(args.spinners):
         for name, tunables in SETTINGS.items():
             seconds = [round(kill_to_gone_s(args.mb, tunables), 4) for _ in range(args.rounds)]
             results[name] = {"median_s": statistics.median(seconds), "rounds_s": seconds}
-    finally:
-        for spinner in spinners:
-            spinner.kill()
-            spinner.wait()
     thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
     print(json.dumps({"bench": "kill_teardown", "mb": args.mb, "spinners": args.spinners,
                       "thp": thp.read_text().strip() if thp.exists() else None, **results}))

@@ -22,13 +22,13 @@ import json
 import os
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
+from parashift.bench.machine import busy_cores
 from parashift.launcher.warm_launch import PEER_GRACE_S, launch_warm
 from parashift.launcher.warm_pool import WarmPool
 from parashift.specs import JobSpec
@@ -79,19 +79,15 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=50)
     parser.add_argument("--spinners", type=int, default=2)
     args = parser.parse_args()
-    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.spinners)]
     pool = WarmPool(3)
     rounds = []
     try:
-        with tempfile.TemporaryDirectory(prefix="warm-kills-") as folder:
+        with busy_cores(args.spinners), tempfile.TemporaryDirectory(prefix="warm-kills-") as folder:
             for i in range(args.rounds):
                 rounds.append(one_round(pool, job(f"kills-{i}", f"file://{folder}/store"), victim=1 + i % 2))
                 print(json.dumps(rounds[-1]), file=sys.stderr, flush=True)
     finally:
         pool.close()
-        for spinner in spinners:
-            spinner.kill()
-            spinner.wait()
     seconds = [r["kill_to_return_s"] for r in rounds]
     print(json.dumps({
         "bench": "warm_kills", "rounds": len(rounds), "spinners": args.spinners, "peer_grace_s": PEER_GRACE_S,

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 from jobs import tiny_spec
+from parashift.bench.machine import busy_cores
 from parashift.launcher.launch import launch_workers
 from parashift.launcher.segment import failure_reason
 from parashift.launcher.warm_launch import launch_warm
@@ -58,13 +59,8 @@ def kill_at_step_two(victim: int, killed: list[int], pids: list[int]):
 def busy_machine() -> Iterator[None]:
     """A process spinning on each core while the test runs: ranks then notice a peer's death
     at different moments, as on a loaded host."""
-    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 2)]
-    try:
+    with busy_cores(os.cpu_count() or 2):
         yield
-    finally:
-        for spinner in spinners:
-            spinner.kill()
-            spinner.wait()
 
 
 @pytest.mark.parametrize("path", ["warm", "torchrun"])

@@ -91,9 +91,9 @@ def forget_meshes() -> None:
             cached.cache_clear()
 
 
-def release_leftover_groups() -> int:
+def release_leftover_groups() -> None:
     """Let go of the process groups of every mesh still alive once a job's objects are collected
-    (call after `forget_meshes` and `gc.collect()`); returns how many meshes held some.
+    (call after `forget_meshes` and `gc.collect()`).
 
     Why: when a warm rank's all-reduce on the world group fails (a peer died during the gradient
     clipping's; each of the 6 such failures traced), torch keeps the job's root mesh alive from
@@ -104,13 +104,10 @@ def release_leftover_groups() -> int:
     out its launcher's 5 s grace. Emptying the leftover meshes' registries drops the last
     references to their groups: the connections close, the waiting peer's all-reduce fails at
     once, and the threads end."""
-    released = 0
     for leftover in gc.get_objects():
-        if isinstance(leftover, DeviceMesh) and (leftover._pg_registry or leftover._flatten_mapping):
+        if isinstance(leftover, DeviceMesh):
             leftover._pg_registry.clear()
             leftover._flatten_mapping.clear()  # its flattened meshes hold the same groups
-            released += 1
-    return released
 
 
 def _held_by_modules(prefix: str) -> list[object]:
