@@ -29,7 +29,9 @@ _TRACEBACK = "Traceback (most recent call last):"
 _EXCEPTION = re.compile(r"^[A-Za-z_][\w.]*(?::|\s*$)")  # "ValueError: ...", "MemoryError"
 # torchrun's summary of a failed worker: "rank : 1 (local_rank: 1)" and "exitcode : -9 (pid: 123)"
 _FAILED_RANK = re.compile(r"^\s*rank\s*:\s*(\d+)")
-_EXIT_CODE = re.compile(r"^\s*exitcode\s*:\s*(-?\d+)")
+_EXIT_CODE = re.compile(r"^\s*exitcode\s*:\s*(-?\d+)(?:\s*\(pid:\s*(\d+)\))?")
+# torchrun ending a worker itself once another failed: "Sending process 123 closing signal SIGTERM"
+_CLOSED = re.compile(r"Sending process (\d+) closing signal")
 
 
 def launch_segment(spec: JobSpec, plan: Plan, *, until_step: int | None = None, warm: WarmPool | None = None,
@@ -64,8 +66,8 @@ class OutputTail:
 
 
 def failure_reason(result: LaunchResult, lines: list[str]) -> str:
-    """What killed the segment, from the root cause in torchrun's failure summary (the other
-    ranks it lists were stopped by torchrun itself)."""
+    """What killed the segment: the hang's suspects, the warm worker the launcher saw die, or
+    the rank that brought torchrun down (`root_cause`), with its signal or first exception."""
     if result.hung_s is not None:
         suspects = "; ".join(f"rank {rank} {why}" for rank, why in sorted(result.hang_suspects.items()))
         return f"workers reported nothing for {result.hung_s:.0f} s (hung; ended by the launcher)" + \
@@ -105,29 +107,40 @@ def first_exception(lines: list[str]) -> str | None:
 
 def root_cause(lines: list[str], first_exited: list[int] | None = None) -> tuple[int, int] | None:
     """(rank, exit code) of the rank that brought a torchrun launch down, from its failure
-    summary. torchrun's "Root Cause" is the first failure it happened to observe: when one rank
-    is killed its peers' collectives break ("Connection reset by peer") and they exit 1 within
-    the same poll, and torchrun may name one of them (then it kills the rest, by signal too).
-    The launcher's own order of exits (`first_exited`, launcher.launch.ExitOrder) decides where
-    it has one; among those ranks (or all, without it) one killed by a signal wins, since its
-    peers' exits follow from it; else torchrun's root cause; else the first listed."""
-    failures: list[tuple[int, int]] = []
+    summary. torchrun's "Root Cause" is only the failure it happened to list first: when one
+    rank is killed, its peers' collectives break ("Connection reset by peer") and they exit 1
+    within the same poll, and torchrun may name one of them; then it ends the rest with
+    SIGTERM and lists those too. So, by the evidence each failure carries:
+    1. a rank torchrun ended itself (its "Sending process N closing signal" line) is a
+       consequence, not the cause;
+    2. among the others, one killed by a signal (the OOM killer, a user, the node) is the cause,
+       since no exception of a peer kills a rank by a signal;
+    3. between equals, the launcher's own order of exits (`first_exited`, launcher.launch.ExitOrder)
+       decides, then torchrun's root cause, then the order listed.
+    The order of exits alone misled under load: a killed rank, descheduled in the kernel while
+    it ended, was seen gone after the peer it broke."""
+    failures: list[tuple[int, int, int]] = []  # (rank, exit code, pid)
+    closed: set[int] = set()  # the pids torchrun itself signalled while closing
     rank: int | None = None
     root_at: int | None = None
     for line in lines:
-        if "Root Cause" in line:
+        text = _PREFIXES.sub("", line)
+        if "Root Cause" in text:
             root_at = len(failures)
-        if (m := _FAILED_RANK.match(line)) is not None:
+        if (m := _CLOSED.search(text)) is not None:
+            closed.add(int(m.group(1)))
+        elif (m := _FAILED_RANK.match(text)) is not None:
             rank = int(m.group(1))
-        elif (m := _EXIT_CODE.match(line)) is not None and rank is not None:
-            failures.append((rank, int(m.group(1))))
+        elif (m := _EXIT_CODE.match(text)) is not None and rank is not None:
+            failures.append((rank, int(m.group(1)), int(m.group(2) or -1)))
             rank = None
     if not failures:
         return None
-    first = [f for f in failures if f[0] in (first_exited or [])]
+    root = failures[root_at] if root_at is not None and root_at < len(failures) else None
+    candidates = [f for f in failures if f[2] not in closed] or failures
+    candidates = [f for f in candidates if f[1] < 0] or candidates
+    first = [f for f in candidates if f[0] in (first_exited or [])]
     if first:
-        failures, root_at = first, None
-    killed = [f for f in failures if f[1] < 0]
-    if killed:
-        return killed[0]
-    return failures[root_at] if root_at is not None and root_at < len(failures) else failures[0]
+        candidates = first
+    chosen = root if root in candidates else candidates[0]
+    return chosen[0], chosen[1]

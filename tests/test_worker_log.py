@@ -176,6 +176,37 @@ Root Cause (first observed failure):
     assert root_cause(both, first_exited=[2]) == (2, -9)
 
 
+def test_a_killed_rank_is_named_though_seen_gone_after_a_peer() -> None:
+    """A suite run under load (2026-12-07): rank 2 was SIGKILLed, yet the launcher's poll saw
+    rank 1 gone first (the dying rank was descheduled in the kernel while rank 1 raised on the
+    closed connection and exited), and torchrun's root cause was rank 1 as well. The signal
+    death outranks the order of exits; rank 0, which torchrun ended itself, is no candidate."""
+    from parashift.launcher.segment import root_cause
+
+    summary = """
+[rank1]: RuntimeError: [../gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:63720.
+W1207 02:37:34.933000 8029 torch/distributed/elastic/multiprocessing/api.py:1028] Sending process 8033 closing signal SIGTERM
+Failures:
+[1]:
+  rank      : 2 (local_rank: 2)
+  exitcode  : -9 (pid: 8035)  (SIGKILL)
+[2]:
+  rank      : 0 (local_rank: 0)
+  exitcode  : 1 (pid: 8033)
+------------------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  rank      : 1 (local_rank: 1)
+  exitcode  : 1 (pid: 8034)
+""".splitlines()
+    assert root_cause(summary, first_exited=[1]) == (2, -9)
+    # Ended by torchrun's own SIGTERM: a consequence, whatever the order it was listed in.
+    termed = [line.replace("-9 (pid: 8035)  (SIGKILL)", "1 (pid: 8035)").replace("1 (pid: 8033)", "-15 (pid: 8033)")
+              for line in summary]
+    assert root_cause(termed) == (1, 1)
+    assert root_cause(termed, first_exited=[2]) == (2, 1)
+
+
 def test_counts_read_in_words() -> None:
     from parashift.specs.words import counted, counted_each
 
