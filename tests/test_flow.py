@@ -177,10 +177,22 @@ def test_a_stop_request_says_when_in_either_form_it_is_written() -> None:
     assert _requested_at({}) is None and _requested_at([1]) is None
 
 
-def test_readme_run_command_trains_the_default_spec(tmp_path: Path) -> None:
-    """`parashift run specs/default.yaml` on the embedded defaults (ephemeral API, file://, 2 CPU workers)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API")}
+def test_readme_run_command_trains_the_default_spec_though_the_api_starts_slower_than_prefects_default(
+        tmp_path: Path) -> None:
+    """`parashift run specs/default.yaml` on the embedded defaults (ephemeral API on a fresh
+    database, file://, 2 CPU workers), in a user's environment (no startup timeout set), on a
+    busy machine: there Prefect's ephemeral API took over its default 20 s to answer, and the
+    first `parashift run` failed "Timed out while attempting to connect". Simulated: the API
+    server's process (the one Prefect marks PREFECT__SERVER_EPHEMERAL) sleeps 21 s before it
+    starts (past the 20 s by itself, on any machine). The run trains, no timeout, no traceback."""
+    hooks = tmp_path / "hooks"
+    hooks.mkdir()
+    (hooks / "sitecustomize.py").write_text(
+        "import os, time\nif os.environ.get('PREFECT__SERVER_EPHEMERAL') == '1':\n    time.sleep(21)\n")
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("PREFECT_API") and k != "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"}
     env["PREFECT_HOME"] = str(tmp_path / "prefect-home")
+    env["PYTHONPATH"] = os.pathsep.join([str(hooks), *filter(None, [env.get("PYTHONPATH")])])
     parashift = Path(sys.executable).with_name("parashift")
     done = subprocess.run(
         [str(parashift), "run", str(REPO / "specs/default.yaml")],
@@ -192,7 +204,7 @@ def test_readme_run_command_trains_the_default_spec(tmp_path: Path) -> None:
     )
     output = done.stdout + done.stderr
     assert done.returncode == 0, output[-3000:]
-    assert "Traceback" not in output
+    assert "Timed out" not in output and "Traceback" not in output, output[-3000:]
     assert "tiny-gpt trained to step 60" in output
     first, last = map(float, re.search(r"loss\s+([\d.]+) -> ([\d.]+)", output).groups())
     assert last < first - 1.0
@@ -201,31 +213,6 @@ def test_readme_run_command_trains_the_default_spec(tmp_path: Path) -> None:
     # The embedded API is the one the command started at its first step, not one Prefect starts at the flow's first call.
     log = next((tmp_path / ".parashift/logs").glob("tiny-gpt-*.log")).read_text()
     assert "Beginning flow run" in log and "Starting temporary server" not in log, log[:3000]
-
-
-def test_the_embedded_api_may_start_slower_than_prefects_default(tmp_path: Path, prefect_home: Callable[[Path], Path]) -> None:
-    """On a busy machine Prefect's ephemeral API took over its default 20 s to answer, and the
-    first `parashift run` failed "Timed out while attempting to connect". Simulated here: the API
-    server's process (the one Prefect marks PREFECT__SERVER_EPHEMERAL) sleeps 21 s before it
-    starts (past the 20 s by itself, on any machine), no startup timeout in the environment;
-    the run gets through to its flow and trains its two steps, not a timeout, no traceback."""
-    hooks = tmp_path / "hooks"
-    hooks.mkdir()
-    (hooks / "sitecustomize.py").write_text(
-        "import os, time\nif os.environ.get('PREFECT__SERVER_EPHEMERAL') == '1':\n    time.sleep(21)\n")
-    spec = tmp_path / "job.yaml"
-    spec.write_text("name: slow-api\nmodel: {n_layers: 1, d_model: 32, n_heads: 2, seq_len: 32}\n"
-                    "data: {max_bytes: 100000}\ntraining: {global_batch: 4, micro_batch: 2, steps: 2, checkpoint_every: 2}\n"
-                    f"storage: {{url: 'file://{tmp_path}/store'}}\n")
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith("PREFECT_API") and k != "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"}
-    env["PREFECT_HOME"] = str(prefect_home(tmp_path / "prefect-home"))
-    env["PYTHONPATH"] = os.pathsep.join([str(hooks), *filter(None, [env.get("PYTHONPATH")])])
-    done = subprocess.run([str(Path(sys.executable).with_name("parashift")), "run", str(spec)], cwd=tmp_path,
-                          env=env, capture_output=True, text=True, timeout=400)
-    output = done.stdout + done.stderr
-    assert "Timed out" not in output and "Traceback" not in output, output[-3000:]
-    assert done.returncode == 0 and "slow-api trained to step 2" in output, output[-3000:]
 
 
 def test_s3_credentials_come_from_a_prefect_secret_block(
