@@ -205,6 +205,9 @@ Root Cause (first observed failure):
               for line in summary]
     assert root_cause(termed) == (1, 1)
     assert root_cause(termed, first_exited=[2]) == (2, 1)
+    # Across nodes each node's lines come prefixed with its name (flows/node.py): read alike
+    # (until 2026-12-07 such a summary matched nothing, and the reason named no rank).
+    assert root_cause([f"[b] {line}" for line in summary]) == (2, -9)
 
 
 def test_counts_read_in_words() -> None:
