@@ -339,9 +339,11 @@ STOP_GRACE_S = 60.0
 
 class ExitOrder:
     """Which of this node's workers is gone first, by polling their pids (a zombie counts as
-    gone): the rank that died before its peers, whose collectives then broke and who exited
-    after it. torchrun's own "Root Cause" is only the first failure its agent observed, often a
-    peer's. Ranks seen gone in the same poll are listed together."""
+    gone): usually the rank that died before its peers, whose collectives then broke and who
+    exited after it. torchrun's own "Root Cause" is only the first failure its agent observed,
+    often a peer's. Ranks seen gone in the same poll are listed together. Evidence only between
+    equals (`segment.root_cause`): a killed rank descheduled while it ended was seen gone after
+    the peer it broke."""
 
     POLL_S = 0.02
 
