@@ -29,7 +29,7 @@ from pathlib import Path
 
 from parashift.launcher.launch import STOP_GRACE_S, LaunchResult, RunningWorkers, WorkerOutput
 from parashift.launcher.processes import hang_suspects
-from parashift.launcher.warm_pool import WarmPool
+from parashift.launcher.warm_pool import FAILED_CLEAN_UP_S, LEFT_EXIT, WarmPool
 from parashift.specs import JobSpec, environ
 from parashift.specs.plan import Plan
 from parashift.trainer.events import WorkerEvent
@@ -135,13 +135,17 @@ class _WarmSegment:
         if result.hung_s is None and (result.failed_rank is None or not result.lost_ranks):
             result.failed_rank = (rank, code)
         result.lost_ranks.append(rank)  # its memory went with it (`LaunchResult.held_step`)
+        # The pid it reported (a forked worker's client is another process, and the pool
+        # learns the worker's own pid only from its first answer).
+        pid = self.workers.reported_pid(rank) or self.pool.worker_pid(proc)
         if result.failed_rank == (rank, code):
-            # The pid it reported (a forked worker's client is another process, and the pool
-            # learns the worker's own pid only from its first answer).
-            pid = self.workers.reported_pid(rank) or self.pool.worker_pid(proc)
             self.on_line(f"warm worker rank {rank} (pid {pid}) died "
                          f"({'signal ' + str(-code) if code < 0 else code}): another process (a spare, or a fresh "
                          "one) takes its place; its peers end their job or are ended")
+        elif code == LEFT_EXIT:
+            self.on_line(f"warm worker rank {rank} (pid {pid}) left after the failure: it could not let go of the "
+                         f"job's process groups within {FAILED_CLEAN_UP_S:.0f} s (a collective to the dead rank still "
+                         "pending); a fresh process takes its place, and what it held of the step went with it")
 
     def _answers(self, selector: selectors.BaseSelector) -> None:
         for key, _ in selector.select(POLL_S):

@@ -33,6 +33,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import traceback
 from collections.abc import Iterable
 from pathlib import Path
@@ -51,6 +52,15 @@ from parashift.trainer.control import PEER_FAILED_SIGNAL, PeerFailed, on_peer_fa
 # How long one job may run before the pool is presumed stuck (a collective waiting for a rank
 # that failed) and started afresh.
 JOB_TIMEOUT_S = 900.0
+
+# A failed job's clean-up runs before its answer, and may take this long. Its collectives broke,
+# and torch may keep the job's process groups past it (`trainer.mesh.release_leftover_groups`);
+# dropping a gloo group joins its threads, and one still sending to the dead peer (a ring
+# all-reduce's `waitSend`; once in ~1,000 warm kills under load, 2026-12-07) ends only at the
+# collective's timeout. Such a process would take the next job and hold it up: it leaves
+# instead, with LEFT_EXIT (its memory, and what it held of the step, go with it).
+FAILED_CLEAN_UP_S = 2.0
+LEFT_EXIT = 86
 
 
 class WarmPool:
@@ -299,8 +309,9 @@ def _run_job(request: dict[str, Any]) -> int:
 
 def _clean_up() -> None:
     """What a finished job leaves behind, collected after its answer went out (the flow plans
-    the next segment meanwhile). Only the job's own objects are traversed: what the imports
-    made is frozen at boot (`serve`), and a warm job freezes nothing (`worker.main`)."""
+    the next segment meanwhile; a failed job's before, `FAILED_CLEAN_UP_S`). Only the job's own
+    objects are traversed: what the imports made is frozen at boot (`serve`), and a warm job
+    freezes nothing (`worker.main`)."""
     # Imported here: the launcher's side of this module (WarmPool) imports no torch.
     import torch
     from parashift.trainer.mesh import forget_meshes, release_leftover_groups
@@ -311,6 +322,15 @@ def _clean_up() -> None:
 
     if torch.cuda.is_available():
         torch.cuda.empty_cache()  # the next job's model may be laid out otherwise
+
+
+def _clean_up_within(limit_s: float) -> bool:
+    """Whether `_clean_up` finished within `limit_s` (on a thread of its own: one stuck in a
+    process group's teardown stays stuck, and the caller leaves)."""
+    cleaning = threading.Thread(target=_clean_up, name="clean-up", daemon=True)
+    cleaning.start()
+    cleaning.join(limit_s)
+    return not cleaning.is_alive()
 
 
 def serve() -> None:
@@ -327,8 +347,13 @@ def serve() -> None:
     gc.freeze()
     for line in sys.stdin:
         rc = _run_job(json.loads(line))
+        if rc != 0 and not _clean_up_within(FAILED_CLEAN_UP_S):
+            print(f"warm worker {os.getpid()}: the failed job's process groups were not let go within "
+                  f"{FAILED_CLEAN_UP_S:.0f} s (a collective still pending); leaving", file=sys.stderr, flush=True)
+            os._exit(LEFT_EXIT)  # the stuck thread ends with the process
         answers.write(json.dumps({"rc": rc, "pid": os.getpid()}) + "\n")  # a forked worker's client is another pid
-        _clean_up()
+        if rc == 0:
+            _clean_up()  # while the flow plans the next segment
 
 
 if __name__ == "__main__":

@@ -67,6 +67,7 @@ def busy_machine() -> Iterator[None]:
 def test_the_reason_names_the_killed_rank(path: str, tmp_path: Path, busy_machine: None) -> None:
     pool = WarmPool(3) if path == "warm" else None
     held: list[int | None] = []
+    unheld: list[tuple[int, list[str]]] = []  # a round where no survivor held its step: what the launch said
     try:
         for i in range(ROUNDS[path]):
             victim = 1 + i % 2  # ranks 1 and 2: rank 0 reports the events
@@ -90,6 +91,8 @@ def test_the_reason_names_the_killed_rank(path: str, tmp_path: Path, busy_machin
                 # kill during the update left them past the step their peers' generators were
                 # gathered for, and 17 steps were trained again).
                 held.append(result.held_step())
+                if held[-1] is None:  # (seen once in 800 warm kills under load: not yet explained)
+                    unheld.append((i, lines[-40:]))
                 # Nor do they keep anything of the failed job's process groups once they have
                 # cleaned up (seen: a failed all-reduce on the world group kept the job's mesh, its
                 # groups' threads, and an open connection on which a peer still in that
@@ -99,7 +102,7 @@ def test_the_reason_names_the_killed_rank(path: str, tmp_path: Path, busy_machin
     finally:
         if pool is not None:
             pool.close()
-    assert None not in held, held
+    assert None not in held, (held, unheld)
 
 
 @pytest.fixture

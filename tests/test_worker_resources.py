@@ -184,3 +184,66 @@ def test_warm_workers_end_with_their_killed_launcher(tmp_path: Path) -> None:
                 kill_tree(pid)
         if folder is not None:
             shutil.rmtree(folder.parent, ignore_errors=True)  # the pool's folder: its closer was killed
+
+
+# Loaded at start-up by the warm workers' forkserver (PYTHONPATH): the first warm worker to
+# clean up after a job stays stuck in it, as one did in a gloo group's teardown (its thread
+# still sending to the dead rank: the join waits for the collective's timeout).
+STUCK_IN_TEARDOWN = """
+import os, sys, time
+if "--serve" in sys.argv or "parashift.launcher.forkserver" in sys.orig_argv:
+    from parashift.trainer import mesh
+    _release = mesh.release_leftover_groups
+    def release_leftover_groups():
+        try:
+            os.close(os.open(os.environ["STUCK_MARKER"], os.O_CREAT | os.O_EXCL))
+        except FileExistsError:
+            return _release()
+        time.sleep(120)
+    mesh.release_leftover_groups = release_leftover_groups
+"""
+
+
+def test_a_warm_worker_stuck_letting_go_of_a_failed_job_leaves(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A peer SIGKILLed, one survivor's clean-up stuck (a process group's teardown): it leaves
+    within FAILED_CLEAN_UP_S instead of taking the next job and holding it up (seen: a
+    survivor stuck there for minutes after answering), the launch counts what it held as
+    gone, the other survivor's held step stands, and the pool's next job runs on a fresh
+    process."""
+    import os
+
+    from parashift.launcher.segment import failure_reason
+    from parashift.launcher.warm_launch import launch_warm
+    from parashift.launcher.warm_pool import FAILED_CLEAN_UP_S, WarmPool
+    from parashift.specs.plan import Plan
+    from test_elastic_events import wait_for
+    from test_root_cause import kill_at_step_two, tcp_sockets
+
+    hooks = tmp_path / "hooks"
+    hooks.mkdir()
+    (hooks / "sitecustomize.py").write_text(STUCK_IN_TEARDOWN)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(hooks), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    monkeypatch.setenv("STUCK_MARKER", str(tmp_path / "stuck"))
+    pool = WarmPool(3)
+    try:
+        spec = tiny_spec("stuck-teardown", store_url(tmp_path), training={"steps": 40, "checkpoint_every": 40,
+                                                                          "log_every": 1})
+        killed: list[int] = []
+        pids: list[int] = []
+        lines: list[str] = []
+        result = launch_warm(pool, spec, Plan.data_parallel(3), on_line=lines.append,
+                             on_event=kill_at_step_two(1, killed, pids))
+        assert failure_reason(result, lines).startswith("rank 1 killed by signal 9"), lines[-20:]
+        assert (tmp_path / "stuck").exists() and len(result.lost_ranks) == 2 and result.lost_ranks[0] == 1, \
+            (result.lost_ranks, lines[-20:])
+        stuck = result.lost_ranks[1]
+        assert any(f"warm worker rank {stuck} (pid {pids[stuck]}) left after the failure" in line
+                   for line in lines), lines[-20:]
+        assert result.held_step() is not None  # the other survivor's
+        wait_for(lambda: tcp_sockets(pids[stuck]) == 0, "the stuck worker to be gone", FAILED_CLEAN_UP_S + 10)
+        after = launch_warm(pool, tiny_spec("after-stuck", store_url(tmp_path), training={"steps": 2}),
+                            Plan.data_parallel(3))
+        assert after.returncode == 0 and after.start is not None and pids[stuck] not in after.start.pids
+    finally:
+        pool.close()
+
