@@ -207,7 +207,7 @@ if "--serve" in sys.argv or "parashift.launcher.forkserver" in sys.orig_argv:
 def test_a_warm_worker_stuck_letting_go_of_a_failed_job_leaves(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A peer SIGKILLed, one survivor's clean-up stuck (a process group's teardown): it leaves
     within FAILED_CLEAN_UP_S instead of taking the next job and holding it up (seen: a
-    survivor stuck there for minutes after answering), the launch counts what it held as
+    survivor still stuck there 20 s after answering), the launch counts what it held as
     gone, the other survivor's held step stands, and the pool's next job runs on a fresh
     process."""
     import os
