@@ -11,6 +11,8 @@ import threading
 import time
 from pathlib import Path
 
+from parashift.specs import environ
+
 
 def _stat_fields(pid: int) -> list[str] | None:
     """/proc/<pid>/stat after the command name: state, parent, ... (None: no such process)."""
@@ -55,14 +57,26 @@ def kill_tree(pid: int) -> None:
             os.kill(victim, signal.SIGKILL)
 
 
+def starter_env() -> dict[str, str]:
+    """What a process started here needs to end with this one even if this one dies first
+    (`end_with_parent`)."""
+    return {environ.LAUNCHER_PID: str(os.getpid())}
+
+
 def end_with_parent(poll_s: float = 0.5) -> None:
     """End this process (SIGKILL) once the process that started it has died. A worker whose
     launcher (the flow's warm pool, torchrun) was killed must not train on unseen: it holds
     devices and memory a rerun of the job needs, for as long as its segment would have run.
     Why a thread polling the parent's pid, not prctl(PR_SET_PDEATHSIG): that signal follows
     the parent *thread* that started the child, and a flow starts its workers from a task's
-    thread, which may end long before the flow does."""
+    thread, which may end long before the flow does.
+    A starter that names itself (`starter_env`) is checked against too: a process whose starter
+    died before this ran (a flow killed while its pool spawned) was already the init process's
+    child, and watched that forever (seen: three warm workers orphaned 45 minutes)."""
     parent = os.getppid()
+    named = os.environ.pop(environ.LAUNCHER_PID, None)  # not passed on to what this process starts
+    if named is not None and int(named) != parent:
+        os.kill(os.getpid(), signal.SIGKILL)
 
     def watch() -> None:
         while os.getppid() == parent:

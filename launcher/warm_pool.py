@@ -41,7 +41,7 @@ from typing import Any
 
 from parashift.launcher.forkserver import import_what_jobs_use
 from parashift.launcher.launch import LaunchResult, PlanNotExecutable, forkserver_env, worker_env
-from parashift.launcher.processes import end_with_parent
+from parashift.launcher.processes import end_with_parent, starter_env
 from parashift.models.plans import job_plan_refusals
 from parashift.specs import JobSpec, environ
 from parashift.specs.loader import resolve_model
@@ -100,7 +100,7 @@ class WarmPool:
         serve = ["parashift.launcher.warm_pool", "--serve"]
         command = [sys.executable, "-m", *(["parashift.launcher.forked", *serve] if server else serve)]
         return subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1,
-                                env={**env, **server}, start_new_session=True)
+                                env={**env, **server, **starter_env()}, start_new_session=True)
 
     def read_answer(self, proc: subprocess.Popen[str]) -> int | None:
         """A job's exit status from the worker that ran it (its pid recorded); None if it died

@@ -25,6 +25,7 @@ LEASE_TOKEN = "PARASHIFT_LEASE_TOKEN"  # storage.lease: the flow's lease, fencin
 SOURCE = "PARASHIFT_SOURCE"  # flows.git: the commit a spec came from, recorded with each checkpoint
 FORKSERVER = "PARASHIFT_FORKSERVER"  # launcher.forkserver: the socket a forked worker's client asks
 FORKSERVER_PID = "PARASHIFT_FORKSERVER_PID"  # launcher.forkserver: the server that socket belongs to
+LAUNCHER_PID = "PARASHIFT_LAUNCHER_PID"  # launcher.processes: the process that started this one (read once)
 
 # A machine's own settings
 NODE_ADDR = "PARASHIFT_NODE_ADDR"  # this node's address for its peers (default: its hostname's)

@@ -247,3 +247,27 @@ def test_a_warm_worker_stuck_letting_go_of_a_failed_job_leaves(tmp_path: Path, m
     finally:
         pool.close()
 
+
+
+def test_a_worker_whose_starter_died_before_it_looked_ends() -> None:
+    """A process's starter can die before the process watches it (a flow killed while its pool
+    spawned): the orphan's parent is then the init process, which a watch of the parent pid
+    never sees die (seen: three warm workers orphaned 45 minutes). Named by its starter, the
+    dead starter is noticed at once."""
+    import os
+
+    from parashift.launcher.processes import starter_env
+    from parashift.specs import environ
+
+    named = starter_env()
+    assert named == {environ.LAUNCHER_PID: str(os.getpid())}
+    watch = "from parashift.launcher.processes import end_with_parent; end_with_parent(0.05); import time; time.sleep(60)"
+    gone = subprocess.Popen([sys.executable, "-c", watch], env={**os.environ, environ.LAUNCHER_PID: "1"})
+    assert gone.wait(timeout=30) == -9  # its starter (as named) is not its parent: dead already
+    kept = subprocess.Popen([sys.executable, "-c", watch], env={**os.environ, **named})
+    try:
+        with pytest.raises(subprocess.TimeoutExpired):  # its starter is alive: it runs on
+            kept.wait(timeout=3)
+    finally:
+        kept.kill()
+        kept.wait()
