@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import os
 from math import prod
 from pathlib import Path
 from typing import Any
@@ -36,6 +37,16 @@ def tiny_spec(name: str, storage_url: str, **sections: dict[str, Any]) -> JobSpe
     for section, values in sections.items():
         data[section] = {**data[section], **values} if isinstance(data.get(section), dict) else values
     return JobSpec.model_validate(data)
+
+
+def startup_hook(tmp_path: Path, monkeypatch: Any, code: str) -> None:
+    """`code` run by every interpreter this test starts from here on (a `sitecustomize` on
+    PYTHONPATH): fault injection in workers and the forkserver they are forked from (a new
+    PYTHONPATH starts a forkserver of its own)."""
+    hooks = tmp_path / "hooks"
+    hooks.mkdir()
+    (hooks / "sitecustomize.py").write_text(code)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(hooks), *filter(None, [os.environ.get("PYTHONPATH")])]))
 
 
 def checkpoint_store(spec: JobSpec) -> CheckpointStore:

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from jobs import assert_each_sample_once, run, tiny_spec
+from jobs import assert_each_sample_once, run, startup_hook, tiny_spec
 from parashift.corpus import open_dataset
 from parashift.specs import JobSpec
 from parashift.specs.plan import Plan
@@ -434,10 +434,7 @@ def test_warm_workers_outlive_a_change_and_replace_a_killed_rank(prefect_server:
 
     static_losses = static_warm
     monkeypatch.setenv("PARASHIFT_SAMPLE_LOG", str(tmp_path / "samples"))
-    hooks = tmp_path / "hooks"
-    hooks.mkdir()
-    (hooks / "sitecustomize.py").write_text(KILL_WHILE_STATE_MOVES if kill == "state-moving" else KILL_AT_A_STEP)
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(hooks), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    startup_hook(tmp_path, monkeypatch, KILL_WHILE_STATE_MOVES if kill == "state-moving" else KILL_AT_A_STEP)
     monkeypatch.setenv("LIVE_FAULT_MARKER", str(tmp_path / "killed"))
     # While state moves, no checkpoint is committed yet (the first is at step 50): the change is
     # a planned one, and the step it stops at is held in memory, not saved.

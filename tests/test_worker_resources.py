@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from jobs import mesh_plan, run, store_url, tiny_spec, warm_pool
+from jobs import mesh_plan, run, startup_hook, store_url, tiny_spec, warm_pool
 from parashift.launcher.launch import worker_env
 
 # A step's worth of tensors of mixed sizes (MiB), allocated, written and freed three times: the
@@ -210,7 +210,6 @@ def test_a_warm_worker_stuck_letting_go_of_a_failed_job_leaves(tmp_path: Path, m
     survivor still stuck there 20 s after answering), the launch counts what it held as
     gone, the other survivor's held step stands, and the pool's next job runs on a fresh
     process."""
-    import os
 
     from parashift.launcher.segment import failure_reason
     from parashift.launcher.warm_launch import launch_warm
@@ -219,10 +218,7 @@ def test_a_warm_worker_stuck_letting_go_of_a_failed_job_leaves(tmp_path: Path, m
     from test_elastic_events import wait_for
     from test_root_cause import kill_at_step_two, tcp_sockets
 
-    hooks = tmp_path / "hooks"
-    hooks.mkdir()
-    (hooks / "sitecustomize.py").write_text(STUCK_IN_TEARDOWN)
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(hooks), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    startup_hook(tmp_path, monkeypatch, STUCK_IN_TEARDOWN)
     monkeypatch.setenv("STUCK_MARKER", str(tmp_path / "stuck"))
     pool = WarmPool(3)
     try:
