@@ -67,6 +67,10 @@ def main(argv: list[str]) -> None:
     if not argv:
         raise SystemExit("usage: python -m parashift.launcher.forked <module> [args...]")
     module, args = argv[0], argv[1:]
+    # This process ends with its launcher, and its worker with it (the server kills the worker
+    # of a closed connection). Watched from the start: a launcher that dies while this waits for
+    # its forkserver hands it to the init process, whose death it would wait for instead.
+    end_with_parent()
     path, server_pid = os.environ.get(SOCKET_ENV), os.environ.get(PID_ENV)
     if not path or not server_pid:
         _exec(module, args, None)
@@ -89,9 +93,6 @@ def main(argv: list[str]) -> None:
 
     for sig in FORWARDED:
         signal.signal(sig, forward)
-    # This process ends with its launcher, and its worker with it (the server kills the worker
-    # of a closed connection).
-    end_with_parent()
     request = {"module": module, "argv": args, "env": dict(os.environ), "cwd": os.getcwd()}
     socket.send_fds(sock, [json.dumps(request).encode()], [0, 1, 2])
     reply = json.loads(sock.recv(MAX_MESSAGE) or b'{"refused": "the forkserver closed the connection"}')

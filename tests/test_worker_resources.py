@@ -267,3 +267,42 @@ def test_a_worker_whose_starter_died_before_it_looked_ends() -> None:
     finally:
         kept.kill()
         kept.wait()
+
+
+# torchrun's stand-in: starts a forked client (launcher.forked) whose forkserver has not yet
+# listened, prints its pid and, while the client waits (it starts in ~50 ms), dies (a launch
+# killed while its workers start).
+DYING_TORCHRUN = """
+import os, subprocess, sys, time
+client = subprocess.Popen([sys.executable, "-m", "parashift.launcher.forked", "parashift.nothing"], env=os.environ,
+                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+print(client.pid, flush=True)
+time.sleep(3)
+"""
+
+
+def test_a_forked_client_whose_launcher_died_while_it_waited_for_its_forkserver_ends(tmp_path: Path) -> None:
+    """A forked client waits up to `WAIT_FOR_SERVER_S` for a forkserver still importing; its
+    launcher (torchrun) can die in that wait. Watching its parent only once connected, it
+    watched the init process it had been handed to, and its worker then trained unseen."""
+    import os
+
+    from parashift.launcher.forkserver import PID_ENV, SOCKET_ENV, registry_paths, write_pointer
+    from parashift.launcher.processes import running
+
+    importing = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])  # a server not yet listening
+    path = str(tmp_path / "key-token")
+    write_pointer(registry_paths(path)[0], path, importing.pid)
+    env = {**os.environ, SOCKET_ENV: path, PID_ENV: str(importing.pid)}
+    client = int(subprocess.run([sys.executable, "-c", DYING_TORCHRUN], env=env, capture_output=True,
+                                text=True, check=True).stdout)
+    try:
+        deadline = time.monotonic() + 10
+        while running(client) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not running(client), "the orphaned client still waits for its forkserver"
+    finally:
+        if running(client):
+            os.kill(client, 9)
+        importing.kill()
+        importing.wait()
