@@ -14,6 +14,7 @@ launch failed names the rank that died first, not the peers whose collectives br
 from __future__ import annotations
 
 import re
+import signal
 from collections.abc import Callable
 
 from parashift.launcher.launch import LaunchResult, NodeRendezvous, RunningWorkers, launch_workers
@@ -31,7 +32,7 @@ _EXCEPTION = re.compile(r"^[A-Za-z_][\w.]*(?::|\s*$)")  # "ValueError: ...", "Me
 _FAILED_RANK = re.compile(r"^\s*rank\s*:\s*(\d+)")
 _EXIT_CODE = re.compile(r"^\s*exitcode\s*:\s*(-?\d+)(?:\s*\(pid:\s*(\d+)\))?")
 # torchrun ending a worker itself once another failed: "Sending process 123 closing signal SIGTERM"
-_CLOSED = re.compile(r"Sending process (\d+) closing signal")
+_CLOSED = re.compile(r"Sending process (\d+) closing signal (SIG[A-Z0-9]+)")
 
 
 def launch_segment(spec: JobSpec, plan: Plan, *, until_step: int | None = None, warm: WarmPool | None = None,
@@ -111,8 +112,11 @@ def root_cause(lines: list[str], first_exited: list[int] | None = None) -> tuple
     rank is killed, its peers' collectives break ("Connection reset by peer") and they exit 1
     within the same poll, and torchrun may name one of them; then it ends the rest with
     SIGTERM and lists those too. So, by the evidence each failure carries:
-    1. a rank torchrun ended itself (its "Sending process N closing signal" line) is a
-       consequence, not the cause;
+    1. a rank torchrun ended itself (its "Sending process N closing signal SIGTERM" line) is a
+       consequence, not the cause, unless it died by a signal torchrun did not send it: then
+       its end was on its way when torchrun closed it (seen under load: the killed rank, its
+       forked client still waiting to hear of the worker's end, was sent SIGTERM after a peer
+       it broke had exited, and ended by SIGKILL);
     2. among the others, one killed by a signal (the OOM killer, a user, the node) is the cause,
        since no exception of a peer kills a rank by a signal;
     3. between equals, the launcher's own order of exits (`first_exited`, launcher.launch.ExitOrder)
@@ -120,7 +124,7 @@ def root_cause(lines: list[str], first_exited: list[int] | None = None) -> tuple
     The order of exits alone misled under load: a killed rank, descheduled in the kernel while
     it ended, was seen gone after the peer it broke."""
     failures: list[tuple[int, int, int]] = []  # (rank, exit code, pid)
-    closed: set[int] = set()  # the pids torchrun itself signalled while closing
+    closed: dict[int, set[int]] = {}  # pid -> the signals torchrun itself sent it while closing
     rank: int | None = None
     root_at: int | None = None
     for line in lines:
@@ -128,7 +132,8 @@ def root_cause(lines: list[str], first_exited: list[int] | None = None) -> tuple
         if "Root Cause" in text:
             root_at = len(failures)
         if (m := _CLOSED.search(text)) is not None:
-            closed.add(int(m.group(1)))
+            sig = getattr(signal.Signals, m.group(2), None)
+            closed.setdefault(int(m.group(1)), set()).add(sig.value if sig is not None else 0)
         elif (m := _FAILED_RANK.match(text)) is not None:
             rank = int(m.group(1))
         elif (m := _EXIT_CODE.match(text)) is not None and rank is not None:
@@ -137,7 +142,12 @@ def root_cause(lines: list[str], first_exited: list[int] | None = None) -> tuple
     if not failures:
         return None
     root = failures[root_at] if root_at is not None and root_at < len(failures) else None
-    candidates = [f for f in failures if f[2] not in closed] or failures
+
+    def ended_by_torchrun(failure: tuple[int, int, int]) -> bool:
+        _, code, pid = failure
+        return pid in closed and not (code < 0 and -code not in closed[pid])
+
+    candidates = [f for f in failures if not ended_by_torchrun(f)] or failures
     candidates = [f for f in candidates if f[1] < 0] or candidates
     first = [f for f in candidates if f[0] in (first_exited or [])]
     if first:

@@ -83,6 +83,8 @@ def test_the_reason_names_the_killed_rank(path: str, tmp_path: Path, busy_machin
                 result = launch_workers(spec, Plan.data_parallel(3), on_line=lines.append, on_event=on_event)
             assert killed and result.returncode != 0
             reason = failure_reason(result, lines)
+            if not reason.startswith(f"rank {victim} killed by signal 9"):
+                print("\n".join(lines[-60:]))  # what it was read from (pytest shows a failed test's output whole)
             assert reason.startswith(f"rank {victim} killed by signal 9"), (i, reason)
             if pool is not None:  # the pid the log names is the process killed (the first segment too)
                 assert any(f"warm worker rank {victim} (pid {killed[0]}) died" in line for line in lines), lines

@@ -210,6 +210,39 @@ Root Cause (first observed failure):
     assert root_cause([f"[b] {line}" for line in summary]) == (2, -9)
 
 
+def test_a_killed_rank_torchrun_also_closed_is_named() -> None:
+    """Under load (2026-12-07, 1 in ~10 runs of 20 torchrun kills): rank 2 SIGKILLed, its forked
+    client still waiting to hear of the worker's end when rank 1, broken by it, exited; torchrun
+    then sent SIGTERM to ranks 0 and 2. Rank 2 ended by SIGKILL, a signal torchrun did not send
+    it: its end was its own, and it is the cause (it was read as a consequence, and rank 1 named)."""
+    from parashift.launcher.segment import root_cause
+
+    summary = """
+[rank1]: RuntimeError: [../gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:47778.
+W1207 06:21:39.137000 15113 torch/distributed/elastic/multiprocessing/api.py:1028] Sending process 15119 closing signal SIGTERM
+W1207 06:21:39.137000 15113 torch/distributed/elastic/multiprocessing/api.py:1028] Sending process 15121 closing signal SIGTERM
+E1207 06:21:39.173000 15113 torch/distributed/elastic/multiprocessing/api.py:1002] failed (exitcode: 1) local_rank: 1 (pid: 15120) of binary: python
+Failures:
+[1]:
+  rank      : 0 (local_rank: 0)
+  exitcode  : 1 (pid: 15119)
+[2]:
+  rank      : 2 (local_rank: 2)
+  exitcode  : -9 (pid: 15121)  (SIGKILL)
+------------------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  rank      : 1 (local_rank: 1)
+  exitcode  : 1 (pid: 15120)
+""".splitlines()
+    assert root_cause(summary) == (2, -9)
+    assert root_cause(summary, first_exited=[1]) == (2, -9)
+    # Ended by what torchrun sent: its SIGTERM, or its SIGKILL once the SIGTERM's grace ran out.
+    escalated = [*summary[:3], summary[3].replace("SIGTERM", "SIGKILL"), *summary[3:]]
+    assert root_cause(escalated) == (1, 1)
+    assert root_cause([line.replace("-9 (pid: 15121)  (SIGKILL)", "-15 (pid: 15121)") for line in summary]) == (1, 1)
+
+
 def test_counts_read_in_words() -> None:
     from parashift.specs.words import counted, counted_each
 
