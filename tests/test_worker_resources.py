@@ -270,14 +270,21 @@ def test_a_worker_whose_starter_died_before_it_looked_ends() -> None:
 
 
 # torchrun's stand-in: starts a forked client (launcher.forked) whose forkserver has not yet
-# listened, prints its pid and, while the client waits (it starts in ~50 ms), dies (a launch
-# killed while its workers start).
+# listened, prints its pid and, once the client runs a second thread (its watch of this process,
+# where it watches from its start) or after 10 s, dies: a launch killed while its workers start.
 DYING_TORCHRUN = """
 import os, subprocess, sys, time
 client = subprocess.Popen([sys.executable, "-m", "parashift.launcher.forked", "parashift.nothing"], env=os.environ,
                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 print(client.pid, flush=True)
-time.sleep(3)
+deadline = time.monotonic() + 10
+while time.monotonic() < deadline:
+    try:
+        if len(os.listdir(f"/proc/{client.pid}/task")) >= 2:
+            break
+    except FileNotFoundError:  # it ended already: nothing more to wait for
+        break
+    time.sleep(0.02)
 """
 
 
