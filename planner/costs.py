@@ -126,11 +126,13 @@ class CostModel:
         return self._ops[key]
 
     def edge_cost(self, edge: Edge) -> np.ndarray:
-        src, dst = self._by_name[edge.src], self._by_name[edge.dst]
-        key = (self._sig[src.name], self._sig[dst.name], edge.slot)
-        if key not in self._edges:
-            self._edges[key] = self._build_edge(src, dst, edge.slot)
-        return self._edges[key]
+        # Keyed by the ends' names: their ops are looked up (a context resizes them on first
+        # use, planner/outer.py) only to build a table, not for each of a search's many reads.
+        key = (self._sig[edge.src], self._sig[edge.dst], edge.slot)
+        table = self._edges.get(key)
+        if table is None:
+            table = self._edges[key] = self._build_edge(self._by_name[edge.src], self._by_name[edge.dst], edge.slot)
+        return table
 
     def _dp_axis(self) -> int | None:
         """Index of the "dp" axis when it shards parameter state (FSDP), else None."""
