@@ -115,8 +115,8 @@ def root_cause(lines: list[str], first_exited: list[int] | None = None) -> tuple
     1. a rank torchrun ended itself (its "Sending process N closing signal SIGTERM" line) is a
        consequence, not the cause, unless it died by a signal torchrun did not send it: then
        its end was on its way when torchrun closed it (seen under load: the killed rank, its
-       forked client still waiting to hear of the worker's end, was sent SIGTERM after a peer
-       it broke had exited, and ended by SIGKILL);
+       forked client not yet ended, was sent SIGTERM after a peer it broke had exited, and
+       ended by SIGKILL);
     2. among the others, one killed by a signal (the OOM killer, a user, the node) is the cause,
        since no exception of a peer kills a rank by a signal;
     3. between equals, the launcher's own order of exits (`first_exited`, launcher.launch.ExitOrder)

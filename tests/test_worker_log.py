@@ -211,9 +211,9 @@ Root Cause (first observed failure):
 
 
 def test_a_killed_rank_torchrun_also_closed_is_named() -> None:
-    """Under load (2026-12-07, 1 in ~10 runs of 20 torchrun kills): rank 2 SIGKILLed, its forked
-    client still waiting to hear of the worker's end when rank 1, broken by it, exited; torchrun
-    then sent SIGTERM to ranks 0 and 2. Rank 2 ended by SIGKILL, a signal torchrun did not send
+    """Under load (2026-12-07, 6 of 44 runs of 20 torchrun kills): rank 2 SIGKILLed, its forked
+    client not yet ended when rank 1, broken by it, exited; torchrun then sent SIGTERM to ranks
+    0 and 2. Rank 2 ended by SIGKILL, a signal torchrun did not send
     it: its end was its own, and it is the cause (it was read as a consequence, and rank 1 named)."""
     from parashift.launcher.segment import root_cause
 

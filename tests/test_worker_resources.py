@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from jobs import mesh_plan, run, startup_hook, store_url, tiny_spec, warm_pool
 from parashift.launcher.launch import worker_env
+from test_elastic_events import wait_for
 
 # A step's worth of tensors of mixed sizes (MiB), allocated, written and freed three times: the
 # fraction of their pages each pass faulted in.
@@ -304,10 +305,7 @@ def test_a_forked_client_whose_launcher_died_while_it_waited_for_its_forkserver_
     client = int(subprocess.run([sys.executable, "-c", DYING_TORCHRUN], env=env, capture_output=True,
                                 text=True, check=True).stdout)
     try:
-        deadline = time.monotonic() + 10
-        while running(client) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not running(client), "the orphaned client still waits for its forkserver"
+        wait_for(lambda: not running(client), "the orphaned client to end (not wait on for its forkserver)", 10)
     finally:
         if running(client):
             os.kill(client, 9)
