@@ -34,9 +34,10 @@ $(VENV)/.setup-stamp: pyproject.toml Makefile
 run: setup
 	$(BIN)/parashift run $(SPEC)
 
-# Two pytest-xdist workers, a file at a time (tests/conftest.py says why and in which order);
-# TEST_WORKERS=0 runs everything in this process.
-TEST_WORKERS ?= 2
+# Three pytest-xdist workers on 2 cores, a file at a time (tests/conftest.py says why and in which
+# order): two left a core idle ~12% of the time while tests waited on servers and processes,
+# three keep both busy (BENCHMARKS.md, forty-seventh session). TEST_WORKERS=0: one process.
+TEST_WORKERS ?= 3
 
 test: setup
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15

@@ -39,11 +39,11 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
-# `make test` runs the suite on two pytest-xdist workers, a file at a time (`--dist loadfile`:
+# `make test` runs the suite on three pytest-xdist workers, a file at a time (`--dist loadfile`:
 # a file's module fixtures, such as test_nodes' two Prefect workers, start once). Files start in
 # collection order (`--no-loadscope-reorder`: else xdist 3.8 orders them by their count of tests,
 # and the longest ones started last), so the longest ones by `--durations` are collected first:
-# otherwise one starts last and the other worker idles while it runs.
+# otherwise one starts last and the other workers idle while it runs.
 RUN_FIRST = ("test_flow.py", "test_elastic_events.py", "test_nodes.py", "test_pool_live.py", "test_job_exclusive.py",
              "test_serve.py", "test_planner_outer.py", "test_parallel_plans.py", "test_gpu_check.py",
              "test_recompute.py", "test_hf_family.py", "test_train_resume.py", "test_llama.py",
