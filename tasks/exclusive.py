@@ -38,7 +38,8 @@ WAIT_WITH_LEASE_S = 10.0
 
 
 class JobAlreadyRunning(RuntimeError):
-    """Another run of the same job holds its slot."""
+    """Another run of the same job holds its slot (or, for a run holding the storage lease, the
+    API did not grant the slot in time: the message says both)."""
 
 
 def slot_name(job_id: str) -> str:
@@ -98,9 +99,11 @@ def one_run_per_job(job_id: str, wait_s: float = WAIT_S, storage_lease: bool = F
             held.enter_context(concurrency(name, occupy=1, timeout_seconds=max(wait_s, WAIT_WITH_LEASE_S) if storage_lease
                                            else wait_s, lease_duration=LEASE_S, strict=True))
         except TimeoutError:
-            if storage_lease:
-                raise JobAlreadyRunning(f"job {job_id}: the concurrency limit {name!r} was taken by another run while "
-                                        "this one holds the job's storage lease; this run trains nothing") from None
+            if storage_lease:  # nothing tells a slot held by another run from an answer that came too late
+                raise JobAlreadyRunning(
+                    f"job {job_id}: the Prefect API did not grant the concurrency limit {name!r} within "
+                    f"{max(wait_s, WAIT_WITH_LEASE_S):.0f} s while this run holds the job's storage lease: another run "
+                    "holds the slot, or the API is too loaded to answer in time; this run trains nothing") from None
             raise JobAlreadyRunning(
                 f"job {job_id} is already running in another flow run (the concurrency limit {name!r} holds its "
                 f"one slot; waited {wait_s:.0f} s): this run trains nothing. Let that run finish, or stop it "
