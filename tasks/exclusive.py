@@ -97,15 +97,15 @@ def one_run_per_job(job_id: str, wait_s: float = WAIT_S, storage_lease: bool = F
             client.update_global_concurrency_limit(name, GlobalConcurrencyLimitUpdate(active_slots=0))
             _logger().warning("the concurrency limit %r was held by a run that no longer holds the job's storage "
                               "lease (it crashed, or its Prefect API went with its process): slot freed for this run", name)
+    timeout_s = max(wait_s, WAIT_WITH_LEASE_S) if storage_lease else wait_s
     with contextlib.ExitStack() as held:
         try:
-            held.enter_context(concurrency(name, occupy=1, timeout_seconds=max(wait_s, WAIT_WITH_LEASE_S) if storage_lease
-                                           else wait_s, lease_duration=LEASE_S, strict=True))
+            held.enter_context(concurrency(name, occupy=1, timeout_seconds=timeout_s, lease_duration=LEASE_S, strict=True))
         except TimeoutError:
             if storage_lease:  # nothing tells a slot held by another run from an answer that came too late
                 raise JobAlreadyRunning(
                     f"job {job_id}: the Prefect API did not grant the concurrency limit {name!r} within "
-                    f"{max(wait_s, WAIT_WITH_LEASE_S):.0f} s while this run holds the job's storage lease: another run "
+                    f"{timeout_s:.0f} s while this run holds the job's storage lease: another run "
                     "holds the slot, or the API is too loaded to answer in time; this run trains nothing") from None
             raise JobAlreadyRunning(
                 f"job {job_id} is already running in another flow run (the concurrency limit {name!r} holds its "
