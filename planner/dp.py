@@ -71,28 +71,73 @@ Step = tuple[int, tuple[int, ...], np.ndarray]  # (variable, its dependent set, 
 Domains = dict[int, tuple[int, ...]]
 
 
+# From this many entries on, `_combine` grows its sum variable by variable (below it, the
+# bookkeeping costs more than the passes it saves: the DP makes thousands of small tables).
+GROWN_FROM = 1 << 15
+
+
 def _combine(factors: list[Factor], scope: tuple[int, ...], card: list[int]) -> np.ndarray:
-    """Sum of the factors broadcast over `scope`."""
+    """Sum of the factors broadcast over `scope`, largest first (one fixed order per call)."""
     shape = tuple(card[v] for v in scope)
     size = prod(shape)  # math.prod: exact, and no numpy call per table (the DP makes thousands of small ones)
     if size > MAX_TABLE * 4:
         raise MemoryError(f"a table of {size:,} entries (scope {len(scope)} ops) exceeds {MAX_TABLE * 4:,}")
+    if not factors:
+        return np.zeros(shape)
     pos = {v: i for i, v in enumerate(scope)}
+    largest_first = sorted(factors, key=lambda f: -f.table.size)
+    if size >= GROWN_FROM and largest_first[0].table.size < size:  # else every factor's variables are the largest's
+        return _grown_sum([_in_scope_order(f, pos) for f in largest_first], scope, card, pos)
     acc = np.empty(shape)
-    # The largest table is written, not added to zeros: one pass fewer over the result (the
-    # tables are memory-bound); sums are still taken in one fixed order per call.
-    for k, f in enumerate(sorted(factors, key=lambda f: -f.table.size)):
+    for k, f in enumerate(largest_first):
         order = sorted(range(len(f.scope)), key=lambda i: pos[f.scope[i]])
         t = f.table.transpose(order) if order != list(range(len(order))) else f.table
         placed = [1] * len(scope)
         for v in f.scope:
             placed[pos[v]] = card[v]
+        # The largest table is written, not added to zeros: one pass fewer over the result.
         if k == 0:
             acc[...] = t.reshape(placed)
         else:
             acc += t.reshape(placed)
-    if not factors:
-        acc.fill(0.0)
+    return acc
+
+
+def _in_scope_order(f: Factor, pos: dict[int, int]) -> tuple[tuple[int, ...], np.ndarray]:
+    """The factor's variables and table with its axes in scope order (a view)."""
+    order = sorted(range(len(f.scope)), key=lambda i: pos[f.scope[i]])
+    if order == list(range(len(order))):
+        return f.scope, f.table
+    return tuple(f.scope[i] for i in order), f.table.transpose(order)
+
+
+def _grown_sum(tables: list[tuple[tuple[int, ...], np.ndarray]], scope: tuple[int, ...], card: list[int],
+               pos: dict[int, int]) -> np.ndarray:
+    """`_combine`'s sum, added into a table over only the variables added so far, which grows
+    to `scope` as tables bring new ones. Each entry is the same sum, in the same order, as in a
+    table over all of `scope` from the first (bit for bit), but small tables over few variables
+    (a dense graph's edge tables: 12 of them into a 4M-entry table) cost a pass over the
+    variables they were joined with, not over the whole table: the 40-op dense DAG plans in
+    0.7x the time (BENCHMARKS.md, forty-eighth session)."""
+
+    def dims(variables: tuple[int, ...], over: tuple[int, ...]) -> list[int]:
+        at = {v: i for i, v in enumerate(over)}
+        placed = [1] * len(over)
+        for v in variables:
+            placed[at[v]] = card[v]
+        return placed
+
+    have, acc = tables[0][0], np.array(tables[0][1], order="C")  # the variables the sum spans so far
+    for variables, t in tables[1:]:
+        if set(variables) <= set(have):
+            acc += t.reshape(dims(variables, have))
+            continue
+        grown = tuple(sorted({*have, *variables}, key=pos.__getitem__))
+        joined = np.empty([card[v] for v in grown])
+        np.add(acc.reshape(dims(have, grown)), t.reshape(dims(variables, grown)), out=joined)
+        have, acc = grown, joined
+    if len(have) < len(scope):  # a variable no table names: the sum is the same along it
+        acc = np.array(np.broadcast_to(acc.reshape(dims(have, scope)), [card[v] for v in scope]), order="C")
     return acc
 
 
@@ -227,6 +272,25 @@ def _fix(f: Factor, u: int, i: int) -> Factor:
     return Factor(f.scope[:k] + f.scope[k + 1:], f.table[(slice(None),) * k + (i,)])  # a view, no copy
 
 
+# numpy reduces a short last axis one outer index at a time; over a large table, the same
+# minimum taken as element-wise minima of the axis' slices (each a vectorised pass over the
+# whole table) is 2-15x faster here for the 4-16 configurations an op has, from ~512 outer
+# entries on (min is exact: the same bits either way).
+SHORT_AXIS = 16
+SLICED_MIN_FROM = 512
+
+
+def _min_last(table: np.ndarray) -> np.ndarray:
+    """The minimum over the table's last axis."""
+    k = table.shape[-1]
+    if table.ndim < 2 or k > SHORT_AXIS or table.size < SLICED_MIN_FROM * k:
+        return table.min(axis=-1)
+    least = table[..., 0].copy()
+    for j in range(1, k):
+        np.minimum(least, table[..., j], out=least)
+    return least
+
+
 def _min_over(group: list[Factor], dep: tuple[int, ...], v: int, card: list[int]) -> tuple[np.ndarray, np.ndarray]:
     """min and argmin over v of the sum of `group`, as tables over `dep` (sliced when large)."""
     full = prod(card[u] for u in (*dep, v))
@@ -238,7 +302,7 @@ def _min_over(group: list[Factor], dep: tuple[int, ...], v: int, card: list[int]
         kept = arg.astype(np.int16 if card[v] <= INT16_MAX else np.int32)
         # The minimum is the entry argmin points at, bit for bit: min() reads it without building
         # an index array per table (take_along_axis's overhead dominated small tables).
-        return acc.min(axis=-1), kept
+        return _min_last(acc), kept
     if full / card[v] > MAX_TABLE:
         raise MemoryError(f"a dependent-set table of {full / card[v]:,.0f} entries exceeds {MAX_TABLE:,}")
     u = dep[0]

@@ -169,6 +169,58 @@ def test_sliced_eliminations_are_exact(graph: Graph, p: int) -> None:
         dp.CHUNK = saved
 
 
+@settings(max_examples=100, deadline=None)
+@given(shape=st.lists(st.integers(1, 5), min_size=1, max_size=4), seed=st.integers(0, 2**32 - 1))
+def test_the_sliced_minimum_is_numpys_bit_for_bit(shape: list[int], seed: int) -> None:
+    """`dp._min_last` takes a large table's minimum over its last axis slice by slice: the same
+    values as numpy's reduction, ties, infinities and signed zeros included (forced on small
+    tables here)."""
+    rng = np.random.default_rng(seed)
+    table = rng.choice(np.array([0.0, -0.0, 1.5, 2.0, np.inf, 1e-300, 3.25]), size=shape) + (
+        rng.random(shape) * (rng.random() < 0.5))
+    saved, dp.SLICED_MIN_FROM = dp.SLICED_MIN_FROM, 1
+    try:
+        got = dp._min_last(table)
+    finally:
+        dp.SLICED_MIN_FROM = saved
+    assert got.shape == table.shape[:-1] and got.tobytes() == table.min(axis=-1).tobytes()
+
+
+@pytest.mark.parametrize("grown_from", [1, dp.GROWN_FROM], ids=["grown", "whole"])
+@settings(max_examples=150, deadline=None)
+@given(data=st.data())
+def test_a_sum_grown_variable_by_variable_is_the_whole_tables_bit_for_bit(grown_from: int,
+                                                                          data: st.DataObject) -> None:
+    """`dp._combine` adds small factors to a large table over the variables joined so far, not
+    over the whole table: each entry must still be the same sum in the same order, to the last
+    bit (ties between plans are decided on these values). Forced on small tables here."""
+    n = data.draw(st.integers(1, 6))
+    card = data.draw(st.lists(st.integers(1, 4), min_size=n, max_size=n))
+    scopes = data.draw(st.lists(st.lists(st.integers(0, n - 1), unique=True, max_size=4).map(tuple), min_size=1,
+                                max_size=6))
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
+    factors = [dp.Factor(sc, rng.random(tuple(card[v] for v in sc)) * 10.0 ** rng.integers(-6, 3, size=1)[0])
+               for sc in scopes]
+    named = sorted({v for sc in scopes for v in sc})
+    rest = [v for v in range(n) if v not in named]  # in the scope, named by no factor
+    extra = data.draw(st.lists(st.sampled_from(rest), unique=True, max_size=2)) if rest else []
+    scope = tuple(data.draw(st.permutations(named + extra)))
+    want = np.zeros(tuple(card[v] for v in scope))
+    for k, f in enumerate(sorted(factors, key=lambda f: -f.table.size)):
+        order = sorted(range(len(f.scope)), key=lambda i: scope.index(f.scope[i]))
+        dims = [1] * len(scope)
+        for i in order:
+            dims[scope.index(f.scope[i])] = card[f.scope[i]]
+        t = f.table.transpose(order).reshape(dims)
+        want = np.broadcast_to(t, want.shape).copy() if k == 0 else want + t
+    saved, dp.GROWN_FROM = dp.GROWN_FROM, grown_from
+    try:
+        got = dp._combine(factors, scope, card)
+    finally:
+        dp.GROWN_FROM = saved
+    assert got.shape == want.shape and got.tobytes() == want.tobytes()
+
+
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(graph=graphs(max_ops=6, shape="skip"), p=st.sampled_from([4, 8]))
 def test_a_relaxed_solve_brackets_the_minimum(graph: Graph, p: int) -> None:
