@@ -89,6 +89,8 @@ def _combine(factors: list[Factor], scope: tuple[int, ...], card: list[int]) -> 
     if size >= GROWN_FROM and largest_first[0].table.size < size:  # else every factor's variables are the largest's
         return _grown_sum([_in_scope_order(f, pos) for f in largest_first], scope, card, pos)
     acc = np.empty(shape)
+    # Inline, not `_in_scope_order` and `_grown_sum`'s shapes: on the 10,000s of small tables of a
+    # long chain, those calls per factor cost its search 3-5% (measured, forty-eighth session).
     for k, f in enumerate(largest_first):
         order = sorted(range(len(f.scope)), key=lambda i: pos[f.scope[i]])
         t = f.table.transpose(order) if order != list(range(len(order))) else f.table
