@@ -39,8 +39,12 @@ run: setup
 # three keep both busy (BENCHMARKS.md, forty-seventh session). TEST_WORKERS=0: one process.
 TEST_WORKERS ?= 3
 
+# Bytecode caches are written for the run (under __pycache__, ignored by git) even where the
+# environment sets PYTHONDONTWRITEBYTECODE: the suite's ~200 Python processes import the
+# checkout's modules, and each would compile them again (~0.2 s of CPU for the flow's and the
+# trainer's; BENCHMARKS.md, forty-ninth session).
 test: setup
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15
+	PYTHONDONTWRITEBYTECODE= $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=15
 
 # A local Prefect server + the `parashift` process pool + every deployment + a worker (Ctrl-C stops them).
 serve: setup
