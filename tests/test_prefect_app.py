@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import socket
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -93,12 +94,22 @@ def test_reads_pass_through_once(method: str) -> None:
     assert [m.get("status") for m in sent if m["type"] == "http.response.start"] == [503]
 
 
-def test_the_wrapped_server_start_serves_prefects_api(tmp_path: Path) -> None:
+def test_the_wrapped_server_start_serves_prefects_api(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """`start_prefect_server` (what `parashift serve` and the benches run) answers as Prefect's
     server, through the middleware (a write's answer says how often it was replayed): health, a
-    write, and the UI's settings."""
+    write, and the UI's settings. The port it chose first was taken before the server bound it
+    (another process chose it too, seen once in a clean-clone run): it chose another."""
+    from parashift.commands import serve
+
     env = {**os.environ, "PREFECT_HOME": str(tmp_path), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
-    server, url = start_prefect_server(env)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        first, second = taken.getsockname()[1], serve.free_port()
+        ports = [first, second]
+        monkeypatch.setattr(serve, "free_port", lambda: ports.pop(0))
+        server, url = start_prefect_server(env)
+    assert url == f"http://127.0.0.1:{second}/api" and not ports
     try:
         request = urllib.request.Request(f"{url}/variables/", data=json.dumps({"name": "replayed", "value": 1}).encode(),
                                          headers={"Content-Type": "application/json"})
@@ -110,3 +121,15 @@ def test_the_wrapped_server_start_serves_prefects_api(tmp_path: Path) -> None:
             assert response.status == 200
     finally:
         stop_group(server)
+
+
+def test_a_server_asked_for_a_taken_port_says_so(tmp_path: Path) -> None:
+    """A port the user named (`parashift serve --port`) that another process holds: the error
+    says what the server said, not only its exit code."""
+    env = {**os.environ, "PREFECT_HOME": str(tmp_path), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(RuntimeError, match=f"prefect server exited with code 1: Port {port} is already in use"):
+            start_prefect_server(env, port)

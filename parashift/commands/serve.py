@@ -9,9 +9,11 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from pathlib import Path
+from typing import IO
 
 import typer
 
@@ -26,23 +28,45 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# How often a server is started on a new port when the one chosen for it was taken before it
+# bound it (another process of the machine chose the same free port meanwhile).
+PORT_TRIES = 5
+
+
 def start_prefect_server(env: dict[str, str], port: int | None = None, timeout_s: float = 180) -> tuple[subprocess.Popen[bytes], str]:
     """`prefect server start` on 127.0.0.1 (its own session, so it can be stopped as a group);
-    returns the process and its API URL once `/health` answers."""
-    port = port or free_port()
-    url = f"http://127.0.0.1:{port}/api"
-    # The UI's pages call the API at PREFECT_UI_API_URL, which otherwise defaults to port 4200.
-    env = {**{k: v for k, v in env.items() if k != "PREFECT_API_URL"}, "PREFECT_UI_API_URL": url}
-    # Prefect's own `server start`, its app replaying writes SQLite refused (commands/prefect_app.py).
-    server = subprocess.Popen([sys.executable, "-m", "parashift.commands.prefect_app", "server", "start", "--host",
-                               "127.0.0.1", "--port", str(port)],
-                              env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    try:
-        wait_healthy(server, url, timeout_s, what="prefect server")
-    except RuntimeError:
-        stop_group(server)
-        raise
-    return server, url
+    returns the process and its API URL once `/health` answers. A server that exits first is
+    reported with what it said (e.g. "Port 4200 is already in use"); where the port was chosen
+    here, one taken before the server bound it is chosen again."""
+    tries = 1 if port else PORT_TRIES
+    for attempt in range(tries):
+        chosen = port or free_port()
+        url = f"http://127.0.0.1:{chosen}/api"
+        # The UI's pages call the API at PREFECT_UI_API_URL, which otherwise defaults to port 4200.
+        server_env = {**{k: v for k, v in env.items() if k != "PREFECT_API_URL"}, "PREFECT_UI_API_URL": url}
+        # What it says goes to a file of its own (a pipe nobody reads would fill and stop it):
+        # unlinked, it lasts as long as the server; read only if the server exits first.
+        with tempfile.TemporaryFile() as output:
+            # Prefect's own `server start`, its app replaying writes SQLite refused (commands/prefect_app.py).
+            server = subprocess.Popen([sys.executable, "-m", "parashift.commands.prefect_app", "server", "start",
+                                       "--host", "127.0.0.1", "--port", str(chosen)],
+                                      env=server_env, stdout=output, stderr=subprocess.STDOUT, start_new_session=True)
+            try:
+                wait_healthy(server, url, timeout_s, what="prefect server")
+                return server, url
+            except RuntimeError as error:
+                stop_group(server)
+                said = _last_lines(output)
+                if attempt + 1 < tries and "already in use" in said:
+                    continue
+                raise RuntimeError(f"{error}: {said}" if said else str(error)) from None
+    raise AssertionError("unreachable: the last try returns or raises")
+
+
+def _last_lines(output: IO[bytes], count: int = 5) -> str:
+    output.seek(0)
+    return " ".join(line.strip() for line in output.read().decode(errors="replace").splitlines()[-count:]
+                    if line.strip())
 
 
 def wait_healthy(process: subprocess.Popen[bytes], url: str, timeout_s: float, what: str) -> None:
