@@ -10,6 +10,7 @@ read at most one chunk's worth of extra rows at each edge.
 
 from __future__ import annotations
 
+from functools import cache
 from math import prod
 
 from parashift.ptc.layout import Slice, shard_extent
@@ -40,14 +41,11 @@ def row_bytes(box: Slice, order: tuple[int, ...], itemsize: int) -> int:
     return prod(stored_lengths(box, order)[1:]) * itemsize
 
 
-def split_points(size: int, max_degree: int = MAX_ALIGNED_DEGREE) -> set[int]:
+@cache  # a state has few distinct dim sizes, and a save or a held step's record asks for each per box
+def split_points(size: int, max_degree: int = MAX_ALIGNED_DEGREE) -> frozenset[int]:
     """Every offset at which torch's Shard rule starts a box along a dim of `size` elements."""
-    points = set()
-    for parts in range(2, max_degree + 1):
-        for index in range(1, parts):
-            _, offset = shard_extent(size, parts, index)
-            points.add(offset)
-    return points
+    return frozenset(shard_extent(size, parts, index)[1]
+                     for parts in range(2, max_degree + 1) for index in range(1, parts))
 
 
 def chunk_rows(shape: tuple[int, ...], box: Slice, order: tuple[int, ...], itemsize: int, split_dim: int | None) -> list[int]:

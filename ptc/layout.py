@@ -92,7 +92,15 @@ class Layout:
 
     def slices_to_write(self, rank: int) -> list[tuple[str, Slice]]:
         """The boxes this rank writes in a checkpoint, in a stable order."""
-        return sorted(key for key, writer in self.writers().items() if writer == rank)
+        return self.slices_by_writer().get(rank, [])
+
+    def slices_by_writer(self) -> dict[int, list[tuple[str, Slice]]]:
+        """Every writing rank's boxes (`slices_to_write`), from one assignment: what describes
+        every rank's part of a checkpoint at once (a held step's pending manifest)."""
+        out: dict[int, list[tuple[str, Slice]]] = {}
+        for key, writer in sorted(self.writers().items()):
+            out.setdefault(writer, []).append(key)
+        return out
 
     def covering_ranks(self, count: int) -> list[int]:
         """Every rank, ordered so that the first `count` hold as many of the state's distinct

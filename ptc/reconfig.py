@@ -153,14 +153,14 @@ def _cover(stored: StoredBox, cut: Slice, itemsize: int) -> tuple[int, int, list
         first_row = cut.offsets[outer] - stored.box.offsets[outer]
         last_row = first_row + cut.lengths[outer]
     per_row = row_bytes(stored.box, order, itemsize)
-    # Chunk edges in rows from the box's start.
+    # Chunk edges in rows from the box's start (strictly increasing: every chunk is whole rows,
+    # at least one), so the chunks inside [lo, hi) are those from edge `first` to edge `last`.
     edges = [0, *accumulate(n // per_row for n, _ in stored.chunks)]
-    lo = edges[bisect_right(edges, first_row) - 1]
-    hi = edges[bisect_left(edges, last_row)]
-    checks = []
-    for i in range(len(stored.chunks)):
-        if lo <= edges[i] and edges[i + 1] <= hi:
-            checks.append(((edges[i] - lo) * per_row, *stored.chunks[i]))
+    first = bisect_right(edges, first_row) - 1
+    last = bisect_left(edges, last_row)
+    lo, hi = edges[first], edges[last]
+    inside = zip(edges[first:last], stored.chunks[first:last], strict=True)
+    checks = [((edge - lo) * per_row, n, crc) for edge, (n, crc) in inside]
     return lo, hi, checks
 
 
@@ -193,17 +193,25 @@ def rank_reads(stored: dict[str, list[StoredBox]], dtypes: dict[str, str], wante
             raise ValueError(f"{name}: the checkpoint's boxes cover {covered} of the {box.numel} elements rank {rank} needs")
     # Coalesce: ranges that touch (or overlap) in one object become one request.
     requests: list[Request] = []
-    known: set[int] = set()  # chunk offsets the last request already checks
+    known: set[int] | None = None  # chunk offsets the last request checks, kept once a range overlapped it
     for obj, start, end, piece, checks in sorted(ranges, key=lambda r: (r[0], r[1])):
         last = requests[-1] if requests else None
+        # Overlapping the request's bytes so far, a range may share chunks it already checks;
+        # touching them, or starting a request, it shares none.
+        overlaps = last is not None and last.object == obj and start < last.end
         if last is None or last.object != obj or start > last.end:
             last = Request(obj, start, end, _source(obj, local_objects))
             requests.append(last)
-            known = set()
+            known = None
         base = start - last.start
         last.end = max(last.end, end)
         if piece is not None:
             last.pieces.append(Piece(piece.tensor, piece.dtype, piece.source, piece.row_start, piece.row_end, base, piece.cut))
+        if overlaps and known is None:
+            known = {off for off, _, _ in last.checks}
+        if known is None:
+            last.checks.extend([(base + off, n, c) for off, n, c in checks])
+            continue
         for off, n, c in checks:
             if base + off not in known:
                 known.add(base + off)

@@ -66,7 +66,8 @@ def check_matches(manifest: Manifest, layout: Layout) -> None:
                              f"this job's is {mine.dtype}{list(mine.shape)}")
 
 
-def check_usable(manifest: Manifest, layout: Layout, store: CheckpointStore | None = None) -> None:
+def check_usable(manifest: Manifest, layout: Layout,
+                 store: CheckpointStore | None = None) -> tuple[dict[str, list[StoredBox]], dict[str, str]]:
     """Refuse (ValueError or StorageError, one line) a checkpoint that cannot be restored into
     `layout`, from its manifest alone: the one rule a restore (`trainer.checkpoint.
     restore_latest`) and the planning before a launch (`reshard_plan`) share, so they always
@@ -77,7 +78,8 @@ def check_usable(manifest: Manifest, layout: Layout, store: CheckpointStore | No
     state) larger than the layout's largest tensor; slices outside their tensor or not
     matching their bytes (`stored_boxes`); an object whose slices do not add up to its size;
     with `store`, an object that resolves outside the store (a symbolic link). The manifest's
-    digest and schema were checked when it was parsed."""
+    digest and schema were checked when it was parsed. Returns its `stored_boxes`, for the
+    reads that follow."""
     check_matches(manifest, layout)
     step = manifest.step
     largest = max((prod(t.shape) * t.itemsize for t in layout.tensors.values()), default=0)
@@ -90,7 +92,7 @@ def check_usable(manifest: Manifest, layout: Layout, store: CheckpointStore | No
         if mine is None and nbytes > largest:
             raise ValueError(f"checkpoint at step {step}: {name} is {stored.dtype}{stored.shape}, {nbytes:,} bytes: "
                              f"larger than any tensor of this job ({largest:,} bytes)")
-    stored_boxes(manifest)
+    boxes = stored_boxes(manifest)
     filled = dict.fromkeys(manifest.objects, 0)
     for record in manifest.all_slices():
         filled[record.object] += record.nbytes
@@ -101,6 +103,7 @@ def check_usable(manifest: Manifest, layout: Layout, store: CheckpointStore | No
     if store is not None:  # what a read would refuse, found without reading
         for key in manifest.objects:
             store.store.check_key(store.paths.ckpt_object(step, key))
+    return boxes
 
 
 def stored_boxes(manifest: Manifest) -> tuple[dict[str, list[StoredBox]], dict[str, str]]:
@@ -119,10 +122,10 @@ def stored_boxes(manifest: Manifest) -> tuple[dict[str, list[StoredBox]], dict[s
                 raise ValueError(f"checkpoint at step {manifest.step}: a slice of {name} ({s.offsets}+{s.lengths}, "
                                  f"{s.nbytes} bytes) does not fit a {t.dtype}{t.shape} tensor")
             per_row = row_bytes(box, tuple(s.dim_order), itemsize)
-            if any(n % per_row for n, _ in s.chunks):
+            chunks = tuple(s.chunks)  # (nbytes, crc) pairs of ints, as the manifest's schema parsed them
+            if any(n % per_row for n, _ in chunks):
                 raise ValueError(f"checkpoint at step {manifest.step}: chunks of {name} are not whole rows")
-            boxes[name].append(StoredBox(name, box, tuple(s.dim_order), s.object, s.byte_offset,
-                                         tuple((int(n), int(c)) for n, c in s.chunks),
+            boxes[name].append(StoredBox(name, box, tuple(s.dim_order), s.object, s.byte_offset, chunks,
                                          tuple((str(o), int(at)) for o, at in s.copies)))
     return boxes, {name: t.dtype for name, t in manifest.tensors.items()}
 
@@ -136,11 +139,13 @@ def node_objects(tier: ObjectStore | None, store: CheckpointStore, step: int) ->
 
 
 def reads_for(manifest: Manifest, wanted: dict[str, Slice], rank: int, local: frozenset[str] = frozenset(),
-              live: dict[int, list[tuple[str, Slice, tuple[int, ...]]]] | None = None) -> RankReads:
+              live: dict[int, list[tuple[str, Slice, tuple[int, ...]]]] | None = None,
+              stored: tuple[dict[str, list[StoredBox]], dict[str, str]] | None = None) -> RankReads:
     """One rank's reads of the boxes it `wanted` (tensor -> box) from the checkpoint `manifest`
     describes; objects in `local` are read from the node's tier, boxes that `live` ranks hold
-    (rank -> its boxes) from their memory."""
-    boxes, dtypes = stored_boxes(manifest)
+    (rank -> its boxes) from their memory. `stored`: the manifest's `stored_boxes`, where
+    `check_usable` has computed them already."""
+    boxes, dtypes = stored if stored is not None else stored_boxes(manifest)
     if live:
         boxes, held = with_live_copies(boxes, live, rank)
         local = local | held

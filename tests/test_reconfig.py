@@ -51,6 +51,16 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Checkpoin
     return out
 
 
+def assert_every_byte_checked_once(reads) -> None:
+    """Each request's chunk checks tile its bytes: every byte read is verified, by one chunk."""
+    for request in reads.requests:
+        at = 0
+        for offset, n, _ in sorted(request.checks):
+            assert offset == at and n > 0, (request.object, request.start, offset, at)
+            at += n
+        assert at == request.nbytes, (request.object, at, request.nbytes)
+
+
 @pytest.mark.parametrize("old,new", list(itertools.permutations(PLANS, 2)))
 def test_reshard_reads_exactly_the_needed_bytes_and_equals_the_slices(saved, old: str, new: str) -> None:
     store, _, state = saved[old]
@@ -61,6 +71,7 @@ def test_reshard_reads_exactly_the_needed_bytes_and_equals_the_slices(saved, old
     assert totals["bytes_read"] == totals["bytes_needed"] > 0
     manifest = store.latest()
     for reads in plan.ranks:
+        assert_every_byte_checked_once(reads)
         got = execute_reads(store, 3, reads)
         assert got.keys() == reads.wanted.keys()
         for name, box in reads.wanted.items():
@@ -128,6 +139,7 @@ def test_any_box_reads_back_exactly_even_off_the_chunk_grid(saved, data: st.Data
     box = Slice(offsets, lengths)
     reads = reads_for(manifest, {name: box}, 0)
     assert reads.bytes_read >= reads.bytes_needed
+    assert_every_byte_checked_once(reads)
     got = execute_reads(store, manifest.step, reads)
     assert torch.equal(got[name], box_of(state[name], box))
 
@@ -326,6 +338,7 @@ def test_live_copies_serve_what_live_ranks_hold_and_storage_the_rest(saved, old:
         wanted = {n: b for n, b in new_layout.boxes_of(rank).items() if n in stored}
         reads = rank_reads(boxes, dtypes, wanted, rank, live)
         assert reads.bytes_read == reads.bytes_needed
+        assert_every_byte_checked_once(reads)
         for request in reads.requests:
             for piece in request.pieces:
                 held_by = [r for r, held in holdings.items()

@@ -213,10 +213,10 @@ def _read_step(store: CheckpointStore, step: int, raw: bytes, layout: Layout, ra
         if pending and (manifest.previous_step if manifest.previous_step is not None else -1) != newest_committed:
             raise ValueError(f"its pending manifest continues step {manifest.previous_step}, the newest committed "
                              f"is {newest_committed}")
-        check_usable(manifest, layout, store if lead and not pending else None)
+        stored = check_usable(manifest, layout, store if lead and not pending else None)
         wanted = {n: b for n, b in layout.boxes_of(rank).items() if n in manifest.tensors}
         reads = reads_for(manifest, wanted, rank, node_objects(tier, store, step) if not pending else frozenset(),
-                          live.holdings if live is not None else None)
+                          live.holdings if live is not None else None, stored)
         unheld = [r.object for r in reads.requests if r.source != LIVE]
         if pending and unheld:
             raise ValueError(f"rank {rank} needs bytes no live rank holds ({unheld[0]}), and no object stores them yet")

@@ -518,9 +518,10 @@ def describe_held(store: CheckpointStore, layout: Layout, step: int, stored: dic
     `layout` would have written it (the same records and CRCs), without writing a byte. What
     the survivors of a failure hold of a replicated state (`trainer.checkpoint.live`)."""
     objects, records = [], []
+    writers = layout.slices_by_writer()
     for rank in range(layout.world_size):
         payloads = []
-        for name, box in layout.slices_to_write(rank):
+        for name, box in writers.get(rank, []):
             write = _BoxToWrite.of(layout, name, box)
             key = SliceKey(name, box.offsets, box.lengths)
             payloads.append(SlicePayload.of_bytes(key, write.order, tensor_bytes(stored[name, box]),
