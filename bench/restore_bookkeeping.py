@@ -5,6 +5,10 @@ MB, 3,549 checksum chunks).
 - `record_s`: a failure's survivor describing the step it holds whole as a pending manifest
   (`describe_held`: every box's chunk checksums, one CRC pass over 293 MB, and the records),
   what the other survivors wait for;
+- `record_split_s`: the same split between the 3 survivors of bench.trace's failure, as
+  `LivePeers.record` splits it: the largest share's checksums and records, plus the writer's
+  part (every share's records through pickle, as `gather_object` moves them, validated, and
+  the manifest built): the record's path with the shares computed at once;
 - `plan_s`: a rank planning its reads of a pending manifest: parse it, `check_usable`, its reads
   (live holders' copies first) and the buffers they land in (`Assembly`), what every rank of a
   scale-up runs before any byte moves.
@@ -19,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import pickle
 import platform
 import statistics
 import tempfile
@@ -32,7 +37,7 @@ from parashift.bench.trace import job_spec
 from parashift.ptc.reconfig import Assembly
 from parashift.ptc.reshard import check_usable, reads_for
 from parashift.specs.plan import Plan
-from parashift.storage import job_store
+from parashift.storage import ObjectRecord, SliceRecord, job_store
 from parashift.storage.manifest import encode_manifest
 from parashift.trainer.checkpoint.saver import describe_held
 from parashift.trainer.layout import state_layout
@@ -63,6 +68,31 @@ def main() -> None:
     def record() -> Any:
         return describe_held(store, old, 13, held, {"consumed": 1}, {}, {}, previous_step=12)
 
+    split = None
+    try:
+        from parashift.trainer.checkpoint.saver import held_records, record_shares
+
+        shares = record_shares(old, 3)
+        split = (shares, held_records)
+    except ImportError:  # the code before the split record
+        pass
+
+    def share_records(share: list[int]) -> dict[int, Any]:
+        assert split is not None
+        return {r: (o.model_dump() if o else None, [s.model_dump() for s in slices])
+                for r, (o, slices) in split[1](store, old, held, share).items()}
+
+    gathered = [share_records(share) for share in split[0]] if split else []
+    largest = max(split[0], key=lambda share: sum(held[k].numel() for r in share for k in old.slices_to_write(r))) \
+        if split else []
+
+    def record_split() -> Any:
+        share_records(largest)
+        everyone = pickle.loads(pickle.dumps(gathered))
+        records = {r: (ObjectRecord(**o) if o else None, [SliceRecord(**s) for s in slices])
+                   for said in everyone for r, (o, slices) in said.items()}
+        return describe_held(store, old, 13, {}, {"consumed": 1}, {}, {}, previous_step=12, records=records)
+
     raw = encode_manifest(record())
     # A scale-up from 2 to 4: ranks 0 and 1 hold every box; rank 2 (new) plans its reads.
     holdings = {r: [(n, b, tuple(range(len(b.lengths)))) for n, b in sorted(old.boxes_of(r).items())] for r in (0, 1)}
@@ -80,7 +110,9 @@ def main() -> None:
     chunks = sum(len(s.chunks) for t in record().tensors.values() for s in t.slices)
     result = {"bench": "restore_bookkeeping", "machine": f"{platform.machine()} {os.cpu_count()} cores",
               "state_bytes": sum(t.numel() for t in held.values()), "chunks": chunks, "rounds": args.rounds,
-              "record_s": round(median_s(record, args.rounds), 4), "plan_s": round(median_s(plan, args.rounds), 4)}
+              "record_s": round(median_s(record, args.rounds), 4),
+              "record_split_s": round(median_s(record_split, args.rounds), 4) if split else None,
+              "plan_s": round(median_s(plan, args.rounds), 4)}
     print(json.dumps(result))
 
 

@@ -41,7 +41,8 @@ CASES = [
     {"job": "tp2-dp3-pending-corrupt", "old": "tp2", "new": "dp3", "pending": True, "corrupt": 1},
     # A failure on warm workers: rank 1 of 4 replicas died after step 5, which nothing
     # describes; the survivors hold it whole. 4 -> 3 ranks (the new rank 1 holds nothing): the
-    # lowest survivor describes step 5 from its memory, and every rank restores it from there.
+    # survivors describe step 5 from their memory (a share each; the lowest writes it), and
+    # every rank restores it from there.
     {"job": "dp4-dp3-failure", "old": "dp4", "new": "dp3", "failure": 1},
     # The same under tensor parallelism: no survivor holds rank 1's shards, nothing is
     # described, and the ranks resume from the committed step 3.
@@ -132,8 +133,8 @@ def test_a_pending_step_is_restored_from_live_ranks_alone(results) -> None:
 
 
 def test_a_step_the_survivors_of_a_failure_hold_whole_is_described_and_restored_from_them(results) -> None:
-    """Step 5 was never saved nor described: the lowest survivor that holds it whole wrote its
-    pending manifest, and every rank of the new segment restored it from the survivors' memory
+    """Step 5 was never saved nor described: the survivors that hold it whole checksummed it
+    between them and the lowest wrote its pending manifest, and every rank of the new segment restored it from the survivors' memory
     (no byte from storage), equal to the state that was held; where survivors hold only shards,
     the committed step 3 it is, as before."""
     rows = [row for (job, _), row in sorted(results.items()) if job == "dp4-dp3-failure"]
@@ -178,6 +179,36 @@ def test_a_step_is_held_for_the_next_segment_only_where_the_ranks_kept_hold_ever
     from test_reconfig import CONFIG, PLANS
 
     assert held_by_kept(state_layout(PLANS[plan], CONFIG), devices) is held
+
+
+@pytest.mark.parametrize(("plan", "holders"), [("dp4", 3), ("dp4", 2), ("dp3", 4), ("dp2xtp2", 1)])
+def test_a_held_step_described_in_shares_is_the_manifest_one_holder_describes(tmp_path: Path, plan: str,
+                                                                              holders: int) -> None:
+    """A failure's survivors split the held step's checksum pass (`record_shares`): every rank
+    of the old layout in exactly one share, and the manifest from their shares' records is the
+    one a single holder describes alone, record for record and CRC for CRC."""
+    import torch
+    from parashift.storage import CheckpointStore, ObjectStore
+    from parashift.trainer.checkpoint.saver import describe_held, held_records, record_shares
+    from parashift.trainer.layout import state_layout
+    from test_reconfig import CONFIG, PLANS
+
+    layout = state_layout(PLANS[plan], CONFIG)
+    store = CheckpointStore(ObjectStore(f"file://{tmp_path}"), "job")
+    generator = torch.Generator().manual_seed(0)
+    # Each box's stored bytes (their dim order does not matter to their checksums): random.
+    stored = {(name, box): torch.randint(0, 256, (box.numel * layout.tensors[name].itemsize,), dtype=torch.uint8,
+                                         generator=generator)
+              for name, box, _ in layout.distinct_slices()}
+    shares = record_shares(layout, holders)
+    assert sorted(r for share in shares for r in share) == list(range(layout.world_size))
+    records = {}
+    for share in shares:
+        records.update(held_records(store, layout, stored, share))
+    args = (store, layout, 5, stored, {"consumed": 7}, {"mesh": {}}, {"loss": 1.0})
+    alone = describe_held(*args, previous_step=3).model_dump(exclude={"created_at"})
+    split = describe_held(*args, previous_step=3, records=records).model_dump(exclude={"created_at"})
+    assert split == alone and any(t["slices"] for t in alone["tensors"].values())
 
 
 def test_only_a_stop_object_that_names_the_next_device_count_announces_a_change(tmp_path: Path) -> None:

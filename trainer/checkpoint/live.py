@@ -16,9 +16,10 @@ from the committed checkpoint.
 
 A warm worker whose peer died mid-step keeps its state too, at the last step it completed
 (`Unrecorded`: nothing describes that step yet). Where one survivor holds every box of it (a
-replicated state, every rank's generator state included), the next segment's lowest such rank
-describes it as a pending manifest (`LivePeers.record`: one CRC pass over its memory) and the
-job resumes there instead of at its last commit: the failure costs no retrained steps.
+replicated state, every rank's generator state included), the next segment's such ranks
+describe it as a pending manifest (`LivePeers.record`: one CRC pass over the state, split
+between them; the lowest writes it) and the job resumes there instead of at its last commit:
+the failure costs no retrained steps.
 
 Why not torch.distributed.checkpoint: its reshard-on-load reads storage; nothing in it moves a
 live rank's shards to the ranks of another world size.
@@ -41,10 +42,10 @@ from parashift.ptc.codec import tensor_bytes, torch_dtype
 from parashift.ptc.dtensor import local_data
 from parashift.ptc.reconfig import LIVE, RankReads, Request, live_holder
 from parashift.ptc.transpose import copy_across_transpose
-from parashift.storage import ChecksumMismatch, LeaseToken, StorageError
+from parashift.storage import ChecksumMismatch, LeaseToken, ObjectRecord, SliceRecord, StorageError
 from parashift.trainer.checkpoint.group import Group, broadcast
 from parashift.trainer.checkpoint.peer_memory import allow_peers, machine_key, read_from
-from parashift.trainer.checkpoint.saver import describe_held
+from parashift.trainer.checkpoint.saver import describe_held, held_records, record_shares
 
 log = logging.getLogger("parashift.checkpoint")
 
@@ -201,25 +202,53 @@ class LivePeers:
 
     def record(self, store: Any, rank: int, newest_committed: int) -> str | None:
         """Describe the held step as a pending manifest where no commit reaches it and nothing
-        describes it yet (a failure's survivors hold it): written by the lowest rank that holds
-        it whole, from its memory, continuing `newest_committed` (which every rank passes
-        alike). A collective when there is such a rank; returns the manifest's URL, or None
-        (nothing to describe, or the write failed: the restore goes on from the newest commit)."""
+        describes it yet (a failure's survivors hold it), continuing `newest_committed` (which
+        every rank passes alike). Every rank that holds it whole checksums a share of it from
+        its memory (`record_shares`: one CRC pass over the state, split between them, as a
+        planned stop's ranks split theirs); the lowest of them writes the manifest. A collective
+        when there is such a rank; returns the manifest's URL, or None (nothing to describe, or
+        a share or the write failed: the restore goes on from the newest commit)."""
         if not self.recorders or self.step <= newest_committed:
             return None
-        writer, said = self.recorders[0], None
-        if rank == writer:
+        writer, mine = self.recorders[0], None
+        if rank in self.recorders:
             assert self.mine is not None and self.mine.unrecorded is not None
-            facts = self.mine.unrecorded
+            layout = self.mine.unrecorded.layout
+            share = record_shares(layout, len(self.recorders))[self.recorders.index(rank)]
             try:
-                manifest = describe_held(store, facts.layout, self.step, self.mine.stored(), facts.data_position,
-                                         facts.plan, facts.metadata,
-                                         previous_step=newest_committed if newest_committed >= 0 else None)
-                said = store.write_pending(manifest, fence=LeaseToken.from_env())
-            except (StorageError, KeyError, ValueError) as error:  # the newest commit is there still
-                log.warning("rank %d: the state survivors hold of step %d not described (%s); resuming from "
-                            "the newest committed checkpoint", rank, self.step, error)
+                records = held_records(store, layout, self.mine.stored(), share)
+                mine = {r: (obj.model_dump() if obj else None, [s.model_dump() for s in slices])
+                        for r, (obj, slices) in records.items()}
+            except (StorageError, KeyError, ValueError) as error:
+                mine = f"rank {rank}: {error}"
+        everyone: list[Any] = [mine]
+        if self.group is not None:
+            everyone = [None] * dist.get_world_size(self.group) if rank == writer else None  # type: ignore[assignment]
+            dist.gather_object(mine, everyone, dst=writer, group=self.group)  # in memory between this job's ranks
+        said = None
+        if rank == writer:
+            said = self._write_pending(store, everyone, newest_committed)
         return broadcast(said, self.group, src=writer)
+
+    def _write_pending(self, store: Any, everyone: list[Any], newest_committed: int) -> str | None:
+        """The pending manifest from every holder's share of the records (the writer's part of
+        `record`); None, with one WARNING line, where a share or the write failed."""
+        assert self.mine is not None and self.mine.unrecorded is not None
+        facts = self.mine.unrecorded
+        failed = [said for said in everyone if isinstance(said, str)]
+        try:
+            if failed:
+                raise ValueError("; ".join(failed))
+            records = {r: (ObjectRecord(**obj) if obj else None, [SliceRecord(**s) for s in slices])
+                       for said in everyone if said for r, (obj, slices) in said.items()}
+            manifest = describe_held(store, facts.layout, self.step, {}, facts.data_position, facts.plan,
+                                     facts.metadata, previous_step=newest_committed if newest_committed >= 0 else None,
+                                     records=records)
+            return store.write_pending(manifest, fence=LeaseToken.from_env())
+        except (StorageError, KeyError, ValueError) as error:  # the newest commit is there still
+            log.warning("rank %d: the state survivors hold of step %d not described (%s); resuming from "
+                        "the newest committed checkpoint", self.recorders[0], self.step, error)
+            return None
 
     def exchange(self, reads: RankReads | None, rank: int,
                  targets: list[list[memoryview]] | None = None) -> dict[int, torch.Tensor | None]:

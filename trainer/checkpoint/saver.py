@@ -19,7 +19,7 @@ import itertools
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -510,26 +510,58 @@ def holding_copies(layout: Layout, ranks: list[int]) -> dict[tuple[str, Slice], 
     return out
 
 
-def describe_held(store: CheckpointStore, layout: Layout, step: int, stored: dict[tuple[str, Slice], torch.Tensor],
-                  data_position: dict[str, int], plan: dict[str, Any], metadata: dict[str, Any],
-                  previous_step: int | None) -> Manifest:
-    """The pending manifest of a step one process holds whole: `stored`, every distinct box of
-    `layout` as its stored bytes (uint8, stored dim order), described as every rank of
-    `layout` would have written it (the same records and CRCs), without writing a byte. What
-    the survivors of a failure hold of a replicated state (`trainer.checkpoint.live`)."""
-    objects, records = [], []
+HeldRecords = dict[int, tuple[ObjectRecord | None, list[SliceRecord]]]  # rank -> what it would have written
+
+
+def held_records(store: CheckpointStore, layout: Layout, stored: dict[tuple[str, Slice], torch.Tensor],
+                 ranks: Iterable[int]) -> HeldRecords:
+    """The records (byte ranges, chunk CRCs) of what each of `ranks` writes in a checkpoint of
+    `layout` (`Layout.slices_to_write`), computed from `stored` (every box they write, as its
+    stored bytes: uint8, stored dim order) without writing a byte: one CRC pass over those boxes."""
     writers = layout.slices_by_writer()
-    for rank in range(layout.world_size):
+    out: HeldRecords = {}
+    for rank in ranks:
         payloads = []
         for name, box in writers.get(rank, []):
             write = _BoxToWrite.of(layout, name, box)
             key = SliceKey(name, box.offsets, box.lengths)
             payloads.append(SlicePayload.of_bytes(key, write.order, tensor_bytes(stored[name, box]),
                                                   tuple(r * write.row_bytes for r in write.chunk_rows)))
-        obj, mine = store.pending_records(rank, payloads)
+        out[rank] = store.pending_records(rank, payloads)
+    return out
+
+
+def record_shares(layout: Layout, holders: int) -> list[list[int]]:
+    """The ranks of `layout` whose writes each of `holders` processes holding the whole state
+    describes (`held_records`), balanced by bytes (costliest first, each to the least loaded;
+    ties to the lowest): the same on every process, so they split a held step's checksum pass."""
+    writes = {r: sum(box.numel * layout.tensors[name].itemsize for name, box in boxes)
+              for r, boxes in layout.slices_by_writer().items()}
+    shares: list[list[int]] = [[] for _ in range(holders)]
+    load = [0] * holders
+    for rank in sorted(range(layout.world_size), key=lambda r: (-writes.get(r, 0), r)):
+        least = min(range(holders), key=lambda i: (load[i], i))
+        shares[least].append(rank)
+        load[least] += writes.get(rank, 0)
+    return shares
+
+
+def describe_held(store: CheckpointStore, layout: Layout, step: int, stored: dict[tuple[str, Slice], torch.Tensor],
+                  data_position: dict[str, int], plan: dict[str, Any], metadata: dict[str, Any],
+                  previous_step: int | None, records: HeldRecords | None = None) -> Manifest:
+    """The pending manifest of a step one process holds whole: `stored`, every distinct box of
+    `layout` as its stored bytes (uint8, stored dim order), described as every rank of
+    `layout` would have written it (the same records and CRCs), without writing a byte. What
+    the survivors of a failure hold of a replicated state (`trainer.checkpoint.live`).
+    `records`: every rank's `held_records`, where holders computed them between them."""
+    if records is None:
+        records = held_records(store, layout, stored, range(layout.world_size))
+    objects, slices = [], []
+    for rank in range(layout.world_size):
+        obj, mine = records[rank]
         objects += [obj] if obj is not None else []
-        records += mine
-    return build_manifest(store.job_id, step, layout, objects, records, data_position, plan, metadata, previous_step)
+        slices += mine
+    return build_manifest(store.job_id, step, layout, objects, slices, data_position, plan, metadata, previous_step)
 
 
 def build_manifest(job_id: str, step: int, layout: Layout, objects: list[ObjectRecord], records: list[SliceRecord],
