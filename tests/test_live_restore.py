@@ -211,6 +211,27 @@ def test_a_held_step_described_in_shares_is_the_manifest_one_holder_describes(tm
     assert split == alone and any(t["slices"] for t in alone["tensors"].values())
 
 
+def test_a_held_step_a_holder_could_not_checksum_is_not_described(tmp_path: Path,
+                                                                    caplog: pytest.LogCaptureFixture) -> None:
+    """One survivor's share failed: the writer writes no pending manifest (one WARNING line), and
+    the job goes on from its newest commit, as when the write itself fails."""
+    import torch
+    from parashift.storage import CheckpointStore, ObjectStore
+    from parashift.trainer.checkpoint.live import HeldState, LivePeers, Unrecorded
+    from parashift.trainer.layout import state_layout
+    from test_reconfig import CONFIG, PLANS
+
+    layout = state_layout(PLANS["dp2"], CONFIG)
+    boxes = [(name, box, tuple(range(len(box.lengths)))) for name, box, _ in layout.distinct_slices()]
+    data = [torch.zeros(box.numel * layout.tensors[name].itemsize, dtype=torch.uint8) for name, box, _ in boxes]
+    held = HeldState("job", 5, boxes, data, Unrecorded(layout, {"consumed": 1}, {}, {}))
+    peers = LivePeers(5, {0: boxes, 1: boxes}, None, held, recorders=[0, 1])
+    store = CheckpointStore(ObjectStore(f"file://{tmp_path}"), "job")
+    with caplog.at_level("WARNING", logger="parashift.checkpoint"):
+        assert peers._write_pending(store, [{}, "rank 1: OSError('boom')"], 3) is None
+    assert "not described (rank 1: OSError('boom'))" in caplog.text and store.pending_steps() == []
+
+
 def test_only_a_stop_object_that_names_the_next_device_count_announces_a_change(tmp_path: Path) -> None:
     """Warm workers hold a step instead of saving it only for a planned change: a stop object
     the launcher wrote for a re-plan (with `devices`); `parashift stop`'s, or none, is a plain stop."""

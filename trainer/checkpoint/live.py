@@ -219,8 +219,8 @@ class LivePeers:
                 records = held_records(store, layout, self.mine.stored(), share)
                 mine = {r: (obj.model_dump() if obj else None, [s.model_dump() for s in slices])
                         for r, (obj, slices) in records.items()}
-            except (StorageError, KeyError, ValueError) as error:
-                mine = f"rank {rank}: {error}"
+            except Exception as error:  # noqa: BLE001 - the writer hears it below; every rank goes on to the gather
+                mine = f"rank {rank}: {error!r}"
         everyone: list[Any] = [mine]
         if self.group is not None:
             everyone = [None] * dist.get_world_size(self.group) if rank == writer else None  # type: ignore[assignment]
