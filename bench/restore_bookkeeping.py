@@ -39,7 +39,7 @@ from parashift.ptc.reshard import check_usable, reads_for
 from parashift.specs.plan import Plan
 from parashift.storage import ObjectRecord, SliceRecord, job_store
 from parashift.storage.manifest import encode_manifest
-from parashift.trainer.checkpoint.saver import describe_held
+from parashift.trainer.checkpoint.saver import describe_held, held_manifest, held_records, record_shares
 from parashift.trainer.layout import state_layout
 from parashift.trainer.state import rng_state_bytes
 
@@ -68,30 +68,21 @@ def main() -> None:
     def record() -> Any:
         return describe_held(store, old, 13, held, {"consumed": 1}, {}, {}, previous_step=12)
 
-    split = None
-    try:
-        from parashift.trainer.checkpoint.saver import held_records, record_shares
-
-        shares = record_shares(old, 3)
-        split = (shares, held_records)
-    except ImportError:  # the code before the split record
-        pass
+    shares = record_shares(old, 3)
 
     def share_records(share: list[int]) -> dict[int, Any]:
-        assert split is not None
         return {r: (o.model_dump() if o else None, [s.model_dump() for s in slices])
-                for r, (o, slices) in split[1](store, old, held, share).items()}
+                for r, (o, slices) in held_records(store, old, held, share).items()}
 
-    gathered = [share_records(share) for share in split[0]] if split else []
-    largest = max(split[0], key=lambda share: sum(held[k].numel() for r in share for k in old.slices_to_write(r))) \
-        if split else []
+    gathered = [share_records(share) for share in shares]
+    largest = max(shares, key=lambda share: sum(held[k].numel() for r in share for k in old.slices_to_write(r)))
 
     def record_split() -> Any:
         share_records(largest)
         everyone = pickle.loads(pickle.dumps(gathered))
         records = {r: (ObjectRecord(**o) if o else None, [SliceRecord(**s) for s in slices])
                    for said in everyone for r, (o, slices) in said.items()}
-        return describe_held(store, old, 13, {}, {"consumed": 1}, {}, {}, previous_step=12, records=records)
+        return held_manifest(store.job_id, old, 13, records, {"consumed": 1}, {}, {}, 12)
 
     raw = encode_manifest(record())
     # A scale-up from 2 to 4: ranks 0 and 1 hold every box; rank 2 (new) plans its reads.
@@ -101,17 +92,14 @@ def main() -> None:
         manifest = store.parse_manifest(13, raw)
         stored = check_usable(manifest, old, None)
         wanted = {n: b for n, b in old.boxes_of(2).items() if n in manifest.tensors}
-        try:  # the code before the bookkeeping change took no stored boxes (it computed them again)
-            reads = reads_for(manifest, wanted, 2, frozenset(), holdings, stored)
-        except TypeError:
-            reads = reads_for(manifest, wanted, 2, frozenset(), holdings)
+        reads = reads_for(manifest, wanted, 2, frozenset(), holdings, stored)
         return Assembly(reads, None)
 
     chunks = sum(len(s.chunks) for t in record().tensors.values() for s in t.slices)
     result = {"bench": "restore_bookkeeping", "machine": f"{platform.machine()} {os.cpu_count()} cores",
               "state_bytes": sum(t.numel() for t in held.values()), "chunks": chunks, "rounds": args.rounds,
               "record_s": round(median_s(record, args.rounds), 4),
-              "record_split_s": round(median_s(record_split, args.rounds), 4) if split else None,
+              "record_split_s": round(median_s(record_split, args.rounds), 4),
               "plan_s": round(median_s(plan, args.rounds), 4)}
     print(json.dumps(result))
 

@@ -189,7 +189,7 @@ def test_a_held_step_described_in_shares_is_the_manifest_one_holder_describes(tm
     one a single holder describes alone, record for record and CRC for CRC."""
     import torch
     from parashift.storage import CheckpointStore, ObjectStore
-    from parashift.trainer.checkpoint.saver import describe_held, held_records, record_shares
+    from parashift.trainer.checkpoint.saver import describe_held, held_manifest, held_records, record_shares
     from parashift.trainer.layout import state_layout
     from test_reconfig import CONFIG, PLANS
 
@@ -205,9 +205,9 @@ def test_a_held_step_described_in_shares_is_the_manifest_one_holder_describes(tm
     records = {}
     for share in shares:
         records.update(held_records(store, layout, stored, share))
-    args = (store, layout, 5, stored, {"consumed": 7}, {"mesh": {}}, {"loss": 1.0})
-    alone = describe_held(*args, previous_step=3).model_dump(exclude={"created_at"})
-    split = describe_held(*args, previous_step=3, records=records).model_dump(exclude={"created_at"})
+    facts = ({"consumed": 7}, {"mesh": {}}, {"loss": 1.0}, 3)
+    alone = describe_held(store, layout, 5, stored, *facts).model_dump(exclude={"created_at"})
+    split = held_manifest(store.job_id, layout, 5, records, *facts).model_dump(exclude={"created_at"})
     assert split == alone and any(t["slices"] for t in alone["tensors"].values())
 
 

@@ -45,7 +45,7 @@ from parashift.ptc.transpose import copy_across_transpose
 from parashift.storage import ChecksumMismatch, LeaseToken, ObjectRecord, SliceRecord, StorageError
 from parashift.trainer.checkpoint.group import Group, broadcast
 from parashift.trainer.checkpoint.peer_memory import allow_peers, machine_key, read_from
-from parashift.trainer.checkpoint.saver import describe_held, held_records, record_shares
+from parashift.trainer.checkpoint.saver import held_manifest, held_records, record_shares
 
 log = logging.getLogger("parashift.checkpoint")
 
@@ -241,9 +241,8 @@ class LivePeers:
                 raise ValueError("; ".join(failed))
             records = {r: (ObjectRecord(**obj) if obj else None, [SliceRecord(**s) for s in slices])
                        for said in everyone if said for r, (obj, slices) in said.items()}
-            manifest = describe_held(store, facts.layout, self.step, {}, facts.data_position, facts.plan,
-                                     facts.metadata, previous_step=newest_committed if newest_committed >= 0 else None,
-                                     records=records)
+            manifest = held_manifest(store.job_id, facts.layout, self.step, records, facts.data_position, facts.plan,
+                                     facts.metadata, newest_committed if newest_committed >= 0 else None)
             return store.write_pending(manifest, fence=LeaseToken.from_env())
         except (StorageError, KeyError, ValueError) as error:  # the newest commit is there still
             log.warning("rank %d: the state survivors hold of step %d not described (%s); resuming from "

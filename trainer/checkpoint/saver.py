@@ -548,20 +548,25 @@ def record_shares(layout: Layout, holders: int) -> list[list[int]]:
 
 def describe_held(store: CheckpointStore, layout: Layout, step: int, stored: dict[tuple[str, Slice], torch.Tensor],
                   data_position: dict[str, int], plan: dict[str, Any], metadata: dict[str, Any],
-                  previous_step: int | None, records: HeldRecords | None = None) -> Manifest:
+                  previous_step: int | None) -> Manifest:
     """The pending manifest of a step one process holds whole: `stored`, every distinct box of
     `layout` as its stored bytes (uint8, stored dim order), described as every rank of
     `layout` would have written it (the same records and CRCs), without writing a byte. What
-    the survivors of a failure hold of a replicated state (`trainer.checkpoint.live`).
-    `records`: every rank's `held_records`, where holders computed them between them."""
-    if records is None:
-        records = held_records(store, layout, stored, range(layout.world_size))
+    the survivors of a failure hold of a replicated state (`trainer.checkpoint.live`)."""
+    records = held_records(store, layout, stored, range(layout.world_size))
+    return held_manifest(store.job_id, layout, step, records, data_position, plan, metadata, previous_step)
+
+
+def held_manifest(job_id: str, layout: Layout, step: int, records: HeldRecords, data_position: dict[str, int],
+                  plan: dict[str, Any], metadata: dict[str, Any], previous_step: int | None) -> Manifest:
+    """The pending manifest of every rank's `held_records` (computed by one holder, or by
+    several between them: `record_shares`)."""
     objects, slices = [], []
     for rank in range(layout.world_size):
         obj, mine = records[rank]
         objects += [obj] if obj is not None else []
         slices += mine
-    return build_manifest(store.job_id, step, layout, objects, slices, data_position, plan, metadata, previous_step)
+    return build_manifest(job_id, step, layout, objects, slices, data_position, plan, metadata, previous_step)
 
 
 def build_manifest(job_id: str, step: int, layout: Layout, objects: list[ObjectRecord], records: list[SliceRecord],
