@@ -256,3 +256,47 @@ def test_a_long_segment_copies_its_scalars_in_bounded_pieces_and_tensorboard_rea
         shown = {e.step: e.value for e in events.Scalars(tag)}
         assert len(events.Scalars(tag)) == 70 and sorted(shown) == list(range(1, 71)), tag
         assert shown[50] == 50.0 and shown[51] == 1051.0 and shown[70] == 1070.0
+
+
+def test_a_killed_writers_local_folder_is_removed_by_the_next_and_a_live_ones_is_not(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 0 killed mid-segment leaves its local copy folder; the next writer on the machine
+    removes it, never one whose owner still runs (nor a folder it did not make)."""
+    import signal
+    import tempfile
+
+    from parashift.trainer.scalars import _LocalFolder
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+
+    def owner() -> tuple[int, Path]:
+        """A process holding a folder until it is killed."""
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: make a folder, say where, wait to be killed
+            try:
+                os.write(write, _LocalFolder("parashift-metrics-").name.encode())
+                time.sleep(60)
+            finally:
+                os._exit(0)
+        os.close(write)
+        name = os.read(read, 4096).decode()
+        os.close(read)
+        return pid, Path(name)
+
+    killed, killed_folder = owner()
+    alive, alive_folder = owner()
+    foreign = tmp_path / "parashift-metrics-foreign"  # no lock file: not one _LocalFolder made
+    foreign.mkdir()
+    try:
+        os.kill(killed, signal.SIGKILL)
+        os.waitpid(killed, 0)
+        assert killed_folder.is_dir() and alive_folder.is_dir()
+        mine = _LocalFolder("parashift-metrics-")
+        assert not killed_folder.exists()
+        assert alive_folder.is_dir() and foreign.is_dir() and Path(mine.name).is_dir()
+        mine.cleanup()
+        assert not Path(mine.name).exists()
+    finally:
+        os.kill(alive, signal.SIGKILL)
+        os.waitpid(alive, 0)

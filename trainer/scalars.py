@@ -25,7 +25,10 @@ torchtitan offers: no account and no network while training; each segment is one
 from __future__ import annotations
 
 import contextlib
+import fcntl
+import os
 import resource
+import shutil
 import tempfile
 import threading
 import time
@@ -127,6 +130,46 @@ class _Uploader:
 
 
 _EVENTS = "events.out.tfevents."
+_LOCK = ".owner"
+
+
+class _LocalFolder:
+    """A folder for a sink's files on their way to the store, removed at `cleanup`.
+
+    Rank 0 is a process a failure or a pool's preemption may kill, and a killed process removes
+    nothing: its folder (seen: 345 in one machine's temporary directory) is removed by the next
+    one made there. The owner holds a lock on a file inside for as long as it lives; the kernel
+    drops it when the owner dies, however it dies, so a folder whose lock is free is one nobody
+    writes (a pid would not say so across PID namespaces sharing one /tmp). What it held was
+    copied to the store as it was written, or is lost with its process either way."""
+
+    def __init__(self, prefix: str) -> None:
+        for left in Path(tempfile.gettempdir()).glob(f"{prefix}*"):
+            _remove_if_unowned(left)
+        self.name = tempfile.mkdtemp(prefix=prefix)
+        # Locked before it takes the name a sweep looks for: a sweep never finds it free.
+        self._lock = os.open(os.path.join(self.name, f"{_LOCK}.new"), os.O_RDWR | os.O_CREAT, 0o600)
+        fcntl.flock(self._lock, fcntl.LOCK_EX)
+        os.rename(os.path.join(self.name, f"{_LOCK}.new"), os.path.join(self.name, _LOCK))
+
+    def cleanup(self) -> None:
+        shutil.rmtree(self.name, ignore_errors=True)
+        os.close(self._lock)
+
+
+def _remove_if_unowned(folder: Path) -> None:
+    """Remove `folder` if no live process holds its lock (another user's is left alone)."""
+    try:
+        lock = os.open(folder / _LOCK, os.O_RDWR)
+    except OSError:  # not one this code made (another user's, or an older version's), or gone
+        return
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:  # its owner lives
+        os.close(lock)
+        return
+    shutil.rmtree(folder, ignore_errors=True)
+    os.close(lock)
 
 
 def _name_after(store: Any, job_id: str, name: str, after: int = -1) -> str:
@@ -155,7 +198,7 @@ class _TensorBoard:
 
     def __init__(self, store: Any, job_id: str, first_step: int) -> None:
         self._store, self._job_id = store, job_id
-        self._folder = tempfile.TemporaryDirectory(prefix="parashift-metrics-")
+        self._folder = _LocalFolder("parashift-metrics-")
         # `purge_step`: TensorBoard hides the steps from here on that earlier files hold, so a
         # segment that trains again what a failed one had logged past its last commit (or a job
         # started over) shows each step once, the one kept; nothing is hidden after a planned change.
@@ -198,7 +241,7 @@ class _WandB:
     def __init__(self, store: Any, job_id: str, project: str, first_step: int, config: dict[str, Any]) -> None:
         import wandb  # optional (`pip install parashift[wandb]`); imported only where asked for
 
-        self._folder = tempfile.TemporaryDirectory(prefix="parashift-wandb-")
+        self._folder = _LocalFolder("parashift-wandb-")
         # Offline: nothing leaves the machine; git and system sampling off (a rank's time is the job's).
         settings = wandb.Settings(mode="offline", silent=True, console="off", disable_git=True, x_disable_stats=True)
         self._run = wandb.init(project=project, group=job_id, job_type="train", name=f"{job_id}-from-step-{first_step}",
