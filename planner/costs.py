@@ -67,7 +67,7 @@ class OpCost:
     configs: list[Config]
     compute: np.ndarray  # s, forward + backward, one evaluation (micro-batch)
     comm: np.ndarray  # s, activation collectives inside the op, one evaluation
-    grad_comm: np.ndarray  # s, once per step: weight-gradient all-reduce + optimizer update of the shard
+    grad_comm: np.ndarray  # s, once per step: the weight gradients' all-reduce (or reduce-scatter)
     param_mem: np.ndarray  # bytes of parameter state held
     act_mem: np.ndarray  # bytes of activations saved for the backward pass, one evaluation
     cast_mem: np.ndarray  # bytes of low-precision weight copies kept for backward, once per step
@@ -81,6 +81,9 @@ class OpCost:
     # Replicated dp only, else zeros: the bytes of FSDP2 `replicate`'s unsharded copy of the
     # weights, which a pipeline stage keeps for the whole step (measured: trainer.memory_probe).
     replica_weight: np.ndarray
+    # s, once per step: the optimizer's update, reading and writing the local shard's state
+    # (device work, not communication: it is there on one device too).
+    update: np.ndarray
 
 
 def largest_share(n: int, c: int) -> int:
@@ -172,7 +175,7 @@ class CostModel:
         g, dev = self.graph, self.device
         configs = op_configs(op, self.mesh)
         n = len(configs)
-        compute, comm, grad_comm = np.zeros(n), np.zeros(n), np.zeros(n)
+        compute, comm, grad_comm, update = np.zeros(n), np.zeros(n), np.zeros(n), np.zeros(n)
         param_mem, act_mem, cast_mem, recompute_mem = np.zeros(n), np.zeros(n), np.zeros(n), np.zeros(n)
         # Forward once, backward twice its FLOPs; a recomputed op runs its forward once more.
         passes = 4.0 if op.recompute else 3.0
@@ -217,7 +220,7 @@ class CostModel:
                 replica_weight[i] = (g.gather_bytes or g.act_bytes) * params
             # The optimizer step reads and writes the parameter state of the local shard once:
             # replicas (dp, or ops replicated over tp) each pay it again.
-            grad_comm[i] += 2.0 * g.param_state_bytes * params / state_share / dev.memory_Bps
+            update[i] = 2.0 * g.param_state_bytes * params / state_share / dev.memory_Bps
             param_mem[i] = g.param_state_bytes * params / state_share
             kept = op.saved if op.saved is not None else (Saved(dims=op.output, bytes=g.act_bytes),)
             act_mem[i] = sum(t.bytes * local(t.dims) for t in kept)
@@ -231,7 +234,7 @@ class CostModel:
                 recompute_mem[i], cast_mem[i] = again * g.recompute_share / g.recompute_layers, 0.0
             recompute_mem[i] += sum(t.bytes * local(t.dims) for t in op.transient)
         return OpCost(configs, compute, comm, grad_comm, param_mem, act_mem, cast_mem, recompute_mem, gather,
-                      unsharded_weight, unsharded_grad, replica_weight)
+                      unsharded_weight, unsharded_grad, replica_weight, update)
 
     def _build_edge(self, src: Op, dst: Op, slot: int) -> np.ndarray:
         """Seconds to convert src's output layout to dst's input layout, and the gradient back."""

@@ -72,8 +72,9 @@ class Weights:
         return dataclasses.replace(self, inflight=float(min(micro_batches, pp - stage)))
 
     def compute(self, c: OpCost) -> np.ndarray:
-        """Seconds of compute per step, per configuration."""
-        return self.weight * c.compute
+        """Seconds of device work per step, per configuration: each evaluation's forward and
+        backward, and once per step the optimizer's update."""
+        return self.weight * c.compute + c.update
 
     def comm(self, c: OpCost) -> np.ndarray:
         """Seconds of communication per step, per configuration: collectives inside each

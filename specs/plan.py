@@ -85,7 +85,7 @@ class OpPlacement(BaseModel):
     splits: dict[str, tuple[str, ...]] = Field(default_factory=dict)
     # What the planner expects of this op (per step, per device) and how the trainer realises it.
     stage: int = Field(default=0, ge=0, description="pipeline stage holding the op")
-    compute_s: float = 0.0
+    compute_s: float = Field(default=0.0, description="forward and backward, and the optimizer's update of its parameters")
     comm_s: float = Field(default=0.0, description="collectives inside the op, incl. gradient sync")
     memory_bytes: int = Field(default=0, description="parameter state + saved activations per device")
     dtensor: dict[str, tuple[str, ...]] = Field(

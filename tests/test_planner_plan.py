@@ -30,6 +30,20 @@ def test_gpt_plan_never_worse_than_baselines(layers: int, d: int, batch: int, p:
         assert plan.estimated_step_s <= t * (1 + 1e-9), (name, plan.estimated_step_s, t)
 
 
+@pytest.mark.parametrize("kind", ["cpu", "cuda"])
+def test_one_device_communicates_nothing_and_its_optimizer_update_is_device_work(kind: str) -> None:
+    """`parashift plan` on one device showed "comm ms" on every op with weights: the optimizer's
+    update (reading and writing the parameter state once per step) was booked as communication.
+    It is the device's work; the step's time is the same sum either way."""
+    prof = profile_gpt(2, 256, 4, 1024, 128, 8, kind)
+    alone = plan_model(prof, 1, memory_limit_bytes=None)
+    assert all(p.comm_s == 0 for p in alone.placements), [(p.op, p.comm_s) for p in alone.placements if p.comm_s]
+    assert sum(p.compute_s for p in alone.placements) == pytest.approx(alone.estimated_step_s, rel=1e-12)
+    costs = CostModel(prof.graph, prof.device, prof.comm, named_mesh(1, 1, batch_dim=prof.graph.batch_dim))
+    with_weights = [op for op in prof.graph.ops if op.params]
+    assert with_weights and all(costs.op_cost(op).update[0] > 0 for op in with_weights)
+
+
 def test_memory_forces_tensor_parallelism() -> None:
     """Replicated weights do not fit; sharded ones do: the plan must split weights over tp."""
     prof = profile_gpt(4, 2048, 16, 32768, 256, 8, "cuda")
