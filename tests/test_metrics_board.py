@@ -262,6 +262,7 @@ def test_a_killed_writers_local_folder_is_removed_by_the_next_and_a_live_ones_is
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Rank 0 killed mid-segment leaves its local copy folder; the next writer on the machine
     removes it, never one whose owner still runs (nor a folder it did not make)."""
+    import select
     import signal
     import tempfile
 
@@ -280,8 +281,13 @@ def test_a_killed_writers_local_folder_is_removed_by_the_next_and_a_live_ones_is
             finally:
                 os._exit(0)
         os.close(write)
-        name = os.read(read, 4096).decode()
+        ready, _, _ = select.select([read], [], [], 30)  # a child stuck after fork fails the test, not hangs it
+        name = os.read(read, 4096).decode() if ready else ""
         os.close(read)
+        if not name:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            raise AssertionError("the folder's owner said nothing within 30 s")
         return pid, Path(name)
 
     killed, killed_folder = owner()
