@@ -299,6 +299,7 @@ def test_a_killed_writers_local_folder_is_removed_by_the_next_and_a_live_ones_is
         os.waitpid(killed, 0)
         assert killed_folder.is_dir() and alive_folder.is_dir()
         mine = _LocalFolder("parashift-metrics-")
+        mine.swept.join(timeout=30)
         assert not killed_folder.exists()
         assert alive_folder.is_dir() and foreign.is_dir() and Path(mine.name).is_dir()
         mine.cleanup()

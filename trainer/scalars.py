@@ -144,17 +144,24 @@ class _LocalFolder:
     copied to the store as it was written, or is lost with its process either way."""
 
     def __init__(self, prefix: str) -> None:
-        for left in Path(tempfile.gettempdir()).glob(f"{prefix}*"):
-            _remove_if_unowned(left)
         self.name = tempfile.mkdtemp(prefix=prefix)
         # Locked before it takes the name a sweep looks for: a sweep never finds it free.
         self._lock = os.open(os.path.join(self.name, f"{_LOCK}.new"), os.O_RDWR | os.O_CREAT, 0o600)
         fcntl.flock(self._lock, fcntl.LOCK_EX)
         os.rename(os.path.join(self.name, f"{_LOCK}.new"), os.path.join(self.name, _LOCK))
+        # In the background: a segment's start is on a change's path, and a sweep reads the whole
+        # temporary directory (3.6 ms beside 347 older folders, measured).
+        self.swept = threading.Thread(target=_sweep, args=(prefix,), name="parashift-metrics-sweep", daemon=True)
+        self.swept.start()
 
     def cleanup(self) -> None:
         shutil.rmtree(self.name, ignore_errors=True)
         os.close(self._lock)
+
+
+def _sweep(prefix: str) -> None:
+    for left in Path(tempfile.gettempdir()).glob(f"{prefix}*"):
+        _remove_if_unowned(left)
 
 
 def _remove_if_unowned(folder: Path) -> None:
