@@ -8,7 +8,8 @@ against DCP's and the disk), moves (a checkpoint of a 4-rank CPU job restored, t
 exported on the GPU, logits against `transformers`), changes (a warm change and relaunches on
 CUDA, their downtime, forked CUDA workers).
 
-    python -m parashift.bench.gpu_check --prepare                 # here, once: wheels + inputs into .gpu/
+    python -m parashift.bench.gpu_check --prepare                 # here, once: wheels + inputs into .gpu/, then
+                                                                  # the toy check with only what the device has
     python3 -m parashift.bench.gpu_check --out OUT/gpu_check.jsonl --inputs .gpu/inputs   # on the GPU
     python -m parashift.bench.gpu_check --device cpu --tiny       # every part at toy sizes (the suite's smoke test)
 
@@ -27,7 +28,7 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass
-from importlib import import_module
+from importlib import import_module, metadata
 from pathlib import Path
 from typing import IO, Any
 
@@ -35,10 +36,19 @@ import parashift
 
 CODE_ROOT = Path(parashift.__file__).resolve().parents[1]
 PREPARED = CODE_ROOT / ".gpu"  # ignored by git; carried to the device
-# What the device's Python (3.12, torch 2.11, no pydantic or Prefect) lacks for the parts, as
-# wheels (pure Python but pydantic-core and crc32c): pinned to what this checkout's tests run with.
-WHEELS = ("pydantic==2.14.4", "pydantic-core==2.50.5", "annotated-types==0.8.0", "typing-inspection==0.4.5",
-          "typing-extensions==4.16.0", "crc32c==2.9.post0")
+# What the device's Python has (torch, numpy, fsspec, pyyaml, typer, rich, matplotlib, pytest)
+# and what the parts import beside it, carried as wheels for its version, each at the version
+# installed here (what this checkout's tests run with). Found by running the toy check in a
+# virtual environment of only the device's packages: without tensorboard every trainer run
+# failed at its metrics (9 of 19 cases), without transformers the `hf` and export cases.
+DEVICE_HAS = ("torch", "numpy", "fsspec", "pyyaml", "typer", "rich", "matplotlib", "pytest")
+WHEELS = (
+    "pydantic", "pydantic-core", "annotated-types", "typing-inspection", "typing-extensions", "crc32c",
+    "tensorboard", "protobuf", "absl-py",  # the metrics component's event files (torch.utils.tensorboard)
+    # the `hf` family and the export's reference: transformers and what it imports
+    "transformers", "tokenizers", "safetensors", "huggingface-hub", "kernels", "regex", "tqdm", "httpx2",
+    "httpcore2", "h11", "idna", "truststore",
+)
 DEVICE_PYTHON = "3.12"
 
 
@@ -63,12 +73,36 @@ def prepare(folder: Path) -> None:
     subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
                     "--python-version", DEVICE_PYTHON, "--implementation", "cp",
                     *[arg for n in (17, 27, 28) for arg in ("--platform", f"manylinux_2_{n}_x86_64")],
-                    "--platform", "manylinux2014_x86_64", "-d", str(wheels), *WHEELS], check=True)
+                    "--platform", "manylinux2014_x86_64", "-d", str(wheels),
+                    *[f"{name}=={metadata.version(name)}" for name in WHEELS]], check=True)
     for part in PARTS:
         module = import_module(f"parashift.bench.gpu.{part.name}")
         if hasattr(module, "prepare"):
             module.prepare(folder / "inputs")
     print(json.dumps({"prepared": str(folder), "wheels": sorted(p.name for p in wheels.glob("*.whl"))}))
+
+
+def verify(inputs: Path) -> bool:
+    """The toy check run by a Python that has only what the device has and what is carried
+    (`DEVICE_HAS` with their dependencies, `WHEELS` without, as the device's command installs
+    them; for this machine's Python and torch): a part that imports what a device lacks fails
+    here, minutes before a lent device, not on it."""
+    with tempfile.TemporaryDirectory(prefix="parashift-device-env-") as tmp:
+        python = Path(tmp) / "venv" / "bin" / "python"
+        subprocess.run([sys.executable, "-m", "venv", str(python.parent.parent)], check=True)
+        pinned = [f"{name}=={metadata.version(name).split('+')[0]}" for name in DEVICE_HAS]
+        subprocess.run([python, "-m", "pip", "install", "-q", *pinned], check=True)
+        subprocess.run([python, "-m", "pip", "install", "-q", "--no-deps",
+                        *[f"{name}=={metadata.version(name)}" for name in WHEELS]], check=True)
+        out = Path(tmp) / "check.jsonl"
+        env = {**os.environ, "PYTHONPATH": str(CODE_ROOT)}  # the source tree, as on the device
+        proc = subprocess.run([python, "-m", "parashift.bench.gpu_check", "--device", "cpu", "--tiny",
+                               "--inputs", str(inputs), "--out", str(out)], env=env, cwd=tmp)
+        cases = [json.loads(line) for line in out.read_text().splitlines()] if out.exists() else []
+        failed = [f"{c['part']}/{c['case']}" for c in cases if "case" in c and not c.get("ok")]
+        ok = proc.returncode == 0 and bool(cases) and not failed
+        print(json.dumps({"verified": ok, "cases": len(cases), "failed": failed}), flush=True)
+        return ok
 
 
 def run_part(part: Part, args: argparse.Namespace, scratch: Path, timeout_s: float, log: IO[str],
@@ -124,7 +158,10 @@ def run_part(part: Part, args: argparse.Namespace, scratch: Path, timeout_s: flo
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--prepare", action="store_true", help="make the wheels and inputs folder, then stop")
+    parser.add_argument("--prepare", action="store_true", help="make the wheels and inputs folder, check them "
+                        "(`verify`), then stop")
+    parser.add_argument("--no-verify", action="store_true", help="with --prepare: skip the check in a "
+                        "device-like environment (~2 minutes)")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--tiny", action="store_true", help="toy sizes: checks the code, not the GPU")
     parser.add_argument("--inputs", type=Path, default=None, help="the prepared inputs (default: .gpu/inputs)")
@@ -135,6 +172,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.prepare:
         prepare(PREPARED)
+        if not args.no_verify and not verify(PREPARED / "inputs"):
+            sys.exit(1)
         return
     if args.inputs is None and (PREPARED / "inputs").is_dir():
         args.inputs = PREPARED / "inputs"

@@ -41,3 +41,17 @@ def test_every_part_runs_at_toy_sizes_on_cpu(tmp_path: Path) -> None:
     assert out.read_text().splitlines() == proc.stdout.splitlines()  # the file that comes back holds the same
     ratios = [c["ratio_vs_plain"] for c in cases if "ratio_vs_plain" in c]
     assert len(ratios) == 3 and all(r > 0 for r in ratios), ratios
+
+
+def test_what_the_device_has_and_what_is_carried_are_named_as_installed_here() -> None:
+    """`--prepare` pins each carried wheel (and `verify` each of the device's packages) to the
+    version installed here: a misspelt or dropped name would fail only when preparing."""
+    from importlib import metadata
+
+    from parashift.bench.gpu_check import DEVICE_HAS, WHEELS
+
+    assert not set(DEVICE_HAS) & set(WHEELS)
+    for name in (*DEVICE_HAS, *WHEELS):
+        assert metadata.version(name), name
+    # what every trainer run and the `hf` family import, carried
+    assert {"tensorboard", "protobuf", "transformers", "safetensors", "tokenizers", "pydantic"} <= set(WHEELS)

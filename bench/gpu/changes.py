@@ -312,6 +312,9 @@ def main() -> None:
         fields["device"] = device_name(torch.device(device))
         fields["torch"] = torch.__version__
         fields.update(compare(runs))
+        if fields.get("state_errors"):  # a run without a final state: nothing was compared for it
+            fields["ok"] = False
+            fields["error"] = "no final state to compare for " + ", ".join(sorted(fields["state_errors"]))
 
 
 if __name__ == "__main__":

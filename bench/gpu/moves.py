@@ -403,7 +403,10 @@ def export_logits(work: Workspace, device: torch.device, fp32: dict[str, Any], l
         for name, param in ours.named_parameters():
             param.copy_(weights[f"model/{name}"])
     ours.eval()
-    theirs = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="sdpa")
+    # transformers' own PyTorch layers: by default it swaps some for kernels from the Hub, which a
+    # device without network cannot fetch and which are not the reference asked for.
+    theirs = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, attn_implementation="sdpa",
+                                                  use_kernels=False)
     theirs = theirs.to(device).eval()
     dtypes = sorted({str(p.dtype) for p in theirs.parameters()})
     m = spec.model
