@@ -82,15 +82,22 @@ def prepare(folder: Path) -> None:
     print(json.dumps({"prepared": str(folder), "wheels": sorted(p.name for p in wheels.glob("*.whl"))}))
 
 
-def verify(inputs: Path) -> bool:
+def _release(name: str) -> str:
+    """The version of `name` installed here, without a local label (2.13.0+cpu: 2.13.0)."""
+    return metadata.version(name).split("+")[0]
+
+
+def verify(inputs: Path, torch_version: str | None = None) -> bool:
     """The toy check run by a Python that has only what the device has and what is carried
     (`DEVICE_HAS` with their dependencies, `WHEELS` without, as the device's command installs
-    them; for this machine's Python and torch): a part that imports what a device lacks fails
-    here, minutes before a lent device, not on it."""
+    them; for this machine's Python, and its torch unless `torch_version` names another, such
+    as the device's): a part that imports what a device lacks fails here, minutes before a lent
+    device, not on it."""
     with tempfile.TemporaryDirectory(prefix="parashift-device-env-") as tmp:
         python = Path(tmp) / "venv" / "bin" / "python"
         subprocess.run([sys.executable, "-m", "venv", str(python.parent.parent)], check=True)
-        pinned = [f"{name}=={metadata.version(name).split('+')[0]}" for name in DEVICE_HAS]
+        pinned = [f"{name}=={torch_version if name == 'torch' and torch_version else _release(name)}"
+                  for name in DEVICE_HAS]
         subprocess.run([python, "-m", "pip", "install", "-q", *pinned], check=True)
         subprocess.run([python, "-m", "pip", "install", "-q", "--no-deps",
                         *[f"{name}=={metadata.version(name)}" for name in WHEELS]], check=True)
@@ -162,6 +169,8 @@ def main() -> None:
                         "(`verify`), then stop")
     parser.add_argument("--no-verify", action="store_true", help="with --prepare: skip the check in a "
                         "device-like environment (~2 minutes)")
+    parser.add_argument("--device-torch", default=None, help="with --prepare: verify with this torch instead of "
+                        "this machine's (the device's: 2.11.0, a CUDA build of ~4.7 GB installed)")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--tiny", action="store_true", help="toy sizes: checks the code, not the GPU")
     parser.add_argument("--inputs", type=Path, default=None, help="the prepared inputs (default: .gpu/inputs)")
@@ -172,7 +181,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.prepare:
         prepare(PREPARED)
-        if not args.no_verify and not verify(PREPARED / "inputs"):
+        if not args.no_verify and not verify(PREPARED / "inputs", args.device_torch):
             sys.exit(1)
         return
     if args.inputs is None and (PREPARED / "inputs").is_dir():
