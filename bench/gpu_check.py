@@ -105,8 +105,9 @@ def verify(inputs: Path, torch_version: str | None = None) -> bool:
         env = {**os.environ, "PYTHONPATH": str(CODE_ROOT)}  # the source tree, as on the device
         proc = subprocess.run([python, "-m", "parashift.bench.gpu_check", "--device", "cpu", "--tiny",
                                "--inputs", str(inputs), "--out", str(out)], env=env, cwd=tmp)
-        cases = [json.loads(line) for line in out.read_text().splitlines()] if out.exists() else []
-        failed = [f"{c['part']}/{c['case']}" for c in cases if "case" in c and not c.get("ok")]
+        lines = [json.loads(line) for line in out.read_text().splitlines()] if out.exists() else []
+        cases = [line for line in lines if "case" in line]  # the last line is the summary
+        failed = [f"{c['part']}/{c['case']}" for c in cases if not c.get("ok")]
         ok = proc.returncode == 0 and bool(cases) and not failed
         print(json.dumps({"verified": ok, "cases": len(cases), "failed": failed}), flush=True)
         return ok
