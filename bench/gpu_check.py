@@ -124,7 +124,9 @@ def run_part(part: Part, args: argparse.Namespace, scratch: Path, timeout_s: flo
     if args.inputs is not None:
         command += ["--inputs", str(args.inputs)]
     (scratch / part.name).mkdir(parents=True)
-    env = {**os.environ, "PYTHONUNBUFFERED": "1",
+    # Offline, as the device is: a Hugging Face library that would ask its Hub for something says
+    # so at once instead of waiting out a connection timeout.
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1",
            "PYTHONPATH": os.pathsep.join([str(CODE_ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
     log.write(f"\n===== part {part.name}: {' '.join(command)}\n")
     log.flush()
