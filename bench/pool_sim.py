@@ -89,9 +89,8 @@ def archetype_curve(name: str) -> tuple[dict[int, float], float]:
         if n > batch:
             break
         plan = Plan(devices=n, mesh={"dp": n}, dp_shard=n if n > 1 else 1, strategy="hand",
-                    activation_checkpointing="selective", mixed_precision="fsdp" if n > 1 else "autocast",
-                    micro_batches=batch // n)
-        result = estimate(profile, plan, "fsdp" if n > 1 else None)
+                    activation_checkpointing="selective", mixed_precision="fsdp", micro_batches=batch // n)
+        result = estimate(profile, plan, "fsdp")  # on one device (no data axis) autocast, as it runs
         if limit is None or result.memory_bytes <= limit:
             curve[n] = result.time_s
     return curve, 16.0 * graph.n_params  # fp32 weights, gradients, Adam's two moments

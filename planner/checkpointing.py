@@ -100,6 +100,12 @@ def checkpointed(graph: Graph, mode: str) -> Graph:
                                     "recompute_share": recompute_share(ops, len(blocks))})
 
 
+def policy_on(mixed_precision: str | None, dp: int) -> str | None:
+    """The bf16 policy a plan with `dp` data-parallel ranks computes under: FSDP2's needs a data
+    axis to hold it, and without one the trainer runs autocast (trainer.parallel.fsdp_mixed_precision)."""
+    return "autocast" if mixed_precision == "fsdp" and dp == 1 else mixed_precision
+
+
 def with_precision(graph: Graph, mixed_precision: str) -> Graph:
     """`graph` (built for bf16 autocast, or fp32) under FSDP2's bf16 parameters ("fsdp"): no
     autocast weight copies, bf16 gathers. "autocast": weights gathered as held, in fp32."""

@@ -10,7 +10,7 @@ in-flight micro-batches, `Weights.schedule`).
 
 from __future__ import annotations
 
-from parashift.planner.checkpointing import checkpointed, with_precision
+from parashift.planner.checkpointing import checkpointed, policy_on, with_precision
 from parashift.planner.configs import named_mesh
 from parashift.planner.costs import CostModel
 from parashift.planner.graph import Graph
@@ -45,7 +45,8 @@ def estimate(profile: ModelProfile, plan: Plan, mixed_precision: str | None = No
     pipeline's step). ValueError for an HSDP plan."""
     if 1 < plan.dp_shard < plan.degree("dp"):
         raise ValueError("estimate covers plans with the data axis replicated or fully sharded")
-    base = profile.graph if mixed_precision is None else with_precision(profile.graph, mixed_precision)
+    policy = policy_on(mixed_precision, plan.degree("dp"))
+    base = profile.graph if policy is None else with_precision(profile.graph, policy)
     m, pp = plan.micro_batches, plan.degree("pp")
     mesh = named_mesh(plan.degree("dp"), plan.degree("tp"), profile.comm.devices_per_node, base.batch_dim,
                       shard_dp=plan.dp_shard > 1)

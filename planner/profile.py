@@ -121,6 +121,10 @@ class ModelProfile(BaseModel):
                                   "gathered once per evaluation, or once per step in a pipeline, and held)")
     activation_checkpointing: str = Field(
         default="none", description="the checkpointing the graph's layers are priced under (planner/checkpointing.py)")
+    data_axis: bool | None = Field(
+        default=None, description="the meshes searched by their data axis: True only dp > 1, False only dp = 1, "
+                                  "None every one (a graph priced under FSDP2's bf16 policy holds only where there "
+                                  "is a data axis: planner/checkpointing.py `policy_on`)")
 
 
 def cpu_worker_threads() -> int:

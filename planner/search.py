@@ -55,11 +55,13 @@ def _as_profile(source: ModelProfile | Graph, device_kind: str, devices_per_node
 def baselines(profile: ModelProfile, devices: int, max_tp: int | None,
               shard_dp: bool = True) -> dict[str, Candidate | None]:
     """Data parallel, Megatron and (`shard_dp`) FSDP on the same cost model (None: a split does
-    not divide)."""
+    not divide), on the meshes the profile prices (`ModelProfile.data_axis`)."""
     g = profile.graph
     out: dict[str, Candidate | None] = {}
     for name, mesh in baseline_meshes(g, devices, profile.comm.devices_per_node, max_tp).items():
         if mesh.shard_dp and not shard_dp:
+            continue
+        if profile.data_axis is not None and ("dp" in mesh.names) != profile.data_axis:
             continue
         costs = CostModel(g, profile.device, profile.comm, mesh)
         assign = baseline_assign(g, costs)
@@ -204,20 +206,19 @@ def plan_model(source: ModelProfile | Graph, devices: int, memory_limit_bytes: i
     `ac_modes`: the activation checkpointing searched, each a space of its own (planner/
     checkpointing.py; among equals the earlier mode wins, and recomputation only adds time, so
     checkpointing is chosen only where the limit needs it or it lets a faster layout fit).
-    `mixed_precision`: how bf16 compute is had ("autocast" or "fsdp"); None: the graph as built.
+    `mixed_precision`: how bf16 compute is had ("autocast" or "fsdp"; `precision_spaces`); None:
+    the graph as built.
     """
     profile = _as_profile(source, device_kind, devices_per_node)
-    if mixed_precision is not None:
-        profile = profile.model_copy(update={"graph": with_precision(profile.graph, mixed_precision)})
+    priced = precision_spaces(profile, mixed_precision)
     limit = memory_limit_bytes if memory_limit_bytes is not None else profile.device.memory_bytes
-    first = checkpointed_space(profile, ac_modes[0])
-    base = baselines(first, devices, max_tp, shard_dp)
+    base = priced_baselines(priced, ac_modes[0], devices, max_tp, shard_dp)
     for c in base.values():
         if c is not None:
             c.activation_checkpointing = ac_modes[0]
     known = min((c.time_s for c in base.values() if c is not None and c.fits(limit)), default=float("inf"))
     pool: list[Candidate] = []
-    for space in spaces(profile, shard_dp, ac_modes):
+    for space in spaces(priced, shard_dp, ac_modes):
         found = candidates(space, devices, limit, max_tp, max_pp, method, known)
         for c in found:
             c.activation_checkpointing = space.activation_checkpointing
@@ -226,15 +227,16 @@ def plan_model(source: ModelProfile | Graph, devices: int, memory_limit_bytes: i
     pool += [c for c in base.values() if c is not None]
     fitting = [c for c in pool if c.fits(limit)]
     if fitting:
-        best = per_stage_ac(profile, min(fitting, key=lambda c: c.time_s), ac_modes, limit)
-        return to_plan(best, devices, base, limit, profile.graph, pool)
+        best = min(fitting, key=lambda c: c.time_s)
+        best = per_stage_ac(pricing_of(priced, best.dp), best, ac_modes, limit)
+        return to_plan(best, devices, base, limit, priced[0].graph, pool)
     # Nothing fits: say so, and return the layout closest to fitting (least memory, then time),
     # with the memory it needs (feasible=False). Searched with the limit, every stage that cannot
     # fit is its least-memory assignment; the bound on weights skips no mesh here.
     g = profile.graph
     floor = g.n_params * g.param_state_bytes / devices
     pool = []
-    for space in spaces(profile, shard_dp, ac_modes):
+    for space in spaces(priced, shard_dp, ac_modes):
         found = candidates(space, devices, limit, max_tp, max_pp, method, prune=False, skip_unfit=False)
         for c in found:
             c.activation_checkpointing = space.activation_checkpointing
@@ -244,7 +246,34 @@ def plan_model(source: ModelProfile | Graph, devices: int, memory_limit_bytes: i
     best.notes.append(f"nothing fits {gib(limit)} per device: this is the layout closest to fitting, "
                       f"needing {gib(best.memory_bytes)} per device (weights and optimizer state alone "
                       f"need >= {gib(floor)} even split {devices} ways)")
-    return to_plan(best, devices, base, limit, profile.graph)
+    return to_plan(best, devices, base, limit, priced[0].graph)
+
+
+def precision_spaces(profile: ModelProfile, mixed_precision: str | None) -> list[ModelProfile]:
+    """The profiles meshes are priced on: the graph under `mixed_precision` (None: as built).
+    FSDP2's policy ("fsdp") holds only where a plan has a data axis; the trainer computes under
+    autocast elsewhere (`checkpointing.policy_on`), so under "fsdp" meshes without one are
+    priced under autocast, as they run: a plan never fits on paper only."""
+    if mixed_precision is None:
+        return [profile]
+    if mixed_precision == "fsdp":
+        return [profile.model_copy(update={"graph": with_precision(profile.graph, "autocast"), "data_axis": False}),
+                profile.model_copy(update={"graph": with_precision(profile.graph, "fsdp"), "data_axis": True})]
+    return [profile.model_copy(update={"graph": with_precision(profile.graph, mixed_precision)})]
+
+
+def pricing_of(priced: list[ModelProfile], dp: int) -> ModelProfile:
+    """Which of `precision_spaces` prices a mesh with `dp` data-parallel ranks."""
+    return next(p for p in priced if p.data_axis in (None, dp > 1))
+
+
+def priced_baselines(priced: list[ModelProfile], mode: str, devices: int, max_tp: int | None,
+                     shard_dp: bool) -> dict[str, Candidate | None]:
+    """`baselines` with each one priced by the profile its mesh runs under, checkpointed as `mode` says."""
+    found: dict[str, Candidate | None] = {}
+    for profile in priced:
+        found.update(baselines(checkpointed_space(profile, mode), devices, max_tp, shard_dp))
+    return {name: found[name] for name in ("data-parallel", "megatron", "fsdp") if name in found}
 
 
 # Why a tolerance: with nothing fitting, a few percent of activation memory is not what a user
@@ -278,16 +307,19 @@ def checkpointed_space(profile: ModelProfile, mode: str) -> ModelProfile:
     return profile.model_copy(update={"graph": checkpointed(profile.graph, mode), "activation_checkpointing": mode})
 
 
-def spaces(profile: ModelProfile, shard_dp: bool, ac_modes: tuple[str, ...] = ("none",)) -> list[ModelProfile]:
-    """The search spaces: per activation checkpointing mode, replicated dp and, where allowed,
-    sharded dp (FSDP) freeing gathered weights after forward or keeping them (a plan choice:
-    fewer gathers for more memory)."""
+def spaces(priced: ModelProfile | list[ModelProfile], shard_dp: bool,
+           ac_modes: tuple[str, ...] = ("none",)) -> list[ModelProfile]:
+    """The search spaces: per activation checkpointing mode and pricing (`precision_spaces`),
+    replicated dp and, where allowed and the pricing has meshes with a data axis, sharded dp
+    (FSDP) freeing gathered weights after forward or keeping them (a plan choice: fewer gathers
+    for more memory)."""
     out = []
     for mode in ac_modes:
-        space = checkpointed_space(profile, mode)
-        out.append(space)
-        if shard_dp:
-            out += [space.model_copy(update={"shard_dp": True, "reshard_after_forward": r}) for r in (True, False)]
+        for profile in priced if isinstance(priced, list) else [priced]:
+            space = checkpointed_space(profile, mode)
+            out.append(space)
+            if shard_dp and profile.data_axis is not False:
+                out += [space.model_copy(update={"shard_dp": True, "reshard_after_forward": r}) for r in (True, False)]
     return out
 
 
@@ -312,17 +344,21 @@ def search_counts(graph: Graph, profile: ModelProfile, devices: int, method: Met
 
 def plan_options(source: ModelProfile | Graph, devices: int, memory_limit_bytes: int | None = None,
                  max_tp: int | None = None, max_pp: int | None = None, *, device_kind: str = "cuda",
-                 devices_per_node: int | None = None, shard_dp: bool = True, searched: Plan | None = None) -> list[Plan]:
+                 devices_per_node: int | None = None, shard_dp: bool = True, searched: Plan | None = None,
+                 mixed_precision: str | None = None) -> list[Plan]:
     """The search's choice and every baseline that fits, as Plans, fastest first: for a choice
     that weighs more than step time (re-planning a running job also pays for moving its
     checkpoint onto the new plan, which differs from plan to plan). `searched`: `plan_model`'s
-    result for the same arguments, when the caller has it (the search is not run twice)."""
+    result for the same arguments, when the caller has it (the search is not run twice).
+    Baselines are priced as `plan_model` prices them (`mixed_precision`)."""
     best = searched or plan_model(source, devices, memory_limit_bytes, max_tp, max_pp, device_kind=device_kind,
-                                  devices_per_node=devices_per_node, shard_dp=shard_dp)
+                                  devices_per_node=devices_per_node, shard_dp=shard_dp, mixed_precision=mixed_precision)
     profile = _as_profile(source, device_kind, devices_per_node)
     limit = memory_limit_bytes if memory_limit_bytes is not None else profile.device.memory_bytes
-    base = baselines(profile, devices, max_tp, shard_dp)
-    options = [best] + [to_plan(c, devices, base, limit, profile.graph) for c in base.values() if c is not None and c.fits(limit)]
+    priced = precision_spaces(profile, mixed_precision)
+    base = priced_baselines(priced, "none", devices, max_tp, shard_dp)
+    options = [best] + [to_plan(c, devices, base, limit, priced[0].graph) for c in base.values()
+                        if c is not None and c.fits(limit)]
     unique: dict[tuple[object, ...], Plan] = {}
     for plan in options:
         key = (tuple(sorted(plan.mesh.items())), plan.dp_shard, plan.reshard_after_forward,

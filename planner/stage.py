@@ -278,8 +278,10 @@ def searched_meshes(profile: ModelProfile, devices: int, max_tp: int | None,
                     max_pp: int | None) -> list[tuple[int, int, int]]:
     """The (pp, dp, tp) meshes a space searches: every one, except that the sharded space
     (`profile.shard_dp`) skips dp = 1, where there is nothing to shard and the replicated space
-    has the same mesh."""
-    return [(pp, dp, tp) for pp, dp, tp in mesh_degrees(devices, max_tp, max_pp) if dp > 1 or not profile.shard_dp]
+    has the same mesh, and that a space priced for meshes with or without a data axis
+    (`profile.data_axis`) searches only those."""
+    return [(pp, dp, tp) for pp, dp, tp in mesh_degrees(devices, max_tp, max_pp)
+            if (dp > 1 or not profile.shard_dp) and profile.data_axis in (None, dp > 1)]
 
 
 def weights_floor(profile: ModelProfile) -> Callable[[int, int, int], float]:

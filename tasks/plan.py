@@ -177,7 +177,8 @@ def prepare_plan(spec: JobSpec, model: ModelSummary, devices: int, with_options:
                                           shard_dp=par.shard_data_parallel)
         else:
             candidates = plan_options(profile, devices, limit, par.max_tp, par.max_pp, device_kind=spec.resources.kind,
-                                      shard_dp=par.shard_data_parallel, searched=searched)
+                                      shard_dp=par.shard_data_parallel, searched=searched,
+                                      mixed_precision=par.mixed_precision)
         options = [p for p in candidates if not job_plan_refusals(p, spec)]
     return PreparedPlan(devices, model, plan, options, peak_flops(profile.device), said)
 

@@ -6,9 +6,11 @@ from __future__ import annotations
 import pytest
 from parashift.planner.builders import gpt_graph
 from parashift.planner.checkpointing import checkpointed, with_precision
-from parashift.planner.profile import profile_gpt
+from parashift.planner.profile import ModelProfile, profile_gpt
 from parashift.planner.search import exhaustive_search, plan_model
-from parashift.specs.plan import AC_MODES
+from parashift.specs.plan import AC_MODES, Plan
+
+from parashift.commands.plan import _bf16_by
 
 ALL = tuple(AC_MODES)
 
@@ -110,3 +112,61 @@ def test_pipeline_stages_take_their_own_checkpointing_where_only_the_first_is_sh
     assert plan.estimated_step_s <= uniform.estimated_step_s
     for stage in (0, 1):
         assert estimate(profile, plan, stage=stage).memory_bytes <= limit
+
+
+def _llama_profile(batch: int) -> ModelProfile:
+    """A small Llama's graph in bf16 on H200s (the planner's defaults), for `batch` sequences."""
+    from parashift.models import family_of
+    from parashift.planner.profile import profile_graph
+    from parashift.specs import JobSpec
+
+    model = {"family": "llama", "n_layers": 4, "d_model": 1024, "n_heads": 16, "n_kv_heads": 4, "ffn_dim": 2816,
+             "vocab_size": 32000, "seq_len": 1024}
+    m = JobSpec.model_validate({"name": "x", "model": model, "training": {"global_batch": batch, "micro_batch": 1},
+                             "resources": {"devices": 1}}).model
+    return profile_graph(family_of(m).graph(m, batch, "bf16"), "cuda")
+
+
+@pytest.mark.parametrize("fraction", [None, 0.6])
+def test_fsdp_mixed_precision_without_a_data_axis_is_priced_as_the_autocast_that_runs(fraction: float | None) -> None:
+    """FSDP2's policy needs a data axis to hold it (trainer.parallel.fsdp_mixed_precision): a plan
+    without one computes under autocast. With one sequence per step no plan has a data axis, so
+    a job pinning 'fsdp' is searched and estimated exactly as one pinning 'autocast', at every
+    limit: the plan is never one that fits only on paper (bf16 parameters it will not have)."""
+    from parashift.planner.pinned import estimate
+
+    profile = _llama_profile(1)
+    least = plan_model(profile, 4, 1, mixed_precision="autocast").memory_per_device_bytes  # nothing fits: least memory
+    free = plan_model(profile, 4, None, mixed_precision="autocast").memory_per_device_bytes
+    limit = None if fraction is None else int(least + (free - least) * fraction)
+    by = {mp: plan_model(profile, 4, limit, ac_modes=ALL, mixed_precision=mp) for mp in ("autocast", "fsdp")}
+    a, f = by["autocast"], by["fsdp"]
+    assert "dp" not in a.mesh and a.feasible
+    assert (f.mesh, f.micro_batches, f.activation_checkpointing, f.stage_activation_checkpointing) == (
+        a.mesh, a.micro_batches, a.activation_checkpointing, a.stage_activation_checkpointing)
+    assert (f.estimated_step_s, f.memory_per_device_bytes) == pytest.approx((a.estimated_step_s, a.memory_per_device_bytes))
+    assert f.baselines == pytest.approx(a.baselines)
+    for stage in range(a.degree("pp")):
+        fsdp, autocast = estimate(profile, a, "fsdp", stage=stage), estimate(profile, a, "autocast", stage=stage)
+        assert (fsdp.time_s, fsdp.memory_bytes) == pytest.approx((autocast.time_s, autocast.memory_bytes))
+    # and `parashift plan` says which policy the plan runs
+    assert _bf16_by("fsdp", f) == "autocast (FSDP2's policy needs a data axis, and this plan has none)"
+    assert (_bf16_by("fsdp", Plan.data_parallel(2)), _bf16_by("autocast", f)) == ("fsdp", "autocast")
+
+
+def test_fsdp_mixed_precision_is_never_slower_and_gains_only_with_a_data_axis() -> None:
+    """FSDP2's policy gathers and keeps bf16 where autocast keeps fp32 weights and bf16 copies:
+    on every mesh with a data axis it costs no more on any term, so at every limit the search
+    under it is at least as fast; where its pick is faster, the pick has a data axis."""
+    profile = _llama_profile(4)
+    least = plan_model(profile, 4, 1, ac_modes=ALL, mixed_precision="fsdp").memory_per_device_bytes
+    free = plan_model(profile, 4, None, mixed_precision="autocast").memory_per_device_bytes
+    for fraction in (0.5, 0.2):  # the first picks a data axis under FSDP2's policy, the second none
+        limit = int(least + (free - least) * fraction)
+        a = plan_model(profile, 4, limit, ac_modes=ALL, mixed_precision="autocast")
+        f = plan_model(profile, 4, limit, ac_modes=ALL, mixed_precision="fsdp")
+        assert f.feasible and f.memory_per_device_bytes <= limit
+        if a.feasible:
+            assert f.estimated_step_s <= a.estimated_step_s * (1 + 1e-9), (fraction, f.mesh, a.mesh)
+            if f.estimated_step_s < a.estimated_step_s * (1 - 1e-9):
+                assert f.degree("dp") > 1, (fraction, f.mesh)

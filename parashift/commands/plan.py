@@ -163,7 +163,7 @@ def plan(
                   + ("" if result.feasible else " [red](over the limit)[/red]"))
     chosen = (", ".join(f"stage {s} {mode}" for s, mode in enumerate(result.stage_activation_checkpointing))
               if result.stage_activation_checkpointing else result.activation_checkpointing)
-    console.print(f"  activation checkpointing: {chosen}; bf16 by {par.mixed_precision}"
+    console.print(f"  activation checkpointing: {chosen}; bf16 by {_bf16_by(par.mixed_precision, result)}"
                   if par.precision == "bf16" else f"  activation checkpointing: {chosen}")
     other = "none" if result.activation_checkpointing != "none" else "selective"
     alternative = _solve(exhaustive_search if exhaustive else plan_model, profile, n, par, label, exhaustive, (other,))
@@ -182,6 +182,14 @@ def plan(
         console.print(_pinned_line(job, profile, n, step))
     for note in result.notes:
         console.print(f"  note: {note}")
+
+
+def _bf16_by(asked: str, plan: Plan) -> str:
+    """How the plan gets its bf16 compute: as asked, except that FSDP2's policy needs a data axis."""
+    from parashift.planner.checkpointing import policy_on
+
+    policy = policy_on(asked, plan.degree("dp"))
+    return policy if policy == asked else f"{policy} (FSDP2's policy needs a data axis, and this plan has none)"
 
 
 def _device_line(device: DeviceModel, kind: str, measured: bool, memory_gb: float | None, limit: int | None) -> str:
