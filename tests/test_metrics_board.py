@@ -174,6 +174,15 @@ def test_segments_read_in_the_order_they_ran_whatever_their_clocks_say(tmp_path:
     assert shown == {1: 1.0, 2: 2.0, 3: 3.0, 4: 304.0, 5: 305.0, 6: 306.0, 7: 307.0, 8: 308.0, 9: 309.0}
 
 
+def test_the_run_summary_names_each_plan_in_the_order_the_job_ran_them() -> None:
+    from parashift.commands.run import plans_in_order
+
+    assert plans_in_order(["dp 2, bf16 parameters", "dp 1", "dp 2, bf16 parameters"]) == (
+        "dp 2, bf16 parameters -> dp 1 -> dp 2, bf16 parameters")
+    assert plans_in_order(["dp 4", "dp 4", "dp 3"]) == "dp 4 -> dp 3"  # a failure's relaunch on the same plan
+    assert plans_in_order([]) == ""
+
+
 def test_metrics_on_an_s3_server_read_back_with_the_command_the_run_prints(s3_endpoint: str, s3_bucket: str) -> None:
     """TensorBoard reads s3:// itself, from S3_ENDPOINT's server: the run printed a bare
     `tensorboard --logdir s3://...`, which asks AWS for a bucket that lives on MinIO or moto."""

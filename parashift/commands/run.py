@@ -146,9 +146,9 @@ def _train(spec: JobSpec, verbose: bool, began_at: datetime) -> None:
     if summary.tokens_per_s:
         mfu = f", MFU {summary.mfu:.1%}" if summary.mfu else ""
         console.print(f"  throughput    {summary.tokens_per_s:,.0f} tokens/s (median{mfu})")
-    plans = [seg.plan for seg in summary.segments if seg.plan]
+    plans = plans_in_order([seg.plan for seg in summary.segments if seg.plan])
     if plans:
-        console.print(f"  plan          {' -> '.join(dict.fromkeys(plans))}")
+        console.print(f"  plan          {plans}")
     if summary.metrics_url:
         console.print(f"  metrics       {tensorboard_command(summary.metrics_url, spec.storage.storage_options)}")
     if summary.wandb_url:  # wandb reads local files: a store elsewhere is copied first
@@ -190,6 +190,13 @@ class RunWarnings(logging.Handler):
             return (f"{counted(len(self.messages), 'warning')} in the log ({counted(len(tracebacks), 'traceback')} "
                     f"of workers); the first other: {shown}")
         return f"{counted(len(self.messages), 'warning')} in the log; the first: {shown}"
+
+
+def plans_in_order(plans: list[str]) -> str:
+    """The segments' plans as the job went through them, a plan repeated by consecutive segments
+    (a failure's relaunch) said once: 2 -> 1 -> 2 devices reads "dp 2 -> dp 1 -> dp 2", not as
+    if the job had ended on one."""
+    return " -> ".join(plan for i, plan in enumerate(plans) if i == 0 or plans[i - 1] != plan)
 
 
 def tensorboard_command(url: str, storage_options: dict[str, Any]) -> str:
