@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import gc
 import time
+from fractions import Fraction
 from typing import Any
 
 import torch
@@ -16,26 +18,76 @@ _TOKEN_FIELDS = ("pad_token_id", "bos_token_id", "eos_token_id")
 _SMALL_VOCAB = 256
 
 
-def measure_for_gpus(model_spec: Any, precision: str, seed: int = 0) -> dict[str, float]:
+# The sequence lengths what autograd keeps is measured at for a longer context (`kept_at`).
+PROBE_LENGTHS = (16, 32, 48)
+
+
+def measure_for_gpus(model_spec: Any, precision: str, seed: int = 0,
+                     probe_lengths: tuple[int, int, int] = PROBE_LENGTHS) -> dict[str, float]:
     """What the planner needs of a model that trains on GPUs, without building it whole on the
     flow's CPU (8B parameters are 32 GB of fp32 there, and one forward and backward on one thread
     half an hour): its parameters counted on the meta device, and the bytes autograd keeps for a
     sequence measured on small copies (1 and 2 decoder layers, a vocabulary of 256 and 512: every
     layer keeps the same, and the logits and loss keep bytes in proportion to the vocabulary),
-    extended to its depth and vocabulary. Its seconds are its FLOPs at the device's rate
-    (`planner.measured`), not measured."""
+    extended to its depth and vocabulary, and on short sequences extended to its context
+    (`kept_at`). Its seconds are its FLOPs at the device's rate (`planner.measured`), not measured."""
     family = family_of(model_spec)
     with torch.device("meta"):
         model = family.build(model_spec)
     layers = [sum(p.numel() for p in layer.parameters()) for _, layer in family.layers(model)]
     n_params = sum(p.numel() for p in model.parameters())
     vocab = model_spec.vocab_size or model.get_output_embeddings().weight.shape[0]
-    one, two, wide = (_kept(_small_copy(model_spec, depth, width), precision, seed)
+    lengths = probe_lengths_for(model_spec, probe_lengths)
+    one, two, wide = (kept_at(_small_copy(model_spec, depth, width), precision, seed, lengths)
                       for depth, width in ((1, _SMALL_VOCAB), (2, _SMALL_VOCAB), (1, 2 * _SMALL_VOCAB)))
     kept = one + (len(layers) - 1) * (two - one) + (vocab - _SMALL_VOCAB) * (wide - one) // _SMALL_VOCAB
     return {"sequence_s": float("nan"), "activation_bytes": float(kept), "n_params": n_params,
             "layer_params": max(layers, default=0), "root_params": n_params - sum(layers),
             "flops_per_token": family.flops_per_token(model_spec, n_params)}
+
+
+def probe_lengths_for(model_spec: Any, probe_lengths: tuple[int, int, int]) -> tuple[int, ...]:
+    """The lengths to measure at: the context itself where it is no longer than the probes; else
+    the probes, moved past a sliding window or attention chunk shorter than the context (past
+    it, attention takes a mask, a path shorter sequences do not take)."""
+    if model_spec.seq_len <= max(probe_lengths):
+        return (model_spec.seq_len,)
+    config = model_spec.config or {}
+    windows = [config.get(name) for name in ("sliding_window", "attention_chunk_size")]
+    if config.get("use_sliding_window") is False:
+        windows = windows[1:]
+    window = min((w for w in windows if isinstance(w, int) and 0 < w < model_spec.seq_len), default=0)
+    shift = max(0, window - min(probe_lengths))
+    lengths = tuple(n + shift for n in probe_lengths)
+    return lengths if max(lengths) < model_spec.seq_len else (model_spec.seq_len,)
+
+
+def kept_at(model_spec: Any, precision: str, seed: int, lengths: tuple[int, ...]) -> int:
+    """Bytes autograd keeps for one sequence of `model_spec.seq_len` tokens, measured at
+    `lengths` (one: the context itself). Why three short ones are exact: every tensor a layer
+    keeps has the sequence as one dim (activations) or two (attention scores, masks, where
+    kept), so what a sequence keeps is a quadratic in its length, fixed by three points
+    (Lagrange's form, in integers); `tests/test_planner_measured.py` checks it against the
+    whole context. Why: the copies' layers are the model's own width, and a 7B-wide layer's
+    forward over 4,096 tokens took minutes and 10 GB on the flow's CPU."""
+    family = family_of(model_spec)
+    model = family.build(model_spec)
+    points = []
+    for length in lengths:
+        inputs, targets = _sequence(model_spec, model, 1, seed, length)
+        points.append((length, kept_for_backward(_Logits(family, model), inputs, targets, precision)))
+    del model
+    gc.collect()  # a 7B-wide layer is a gigabyte (a model's modules may hold cycles): gone before the next copy
+    if len(points) == 1:
+        return points[0][1]
+    target, total = model_spec.seq_len, Fraction(0)
+    for i, (x_i, y_i) in enumerate(points):
+        term = Fraction(y_i)
+        for j, (x_j, _) in enumerate(points):
+            if j != i:
+                term *= Fraction(target - x_j, x_i - x_j)
+        total += term
+    return round(total)
 
 
 def _small_copy(model_spec: Any, depth: int, vocab: int) -> Any:
@@ -58,18 +110,13 @@ class _Logits(torch.nn.Module):
         return self.family.logits(self.inner, tokens)
 
 
-def _sequence(model_spec: Any, model: torch.nn.Module, batch: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _sequence(model_spec: Any, model: torch.nn.Module, batch: int, seed: int,
+              length: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`batch` sequences of `length` ids (default: the context) and their next-id targets."""
     vocab = model_spec.vocab_size or model.get_output_embeddings().weight.shape[0]  # transformers' default
-    tokens = torch.randint(0, vocab, (batch, model_spec.seq_len + 1), generator=torch.Generator().manual_seed(seed))
+    tokens = torch.randint(0, vocab, (batch, (length or model_spec.seq_len) + 1),
+                           generator=torch.Generator().manual_seed(seed))
     return tokens[:, :-1], tokens[:, 1:]
-
-
-def _kept(model_spec: Any, precision: str, seed: int) -> int:
-    """Bytes autograd keeps for one sequence of the model."""
-    family = family_of(model_spec)
-    model = family.build(model_spec)
-    inputs, targets = _sequence(model_spec, model, 1, seed)
-    return kept_for_backward(_Logits(family, model), inputs, targets, precision)
 
 
 def measure_model(model_spec: Any, micro_batch: int, precision: str, seed: int = 0, repeats: int = 3) -> dict[str, float]:

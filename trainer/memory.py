@@ -24,17 +24,26 @@ def kept_for_backward(model: torch.nn.Module, tokens: torch.Tensor, targets: tor
     ((B, T) ids) under the trainer's `precision` ("bf16": autocast over fp32 weights)."""
     weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
     kept: dict[int, int] = {}
+    # What autograd saved, held here until the forward is counted (alive, no storage's address
+    # is reused by another). Why not in the graph (`pack` returning the tensor): a saved output
+    # then refers to its own grad_fn, a cycle through C++ that Python's collector cannot see, and
+    # the graph, the parameters with it, outlived the call (a 7B-wide layer copy is a gigabyte).
+    held: list[torch.Tensor] = []
 
-    def pack(tensor: torch.Tensor) -> torch.Tensor:
+    def pack(tensor: torch.Tensor) -> None:
         storage = tensor.untyped_storage()
         if storage.data_ptr() not in weights:
             kept[storage.data_ptr()] = storage.nbytes()
-        return tensor
+        held.append(tensor)
+
+    def unpack(_: None) -> torch.Tensor:
+        raise RuntimeError("kept_for_backward measures a forward; its graph is not for backward")
 
     autocast = (torch.autocast(tokens.device.type, dtype=torch.bfloat16) if precision == "bf16"
                 else contextlib.nullcontext())
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor), autocast:
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack), autocast:
         token_loss_sum(model(tokens), targets)
+    held.clear()
     return sum(kept.values())
 
 
