@@ -45,6 +45,12 @@ class MeasuredProfile(BaseModel):
     root_params: int = Field(ge=0, description="parameters outside the decoder layers (gathered for the whole step)")
     sequence_s: float = Field(gt=0, description="forward + backward of one sequence on one device, measured")
     activation_bytes: float = Field(ge=0, description="bytes autograd keeps for one sequence, measured")
+    activation_bytes_by_ac: dict[str, float] = Field(
+        default_factory=dict, description="bytes one sequence keeps with every decoder layer checkpointed, per mode "
+                                          "(selective, full), measured; a mode not measured is not searched")
+    layer_kept_by_ac: dict[str, float] = Field(
+        default_factory=dict, description="bytes one decoder layer keeps of one sequence, per mode (none included): "
+                                          "a checkpointed layer holds its whole again while its backward runs")
     sequence_from: str = Field("measured", description="where sequence_s came from: measured, or the model's "
                                                        "FLOPs at the device's rate")
     device: DeviceModel
@@ -74,15 +80,36 @@ class Option(BaseModel):
     dp_shard: int
     step_s: float
     memory_bytes: float
+    activation_checkpointing: str = "none"
 
 
-def option_cost(profile: MeasuredProfile, devices: int, dp_shard: int, global_batch: int, micro_batch: int) -> Option:
+def priced_modes(profile: MeasuredProfile, ac_modes: tuple[str, ...]) -> tuple[str, ...]:
+    """The checkpointing modes of `ac_modes` the profile can price (a profile measured before
+    modes were measured has none but "none")."""
+    return tuple(m for m in ac_modes if m == "none" or m in profile.activation_bytes_by_ac) or ("none",)
+
+
+def recompute_share(profile: MeasuredProfile, mode: str) -> float:
+    """The share of a sequence's seconds a mode adds: "full" runs the decoder layers' forward
+    again, a third of their forward and backward (their share of the model's FLOPs taken as
+    their share of its parameters: the head's GEMM is not recomputed); "selective" recomputes
+    norms, activations and casts, no GEMMs: no FLOPs, so nothing on this FLOP-based model, and
+    among equal options the earlier mode ("none") wins: checkpointing only where memory needs it."""
+    if mode != "full" or profile.n_params == 0:
+        return 0.0
+    return (profile.n_params - profile.root_params) / profile.n_params / 3
+
+
+def option_cost(profile: MeasuredProfile, devices: int, dp_shard: int, global_batch: int, micro_batch: int,
+                activation_checkpointing: str = "none") -> Option:
     """Estimated step seconds and memory per device of the dp axis over `devices` with the
-    state sharded over `dp_shard` ranks (1: replicated)."""
+    state sharded over `dp_shard` ranks (1: replicated), every decoder layer checkpointed as
+    `activation_checkpointing` says."""
     share = -(-global_batch // devices)
     micro = min(micro_batch, share)
     micro_batches = -(-share // micro)
-    compute = profile.sequence_s * share
+    ac = activation_checkpointing
+    compute = profile.sequence_s * share * (1 + recompute_share(profile, ac))
     comm, replicas = profile.comm, devices // dp_shard
     weights = PARAM_BYTES * profile.n_params
     if dp_shard == 1:
@@ -91,48 +118,73 @@ def option_cost(profile: MeasuredProfile, devices: int, dp_shard: int, global_ba
         gathers = 2 * micro_batches * comm.all_gather(weights, dp_shard)
         reduce_scatter = micro_batches * comm.all_gather(weights, dp_shard)  # the same volume, the other way
         sync = gathers + reduce_scatter + comm.bucketed_all_reduce(weights / dp_shard, replicas)
-    memory = STATE_BYTES * profile.n_params / dp_shard + profile.activation_bytes * micro
+    kept = profile.activation_bytes
+    if ac != "none":  # and while a layer's backward runs, its whole again (less what it keeps)
+        layer = profile.layer_kept_by_ac
+        kept = profile.activation_bytes_by_ac[ac] + layer.get("none", 0.0) - layer.get(ac, 0.0)
+    memory = STATE_BYTES * profile.n_params / dp_shard + kept * micro
     if dp_shard > 1:
         memory += PARAM_BYTES * (profile.root_params + 2 * profile.layer_params)
-    return Option(dp_shard=dp_shard, step_s=compute + sync, memory_bytes=memory)
+    return Option(dp_shard=dp_shard, step_s=compute + sync, memory_bytes=memory, activation_checkpointing=ac)
+
+
+def all_options(profile: MeasuredProfile, devices: int, global_batch: int, micro_batch: int, shard_dp: bool,
+                ac_modes: tuple[str, ...]) -> list[Option]:
+    """Every option, per checkpointing mode (in `ac_modes`' order: ties go to the earlier) and shard count."""
+    shards = [s for s in range(1, devices + 1) if devices % s == 0] if shard_dp else [1]
+    return [option_cost(profile, devices, s, global_batch, micro_batch, mode)
+            for mode in priced_modes(profile, ac_modes) for s in shards]
 
 
 def plan_measured(profile: MeasuredProfile, devices: int, global_batch: int, micro_batch: int,
-                  memory_limit_bytes: int | None = None, shard_dp: bool = True) -> Plan:
-    """The fastest fitting option of the data axis as a Plan (strategy "measured"); the one
-    that needs least memory, marked infeasible, when none fits."""
+                  memory_limit_bytes: int | None = None, shard_dp: bool = True,
+                  ac_modes: tuple[str, ...] = ("none",)) -> Plan:
+    """The fastest fitting option of the data axis and checkpointing (`ac_modes`, each priced
+    from its own measurement) as a Plan (strategy "measured"); the one that needs least memory,
+    marked infeasible, when none fits."""
     limit = memory_limit_bytes if memory_limit_bytes is not None else profile.device.memory_bytes
-    shards = [s for s in range(1, devices + 1) if devices % s == 0] if shard_dp else [1]
-    options = [option_cost(profile, devices, s, global_batch, micro_batch) for s in shards]
+    options = all_options(profile, devices, global_batch, micro_batch, shard_dp, ac_modes)
     fitting = [o for o in options if limit is None or o.memory_bytes <= limit]
-    best = min(fitting, key=lambda o: (o.step_s, o.memory_bytes)) if fitting else min(options, key=lambda o: o.memory_bytes)
-    listed = ", ".join(f"dp_shard {o.dp_shard}: {o.step_s * 1e3:.3g} ms, {o.memory_bytes / 2**20:.0f} MiB" for o in options)
+    order = {mode: i for i, mode in enumerate(ac_modes)}  # among equal step times the earlier mode, then less memory
+    best = (min(fitting, key=lambda o: (o.step_s, order[o.activation_checkpointing], o.memory_bytes)) if fitting
+            else min(options, key=lambda o: o.memory_bytes))
+    several = len({o.activation_checkpointing for o in options}) > 1
+    listed = ", ".join(f"dp_shard {o.dp_shard}{f' {o.activation_checkpointing}' if several else ''}: "
+                       f"{o.step_s * 1e3:.3g} ms, {o.memory_bytes / 2**20:.0f} MiB" for o in options)
+    kept = ", ".join(f"{profile.activation_bytes_by_ac[m] / 2**20:.1f} MiB under {m} checkpointing"
+                     for m in priced_modes(profile, ac_modes) if m != "none")
+    kept = f" ({kept})" if kept else ""
     per_sequence = (f"{profile.sequence_s * 1e3:.3g} ms per sequence from its FLOPs at "
                     f"{profile.device.matmul_flops / 1e12:.4g} TFLOP/s, {profile.activation_bytes / 2**20:.1f} MiB kept "
-                    "per sequence measured" if profile.sequence_from == "flops" else
-                    f"{profile.sequence_s * 1e3:.1f} ms and {profile.activation_bytes / 2**20:.1f} MiB kept per sequence")
+                    f"per sequence measured{kept}" if profile.sequence_from == "flops" else
+                    f"{profile.sequence_s * 1e3:.1f} ms and {profile.activation_bytes / 2**20:.1f} MiB kept per "
+                    f"sequence{kept}")
     notes = [f"{profile.name} has no op graph: options of the data axis costed from measurements of the model itself "
              f"({per_sequence}): {listed}"]
     if not fitting:
         notes.append(f"no option fits {limit / 2**30:.2f} GiB per device; the least memory is chosen")
-    named = {"data-parallel": options[0], **({"fsdp": options[-1]} if len(options) > 1 else {})}
+    plain = [o for o in options if o.activation_checkpointing == options[0].activation_checkpointing]
+    named = {"data-parallel": plain[0], **({"fsdp": plain[-1]} if len(plain) > 1 else {})}
     return Plan(devices=devices, mesh={"dp": devices} if devices > 1 else {}, dp_shard=best.dp_shard,
                 strategy="measured", estimated_step_s=best.step_s, memory_per_device_bytes=int(best.memory_bytes),
+                activation_checkpointing=best.activation_checkpointing,
                 baselines={name: o.step_s for name, o in named.items()},
                 baseline_memory_bytes={name: int(o.memory_bytes) for name, o in named.items()},
                 feasible=bool(fitting), notes=notes)
 
 
 def measured_options(profile: MeasuredProfile, devices: int, global_batch: int, micro_batch: int,
-                     memory_limit_bytes: int | None = None, shard_dp: bool = True) -> list[Plan]:
+                     memory_limit_bytes: int | None = None, shard_dp: bool = True,
+                     ac_modes: tuple[str, ...] = ("none",)) -> list[Plan]:
     """Every fitting option as a Plan, fastest first (a resumed job weighs moving its checkpoint too)."""
-    best = plan_measured(profile, devices, global_batch, micro_batch, memory_limit_bytes, shard_dp)
+    best = plan_measured(profile, devices, global_batch, micro_batch, memory_limit_bytes, shard_dp, ac_modes)
     limit = memory_limit_bytes if memory_limit_bytes is not None else profile.device.memory_bytes
-    shards = [s for s in range(1, devices + 1) if devices % s == 0] if shard_dp else [1]
     others = []
-    for s in shards:
-        option = option_cost(profile, devices, s, global_batch, micro_batch)
-        if s != best.dp_shard and (limit is None or option.memory_bytes <= limit):
-            others.append(best.model_copy(update={"dp_shard": s, "estimated_step_s": option.step_s,
-                                                  "memory_per_device_bytes": int(option.memory_bytes)}))
+    for option in all_options(profile, devices, global_batch, micro_batch, shard_dp, ac_modes):
+        if (option.dp_shard, option.activation_checkpointing) == (best.dp_shard, best.activation_checkpointing):
+            continue
+        if limit is None or option.memory_bytes <= limit:
+            others.append(best.model_copy(update={"dp_shard": option.dp_shard, "estimated_step_s": option.step_s,
+                                                  "memory_per_device_bytes": int(option.memory_bytes),
+                                                  "activation_checkpointing": option.activation_checkpointing}))
     return [best, *sorted(others, key=lambda p: p.estimated_step_s or 0.0)]

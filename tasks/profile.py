@@ -15,6 +15,7 @@ from parashift.planner.comm import CommModel, comm_model_from_timings
 from parashift.planner.measured import MeasuredProfile, profile_from_measurements
 from parashift.planner.profile import DeviceModel, ModelProfile, measurable_here, profile_graph, share_cores
 from parashift.specs import JobSpec
+from parashift.specs.plan import AC_MODES
 from parashift.storage import JobPaths, open_store
 from parashift.tasks.credentials import environment, storage_environment
 from parashift.tasks.records import ModelSummary
@@ -30,7 +31,8 @@ def needs_measurement(spec: JobSpec) -> bool:
 
 # Bumped when what a profile holds changes meaning (new measured fields, new graph
 # declarations), so profiles cached by an older planner are rebuilt rather than misread.
-PROFILE_FORMAT = 3  # 2: p2p link, core share, graphs declaring the trainer's tp layouts; 3: model families
+PROFILE_FORMAT = 4  # 2: p2p link, core share, graphs declaring the trainer's tp layouts; 3: model families;
+# 4: the precision in the key, measured profiles with their checkpointing modes
 
 
 def profile_key(spec: JobSpec) -> str:
@@ -46,8 +48,19 @@ def profile_key(spec: JobSpec) -> str:
         "nodes": len(spec.resources.nodes) if spec.resources.nodes else None,
         "memory_gb": spec.resources.memory_gb,
         "measured": needs_measurement(spec),
+        "precision": spec.parallelism.precision,  # what activations weigh
+        "checkpointing": checkpointing_measured(spec),
     }
     return hashlib.sha256(json.dumps(basis, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def checkpointing_measured(spec: JobSpec) -> tuple[str, ...]:
+    """The activation checkpointing modes a model without an op graph is measured under: every
+    one where its planner chooses (strategy auto, checkpointing auto), else the one it runs."""
+    par = spec.parallelism
+    if par.activation_checkpointing == "auto":
+        return AC_MODES if par.strategy == "auto" else ("none",)
+    return tuple(dict.fromkeys(("none", par.activation_checkpointing)))
 
 
 def exact_parameter_count(spec: JobSpec) -> tuple[int, int]:
@@ -90,8 +103,9 @@ def measured_profile(spec: JobSpec, comm: CommModel | None) -> MeasuredProfile:
     from parashift.trainer.measure_model import measure_for_gpus, measure_model
 
     res, train = spec.resources, spec.training
-    measured = (measure_model(spec.model, train.micro_batch, spec.parallelism.precision, train.seed)
-                if res.kind == "cpu" else measure_for_gpus(spec.model, spec.parallelism.precision, train.seed))
+    modes = checkpointing_measured(spec)
+    measured = (measure_model(spec.model, train.micro_batch, spec.parallelism.precision, train.seed, modes=modes)
+                if res.kind == "cpu" else measure_for_gpus(spec.model, spec.parallelism.precision, train.seed, modes))
     return profile_from_measurements(spec.model.tag, measured, res.kind, res.devices_per_node if res.nodes else res.devices,
                                      res.memory_gb, comm, res.devices_per_node, seq_len=spec.model.seq_len)
 

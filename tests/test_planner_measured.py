@@ -39,6 +39,65 @@ def test_options_are_every_fitting_dp_shard_fastest_first() -> None:
     assert [p.estimated_step_s for p in options[1:]] == sorted(p.estimated_step_s for p in options[1:])
 
 
+def test_checkpointing_is_chosen_only_where_memory_needs_it_and_priced_as_measured() -> None:
+    """Each mode priced from its own measurement: where every option fits without checkpointing
+    none is chosen (selective adds no FLOPs, so ties go to the earlier mode); where only a
+    checkpointed one fits, it is chosen and fits; "full" pays the layers' forward again; a mode
+    the profile was not measured under is not searched."""
+    from parashift.specs.plan import AC_MODES
+
+    profile = PROFILE.model_copy(update={"activation_bytes_by_ac": {"selective": 20e6, "full": 5e6},
+                                         "layer_kept_by_ac": {"none": 4e6, "selective": 1.5e6, "full": 0.2e6}})
+    roomy = plan_measured(profile, 8, 64, 8, ac_modes=AC_MODES)
+    assert (roomy.activation_checkpointing, roomy.dp_shard) == ("none", 1)
+    state = option_cost(profile, 8, 8, 64, 8).memory_bytes - 50e6 * 8  # the least state, sharded 8 ways
+    limit = int(state + 30e6 * 8)  # below any option without checkpointing
+    tight = plan_measured(profile, 8, 64, 8, memory_limit_bytes=limit, ac_modes=AC_MODES)
+    assert tight.feasible and tight.activation_checkpointing == "selective" and tight.memory_per_device_bytes <= limit
+    selective = option_cost(profile, 8, 8, 64, 8, "selective")
+    assert selective.memory_bytes == state + (20e6 + 4e6 - 1.5e6) * 8  # a layer's whole again while its backward runs
+    full, plain = option_cost(profile, 8, 8, 64, 8, "full"), option_cost(profile, 8, 8, 64, 8)
+    layers_share = (100e6 - 20e6) / 100e6
+    assert full.step_s - plain.step_s == pytest.approx(0.01 * 8 * layers_share / 3)
+    assert plan_measured(PROFILE, 8, 64, 8, memory_limit_bytes=limit, ac_modes=AC_MODES).activation_checkpointing == "none"
+    assert {p.activation_checkpointing for p in measured_options(profile, 8, 64, 8, ac_modes=AC_MODES)} == set(AC_MODES)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_what_a_checkpointed_model_keeps_is_measured_as_the_trainer_checkpoints_it(precision: str) -> None:
+    """Each mode's bytes, from the short small copies, equal the whole model's at the whole
+    context with the trainer's own checkpointing (trainer.recompute.apply_ac on every layer):
+    the same difference to what the forward leaves alive without it, over the same base."""
+    import torch
+    from parashift.models import family_of
+    from parashift.models.hf.spec import HFSpec
+    from parashift.models.layers import token_loss_sum
+    from parashift.specs.plan import AC_MODES
+    from parashift.trainer.measure_model import _Logits, _sequence, measure_for_gpus
+    from parashift.trainer.memory import alive_after, kept_for_backward
+    from parashift.trainer.recompute import apply_ac
+
+    config = {"model_type": "qwen2", "num_hidden_layers": 3, "hidden_size": 32, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "intermediate_size": 64, "vocab_size": 1000}
+    spec = HFSpec(family="hf", seq_len=200, config=config)
+    measured = measure_for_gpus(spec, precision, modes=AC_MODES)
+    family = family_of(spec)
+    for mode in ("selective", "full"):
+        model = family.build(spec)
+        inputs, targets = _sequence(spec, model, 1, 0)
+        kept = kept_for_backward(_Logits(family, model), inputs, targets, precision)
+
+        def forward(model: torch.nn.Module = model, inputs: torch.Tensor = inputs,
+                    targets: torch.Tensor = targets) -> torch.Tensor:
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
+                return token_loss_sum(family.logits(model, inputs), targets)
+
+        plain = alive_after(forward)
+        apply_ac([layer for _, layer in family.layers(model)], mode)
+        assert measured["activation_bytes_by_ac"][mode] == kept + alive_after(forward) - plain, mode
+    assert measured["layer_kept_by_ac"]["full"] == 200 * 32 * 4  # a layer keeps its input: the fp32 residual stream
+
+
 def test_a_transformers_model_is_measured() -> None:
     from parashift.models.hf.spec import HFSpec
     from parashift.trainer.measure_model import measure_model

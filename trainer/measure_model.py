@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 import gc
 import time
 from fractions import Fraction
@@ -11,7 +12,8 @@ from typing import Any
 import torch
 from parashift.models import family_of
 from parashift.models.layers import token_loss_sum
-from parashift.trainer.memory import kept_for_backward
+from parashift.trainer.memory import alive_after, kept_for_backward
+from parashift.trainer.recompute import CHECKPOINTED, checkpointed_call
 
 _DEPTH_FIELDS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
 _TOKEN_FIELDS = ("pad_token_id", "bos_token_id", "eos_token_id")
@@ -22,8 +24,8 @@ _SMALL_VOCAB = 256
 PROBE_LENGTHS = (16, 32, 48)
 
 
-def measure_for_gpus(model_spec: Any, precision: str, seed: int = 0,
-                     probe_lengths: tuple[int, int, int] = PROBE_LENGTHS) -> dict[str, float]:
+def measure_for_gpus(model_spec: Any, precision: str, seed: int = 0, modes: tuple[str, ...] = ("none",),
+                     probe_lengths: tuple[int, int, int] = PROBE_LENGTHS) -> dict[str, Any]:
     """What the planner needs of a model that trains on GPUs, without building it whole on the
     flow's CPU (8B parameters are 32 GB of fp32 there, and one forward and backward on one thread
     half an hour): its parameters counted on the meta device, and the bytes autograd keeps for a
@@ -37,13 +39,26 @@ def measure_for_gpus(model_spec: Any, precision: str, seed: int = 0,
     layers = [sum(p.numel() for p in layer.parameters()) for _, layer in family.layers(model)]
     n_params = sum(p.numel() for p in model.parameters())
     vocab = model_spec.vocab_size or model.get_output_embeddings().weight.shape[0]
-    lengths = probe_lengths_for(model_spec, probe_lengths)
-    one, two, wide = (kept_at(_small_copy(model_spec, depth, width), precision, seed, lengths)
-                      for depth, width in ((1, _SMALL_VOCAB), (2, _SMALL_VOCAB), (1, 2 * _SMALL_VOCAB)))
-    kept = one + (len(layers) - 1) * (two - one) + (vocab - _SMALL_VOCAB) * (wide - one) // _SMALL_VOCAB
-    return {"sequence_s": float("nan"), "activation_bytes": float(kept), "n_params": n_params,
-            "layer_params": max(layers, default=0), "root_params": n_params - sum(layers),
+    return {"sequence_s": float("nan"), **activations(model_spec, len(layers), vocab, precision, seed, modes,
+                                                      probe_lengths),
+            "n_params": n_params, "layer_params": max(layers, default=0), "root_params": n_params - sum(layers),
             "flops_per_token": family.flops_per_token(model_spec, n_params)}
+
+
+def activations(model_spec: Any, depth: int, vocab: int, precision: str, seed: int, modes: tuple[str, ...] = ("none",),
+                probe_lengths: tuple[int, int, int] = PROBE_LENGTHS) -> dict[str, Any]:
+    """What one sequence keeps under each checkpointing mode (`activation_bytes`: none;
+    `activation_bytes_by_ac`), and what one decoder layer keeps of it (`layer_kept_by_ac`: a
+    checkpointed layer holds its whole again while its backward runs), from small copies (1 and 2
+    layers, 256 and 512 ids) extended to `depth` layers and `vocab` ids."""
+    lengths = probe_lengths_for(model_spec, probe_lengths)
+    one, two, wide = (kept_at(_small_copy(model_spec, layers, width), precision, seed, lengths, modes)
+                      for layers, width in ((1, _SMALL_VOCAB), (2, _SMALL_VOCAB), (1, 2 * _SMALL_VOCAB)))
+    kept = {mode: one[mode] + (depth - 1) * (two[mode] - one[mode])
+            + (vocab - _SMALL_VOCAB) * (wide[mode] - one[mode]) // _SMALL_VOCAB for mode in one}
+    return {"activation_bytes": float(kept["none"]),
+            "activation_bytes_by_ac": {mode: float(kept[mode]) for mode in kept if mode != "none"},
+            "layer_kept_by_ac": {mode: float(two[mode] - one[mode]) for mode in one}}
 
 
 def probe_lengths_for(model_spec: Any, probe_lengths: tuple[int, int, int]) -> tuple[int, ...]:
@@ -62,25 +77,31 @@ def probe_lengths_for(model_spec: Any, probe_lengths: tuple[int, int, int]) -> t
     return lengths if max(lengths) < model_spec.seq_len else (model_spec.seq_len,)
 
 
-def kept_at(model_spec: Any, precision: str, seed: int, lengths: tuple[int, ...]) -> int:
-    """Bytes autograd keeps for one sequence of `model_spec.seq_len` tokens, measured at
-    `lengths` (one: the context itself). Why three short ones are exact: every tensor a layer
-    keeps has the sequence as one dim (activations) or two (attention scores, masks, where
-    kept), so what a sequence keeps is a quadratic in its length, fixed by three points
-    (Lagrange's form, in integers); `tests/test_planner_measured.py` checks it against the
-    whole context. Why: the copies' layers are the model's own width, and a 7B-wide layer's
-    forward over 4,096 tokens took minutes and 10 GB on the flow's CPU."""
+def kept_at(model_spec: Any, precision: str, seed: int, lengths: tuple[int, ...],
+            modes: tuple[str, ...] = ("none",)) -> dict[str, int]:
+    """Bytes one sequence of `model_spec.seq_len` tokens keeps under each activation checkpointing
+    mode (`kept_by_mode`), measured at `lengths` (one: the context itself). Why three short ones
+    are exact: every tensor a layer keeps has the sequence as one dim (activations) or two
+    (attention scores, masks, where kept), so what a sequence keeps is a quadratic in its
+    length, fixed by three points (Lagrange's form, in integers); `tests/test_planner_measured.py`
+    checks it against the whole context. Why: the copies' layers are the model's own width, and
+    a 7B-wide layer's forward over 4,096 tokens took minutes and 10 GB on the flow's CPU."""
     family = family_of(model_spec)
     model = family.build(model_spec)
     points = []
     for length in lengths:
         inputs, targets = _sequence(model_spec, model, 1, seed, length)
-        points.append((length, kept_for_backward(_Logits(family, model), inputs, targets, precision)))
+        points.append((length, kept_by_mode(family, model, inputs, targets, precision, modes)))
     del model
     gc.collect()  # a 7B-wide layer is a gigabyte (a model's modules may hold cycles): gone before the next copy
     if len(points) == 1:
         return points[0][1]
-    target, total = model_spec.seq_len, Fraction(0)
+    return {mode: _quadratic_at(model_spec.seq_len, [(x, kept[mode]) for x, kept in points]) for mode in points[0][1]}
+
+
+def _quadratic_at(target: int, points: list[tuple[int, int]]) -> int:
+    """The polynomial through `points` (Lagrange's form, exact in integers) at `target`."""
+    total = Fraction(0)
     for i, (x_i, y_i) in enumerate(points):
         term = Fraction(y_i)
         for j, (x_j, _) in enumerate(points):
@@ -88,6 +109,40 @@ def kept_at(model_spec: Any, precision: str, seed: int, lengths: tuple[int, ...]
                 term *= Fraction(target - x_j, x_i - x_j)
         total += term
     return round(total)
+
+
+def kept_by_mode(family: Any, model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor,
+                 precision: str, modes: tuple[str, ...] = ("none",)) -> dict[str, int]:
+    """Bytes one forward of `inputs` keeps for backward under each checkpointing mode: "none" as
+    autograd saves them (`kept_for_backward`); "selective" and "full" by the difference every
+    layer checkpointed makes to what the forward leaves alive (`alive_after`: a checkpoint's own
+    saved tensors are out of saved-tensor hooks' sight), the same checkpoints the trainer applies
+    (trainer.recompute), each layer's forward run through them for the measurement only."""
+    logits = _Logits(family, model)
+    out = {"none": kept_for_backward(logits, inputs, targets, precision)}
+    checkpointed = [mode for mode in CHECKPOINTED if mode in modes]
+    if not checkpointed:
+        return out
+
+    def alive() -> int:
+        autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16")
+
+        def forward() -> torch.Tensor:
+            with autocast:
+                return token_loss_sum(logits(inputs), targets)
+        return alive_after(forward)
+
+    plain = alive()
+    layers = [layer for _, layer in family.layers(model)]
+    for mode in checkpointed:
+        for layer in layers:
+            layer.forward = functools.partial(checkpointed_call, type(layer).forward.__get__(layer), mode)
+        try:
+            out[mode] = out["none"] + alive() - plain
+        finally:
+            for layer in layers:
+                del layer.forward
+    return out
 
 
 def _small_copy(model_spec: Any, depth: int, vocab: int) -> Any:
@@ -119,7 +174,8 @@ def _sequence(model_spec: Any, model: torch.nn.Module, batch: int, seed: int,
     return tokens[:, :-1], tokens[:, 1:]
 
 
-def measure_model(model_spec: Any, micro_batch: int, precision: str, seed: int = 0, repeats: int = 3) -> dict[str, float]:
+def measure_model(model_spec: Any, micro_batch: int, precision: str, seed: int = 0, repeats: int = 3,
+                  modes: tuple[str, ...] = ("none",)) -> dict[str, Any]:
     """Seconds of one sequence's forward and backward (the best of `repeats` passes over a
     micro-batch, one thread as each CPU worker runs), bytes autograd keeps for one sequence,
     and the parameters of the model, of its largest decoder layer and outside its layers."""
@@ -142,8 +198,11 @@ def measure_model(model_spec: Any, micro_batch: int, precision: str, seed: int =
         kept = kept_for_backward(_Logits(family, model), inputs[:1], targets[:1], precision)
         layers = [sum(p.numel() for p in layer.parameters()) for _, layer in family.layers(model)]
         n_params = sum(p.numel() for p in model.parameters())
+        vocab = model_spec.vocab_size or model.get_output_embeddings().weight.shape[0]
+        del model
+        checkpointing = activations(model_spec, len(layers), vocab, precision, seed, modes) if len(modes) > 1 else {}
     finally:
         torch.set_num_threads(threads)
-    return {"sequence_s": best / micro_batch, "activation_bytes": float(kept), "n_params": n_params,
+    return {"sequence_s": best / micro_batch, **checkpointing, "activation_bytes": float(kept), "n_params": n_params,
             "layer_params": max(layers, default=0), "root_params": n_params - sum(layers),
             "flops_per_token": family.flops_per_token(model_spec, n_params)}

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 from torch.distributed._composable import checkpoint
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 _aten = torch.ops.aten
 _c10d = torch.ops._c10d_functional
@@ -74,15 +75,28 @@ def _selective_contexts() -> tuple[object, object]:
     return create_selective_checkpoint_contexts(_keep_gemms)
 
 
+# The modes that checkpoint a layer ("none" keeps everything autograd saves).
+CHECKPOINTED = ("selective", "full")
+
+
+def _options(mode: str) -> dict[str, Callable[[], tuple[object, object]]]:
+    if mode not in CHECKPOINTED:
+        raise ValueError(f"activation checkpointing {mode!r}: expected none, selective or full")
+    return {"context_fn": _selective_contexts} if mode == "selective" else {}
+
+
 def checkpoint_layer(layer: nn.Module, mode: str) -> None:
     """Apply `mode` ("none", "selective" or "full") to one decoder layer, in place."""
     if mode == "none":
         return
-    if mode not in ("selective", "full"):
-        raise ValueError(f"activation checkpointing {mode!r}: expected none, selective or full")
-    options: dict[str, Callable[[], tuple[object, object]]] = (
-        {"context_fn": _selective_contexts} if mode == "selective" else {})
-    checkpoint(layer, preserve_rng_state=True, **options)
+    checkpoint(layer, preserve_rng_state=True, **_options(mode))
+
+
+def checkpointed_call(forward: Callable[..., object], mode: str, *args: object, **kwargs: object) -> object:
+    """`forward(*args, **kwargs)` under the checkpoint `checkpoint_layer` applies for `mode`, for
+    one call (what a measurement needs of several modes on one model: the composable checkpoint
+    cannot be taken off a layer again)."""
+    return torch_checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=True, **_options(mode), **kwargs)
 
 
 def apply_ac(layers: list[nn.Module], mode: str) -> None:

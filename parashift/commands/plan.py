@@ -117,18 +117,22 @@ def plan(
         from parashift.trainer.measure_model import measure_for_gpus, measure_model
 
         train = job.training
-        numbers = (measure_model(model, train.micro_batch, par.precision) if kind == "cpu"
-                   else measure_for_gpus(model, par.precision))
+        modes = _ac_modes(par)
+        numbers = (measure_model(model, train.micro_batch, par.precision, modes=modes) if kind == "cpu"
+                   else measure_for_gpus(model, par.precision, modes=modes))
         measured = profile_from_measurements(model.tag, numbers, kind,
                                              res.devices_per_node or n, res.memory_gb, None, res.devices_per_node,
                                              seq_len=model.seq_len)
         result = plan_measured(measured, n, train.global_batch, train.micro_batch,
-                               par.plan_memory_bytes(measured.device.memory_bytes), shard_dp=par.shard_data_parallel)
+                               par.plan_memory_bytes(measured.device.memory_bytes), shard_dp=par.shard_data_parallel,
+                               ac_modes=modes)
+        checkpointing = (f", {result.activation_checkpointing} activation checkpointing"
+                         if result.activation_checkpointing != "none" else "")
         typer.echo(result.model_dump_json(indent=2) if json_out else "\n".join(
             [f"{model.tag} on {counted(n, kind + ' device')}: dp {n}, "
-             + (f"state sharded over {result.dp_shard} " if result.dp_shard > 1 else "state replicated ")
-             + f"({result.estimated_step_s or 0:.4g} s per step, {(result.memory_per_device_bytes or 0) / 2**30:.2f} GiB "
-               "per device)", *result.notes]))
+             + (f"state sharded over {result.dp_shard}" if result.dp_shard > 1 else "state replicated")
+             + f"{checkpointing} ({result.estimated_step_s or 0:.4g} s per step, "
+               f"{(result.memory_per_device_bytes or 0) / 2**30:.2f} GiB per device)", *result.notes]))
         return
     else:
         batch = job.training.global_batch
