@@ -23,6 +23,7 @@ lists every option.
 
 from __future__ import annotations
 
+from parashift.planner.checkpointing import policy_on
 from parashift.planner.comm import CommModel, default_comm
 from parashift.planner.profile import DEFAULT_DEVICES, DeviceModel, share_cores
 from parashift.specs.plan import Plan
@@ -45,6 +46,9 @@ class MeasuredProfile(BaseModel):
     root_params: int = Field(ge=0, description="parameters outside the decoder layers (gathered for the whole step)")
     sequence_s: float = Field(gt=0, description="forward + backward of one sequence on one device, measured")
     activation_bytes: float = Field(ge=0, description="bytes autograd keeps for one sequence, measured")
+    cast_bytes: float = Field(0.0, ge=0, description="bytes a forward keeps once whatever its batch: autocast's "
+                                                      "bf16 copies of the weights, measured")
+    cast_bytes_by_ac: dict[str, float] = Field(default_factory=dict, description="`cast_bytes` per checkpointing mode")
     activation_bytes_by_ac: dict[str, float] = Field(
         default_factory=dict, description="bytes one sequence keeps with every decoder layer checkpointed, per mode "
                                           "(selective, full), measured; a mode not measured is not searched")
@@ -101,49 +105,57 @@ def recompute_share(profile: MeasuredProfile, mode: str) -> float:
 
 
 def option_cost(profile: MeasuredProfile, devices: int, dp_shard: int, global_batch: int, micro_batch: int,
-                activation_checkpointing: str = "none") -> Option:
+                activation_checkpointing: str = "none", mixed_precision: str | None = None) -> Option:
     """Estimated step seconds and memory per device of the dp axis over `devices` with the
     state sharded over `dp_shard` ranks (1: replicated), every decoder layer checkpointed as
-    `activation_checkpointing` says."""
+    `activation_checkpointing` says. Under FSDP2's bf16 policy (`mixed_precision` "fsdp", with a
+    data axis: `checkpointing.policy_on`) weights are gathered and used in bf16: no autocast
+    copies, half the gather (the measured activations, taken under autocast, are kept as an
+    upper bound: the policy's own keep some in bf16 that autocast keeps in fp32)."""
     share = -(-global_batch // devices)
     micro = min(micro_batch, share)
     micro_batches = -(-share // micro)
     ac = activation_checkpointing
     compute = profile.sequence_s * share * (1 + recompute_share(profile, ac))
     comm, replicas = profile.comm, devices // dp_shard
+    bf16_params = policy_on(mixed_precision, devices) == "fsdp"
+    gathered = 2 if bf16_params else PARAM_BYTES
     weights = PARAM_BYTES * profile.n_params
     if dp_shard == 1:
         sync = comm.bucketed_all_reduce(weights, devices)
     else:
-        gathers = 2 * micro_batches * comm.all_gather(weights, dp_shard)
-        reduce_scatter = micro_batches * comm.all_gather(weights, dp_shard)  # the same volume, the other way
+        gathers = 2 * micro_batches * comm.all_gather(gathered * profile.n_params, dp_shard)
+        reduce_scatter = micro_batches * comm.all_gather(weights, dp_shard)  # fp32 gradients, the other way
         sync = gathers + reduce_scatter + comm.bucketed_all_reduce(weights / dp_shard, replicas)
-    kept = profile.activation_bytes
+    kept, casts = profile.activation_bytes, profile.cast_bytes
     if ac != "none":  # and while a layer's backward runs, its whole again (less what it keeps)
         layer = profile.layer_kept_by_ac
         kept = profile.activation_bytes_by_ac[ac] + layer.get("none", 0.0) - layer.get(ac, 0.0)
-    memory = STATE_BYTES * profile.n_params / dp_shard + kept * micro
+        casts = profile.cast_bytes_by_ac.get(ac, 0.0)
+    memory = STATE_BYTES * profile.n_params / dp_shard + (0.0 if bf16_params else casts) + kept * micro
     if dp_shard > 1:
-        memory += PARAM_BYTES * (profile.root_params + 2 * profile.layer_params)
+        memory += gathered * (profile.root_params + 2 * profile.layer_params)
+    elif bf16_params:  # FSDP2's `replicate` holds the whole model's bf16 copy for the step
+        memory += 2 * profile.n_params
     return Option(dp_shard=dp_shard, step_s=compute + sync, memory_bytes=memory, activation_checkpointing=ac)
 
 
 def all_options(profile: MeasuredProfile, devices: int, global_batch: int, micro_batch: int, shard_dp: bool,
-                ac_modes: tuple[str, ...]) -> list[Option]:
+                ac_modes: tuple[str, ...], mixed_precision: str | None = None) -> list[Option]:
     """Every option, per checkpointing mode (in `ac_modes`' order: ties go to the earlier) and shard count."""
     shards = [s for s in range(1, devices + 1) if devices % s == 0] if shard_dp else [1]
-    return [option_cost(profile, devices, s, global_batch, micro_batch, mode)
+    return [option_cost(profile, devices, s, global_batch, micro_batch, mode, mixed_precision)
             for mode in priced_modes(profile, ac_modes) for s in shards]
 
 
 def plan_measured(profile: MeasuredProfile, devices: int, global_batch: int, micro_batch: int,
                   memory_limit_bytes: int | None = None, shard_dp: bool = True,
-                  ac_modes: tuple[str, ...] = ("none",)) -> Plan:
+                  ac_modes: tuple[str, ...] = ("none",), mixed_precision: str | None = None) -> Plan:
     """The fastest fitting option of the data axis and checkpointing (`ac_modes`, each priced
     from its own measurement) as a Plan (strategy "measured"); the one that needs least memory,
     marked infeasible, when none fits."""
     limit = memory_limit_bytes if memory_limit_bytes is not None else profile.device.memory_bytes
-    options = all_options(profile, devices, global_batch, micro_batch, shard_dp, ac_modes)
+    options = all_options(profile, devices, global_batch, micro_batch, shard_dp, ac_modes, mixed_precision)
     fitting = [o for o in options if limit is None or o.memory_bytes <= limit]
     order = {mode: i for i, mode in enumerate(ac_modes)}  # among equal step times the earlier mode, then less memory
     best = (min(fitting, key=lambda o: (o.step_s, order[o.activation_checkpointing], o.memory_bytes)) if fitting
@@ -154,6 +166,8 @@ def plan_measured(profile: MeasuredProfile, devices: int, global_batch: int, mic
     kept = ", ".join(f"{profile.activation_bytes_by_ac[m] / 2**20:.1f} MiB under {m} checkpointing"
                      for m in priced_modes(profile, ac_modes) if m != "none")
     kept = f" ({kept})" if kept else ""
+    if profile.cast_bytes:
+        kept += f", {profile.cast_bytes / 2**20:.1f} MiB of autocast's weight copies per forward"
     per_sequence = (f"{profile.sequence_s * 1e3:.3g} ms per sequence from its FLOPs at "
                     f"{profile.device.matmul_flops / 1e12:.4g} TFLOP/s, {profile.activation_bytes / 2**20:.1f} MiB kept "
                     f"per sequence measured{kept}" if profile.sequence_from == "flops" else
@@ -175,12 +189,13 @@ def plan_measured(profile: MeasuredProfile, devices: int, global_batch: int, mic
 
 def measured_options(profile: MeasuredProfile, devices: int, global_batch: int, micro_batch: int,
                      memory_limit_bytes: int | None = None, shard_dp: bool = True,
-                     ac_modes: tuple[str, ...] = ("none",)) -> list[Plan]:
+                     ac_modes: tuple[str, ...] = ("none",), mixed_precision: str | None = None) -> list[Plan]:
     """Every fitting option as a Plan, fastest first (a resumed job weighs moving its checkpoint too)."""
-    best = plan_measured(profile, devices, global_batch, micro_batch, memory_limit_bytes, shard_dp, ac_modes)
+    best = plan_measured(profile, devices, global_batch, micro_batch, memory_limit_bytes, shard_dp, ac_modes,
+                         mixed_precision)
     limit = memory_limit_bytes if memory_limit_bytes is not None else profile.device.memory_bytes
     others = []
-    for option in all_options(profile, devices, global_batch, micro_batch, shard_dp, ac_modes):
+    for option in all_options(profile, devices, global_batch, micro_batch, shard_dp, ac_modes, mixed_precision):
         if (option.dp_shard, option.activation_checkpointing) == (best.dp_shard, best.activation_checkpointing):
             continue
         if limit is None or option.memory_bytes <= limit:

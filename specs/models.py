@@ -449,6 +449,10 @@ class ParallelismSpec(_Section):
                                              "mixed_precision")])
         return self
 
+    def bf16_policy(self) -> str | None:
+        """How bf16 compute is had ("autocast" or "fsdp"); None in fp32."""
+        return self.mixed_precision if self.precision == "bf16" else None
+
     def pinned(self, devices: int) -> Plan:
         """The pinned plan on `devices` (`specs.plan.pinned_plan`); ValueError where it cannot be."""
         assert self.mesh is not None

@@ -122,7 +122,8 @@ def _search(spec: JobSpec, profile: ModelProfile | MeasuredProfile, devices: int
     if found is None:  # two threads may search the same key at once: both get the same plan
         if isinstance(profile, MeasuredProfile):  # no op graph: the data axis's options, measured
             searched = plan_measured(profile, devices, train.global_batch, train.micro_batch, limit,
-                                     shard_dp=par.shard_data_parallel, ac_modes=ac_modes)
+                                     shard_dp=par.shard_data_parallel, ac_modes=ac_modes,
+                                     mixed_precision=par.bf16_policy())
         else:
             searched = plan_model(profile, devices, limit, par.max_tp, par.max_pp, device_kind=spec.resources.kind,
                                   shard_dp=par.shard_data_parallel, ac_modes=ac_modes,
@@ -174,7 +175,8 @@ def prepare_plan(spec: JobSpec, model: ModelSummary, devices: int, with_options:
     if with_options and par.strategy == "auto":
         if isinstance(profile, MeasuredProfile):
             candidates = measured_options(profile, devices, train.global_batch, train.micro_batch, limit,
-                                          shard_dp=par.shard_data_parallel, ac_modes=ac_searched(spec))
+                                          shard_dp=par.shard_data_parallel, ac_modes=ac_searched(spec),
+                                          mixed_precision=par.bf16_policy())
         else:
             candidates = plan_options(profile, devices, limit, par.max_tp, par.max_pp, device_kind=spec.resources.kind,
                                       shard_dp=par.shard_data_parallel, searched=searched,

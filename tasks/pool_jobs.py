@@ -25,7 +25,8 @@ def predicted_step_s(spec: JobSpec, counts: list[int]) -> dict[int, float]:
         try:
             if isinstance(profile, MeasuredProfile):
                 plan = plan_measured(profile, n, train.global_batch, train.micro_batch, limit,
-                                     shard_dp=par.shard_data_parallel, ac_modes=ac_searched(spec))
+                                     shard_dp=par.shard_data_parallel, ac_modes=ac_searched(spec),
+                                     mixed_precision=par.bf16_policy())
             else:
                 plan = plan_model(profile, n, limit, par.max_tp, par.max_pp, device_kind=spec.resources.kind,
                                   shard_dp=par.shard_data_parallel, ac_modes=ac_searched(spec),

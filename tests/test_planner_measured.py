@@ -63,6 +63,21 @@ def test_checkpointing_is_chosen_only_where_memory_needs_it_and_priced_as_measur
     assert {p.activation_checkpointing for p in measured_options(profile, 8, 64, 8, ac_modes=AC_MODES)} == set(AC_MODES)
 
 
+def test_weight_copies_are_held_once_per_micro_batch_and_not_under_fsdp2s_policy() -> None:
+    """Autocast's bf16 weight copies are made once per forward, whatever its batch: counted
+    once, not once per sequence of the micro-batch. Under FSDP2's bf16 policy (with a data axis)
+    there are none, and weights are gathered in bf16: half the gathered memory and traffic."""
+    casts = PROFILE.model_copy(update={"cast_bytes": 10e6})
+    plain, with_casts = option_cost(PROFILE, 8, 4, 64, 8), option_cost(casts, 8, 4, 64, 8)
+    assert with_casts.memory_bytes - plain.memory_bytes == 10e6
+    policy = option_cost(casts, 8, 4, 64, 8, mixed_precision="fsdp")
+    gathered = 4 * (PROFILE.root_params + 2 * PROFILE.layer_params)
+    assert plain.memory_bytes - policy.memory_bytes == gathered / 2
+    assert policy.step_s < plain.step_s  # the gathers move half the bytes
+    # one device has no data axis: autocast runs, copies and all
+    assert option_cost(casts, 1, 1, 64, 8, mixed_precision="fsdp") == option_cost(casts, 1, 1, 64, 8)
+
+
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_what_a_checkpointed_model_keeps_is_measured_as_the_trainer_checkpoints_it(precision: str) -> None:
     """Each mode's bytes, from the short small copies, equal the whole model's at the whole
@@ -74,7 +89,7 @@ def test_what_a_checkpointed_model_keeps_is_measured_as_the_trainer_checkpoints_
     from parashift.models.layers import token_loss_sum
     from parashift.specs.plan import AC_MODES
     from parashift.trainer.measure_model import _Logits, _sequence, measure_for_gpus
-    from parashift.trainer.memory import alive_after, kept_for_backward
+    from parashift.trainer.memory import alive_after, kept_for_backward, kept_parts
     from parashift.trainer.recompute import apply_ac
 
     config = {"model_type": "qwen2", "num_hidden_layers": 3, "hidden_size": 32, "num_attention_heads": 4,
@@ -94,8 +109,15 @@ def test_what_a_checkpointed_model_keeps_is_measured_as_the_trainer_checkpoints_
 
         plain = alive_after(forward)
         apply_ac([layer for _, layer in family.layers(model)], mode)
-        assert measured["activation_bytes_by_ac"][mode] == kept + alive_after(forward) - plain, mode
+        total = measured["activation_bytes_by_ac"][mode] + measured["cast_bytes_by_ac"][mode]
+        assert total == kept + alive_after(forward) - plain, mode
     assert measured["layer_kept_by_ac"]["full"] == 200 * 32 * 4  # a layer keeps its input: the fp32 residual stream
+    # autocast's bf16 weight copies, once per forward (not per sequence): every GEMM's weight, the head's too
+    model = family.build(spec)
+    gemm_weights = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    assert measured["cast_bytes"] == (2 * gemm_weights if precision == "bf16" else 0)
+    casts = [kept_parts(_Logits(family, model), *_sequence(spec, model, batch, 0), precision)[0] for batch in (1, 3)]
+    assert casts[0] == casts[1] == measured["cast_bytes"]
 
 
 def test_a_transformers_model_is_measured() -> None:

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from parashift.models import family_of
 from parashift.models.layers import token_loss_sum
-from parashift.trainer.memory import alive_after, kept_for_backward
+from parashift.trainer.memory import alive_parts, kept_parts
 from parashift.trainer.recompute import CHECKPOINTED, checkpointed_call
 
 _DEPTH_FIELDS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
@@ -48,17 +48,21 @@ def measure_for_gpus(model_spec: Any, precision: str, seed: int = 0, modes: tupl
 def activations(model_spec: Any, depth: int, vocab: int, precision: str, seed: int, modes: tuple[str, ...] = ("none",),
                 probe_lengths: tuple[int, int, int] = PROBE_LENGTHS) -> dict[str, Any]:
     """What one sequence keeps under each checkpointing mode (`activation_bytes`: none;
-    `activation_bytes_by_ac`), and what one decoder layer keeps of it (`layer_kept_by_ac`: a
-    checkpointed layer holds its whole again while its backward runs), from small copies (1 and 2
-    layers, 256 and 512 ids) extended to `depth` layers and `vocab` ids."""
+    `activation_bytes_by_ac`), what a forward keeps once whatever its batch (`cast_bytes`,
+    `cast_bytes_by_ac`: autocast's weight copies), and what one decoder layer keeps of both
+    (`layer_kept_by_ac`: a checkpointed layer holds its whole again while its backward runs),
+    from small copies (1 and 2 layers, 256 and 512 ids) extended to `depth` layers and `vocab` ids."""
     lengths = probe_lengths_for(model_spec, probe_lengths)
     one, two, wide = (kept_at(_small_copy(model_spec, layers, width), precision, seed, lengths, modes)
                       for layers, width in ((1, _SMALL_VOCAB), (2, _SMALL_VOCAB), (1, 2 * _SMALL_VOCAB)))
     kept = {mode: one[mode] + (depth - 1) * (two[mode] - one[mode])
             + (vocab - _SMALL_VOCAB) * (wide[mode] - one[mode]) // _SMALL_VOCAB for mode in one}
-    return {"activation_bytes": float(kept["none"]),
-            "activation_bytes_by_ac": {mode: float(kept[mode]) for mode in kept if mode != "none"},
-            "layer_kept_by_ac": {mode: float(two[mode] - one[mode]) for mode in one}}
+    measured = [mode for mode in kept if "/" not in mode]
+    return {"activation_bytes": float(kept["none"]), "cast_bytes": float(kept["none/casts"]),
+            "activation_bytes_by_ac": {mode: float(kept[mode]) for mode in measured if mode != "none"},
+            "cast_bytes_by_ac": {mode: float(kept[f"{mode}/casts"]) for mode in measured if mode != "none"},
+            "layer_kept_by_ac": {mode: float(two[mode] + two[f"{mode}/casts"] - one[mode] - one[f"{mode}/casts"])
+                                 for mode in measured}}
 
 
 def probe_lengths_for(model_spec: Any, probe_lengths: tuple[int, int, int]) -> tuple[int, ...]:
@@ -113,35 +117,40 @@ def _quadratic_at(target: int, points: list[tuple[int, int]]) -> int:
 
 def kept_by_mode(family: Any, model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor,
                  precision: str, modes: tuple[str, ...] = ("none",)) -> dict[str, int]:
-    """Bytes one forward of `inputs` keeps for backward under each checkpointing mode: "none" as
-    autograd saves them (`kept_for_backward`); "selective" and "full" by the difference every
-    layer checkpointed makes to what the forward leaves alive (`alive_after`: a checkpoint's own
-    saved tensors are out of saved-tensor hooks' sight), the same checkpoints the trainer applies
-    (trainer.recompute), each layer's forward run through them for the measurement only."""
+    """Bytes one forward of `inputs` keeps for backward under each checkpointing mode, in two
+    parts: `mode` (what grows with the batch) and `mode/casts` (autocast's weight copies, once
+    per forward). "none" as autograd saves them (`kept_parts`); "selective" and "full" by the
+    difference every layer checkpointed makes to what the forward leaves alive (`alive_parts`:
+    a checkpoint's own saved tensors are out of saved-tensor hooks' sight), the same checkpoints
+    the trainer applies (trainer.recompute), each layer's forward run through them for the
+    measurement only."""
     logits = _Logits(family, model)
-    out = {"none": kept_for_backward(logits, inputs, targets, precision)}
+    casts, rest = kept_parts(logits, inputs, targets, precision)
+    out = {"none": rest, "none/casts": casts}
     checkpointed = [mode for mode in CHECKPOINTED if mode in modes]
     if not checkpointed:
         return out
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
 
-    def alive() -> int:
+    def alive() -> tuple[int, int]:
         autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16")
 
         def forward() -> torch.Tensor:
             with autocast:
                 return token_loss_sum(logits(inputs), targets)
-        return alive_after(forward)
+        return alive_parts(forward, weights)
 
-    plain = alive()
+    plain_casts, plain = alive()
     layers = [layer for _, layer in family.layers(model)]
     for mode in checkpointed:
         for layer in layers:
             layer.forward = functools.partial(checkpointed_call, type(layer).forward.__get__(layer), mode)
         try:
-            out[mode] = out["none"] + alive() - plain
+            mode_casts, mode_rest = alive()
         finally:
             for layer in layers:
                 del layer.forward
+        out[mode], out[f"{mode}/casts"] = rest + mode_rest - plain, casts + mode_casts - plain_casts
     return out
 
 
@@ -155,7 +164,7 @@ def _small_copy(model_spec: Any, depth: int, vocab: int) -> Any:
 
 
 class _Logits(torch.nn.Module):
-    """The family's logits as a module holding the weights (what `kept_for_backward` calls)."""
+    """The family's logits as a module holding the weights (what `kept_parts` calls)."""
 
     def __init__(self, family: Any, model: torch.nn.Module) -> None:
         super().__init__()
@@ -195,7 +204,7 @@ def measure_model(model_spec: Any, micro_batch: int, precision: str, seed: int =
             best = min(best, time.perf_counter() - started)
             model.zero_grad(set_to_none=True)
 
-        kept = kept_for_backward(_Logits(family, model), inputs[:1], targets[:1], precision)
+        casts, kept = kept_parts(_Logits(family, model), inputs[:1], targets[:1], precision)
         layers = [sum(p.numel() for p in layer.parameters()) for _, layer in family.layers(model)]
         n_params = sum(p.numel() for p in model.parameters())
         vocab = model_spec.vocab_size or model.get_output_embeddings().weight.shape[0]
@@ -203,6 +212,7 @@ def measure_model(model_spec: Any, micro_batch: int, precision: str, seed: int =
         checkpointing = activations(model_spec, len(layers), vocab, precision, seed, modes) if len(modes) > 1 else {}
     finally:
         torch.set_num_threads(threads)
-    return {"sequence_s": best / micro_batch, **checkpointing, "activation_bytes": float(kept), "n_params": n_params,
+    return {"sequence_s": best / micro_batch, **checkpointing, "activation_bytes": float(kept),
+            "cast_bytes": float(casts), "n_params": n_params,
             "layer_params": max(layers, default=0), "root_params": n_params - sum(layers),
             "flops_per_token": family.flops_per_token(model_spec, n_params)}

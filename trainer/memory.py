@@ -22,6 +22,12 @@ from torch.utils._pytree import tree_leaves
 def kept_for_backward(model: torch.nn.Module, tokens: torch.Tensor, targets: torch.Tensor, precision: str) -> int:
     """Bytes of the distinct storages autograd keeps for one forward and loss of `tokens`
     ((B, T) ids) under the trainer's `precision` ("bf16": autocast over fp32 weights)."""
+    return sum(kept_parts(model, tokens, targets, precision))
+
+
+def kept_parts(model: torch.nn.Module, tokens: torch.Tensor, targets: torch.Tensor, precision: str) -> tuple[int, int]:
+    """`kept_for_backward` in two parts: (autocast's low-precision copies of the weights, once per
+    forward whatever its batch, everything else)."""
     weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
     kept: dict[int, int] = {}
     # What autograd saved, held here until the forward is counted (alive, no storage's address
@@ -41,10 +47,27 @@ def kept_for_backward(model: torch.nn.Module, tokens: torch.Tensor, targets: tor
 
     autocast = (torch.autocast(tokens.device.type, dtype=torch.bfloat16) if precision == "bf16"
                 else contextlib.nullcontext())
-    with torch.autograd.graph.saved_tensors_hooks(pack, unpack), autocast:
+    with WeightCasts(weights) as casts, torch.autograd.graph.saved_tensors_hooks(pack, unpack), autocast:
         token_loss_sum(model(tokens), targets)
     held.clear()
-    return sum(kept.values())
+    cast = sum(n for ptr, n in kept.items() if ptr in casts.made)
+    return cast, sum(kept.values()) - cast
+
+
+class WeightCasts(TorchDispatchMode):
+    """Records the storages made by casting a weight (autocast's bf16 copy of each GEMM's
+    weight): a forward makes them once, whatever its batch, so they are not per sequence."""
+
+    def __init__(self, weights: set[int]) -> None:
+        super().__init__()
+        self.weights, self.made = weights, set[int]()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        out = func(*args, **(kwargs or {}))
+        if (func is torch.ops.aten._to_copy.default and isinstance(args[0], torch.Tensor)
+                and args[0].untyped_storage().data_ptr() in self.weights):
+            self.made.add(out.untyped_storage().data_ptr())
+        return out
 
 
 def alive_after(forward: Callable[[], torch.Tensor]) -> int:
@@ -52,8 +75,14 @@ def alive_after(forward: Callable[[], torch.Tensor]) -> int:
     still alive when it returns, the result's own left out: what backward will use, however it
     is held (autograd's saved tensors, an activation checkpoint's inputs, a selective policy's
     cache), so checkpointed layers are counted too, which saved-tensor hooks cannot see."""
+    return sum(alive_parts(forward, set()))
+
+
+def alive_parts(forward: Callable[[], torch.Tensor], weights: set[int]) -> tuple[int, int]:
+    """`alive_after` in two parts: (casts of the storages `weights` names, everything else)."""
     created: dict[int, tuple[StorageWeakRef, int]] = {}
     before: set[int] = set()
+    casts: set[int] = set()
 
     class Record(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
@@ -71,9 +100,16 @@ def alive_after(forward: Callable[[], torch.Tensor]) -> int:
                         continue
                     if ptr not in created or created[ptr][0].expired():  # new, or a freed one's address reused
                         created[ptr] = (StorageWeakRef(storage), storage.nbytes())
+                        if (func is torch.ops.aten._to_copy.default and isinstance(args[0], torch.Tensor)
+                                and args[0].untyped_storage().data_ptr() in weights):
+                            casts.add(ptr)
+                        else:
+                            casts.discard(ptr)
             return out
 
     with Record():
         result = forward()
     own = result.untyped_storage().data_ptr()
-    return sum(n for ptr, (ref, n) in created.items() if ptr != own and not ref.expired())
+    alive = {ptr: n for ptr, (ref, n) in created.items() if ptr != own and not ref.expired()}
+    cast = sum(n for ptr, n in alive.items() if ptr in casts)
+    return cast, sum(alive.values()) - cast

@@ -125,7 +125,7 @@ def plan(
                                              seq_len=model.seq_len)
         result = plan_measured(measured, n, train.global_batch, train.micro_batch,
                                par.plan_memory_bytes(measured.device.memory_bytes), shard_dp=par.shard_data_parallel,
-                               ac_modes=modes)
+                               ac_modes=modes, mixed_precision=par.bf16_policy())
         checkpointing = (f", {result.activation_checkpointing} activation checkpointing"
                          if result.activation_checkpointing != "none" else "")
         typer.echo(result.model_dump_json(indent=2) if json_out else "\n".join(
