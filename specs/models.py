@@ -20,7 +20,7 @@ from parashift.specs.base import (
     _raise_if,
     _Section,
 )
-from parashift.specs.plan import Plan, pinned_plan, plan_refusals
+from parashift.specs.plan import AC_MODES, Plan, pinned_plan, plan_refusals
 from parashift.specs.urls import DATA_SCHEMES, STORAGE_SCHEMES, check_url
 from pydantic import Discriminator, Field, Tag, field_validator, model_validator
 
@@ -448,6 +448,10 @@ class ParallelismSpec(_Section):
                                              "parallelism.precision is 'fp32': set precision: bf16, or remove "
                                              "mixed_precision")])
         return self
+
+    def ac_searched(self) -> tuple[str, ...]:
+        """The activation checkpointing the planner may choose: the pinned mode, or every mode."""
+        return AC_MODES if self.activation_checkpointing == "auto" else (self.activation_checkpointing,)
 
     def bf16_policy(self) -> str | None:
         """How bf16 compute is had ("autocast" or "fsdp"); None in fp32."""

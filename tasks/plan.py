@@ -15,7 +15,7 @@ from parashift.planner.profile import ModelProfile, peak_flops
 from parashift.planner.replan import Option, comparison, pick
 from parashift.planner.search import plan_model, plan_options
 from parashift.specs import JobSpec
-from parashift.specs.plan import AC_MODES, Plan
+from parashift.specs.plan import Plan
 from parashift.specs.words import counted, gib
 from parashift.tasks.artifacts import artifact_key
 from parashift.tasks.credentials import environment, storage_environment
@@ -104,16 +104,10 @@ _SEARCHED_MAX = 64
 _SEARCHED_LOCK = threading.Lock()  # the flow and its plans made ahead (PlansAhead) share it
 
 
-def ac_searched(spec: JobSpec) -> tuple[str, ...]:
-    """The activation checkpointing the planner may choose: the spec's pinned mode, or every mode."""
-    mode = spec.parallelism.activation_checkpointing
-    return AC_MODES if mode == "auto" else (mode,)
-
-
 def _search(spec: JobSpec, profile: ModelProfile | MeasuredProfile, devices: int, limit: int | None) -> Plan:
     """The planner's choice for `devices` (remembered: the search is deterministic)."""
     par, train = spec.parallelism, spec.training
-    ac_modes = ac_searched(spec)
+    ac_modes = par.ac_searched()
     key = (hashlib.sha256(profile.model_dump_json().encode()).hexdigest(), devices, limit, par.max_tp, par.max_pp,
            spec.resources.kind, par.shard_data_parallel, train.global_batch, train.micro_batch, ac_modes,
            par.mixed_precision)
@@ -175,7 +169,7 @@ def prepare_plan(spec: JobSpec, model: ModelSummary, devices: int, with_options:
     if with_options and par.strategy == "auto":
         if isinstance(profile, MeasuredProfile):
             candidates = measured_options(profile, devices, train.global_batch, train.micro_batch, limit,
-                                          shard_dp=par.shard_data_parallel, ac_modes=ac_searched(spec),
+                                          shard_dp=par.shard_data_parallel, ac_modes=par.ac_searched(),
                                           mixed_precision=par.bf16_policy())
         else:
             candidates = plan_options(profile, devices, limit, par.max_tp, par.max_pp, device_kind=spec.resources.kind,

@@ -13,7 +13,6 @@ def predicted_step_s(spec: JobSpec, counts: list[int]) -> dict[int, float]:
     from parashift.planner.measured import MeasuredProfile, plan_measured
     from parashift.planner.profile import share_cores
     from parashift.planner.search import plan_model
-    from parashift.tasks.plan import ac_searched
     from parashift.tasks.profile import build_profile
 
     base = build_profile(spec.on_devices(1))  # one worker: nothing to time on others
@@ -25,11 +24,11 @@ def predicted_step_s(spec: JobSpec, counts: list[int]) -> dict[int, float]:
         try:
             if isinstance(profile, MeasuredProfile):
                 plan = plan_measured(profile, n, train.global_batch, train.micro_batch, limit,
-                                     shard_dp=par.shard_data_parallel, ac_modes=ac_searched(spec),
+                                     shard_dp=par.shard_data_parallel, ac_modes=par.ac_searched(),
                                      mixed_precision=par.bf16_policy())
             else:
                 plan = plan_model(profile, n, limit, par.max_tp, par.max_pp, device_kind=spec.resources.kind,
-                                  shard_dp=par.shard_data_parallel, ac_modes=ac_searched(spec),
+                                  shard_dp=par.shard_data_parallel, ac_modes=par.ac_searched(),
                                   mixed_precision=par.mixed_precision)
         except ValueError:  # no plan fits this count
             continue

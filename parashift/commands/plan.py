@@ -59,12 +59,6 @@ def _refuse_oversized_exhaustive(profile: ModelProfile, label: str) -> None:
         raise typer.Exit(1)
 
 
-def _ac_modes(par: ParallelismSpec) -> tuple[str, ...]:
-    from parashift.specs.plan import AC_MODES
-
-    return AC_MODES if par.activation_checkpointing == "auto" else (par.activation_checkpointing,)
-
-
 def _solve(search: Callable[..., Plan], profile: ModelProfile, n: int, par: ParallelismSpec, label: str,
            exhaustive: bool, ac_modes: tuple[str, ...] | None = None) -> Plan:
     """The search's Plan; any failure of it one line and exit 1, never a traceback: a ValueError
@@ -72,7 +66,7 @@ def _solve(search: Callable[..., Plan], profile: ModelProfile, n: int, par: Para
     try:
         limit = par.plan_memory_bytes(profile.device.memory_bytes)  # the device less the reserve for transients
         return search(profile, n, limit, par.max_tp, par.max_pp, shard_dp=par.shard_data_parallel,
-                      ac_modes=ac_modes or _ac_modes(par), mixed_precision=par.mixed_precision)
+                      ac_modes=ac_modes or par.ac_searched(), mixed_precision=par.mixed_precision)
     except Exception as error:
         typer.echo(f"{label}: cannot plan it{' exhaustively' if exhaustive else ''}: {_one_line(error)}", err=True)
         raise typer.Exit(1) from None
@@ -117,7 +111,7 @@ def plan(
         from parashift.trainer.measure_model import measure_for_gpus, measure_model
 
         train = job.training
-        modes = _ac_modes(par)
+        modes = par.ac_searched()
         numbers = (measure_model(model, train.micro_batch, par.precision, modes=modes) if kind == "cpu"
                    else measure_for_gpus(model, par.precision, modes=modes))
         measured = profile_from_measurements(model.tag, numbers, kind,
