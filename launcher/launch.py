@@ -70,6 +70,18 @@ class LaunchResult:
         rank that has not answered): what it held went with it."""
         return max((e.step for e in self.of(HeldEvent) if e.rank not in self.lost_ranks), default=None)
 
+    def losses(self) -> list[tuple[int, float]]:
+        """Each step's loss as rank 0 reported it, and the held step's where rank 0 did not
+        complete it: a rank killed mid-step can cut rank 0 out of the step's last collective
+        (its final chunk never sent) while another rank completes the step and holds it; the
+        job resumes past that step, whose loss only the holder's `HeldEvent` carries."""
+        losses = [(e.step, e.loss) for e in self.steps]
+        held = self.held_step()
+        said = [e.loss for e in self.of(HeldEvent) if e.step == held and e.loss is not None]
+        if held is not None and said and held not in {step for step, _ in losses}:
+            losses.append((held, said[0]))
+        return losses
+
     @property
     def start(self) -> StartEvent | None:
         """The workers' start report (None: they never got that far)."""

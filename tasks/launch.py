@@ -251,7 +251,7 @@ def _segment_result(spec: JobSpec, plan: Plan, job: JobState, result: LaunchResu
         restore_rate = read.bytes_read * start.world_size / start.restore_s
     return SegmentResult(
         devices=plan.devices, start_step=start_step, final_step=final_step, outcome=outcome, reason=reason,
-        losses=[(e.step, e.loss) for e in result.steps],
+        losses=result.losses(),
         eval_losses=[(e.step, e.eval_loss) for e in result.steps if e.eval_loss is not None],
         tokens_per_s=statistics.median(rates) if rates else None,
         mfu=statistics.median(mfus) if mfus else None,

@@ -91,6 +91,19 @@ def test_a_launch_result_gives_typed_access() -> None:
     assert LaunchResult(returncode=1).start is None and LaunchResult(returncode=1).final_step is None
 
 
+def test_a_held_step_rank_0_did_not_complete_keeps_its_loss_from_the_rank_that_holds_it() -> None:
+    """Found in a clean-clone run: rank 1 killed as step 10 began; rank 2 completed step 9 and
+    held it, rank 0 never received the last chunk of step 9's reduction (it holds step 8). The
+    job resumed at step 9, and the failed segment's losses ended at step 8: step 9 was trained
+    and its loss recorded nowhere. The holder's event carries it."""
+    steps = [StepEvent(step=s, loss=float(s), step_s=0.1, tokens_per_s=1.0) for s in (7, 8)]
+    said = [HeldEvent(step=8, rank=0, loss=8.0), HeldEvent(step=9, rank=2, loss=9.5)]
+    assert LaunchResult(returncode=-9, events=[*steps, *said]).losses() == [(7, 7.0), (8, 8.0), (9, 9.5)]
+    reported = [*steps, StepEvent(step=9, loss=9.5, step_s=0.1, tokens_per_s=1.0)]
+    assert LaunchResult(returncode=-9, events=[*reported, *said]).losses() == [(7, 7.0), (8, 8.0), (9, 9.5)]  # once
+    assert LaunchResult(returncode=-9, events=[*steps, *said], lost_ranks=[2]).losses() == [(7, 7.0), (8, 8.0)]
+
+
 def test_a_held_step_counts_only_from_a_rank_that_outlived_the_segment() -> None:
     """A survivor of a peer's death can say it holds a step and be ended a moment later (a
     hang's watchdog ends every rank that has not answered): the step went with it, and the

@@ -118,6 +118,9 @@ class HeldEvent(_Event):
     step: int
     samples_consumed: int = 0
     rank: int | None = Field(None, description="the rank that holds it (its process must outlive the segment)")
+    loss: float | None = Field(None, description="that step's loss over the global batch (every rank has it from "
+                                                 "the step's report): the step's record where rank 0 did not "
+                                                 "complete the step that another rank holds")
 
 
 class FinishedEvent(_Event):

@@ -92,7 +92,8 @@ def hold_after_failure(spec: JobSpec, built: Built, layout: Any, save: Saves, wh
     facts = live_state.Unrecorded(layout, *save.manifest_fields(where.position, where.loss))
     held = live_state.hold(spec.job_id, where.step, layout, rank, state, others=generators.every, unrecorded=facts)
     if held.whole():
-        metrics.emit(HeldEvent(step=where.step, samples_consumed=where.position.samples_consumed, rank=rank))
+        metrics.emit(HeldEvent(step=where.step, samples_consumed=where.position.samples_consumed, rank=rank,
+                               loss=where.loss))
 
 
 def holds_for_next(stops: StopRequests, layout: Any, rank: int, world_size: int, device: torch.device) -> bool:
