@@ -64,10 +64,15 @@ class WeightCasts(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
         out = func(*args, **(kwargs or {}))
-        if (func is torch.ops.aten._to_copy.default and isinstance(args[0], torch.Tensor)
-                and args[0].untyped_storage().data_ptr() in self.weights):
+        if casts_a_weight(func, args, self.weights):
             self.made.add(out.untyped_storage().data_ptr())
         return out
+
+
+def casts_a_weight(func: object, args: tuple[object, ...], weights: set[int]) -> bool:
+    """Whether an op is autocast's cast of one of `weights` (storage addresses)."""
+    return (func is torch.ops.aten._to_copy.default and isinstance(args[0], torch.Tensor)
+            and args[0].untyped_storage().data_ptr() in weights)
 
 
 def alive_after(forward: Callable[[], torch.Tensor]) -> int:
@@ -100,8 +105,7 @@ def alive_parts(forward: Callable[[], torch.Tensor], weights: set[int]) -> tuple
                         continue
                     if ptr not in created or created[ptr][0].expired():  # new, or a freed one's address reused
                         created[ptr] = (StorageWeakRef(storage), storage.nbytes())
-                        if (func is torch.ops.aten._to_copy.default and isinstance(args[0], torch.Tensor)
-                                and args[0].untyped_storage().data_ptr() in weights):
+                        if casts_a_weight(func, args, weights):
                             casts.add(ptr)
                         else:
                             casts.discard(ptr)
