@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from parashift.pool.allocator import PoolJob, PoolPolicy, allocate
+from parashift.pool.change_cost import change_downtime_s, state_bytes
 
 GIB = 2**30
 DEVICE_MEMORY_GB = 80.0
@@ -49,11 +50,9 @@ COUNTS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 PHILLY_SIZES = ((1, 0.9317), (2, 0.0221), (4, 0.0227), (8, 0.0200), (16, 0.0024), (32, 0.0010))
 PHILLY_MEDIAN_S, PHILLY_P75_S = 1144.0, 2932.0
 JOBS_PER_HOUR_PER_64_GPUS = 20.0
-# Change costs. parashift: a planned change's downtime on warm workers, 1.2-1.9 s measured on CPU
-# workers (BENCHMARKS.md, bench.trace), plus reading the state at the new size. Stop-and-restart:
-# bench/dcp_restart.py's median downtime measured beside it (8.23 s), plus a full save and load.
-PARASHIFT_CHANGE_S = 1.5
-RESTART_S = 8.23
+# Change costs are the live pool's (`pool.change_cost`). parashift: a planned change's downtime on
+# warm workers plus reading the state at the new size. Stop-and-restart: bench/dcp_restart.py's
+# median downtime, plus a full save and load.
 DISK_BPS = 1.18e9  # per device: the local disk's write with fsync here (FACTS.md); reads taken alike
 
 ARCHETYPES: dict[str, dict[str, Any]] = {
@@ -93,7 +92,7 @@ def archetype_curve(name: str) -> tuple[dict[int, float], float]:
         result = estimate(profile, plan, "fsdp")  # on one device (no data axis) autocast, as it runs
         if limit is None or result.memory_bytes <= limit:
             curve[n] = result.time_s
-    return curve, 16.0 * graph.n_params  # fp32 weights, gradients, Adam's two moments
+    return curve, state_bytes(graph.n_params)
 
 
 @dataclass
@@ -145,10 +144,7 @@ def make_trace(n_jobs: int, gpus: int, seed: int) -> list[SimJob]:
 
 def change_cost(job: SimJob, before: int, after: int, model: str) -> float:
     """Downtime of moving `job` from `before` to `after` devices (0: stopped, or waiting)."""
-    if model == "parashift":
-        return PARASHIFT_CHANGE_S + job.state_bytes / (max(after, 1) * DISK_BPS)
-    save = job.state_bytes / (before * DISK_BPS) if before else 0.0
-    return RESTART_S + save + job.state_bytes / (max(after, 1) * DISK_BPS)
+    return change_downtime_s(job.state_bytes, before, after, warm=model == "parashift", read_bytes_per_s=DISK_BPS)
 
 
 @dataclass

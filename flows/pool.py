@@ -29,7 +29,7 @@ from parashift.specs.words import counted
 from parashift.storage import JobLease, JobPaths, ObjectStore, open_store
 from parashift.tasks.artifacts import artifact_key
 from parashift.tasks.pool_devices import ensure_pool_limit
-from parashift.tasks.pool_jobs import predicted_step_s
+from parashift.tasks.pool_jobs import predicted
 from prefect import flow
 from prefect.exceptions import PrefectHTTPStatusError
 from prefect.logging import get_run_logger
@@ -80,7 +80,7 @@ def tick(pool: PoolSpec, store: ObjectStore, book: PoolBook) -> bool:
     """One look at the pool: events, a decision if any, the actions it needs, the state saved.
     True when no job is active (and none was just submitted)."""
     logger = get_run_logger()
-    events = [book.submitted(key, at, spec, lambda s: predicted_step_s(s, counts_for(s, pool.devices, pool.devices_per_node)))
+    events = [book.submitted(key, at, spec, lambda s: predicted(s, counts_for(s, pool.devices, pool.devices_per_node)))
               for key, at, spec in submissions(store, pool.name, set(book.state.submissions_seen))]
     if pool.nodes is not None:
         event = book.nodes_seen(online_nodes(pool))

@@ -18,16 +18,15 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from parashift.pool.allocator import PoolJob, PoolPolicy, allocate
+from parashift.pool.change_cost import change_downtime_s
 from parashift.pool.placement import misfit, place, whole_nodes
 from parashift.pool.state import Decision, JobRecord, PoolState
-from parashift.pool.step_times import Measured, blended
+from parashift.pool.step_times import Measured, Prediction, blended
 from parashift.specs import JobSpec
 from parashift.specs.words import counted_each
+from parashift.storage import default_read_bytes_per_s
 
 RESEND_S = 60.0
-# Before a job has measured a change: a planned change's downtime on CPU workers is 1.2-1.9 s
-# warm and a relaunch ~8 s (BENCHMARKS.md, bench.trace and bench.dcp_restart).
-DEFAULT_CHANGE_COST_S = {True: 2.0, False: 10.0}
 MAX_DECISIONS = 500  # kept in the state; older ones are in the flow's logs and artifacts
 
 
@@ -63,7 +62,7 @@ class PoolBook:
     # -- events ------------------------------------------------------------------------------
 
     def submitted(self, key: str, submitted_at: float, spec: JobSpec | str,
-                  predict: Callable[[JobSpec], dict[int, float]]) -> str:
+                  predict: Callable[[JobSpec], Prediction]) -> str:
         """A submission taken in (or refused, with why); the event's description."""
         self.state.submissions_seen.append(key)
         if isinstance(spec, str):
@@ -79,9 +78,10 @@ class PoolBook:
             given["devices_per_node"] = self.state.devices_per_node
         pooled = spec.model_copy(update={"resources": spec.resources.model_copy(update=given)})
         predicted = predict(pooled)
-        record = JobRecord(job_id=spec.job_id, spec=pooled, submitted_at=submitted_at, predicted_step_s=predicted)
+        record = JobRecord(job_id=spec.job_id, spec=pooled, submitted_at=submitted_at,
+                           predicted_step_s=predicted.step_s, state_bytes=predicted.state_bytes)
         self.state.jobs[spec.job_id] = record
-        if not predicted:
+        if not predicted.step_s:
             record.status, record.reason, record.finished_at = "failed", "no plan of it fits this pool", self.clock()
             return f"refused {spec.job_id}: no plan of it fits a device count of this pool"
         return f"{spec.job_id} submitted"
@@ -128,11 +128,15 @@ class PoolBook:
         res = job.spec.resources
         step_s = blended(job.predicted_step_s, job.measured_step_s)
         warm = res.warm_workers and self.state.nodes is None  # jobs across nodes relaunch at a change
-        cost = job.change_cost_s if job.change_cost_s is not None else DEFAULT_CHANGE_COST_S[warm]
         least, requested = res.min_devices or 1, res.devices
         if self.state.devices_per_node is not None:  # a pool over nodes gives whole nodes
             per_node = self.state.devices_per_node
             least, requested = (whole_nodes(n, per_node) * per_node for n in (least, requested))
+        cost = job.change_cost_s
+        if cost is None:  # none measured yet: the cost model's, at the size it runs at (as the simulator's)
+            size = job.devices or least
+            cost = change_downtime_s(job.state_bytes or 0, size, size, warm=warm,
+                                     read_bytes_per_s=default_read_bytes_per_s(job.spec.storage.url))
         return PoolJob(job.job_id, step_s, max(job.spec.training.steps - job.steps_done, 1), job.submitted_at,
                        priority=res.priority, min_devices=least, max_devices=res.max_devices,
                        devices=job.devices if job.status == "running" else 0, change_cost_s=cost,

@@ -47,6 +47,7 @@ class JobRecord(BaseModel):
     predicted_step_s: dict[int, float] = Field(default_factory=dict)
     measured_step_s: dict[int, float] = Field(default_factory=dict)
     change_cost_s: float | None = Field(None, description="the job's own measured downtime per change")
+    state_bytes: int | None = Field(None, description="the training state a change moves (its model's, predicted)")
     steps_done: int = 0
     changes: int = 0
 

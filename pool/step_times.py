@@ -1,7 +1,7 @@
 """A pool job's seconds per step at each device count: the planner's prediction first, replaced
 by what the job measures as it runs.
 
-- **Predicted** (`tasks.pool_jobs.predicted_step_s`, beside the planner's task): the planner's
+- **Predicted** (`tasks.pool_jobs.predicted`, beside the planner's task): the planner's
   pick for each count. Computed once per job and kept in the pool's state.
 - **Measured** (`measured`): the job's own TensorBoard scalars in its storage
   (`jobs/{job}/metrics/`, trainer/scalars.py): `step_s` and `devices` per logged step, read with
@@ -30,6 +30,16 @@ def counts_for(spec: JobSpec, pool_devices: int, devices_per_node: int | None = 
     low, high = spec.device_bounds()
     counts = list(range(low, min(high, pool_devices) + 1))
     return counts if devices_per_node is None else pool_counts(counts, devices_per_node)
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """What the planner says of a job before it runs: its seconds per step at each device count
+    a plan of it fits (`tasks.pool_jobs.predicted`), and the training state a change moves
+    (`pool.change_cost`; None: not known, a change costs its fixed part)."""
+
+    step_s: dict[int, float]
+    state_bytes: int | None = None
 
 
 @dataclass

@@ -43,7 +43,7 @@ from parashift.storage.manifest import (
     encode_manifest,
 )
 from parashift.storage.objects import ObjectStore, StoreStats
-from parashift.storage.stores import job_store, node_tier, open_store
+from parashift.storage.stores import default_read_bytes_per_s, job_store, node_tier, open_store
 
 __all__ = [
     "FORMAT_VERSION",
@@ -76,6 +76,7 @@ __all__ = [
     "WriteConflict",
     "WriterRecord",
     "decode_manifest",
+    "default_read_bytes_per_s",
     "encode_manifest",
     "holding_object_name",
     "is_pending_manifest",

@@ -17,6 +17,7 @@ from parashift.planner.search import plan_model, plan_options
 from parashift.specs import JobSpec
 from parashift.specs.plan import Plan
 from parashift.specs.words import counted, gib
+from parashift.storage import default_read_bytes_per_s
 from parashift.tasks.artifacts import artifact_key
 from parashift.tasks.credentials import environment, storage_environment
 from parashift.tasks.profile import NeedsMeasurement, ensure_profile, load_profile
@@ -74,11 +75,6 @@ def with_memory_choices(spec: JobSpec, plan: Plan) -> Plan:
     ac = plan.activation_checkpointing if par.activation_checkpointing == "auto" else par.activation_checkpointing
     mixed = par.mixed_precision if par.precision == "bf16" else "autocast"
     return plan.model_copy(update={"activation_checkpointing": ac, "mixed_precision": mixed})
-
-
-def default_read_bytes_per_s(url: str) -> float:
-    """A store's read bandwidth before one was measured: local files ~1 GB/s, object stores ~100 MB/s."""
-    return 1e9 if url.startswith(("file://", "/")) or "://" not in url else 1e8
 
 
 def cheapest_to_continue(spec: JobSpec, options: list[Plan], step: int,

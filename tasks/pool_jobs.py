@@ -1,15 +1,19 @@
-"""A pool job's predicted seconds per step at each device count (pool/step_times.py blends them
-with what the job measures): the planner's pick for each count under the cost model of the job's
-device kind (on CPU, each of n workers with its share of this machine's cores), the search
-`tasks/plan.py` runs, without timing anything on workers."""
+"""What a pool knows of a job before it runs: its predicted seconds per step at each device count
+(pool/step_times.py blends them with what the job measures), the planner's pick for each count
+under the cost model of the job's device kind (on CPU, each of n workers with its share of this
+machine's cores), the search `tasks/plan.py` runs, without timing anything on workers; and the
+training state its changes move (`pool.change_cost`)."""
 
 from __future__ import annotations
 
+from parashift.pool.change_cost import state_bytes
+from parashift.pool.step_times import Prediction
 from parashift.specs import JobSpec
 
 
-def predicted_step_s(spec: JobSpec, counts: list[int]) -> dict[int, float]:
-    """The planner's step time for each count (a count it finds no plan for is left out)."""
+def predicted(spec: JobSpec, counts: list[int]) -> Prediction:
+    """The planner's step time for each count (a count it finds no plan for is left out), and
+    the job's training state."""
     from parashift.planner.measured import MeasuredProfile, plan_measured
     from parashift.planner.profile import share_cores
     from parashift.planner.search import plan_model
@@ -34,4 +38,4 @@ def predicted_step_s(spec: JobSpec, counts: list[int]) -> dict[int, float]:
             continue
         if plan.estimated_step_s:
             out[n] = float(plan.estimated_step_s)
-    return out
+    return Prediction(out, state_bytes(base.n_params))

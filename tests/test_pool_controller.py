@@ -18,7 +18,7 @@ from parashift.pool.state import (
     submit,
     write_state,
 )
-from parashift.pool.step_times import Measured, blended, counts_for
+from parashift.pool.step_times import Measured, Prediction, blended, counts_for
 from parashift.specs import JobSpec, SpecError
 from parashift.specs.models import StorageSpec
 from parashift.specs.pool import load_pool
@@ -71,7 +71,7 @@ def test_a_pool_over_nodes_has_its_nodes_devices_and_says_what_does_not_add_up(t
 def test_state_round_trips_and_a_corrupted_state_is_refused(tmp_path: Path) -> None:
     store = open_store(StorageSpec(url=f"file://{tmp_path}"))
     book, _ = book_of()
-    book.submitted("k", 1.0, job("a"), lambda spec: LINEAR)
+    book.submitted("k", 1.0, job("a"), lambda spec: Prediction(LINEAR))
     write_state(store, book.state)
     assert read_state(store, "p", 4) == book.state
     path = tmp_path / pool_key("p", "state.json")
@@ -88,14 +88,14 @@ def test_submissions_are_taken_once_and_a_bad_one_is_refused_with_why(tmp_path: 
     store.put(pool_key("p", "submitted", "0000000005000-b.json"), b"{not json")
     book, _ = book_of()
     found = submissions(store, "p", set())
-    events = [book.submitted(key, at, spec, lambda spec: LINEAR) for key, at, spec in found]
+    events = [book.submitted(key, at, spec, lambda spec: Prediction(LINEAR)) for key, at, spec in found]
     assert events[0] == "a submitted" and events[1].startswith("refused a submission:"), events
     assert book.state.jobs["a"].spec.resources.pool == "p"  # a pool job holds the pool's devices
     assert submissions(store, "p", set(book.state.submissions_seen)) == []
     submit(store, "p", job("a"), now=3.0)
     again = submissions(store, "p", set(book.state.submissions_seen))
     assert first not in [key for key, _, _ in again]
-    assert book.submitted(*again[0], lambda spec: LINEAR) == "refused a: it is already in the pool (waiting)"
+    assert book.submitted(*again[0], lambda spec: Prediction(LINEAR)) == "refused a: it is already in the pool (waiting)"
 
 
 def test_a_job_with_scripted_elasticity_is_refused_by_any_pool(tmp_path: Path) -> None:
@@ -105,7 +105,7 @@ def test_a_job_with_scripted_elasticity_is_refused_by_any_pool(tmp_path: Path) -
     scripted = JobSpec.model_validate({"name": "scripted", "training": {"steps": 100, "global_batch": 16},
                                        "elasticity": [{"at_step": 50, "devices": 3}]})
     book, _ = book_of()
-    assert book.submitted("k", 1.0, scripted, lambda spec: LINEAR) == (
+    assert book.submitted("k", 1.0, scripted, lambda spec: Prediction(LINEAR)) == (
         "refused scripted: elasticity: a pool sets its jobs' device counts; leave it out")
     assert "scripted" not in book.state.jobs
     spec, out = submitted(tmp_path, "devices: 4",
@@ -115,13 +115,13 @@ def test_a_job_with_scripted_elasticity_is_refused_by_any_pool(tmp_path: Path) -
 
 def test_a_running_job_is_told_its_devices_only_once_it_steps_and_again_if_unheard() -> None:
     book, clock = book_of()
-    book.submitted("k1", 1.0, job("a"), lambda spec: LINEAR)
+    book.submitted("k1", 1.0, job("a"), lambda spec: Prediction(LINEAR))
     book.allocate(["a submitted"])
     (start,) = book.actions({})
     assert isinstance(start, Start) and start.spec.resources.devices == 4
     book.state.jobs["a"].flow_run_id = "run-a"
     clock.now += 5
-    book.submitted("k2", 2.0, job("b"), lambda spec: LINEAR)
+    book.submitted("k2", 2.0, job("b"), lambda spec: Prediction(LINEAR))
     book.allocate(["b submitted"])
     assert book.state.jobs["a"].devices + book.state.jobs["b"].devices == 4 and book.state.jobs["b"].devices
     actions = book.actions({})  # a has logged no step yet: not told (its subscription may not be up)
@@ -141,12 +141,12 @@ def test_a_running_job_is_told_its_devices_only_once_it_steps_and_again_if_unhea
 
 def test_a_higher_priority_job_preempts_and_the_preempted_job_resumes_later() -> None:
     book, clock = book_of(devices=2)
-    book.submitted("k1", 1.0, job("low", min_devices=2), lambda spec: {2: 1.0})
+    book.submitted("k1", 1.0, job("low", min_devices=2), lambda spec: Prediction({2: 1.0}))
     book.allocate(["low submitted"])
     book.actions({})
     book.state.jobs["low"].flow_run_id = "run-low"
     clock.now += 1
-    book.submitted("k2", 2.0, job("high", min_devices=2, priority=3), lambda spec: {2: 1.0})
+    book.submitted("k2", 2.0, job("high", min_devices=2, priority=3), lambda spec: Prediction({2: 1.0}))
     book.allocate(["high submitted"])
     actions = book.actions({"low": Measured(step_s={2: 1.0}, devices_now=2)})
     # high's run starts at once: its first segment waits for the pool's slots until low has stopped
@@ -175,7 +175,7 @@ def test_measured_step_times_replace_and_rescale_predictions() -> None:
 def test_a_job_that_fails_for_good_frees_its_devices_to_the_others() -> None:
     book, _ = book_of(devices=2)
     for key, name in (("k1", "a"), ("k2", "b")):
-        book.submitted(key, float(len(key)), job(name, min_devices=2), lambda spec: {2: 1.0})
+        book.submitted(key, float(len(key)), job(name, min_devices=2), lambda spec: Prediction({2: 1.0}))
     book.allocate(["a, b submitted"])
     assert (book.state.jobs["a"].devices, book.state.jobs["b"].devices) == (2, 0)
     book.actions({})
@@ -196,16 +196,16 @@ def test_a_pool_over_nodes_starts_and_tells_jobs_whole_nodes_and_frees_them() ->
     whole = counts_for(job("x"), 6, 2)
     assert whole == [2, 4, 6]
     per_node = {2: 1.0, 4: 0.5, 6: 0.34}
-    assert book.submitted("k0", 0.5, job("placed", nodes=["a"], devices=2), lambda s: per_node) == \
+    assert book.submitted("k0", 0.5, job("placed", nodes=["a"], devices=2), lambda s: Prediction(per_node)) == \
         "refused placed: resources.nodes: a pool over nodes places its jobs; leave it out"
-    assert book.submitted("k1", 1.0, job("big", devices=3), lambda s: per_node) == "big submitted"
+    assert book.submitted("k1", 1.0, job("big", devices=3), lambda s: Prediction(per_node)) == "big submitted"
     book.allocate(["big submitted"])
     (start,) = book.actions({})
     assert start.spec.resources.nodes == ["a", "b", "c"] and start.spec.resources.devices_per_node == 2
     assert start.spec.resources.devices == 6
     book.state.jobs["big"].flow_run_id = "run-big"
     clock.now += 5
-    book.submitted("k2", 2.0, job("small", min_devices=1, max_devices=2, priority=2), lambda s: per_node)
+    book.submitted("k2", 2.0, job("small", min_devices=1, max_devices=2, priority=2), lambda s: Prediction(per_node))
     decision = book.allocate(["small submitted"])
     big, small = book.state.jobs["big"], book.state.jobs["small"]
     assert small.devices == 2 and big.devices == 4, decision
@@ -219,7 +219,7 @@ def test_a_pool_over_nodes_starts_and_tells_jobs_whole_nodes_and_frees_them() ->
     book.allocate(["big failed"])
     assert (big.devices, big.nodes, small.devices) == (0, None, 2)
     assert not book.state.decisions[-1].nodes.get("big") and book.state.decisions[-1].nodes["small"] == ["c"]
-    book.submitted("k3", 3.0, job("next", devices=4), lambda s: per_node)
+    book.submitted("k3", 3.0, job("next", devices=4), lambda s: Prediction(per_node))
     book.allocate(["next submitted"])
     (start,) = book.actions({"small": Measured(step_s={2: 1.0}, last_step=2, devices_now=2)})
     assert start == Start("next", book.state.jobs["next"].spec.on_nodes(["a", "b"])), "the failed job's nodes"
@@ -232,7 +232,7 @@ def test_a_node_that_leaves_takes_its_devices_out_of_the_pool_until_it_is_back()
     book = PoolBook(PoolState(pool="p", devices=4, nodes=["a", "b"], devices_per_node=2),
                     PoolPolicy(horizon_s=600.0), clock)
     assert book.nodes_seen(["a", "b"]) is None, "every node up, as assumed"
-    book.submitted("k1", 1.0, job("x", devices=4), lambda s: {2: 1.0, 4: 0.5})
+    book.submitted("k1", 1.0, job("x", devices=4), lambda s: Prediction({2: 1.0, 4: 0.5}))
     book.allocate(["x submitted"])
     (start,) = book.actions({})
     assert start.spec.resources.nodes == ["a", "b"]
@@ -245,7 +245,7 @@ def test_a_node_that_leaves_takes_its_devices_out_of_the_pool_until_it_is_back()
     clock.now += RESEND_S + 1  # a job across nodes that runs on fewer than told lost a node: not sent back
     assert book.actions({"x": Measured(step_s={2: 1.0}, last_step=9, devices_now=1)}) == []
     assert book.actions({"x": Measured(step_s={4: 0.5}, last_step=9, devices_now=4)}) == [Resize("x", 2, 2, ["a"])]
-    book.submitted("k2", clock.now, job("y", devices=2), lambda s: {2: 1.0, 4: 0.5})
+    book.submitted("k2", clock.now, job("y", devices=2), lambda s: Prediction({2: 1.0, 4: 0.5}))
     book.allocate(["y submitted"])
     assert book.state.jobs["y"].devices == 0, book.state.decisions[-1]
     assert book.nodes_seen(["a", "b", "c"]) == "node b joined", "a worker of no node of the pool is not one"
@@ -288,8 +288,8 @@ def test_pool_status_shows_each_job_s_devices_progress_and_why_from_storage(tmp_
 
     book, _ = book_of(devices=2)
     book.state.pool = "lab"
-    book.submitted("k1", 1.0, job("low", min_devices=2), lambda spec: {2: 1.0})
-    book.submitted("k2", 2.0, job("high", min_devices=2, priority=3), lambda spec: {2: 1.0})
+    book.submitted("k1", 1.0, job("low", min_devices=2), lambda spec: Prediction({2: 1.0}))
+    book.submitted("k2", 2.0, job("high", min_devices=2, priority=3), lambda spec: Prediction({2: 1.0}))
     book.allocate(["low, high submitted"])
     book.state.jobs["high"].status, book.state.jobs["high"].steps_done = "running", 250
     store = ObjectStore(f"file://{tmp_path}/store")
@@ -311,11 +311,42 @@ def test_a_finished_job_shows_every_step_done() -> None:
     between two reads was shown "finished" at 80/120 steps (seen by hand: both jobs of a pool).
     A finished run has trained every step; a preempted one keeps what was read."""
     book, _ = book_of()
-    book.submitted("k1", 1.0, job("done", steps=120), lambda spec: {1: 1.0, 2: 0.6})
-    book.submitted("k2", 2.0, job("preempted", steps=120), lambda spec: {1: 1.0, 2: 0.6})
+    book.submitted("k1", 1.0, job("done", steps=120), lambda spec: Prediction({1: 1.0, 2: 0.6}))
+    book.submitted("k2", 2.0, job("preempted", steps=120), lambda spec: Prediction({1: 1.0, 2: 0.6}))
     book.allocate(["submitted"])
     for name in ("done", "preempted"):
         book.state.jobs[name].status, book.state.jobs[name].steps_done = "running", 80
     book.ended("done", "finished")
     book.ended("preempted", "stopped")
     assert book.state.jobs["done"].steps_done == 120 and book.state.jobs["preempted"].steps_done == 80
+
+
+@pytest.mark.parametrize(("state_gb", "grows"), [(0.1, True), (1000.0, False)])
+def test_before_a_job_has_measured_a_change_its_cost_is_its_state_s_move(state_gb: float, grows: bool) -> None:
+    """Two jobs share 4 devices, 2 each; one finishes. The other doubles its speed on the 2 freed
+    devices, a gain of ~250 s within the horizon: worth a change that reads 0.1 GB, not one that
+    reads 1 TB at a local disk's ~1 GB/s (500 s onto each of 2 devices). A fixed cost (2 s, as
+    before the cost model priced the state) moved both."""
+    book, _ = book_of(4)
+    for key, name in (("k1", "a"), ("k2", "b")):
+        book.submitted(key, 1.0, job(name, devices=2, max_devices=4, warm_workers=True),
+                       lambda spec: Prediction({2: 0.5, 4: 0.25}, int(state_gb * 1e9)))
+    assert book.allocate(["submitted"]).devices == {"a": 2, "b": 2}
+    book.actions({})
+    cost = book.pool_job(book.state.jobs["a"]).change_cost_s
+    assert cost == pytest.approx(1.5 + state_gb * 1e9 / (2 * 1e9)), "a planned change, and each device's share read"
+    book.ended("b", "finished")
+    decision = book.allocate(["b finished"])
+    assert decision.devices["a"] == (4 if grows else 2), decision.reasons["a"]
+    book.observed("a", Measured(step_s={2: 0.5}, change_cost_s=3.0, last_step=10, devices_now=2))
+    assert book.pool_job(book.state.jobs["a"]).change_cost_s == 3.0, "what the job measured replaces the model's"
+
+
+def test_a_submitted_job_s_prediction_holds_its_plans_step_times_and_its_model_s_state() -> None:
+    from parashift.models import family_of
+    from parashift.tasks.pool_jobs import predicted
+
+    spec = job("a")
+    prediction = predicted(spec, [1, 2])
+    assert set(prediction.step_s) == {1, 2} and all(s > 0 for s in prediction.step_s.values())
+    assert prediction.state_bytes == 12 * family_of(spec.model).graph(spec.model, 16, "fp32").n_params
