@@ -41,7 +41,7 @@ from parashift.tasks.nodes import node_launch
 from parashift.tasks.plan import PlansAhead
 from parashift.tasks.records import SegmentResult
 from parashift.tasks.worker_log import WorkerLog
-from parashift.trainer.events import StartEvent, StepEvent, StoppedEvent, WorkerEvent
+from parashift.trainer.events import StartEvent, StepEvent, StoppedEvent, WorkerEvent, step_scalars
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 from prefect.logging import get_run_logger
@@ -268,7 +268,19 @@ def _segment_result(spec: JobSpec, plan: Plan, job: JobState, result: LaunchResu
         last_step_at=watch.stepped[-1] if watch.stepped else None,
         held_unsaved=(outcome != "failed" and held_for_change)
         or (outcome == "failed" and held is not None),
+        scalars_past_commit=scalars_between(result, plan.devices, last_commit if last_commit is not None else start_step,
+                                            held) if outcome == "failed" and held is not None else [],
     )
+
+
+def scalars_between(result: LaunchResult, devices: int, after: int, held: int) -> list[tuple[int, dict[str, float]]]:
+    """The TensorBoard scalars of the logged steps after `after` up to the `held` step, as rank 0
+    reported them; a step rank 0 did not report (the held one, where it died in it) with its loss."""
+    reported = {e.step: step_scalars(e, devices) for e in result.steps if after < e.step <= held}
+    for step, loss in result.losses():
+        if after < step <= held and step not in reported:
+            reported[step] = {"loss": loss}
+    return sorted(reported.items())
 
 
 def _ended(segment: SegmentResult) -> SegmentResult:

@@ -55,13 +55,19 @@ class SegmentResult(BaseModel):
     left_nodes: list[str] = Field(default_factory=list, description="nodes that left during this segment")
     held_unsaved: bool = Field(default=False, description="stopped for a planned change with its last step held in "
                                "the warm workers' memory, described by a pending manifest: the next segment saves it")
+    scalars_past_commit: list[tuple[int, dict[str, float]]] = Field(
+        default_factory=list, description="a failed segment whose warm workers hold a step past its last commit: "
+        "the TensorBoard scalars of each logged step after that commit, as rank 0 reported them (the held step's "
+        "loss alone where rank 0 died in it). The job does not train them again, and a killed rank 0 may not have "
+        "copied them to the store: the report fills what TensorBoard lacks (`trainer.scalars.fill_gaps`)")
 
     def __repr_args__(self) -> Iterator[tuple[str | None, Any]]:
         """Losses by step shortened to their count and ends: Prefect logs a failed launch's state
         with its result's repr at ERROR, in the run log and the UI (a segment of 10,000 steps
         was a line of ~280 kB); `model_dump` keeps every step."""
         for name, value in super().__repr_args__():
-            yield name, _Steps(value) if name in ("losses", "eval_losses") and len(value) > 4 else value
+            yield name, _Steps(value) if name in ("losses", "eval_losses", "scalars_past_commit") and len(value) > 4 \
+                else value
 
     @property
     def stopped(self) -> bool:

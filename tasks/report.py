@@ -128,9 +128,31 @@ def segments_table(segments: list[SegmentResult]) -> list[str]:
     return rows
 
 
+def fill_metrics_gaps(spec: JobSpec, segments: list[SegmentResult]) -> None:
+    """Steps a killed rank 0 logged but had not copied to the store, which warm workers resumed
+    past (`SegmentResult.scalars_past_commit`): recorded from its reports where TensorBoard lacks
+    them. Off the change's path (at the job's end), and it never fails a trained job."""
+    records = [record for segment in segments for record in segment.scalars_past_commit]
+    if not records or not spec.metrics.tensorboard:
+        return
+    from parashift.trainer.scalars import fill_gaps  # torch: imported only for a job that needs it
+
+    try:
+        with environment(storage_environment(spec)):
+            filled = fill_gaps(open_store(spec.storage), spec.job_id, records)
+    except Exception as error:  # noqa: BLE001 - metrics never fail a job
+        get_run_logger().warning("TensorBoard's missing steps could not be recorded: %s", error)
+        return
+    if filled:
+        get_run_logger().info("TensorBoard: step%s %s recorded from rank 0's reports (it died before copying them)",
+                              "s" if len(filled) > 1 else "", ", ".join(map(str, filled)))
+
+
 @task(name="publish-report")
 def publish_report(spec: JobSpec, model: ModelSummary, segments: list[SegmentResult]) -> TrainSummary:
-    """Summarize the run; publish the summary (markdown) and the loss curve (table)."""
+    """Fill what TensorBoard lacks of steps the job will not train again; summarize the run;
+    publish the summary (markdown) and the loss curve (table)."""
+    fill_metrics_gaps(spec, segments)
     summary = summarize(spec, segments)
     create_markdown_artifact(
         key=artifact_key(spec.job_id, "summary"),

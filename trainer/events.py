@@ -158,6 +158,19 @@ def perplexity(loss: float) -> float:
     return math.exp(min(loss, 700.0))
 
 
+def step_scalars(event: StepEvent, devices: int) -> dict[str, float]:
+    """A logged step's TensorBoard scalars, from rank 0's report of it (what is not known is left
+    out): what rank 0 records (`trainer.scalars`), and what the flow records for it where rank 0
+    could not (`trainer.scalars.fill_gaps`)."""
+    values = {"loss": event.loss, "grad_norm": event.grad_norm, "lr": event.lr, "tokens_per_s": event.tokens_per_s,
+              "tflops": event.tflops, "mfu": event.mfu, "memory_gib": event.memory_gib,
+              "data_wait_s": event.data_wait_s,
+              # per device count: what a pool learns a job's speed from (pool/step_times.py)
+              "step_s": event.step_s, "devices": float(devices), "eval_loss": event.eval_loss,
+              "eval_perplexity": perplexity(event.eval_loss) if event.eval_loss is not None else None}
+    return {name: value for name, value in values.items() if value is not None}
+
+
 def encode(event: WorkerEvent) -> str:
     """The line that carries `event` (without its newline)."""
     return PREFIX + event.model_dump_json(exclude={"received_at"} if event.received_at is None else None)
@@ -177,4 +190,4 @@ def parse(line: str) -> WorkerEvent | None:
 
 __all__ = ["PREFIX", "CheckpointEvent", "CheckpointStallEvent", "CommTimingsEvent", "FatalEvent", "FinishedEvent",
            "HeldEvent", "RestoringEvent", "StartEvent", "StepEvent", "StoppedEvent", "WorkerEvent", "encode", "parse",
-           "perplexity"]
+           "perplexity", "step_scalars"]

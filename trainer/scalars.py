@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import re
 import resource
 import shutil
 import tempfile
@@ -69,8 +70,8 @@ def memory_bytes(device: torch.device) -> int:
 # 45 MB at each step). A segment's TensorBoard file is continued in a new one past ROTATE_BYTES, so
 # no copy exceeds it, and a growing file is copied at most once a second (steps of a second or
 # more: each, as before), at once at a commit and at the segment's end. Rank 0 killed loses at
-# most the last second's scalars: those of steps its peers may hold and the job resume past (warm
-# workers), so not much longer.
+# most the last second's scalars; where its peers hold a later step and the job resumes past
+# them (warm workers), the job's report records them from rank 0's reports (`fill_gaps`).
 UPLOAD_EVERY_S = 1.0
 ROTATE_BYTES = 64 * 1024
 
@@ -203,14 +204,16 @@ class _TensorBoard:
     """TensorBoard's own writer into a local folder, copied to the store (`_Uploader`); a segment
     continues in a new file past ROTATE_BYTES."""
 
-    def __init__(self, store: Any, job_id: str, first_step: int) -> None:
+    def __init__(self, store: Any, job_id: str, first_step: int, filling: str | None = None) -> None:
         self._store, self._job_id = store, job_id
         self._folder = _LocalFolder("parashift-metrics-")
         # `purge_step`: TensorBoard hides the steps from here on that earlier files hold, so a
         # segment that trains again what a failed one had logged past its last commit (or a job
         # started over) shows each step once, the one kept; nothing is hidden after a planned change.
-        self._writer, path = self._open(f".from-step-{first_step:08d}", purge_step=first_step + 1)
-        self._key = f"jobs/{job_id}/metrics/{_name_after(store, job_id, path.name)}"
+        # `filling`: a file of steps the others lack (`fill_gaps`), written whole under that name.
+        self._writer, path = self._open(f".from-step-{first_step:08d}", purge_step=None if filling else first_step + 1)
+        self._rotates = filling is None
+        self._key = f"jobs/{job_id}/metrics/{filling or _name_after(store, job_id, path.name)}"
         self._uploader = _Uploader(store, self._key, path)
 
     def _open(self, suffix: str, purge_step: int | None = None) -> tuple[Any, Path]:
@@ -223,7 +226,7 @@ class _TensorBoard:
         for name, value in values.items():
             self._writer.add_scalar(name, value, step)
         self._writer.flush()
-        if Path(self._writer.file_writer.event_writer._file_name).stat().st_size >= ROTATE_BYTES:
+        if self._rotates and Path(self._writer.file_writer.event_writer._file_name).stat().st_size >= ROTATE_BYTES:
             self._writer.close()  # the rest of the segment goes on in a new file, read after this one
             self._writer, path = self._open(f".from-step-{step + 1:08d}")
             self._key = (f"jobs/{self._job_id}/metrics/"
@@ -273,6 +276,50 @@ class _WandB:
         wandb.teardown()
         self._uploader.close()
         self._folder.cleanup()
+
+
+def shown_steps(store: Any, job_id: str, tag: str = "loss") -> set[int]:
+    """The steps TensorBoard shows for `tag` in the job's metrics folder, read as one run (its
+    own reader, each segment's purge applied), from a local copy: the reader wants files."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    keys = sorted(k for k in store.list(f"jobs/{job_id}/metrics") if _EVENTS in k.rpartition("/")[2])
+    with tempfile.TemporaryDirectory(prefix="parashift-metrics-read-") as folder:
+        for key in keys:
+            (Path(folder) / key.rpartition("/")[2]).write_bytes(store.get(key))
+        board = EventAccumulator(folder, size_guidance={"scalars": 0})
+        board.Reload()
+        return {e.step for e in board.Scalars(tag)} if tag in board.Tags()["scalars"] else set()
+
+
+def fill_gaps(store: Any, job_id: str, records: list[tuple[int, dict[str, float]]]) -> list[int]:
+    """Record the steps of `records` TensorBoard does not show; the steps filled. Warm workers
+    that outlive a killed rank 0 resume past steps it had logged but not yet copied to the store
+    (at most its last second of them), and past the step they hold where rank 0 died in it: the
+    flow heard those steps' reports, and records them here once the job ends.
+
+    One event file, without a purge (it hides nothing), named to be read right after the last
+    file of a segment that started before the first step filled, so before the segments that
+    came after: TensorBoard draws a tag's points in the order it reads them."""
+    shown = shown_steps(store, job_id)
+    missing = sorted({step: values for step, values in records if step not in shown}.items())
+    if not missing:
+        return []
+    names = [key.rpartition("/")[2] for key in store.list(f"jobs/{job_id}/metrics")]
+    before = [name for name in names if (first := _first_step_of(name)) is not None and first < missing[0][0]]
+    board = _TensorBoard(store, job_id, missing[0][0] - 1, filling=f"{max(before, default=_EVENTS)}.filled")
+    try:
+        for step, values in missing:
+            board.record(step, values)
+    finally:
+        board.close()
+    return [step for step, _ in missing]
+
+
+def _first_step_of(name: str) -> int | None:
+    """The step an event file's segment started from (its `.from-step-` suffix), if it says."""
+    found = re.search(r"\.from-step-(\d+)", name)
+    return int(found.group(1)) if found else None
 
 
 class Metrics:

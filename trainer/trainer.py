@@ -51,7 +51,7 @@ from parashift.trainer.events import (
     StartEvent,
     StepEvent,
     StoppedEvent,
-    perplexity,
+    step_scalars,
 )
 from parashift.trainer.layout import layout_mismatches, state_layout
 from parashift.trainer.mesh import Coordinates, ParallelDims
@@ -410,13 +410,7 @@ class Trainer:
                           grad_norm=done.grad_norm, eval_loss=eval_loss, **numbers)
         metrics.emit(event)
         if self.board is not None:
-            self.board.record(step, {"loss": done.loss, "grad_norm": done.grad_norm, "lr": done.lr,
-                                     "tokens_per_s": rate, "tflops": event.tflops, "mfu": event.mfu,
-                                     "memory_gib": event.memory_gib, "data_wait_s": event.data_wait_s,
-                                     # per device count: what a pool learns a job's speed from (pool/step_times.py)
-                                     "step_s": done.elapsed_s, "devices": float(self.board.world_size),
-                                     "eval_loss": eval_loss,
-                                     "eval_perplexity": perplexity(eval_loss) if eval_loss is not None else None})
+            self.board.record(step, step_scalars(event, self.board.world_size))
 
     # -- finish -----------------------------------------------------------------------------
 
