@@ -57,7 +57,10 @@ def measured(store: ObjectStore, job_id: str) -> Measured:
     the reader wants local files)."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    keys = sorted(k for k in store.list(f"jobs/{job_id}/metrics") if "tfevents" in k.rsplit("/", 1)[-1])
+    # Not a job's end's fill of steps a killed rank 0 lost (`trainer.scalars.fill_gaps`): its wall
+    # times are the fill's, not the steps'.
+    keys = sorted(k for k in store.list(f"jobs/{job_id}/metrics")
+                  if "tfevents" in k.rsplit("/", 1)[-1] and not k.endswith(".filled"))
     segments: list[list[tuple[int, float, float, int]]] = []  # (step, wall, step_s, devices)
     with tempfile.TemporaryDirectory(prefix="parashift-pool-metrics-") as folder:
         for key in keys:

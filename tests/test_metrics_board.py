@@ -324,6 +324,7 @@ def test_steps_a_killed_rank_0_had_not_copied_are_filled_from_its_reports_once(t
     report fills 4..6 from what the flow heard (5 and 6 as reported; 6 with its loss alone), each
     step once, and a second fill finds nothing to do."""
     from parashift.launcher.launch import LaunchResult
+    from parashift.pool.step_times import measured
     from parashift.tasks.launch import scalars_between
     from parashift.trainer import scalars
     from parashift.trainer.events import HeldEvent, StepEvent
@@ -343,11 +344,13 @@ def test_steps_a_killed_rank_0_had_not_copied_are_filled_from_its_reports_once(t
     board.close()  # what was copied: steps 1..3 (rank 0's later records went with it)
     board = scalars.Metrics(store, "gap", 1.0, 1, torch.device("cpu"), "fp32", None, first_step=6)
     for step in (7, 8):
-        board.record(step, {"loss": 10.0 - step, "step_s": 0.1})
+        board.record(step, {"loss": 10.0 - step, "step_s": 0.1, "devices": 1.0})
     board.close()
     assert scalars.shown_steps(store, "gap") == {1, 2, 3, 7, 8}
+    speed = measured(store, "gap")
     assert scalars.fill_gaps(store, "gap", records) == [4, 5, 6]
     assert scalars.fill_gaps(store, "gap", records) == []
+    assert measured(store, "gap") == speed, "a pool reads no change into the fill's wall times"
     events = EventAccumulator(str(tmp_path / "store/jobs/gap/metrics"))
     events.Reload()
     assert [(e.step, e.value) for e in events.Scalars("loss")] == [(s, 10.0 - s) for s in range(1, 6)] + [
