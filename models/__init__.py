@@ -28,6 +28,15 @@ FAMILIES: dict[str, str] = {
 DEFAULT_FAMILY = "gpt"
 
 
+class ModelUnbuildable(ValueError):
+    """A family cannot build the model a spec names (a field only building it checks, e.g. a
+    transformers model type): `field` is the spec's field to change, the message one line."""
+
+    def __init__(self, field: str, message: str) -> None:
+        self.field, self.message = field, message
+        super().__init__(f"{field}: {message}")
+
+
 def spec_sections() -> dict[str, type]:
     """Each family's spec section (`<package>.spec.SECTION`), by name: pydantic only, no torch."""
     return {name: importlib.import_module(f"{package}.spec").SECTION for name, package in FAMILIES.items()}

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
+from parashift.models import ModelUnbuildable
 from parashift.specs import JobSpec
 from parashift.specs.words import gib
 from parashift.tasks.profile import exact_parameter_count
@@ -302,7 +303,10 @@ def check_devices(spec: JobSpec) -> list[Problem]:
             return here
     elif resources.memory_gb is None:
         return problems
-    params = exact_parameter_count(spec)[0]
+    try:
+        params = exact_parameter_count(spec)[0]
+    except ModelUnbuildable as error:
+        return [Problem(error.field, error.message)]
     replica = params * STATE_BYTES_PER_PARAM
     split = resources.devices if spec.parallelism.strategy == "auto" else 1
     per_device = replica / split

@@ -119,3 +119,47 @@ def test_a_model_section_says_what_its_family_can_shard() -> None:
 
     assert {name: section.sharded for name, section in spec_sections().items()} == \
         {name: family(name).sharding is not None for name in FAMILIES}
+
+
+def test_gemma_2_without_sdpa_trains_under_fsdp_with_one_process_s_losses(tmp_path: Path) -> None:
+    """Gemma 2 has no sdpa kernel in transformers: the default `attn_implementation: auto` is
+    transformers' own choice (eager here; sdpa for the Llama config), where a fixed sdpa made
+    every Gemma 2 spec fail at its first build. Its tied head, soft-capped logits and sliding-
+    window layers under FSDP 2 give the single process's losses."""
+    from parashift.models import family
+
+    gemma2 = {"model_type": "gemma2", "num_hidden_layers": 2, "hidden_size": 32, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "head_dim": 8, "intermediate_size": 64, "vocab_size": 256,
+              "sliding_window": 16}
+    one = hf_spec("gemma2-one", tmp_path, gemma2, steps=4)
+    hf = family("hf")
+    assert hf.build_on_meta(one.model).config._attn_implementation == "eager"
+    assert hf.build_on_meta(hf_spec("llama", tmp_path).model).config._attn_implementation == "sdpa"
+    expected = [e.loss for e in run(one, Plan.data_parallel(1)).steps]
+    assert_losses_match(run(hf_spec("gemma2-fsdp", tmp_path, gemma2, steps=4), Plan.fully_sharded(2)), expected)
+
+
+@pytest.mark.parametrize(("config", "field", "says"), [
+    ({"model_type": "gpt_neoxx"}, "model.config.model_type",
+     "transformers knows no model type 'gpt_neoxx' (did you mean gpt_neox or gpt_neo or gpt_oss?)"),
+    ({"model_type": "vit"}, "model.config.model_type",
+     "'vit' is not a causal LM in transformers (AutoModelForCausalLM has no class for it)"),
+    ({**LLAMA, "num_attention_heads": 5}, "model.config",
+     "transformers refuses it: The hidden size (32) is not a multiple of the number of attention heads"),
+    ({"model_type": "gemma2", "attn": "sdpa"}, "model.attn_implementation",
+     "Gemma2ForCausalLM does not support an attention implementation through "
+     "torch.nn.functional.scaled_dot_product_attention yet: use auto (transformers' choice) or eager"),
+], ids=["unknown-type", "not-a-causal-lm", "bad-field", "no-sdpa"])
+def test_a_model_transformers_cannot_build_is_one_line_naming_the_field(tmp_path: Path, config: dict, field: str,
+                                                                       says: str) -> None:
+    """What only building the model finds (transformers' own checks) is a preflight problem of
+    one line at the spec's field, not a traceback (an unknown model type's listed ~800 types)."""
+    from parashift.tasks.preflight import preflight
+
+    config = dict(config)
+    attention = config.pop("attn", "auto")
+    base = hf_spec("unbuildable", tmp_path)
+    spec = JobSpec.model_validate({**base.model_dump(), "model": {"family": "hf", "seq_len": 32, "config": config,
+                                                                  "attn_implementation": attention}})
+    (problem,) = preflight(spec, storage=False, data=False)
+    assert (problem.field, problem.message[:len(says)]) == (field, says), problem

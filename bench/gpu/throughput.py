@@ -116,10 +116,9 @@ def plain_hf(spec: JobSpec, device: torch.device, warmup: int) -> list[float]:
     from transformers import AutoModelForCausalLM
 
     config = transformers_config(spec.model)
-    config._attn_implementation = spec.model.attn_implementation
     torch.manual_seed(spec.training.seed)
     with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=spec.model.attention)
     return plain_rates(spec, device, model, lambda ids: model(input_ids=ids).logits, [], warmup)
 
 

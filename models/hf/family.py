@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 from parashift.models.base import ModelFamily
-from parashift.models.hf.spec import HFSpec, transformers_config
+from parashift.models.hf.spec import HFSpec, transformers_config, unbuildable
 from parashift.models.hub import CheckpointUnreadable, checkpoint_weights
 from parashift.models.layers import box_index, seeded_normal
 from torch import nn
@@ -28,7 +28,11 @@ class HFFamily(ModelFamily):
     def build(self, spec: HFSpec) -> nn.Module:
         from transformers import AutoModelForCausalLM
 
-        model = AutoModelForCausalLM.from_config(transformers_config(spec), attn_implementation=spec.attn_implementation)
+        config = transformers_config(spec)
+        try:
+            model = AutoModelForCausalLM.from_config(config, attn_implementation=spec.attention)
+        except (ValueError, TypeError) as error:
+            raise unbuildable(spec, error) from error
         return model.float()
 
     def initial_value(self, spec: HFSpec, name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import difflib
 from typing import Any, ClassVar, Literal, Self
 
+from parashift.models import ModelUnbuildable
 from parashift.specs.base import Section, raise_if
 from pydantic import Field, model_validator
 
@@ -23,7 +25,9 @@ class HFSpec(Section):
     init_from: str | None = Field(
         None, description="A Hugging Face checkpoint folder or fsspec URL (config.json + *.safetensors) to start from.")
     seq_len: int = Field(64, ge=2, le=1 << 20, description="Context length in tokens.")
-    attn_implementation: Literal["sdpa", "eager"] = Field("sdpa", description="transformers' attention kernel.")
+    attn_implementation: Literal["auto", "sdpa", "eager"] = Field(
+        "auto", description="transformers' attention kernel: auto is transformers' own choice (sdpa where the "
+                            "architecture has it, else eager: Gemma 2 has no sdpa).")
 
     @model_validator(mode="after")
     def _one_source(self) -> Self:
@@ -40,6 +44,11 @@ class HFSpec(Section):
             if name in config:
                 return config[name]
         return None
+
+    @property
+    def attention(self) -> str | None:
+        """The kernel to ask transformers for (None: its own choice)."""
+        return None if self.attn_implementation == "auto" else self.attn_implementation
 
     @property
     def tag(self) -> str:
@@ -75,9 +84,40 @@ def transformers_config(spec: HFSpec) -> Any:
     """The transformers config the spec names (its `config` mapping; `resolve` fills it from an
     `init_from` folder)."""
     from transformers import AutoConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 
     fields = dict(spec.config or {})
-    return AutoConfig.for_model(fields.pop("model_type"), **fields)
+    model_type = fields.pop("model_type")
+    if model_type not in CONFIG_MAPPING_NAMES:
+        near = difflib.get_close_matches(model_type, list(CONFIG_MAPPING_NAMES), n=3)
+        raise ModelUnbuildable("model.config.model_type", f"transformers knows no model type {model_type!r}"
+                                                          + (f" (did you mean {' or '.join(near)}?)" if near else ""))
+    try:
+        return AutoConfig.for_model(model_type, **fields)
+    except Exception as error:  # noqa: BLE001 - a config's checks raise many kinds (huggingface_hub's own among them)
+        raise ModelUnbuildable("model.config", f"transformers refuses it: {_first_line(error)}") from error
+
+
+def unbuildable(spec: HFSpec, error: Exception) -> ModelUnbuildable:
+    """What a spec should change when transformers cannot build its model from its config, in
+    one line (transformers' own errors run to a traceback)."""
+    said = _first_line(error)
+    model_type = (spec.config or {}).get("model_type", "this checkpoint's")
+    if "attention implementation" in said:
+        return ModelUnbuildable("model.attn_implementation", f"{said.split('. Please')[0]}: use auto (transformers' "
+                                                             "choice) or eager")
+    if "Unrecognized configuration class" in said:
+        return ModelUnbuildable("model.config.model_type", f"{model_type!r} is not a causal LM in transformers "
+                                                           "(AutoModelForCausalLM has no class for it)")
+    return ModelUnbuildable("model.config", f"transformers cannot build it: {said}")
+
+
+def _first_line(error: BaseException) -> str:
+    """The innermost cause's first line: a validator's own words, not the wrapper's."""
+    while error.__cause__ is not None:
+        error = error.__cause__
+    text = str(error).strip().splitlines()
+    return text[0][:300] if text else type(error).__name__
 
 
 def max_positions(config: Any) -> int | None:

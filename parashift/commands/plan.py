@@ -83,7 +83,7 @@ def plan(
 ) -> None:
     """Plan the parallelization of a job: per-op placements, step time, memory, baselines."""
     from parashift.commands.spec import load_spec_or_exit
-    from parashift.models import family_of
+    from parashift.models import ModelUnbuildable, family_of
     from parashift.planner.graph import GraphError, load_graph_json
     from parashift.planner.profile import measurable_here, profile_graph
     from parashift.planner.search import exhaustive_search, plan_model
@@ -112,8 +112,12 @@ def plan(
 
         train = job.training
         modes = par.ac_searched()
-        numbers = (measure_model(model, train.micro_batch, par.precision, modes=modes) if kind == "cpu"
-                   else measure_for_gpus(model, par.precision, modes=modes))
+        try:
+            numbers = (measure_model(model, train.micro_batch, par.precision, modes=modes) if kind == "cpu"
+                       else measure_for_gpus(model, par.precision, modes=modes))
+        except ModelUnbuildable as error:  # a field only building the model checks: one line, as preflight's
+            typer.echo(f"{spec}: {error}", err=True)
+            raise typer.Exit(1) from None
         measured = profile_from_measurements(model.tag, numbers, kind,
                                              res.devices_per_node or n, res.memory_gb, None, res.devices_per_node,
                                              seq_len=model.seq_len)
