@@ -77,7 +77,13 @@ class PoolBook:
         if self.state.devices_per_node is not None:
             given["devices_per_node"] = self.state.devices_per_node
         pooled = spec.model_copy(update={"resources": spec.resources.model_copy(update=given)})
-        predicted = predict(pooled)
+        try:
+            predicted = predict(pooled)
+        except Exception as error:  # noqa: BLE001 - one job's spec (a model transformers cannot build) never stops the pool
+            why = " ".join(str(error).split()) or type(error).__name__
+            self.state.jobs[spec.job_id] = JobRecord(job_id=spec.job_id, spec=pooled, submitted_at=submitted_at,
+                                                     status="failed", reason=why, finished_at=self.clock())
+            return f"refused {spec.job_id}: {why}"
         record = JobRecord(job_id=spec.job_id, spec=pooled, submitted_at=submitted_at,
                            predicted_step_s=predicted.step_s, state_bytes=predicted.state_bytes)
         self.state.jobs[spec.job_id] = record

@@ -350,3 +350,19 @@ def test_a_submitted_job_s_prediction_holds_its_plans_step_times_and_its_model_s
     prediction = predicted(spec, [1, 2])
     assert set(prediction.step_s) == {1, 2} and all(s > 0 for s in prediction.step_s.values())
     assert prediction.state_bytes == 12 * family_of(spec.model).graph(spec.model, 16, "fp32").n_params
+
+
+def test_a_submission_whose_model_cannot_be_built_is_refused_and_the_pool_goes_on() -> None:
+    """A spec only building its model finds wrong (an `hf` model type transformers does not
+    know) raised out of the controller's tick at every start: one submission stopped the pool."""
+    from parashift.models import ModelUnbuildable
+
+    def cannot_build(spec: JobSpec) -> Prediction:
+        raise ModelUnbuildable("model.config.model_type", "transformers knows no model type 'gpt_neoxx'")
+
+    book, _ = book_of()
+    assert book.submitted("k1", 1.0, job("bad"), cannot_build) == \
+        "refused bad: model.config.model_type: transformers knows no model type 'gpt_neoxx'"
+    assert book.state.jobs["bad"].status == "failed" and "gpt_neoxx" in (book.state.jobs["bad"].reason or "")
+    assert book.submitted("k2", 2.0, job("good"), lambda spec: Prediction(LINEAR)) == "good submitted"
+    assert book.allocate(["submitted"]).devices == {"good": 4}
