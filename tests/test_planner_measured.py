@@ -162,6 +162,8 @@ LONG_CONTEXT_CONFIGS = {
     "gpt2": {"model_type": "gpt2", "n_layer": 3, "n_embd": 32, "n_head": 4, "n_positions": 1024},
     "qwen2-eager": {"model_type": "qwen2", "num_key_value_heads": 2},  # eager attention keeps T x T scores
     "mistral-window": {"model_type": "mistral", "num_key_value_heads": 2, "sliding_window": 100},
+    # eager (no sdpa), local and global layers in turn, soft-capped scores
+    "gemma2-window": {"model_type": "gemma2", "num_key_value_heads": 2, "head_dim": 8, "sliding_window": 100},
 }
 
 
@@ -171,13 +173,13 @@ def test_a_long_context_is_measured_on_short_sequences_exactly(name: str, precis
     """What a sequence keeps is measured at three short lengths and extended to the context (a
     7B-wide layer's forward over 4,096 tokens took minutes on the flow's CPU): equal to the whole
     model's measurement at the context, with GQA, eager attention (quadratic in the length)
-    and a sliding window shorter than the context (the lengths moved past it)."""
+    and a sliding window shorter than the context (the copies' cut shorter than the probes)."""
     from parashift.models.hf.spec import HFSpec
     from parashift.trainer.measure_model import PROBE_LENGTHS, measure_for_gpus, measure_model
 
     config = {"num_hidden_layers": 3, "hidden_size": 32, "num_attention_heads": 4, "intermediate_size": 64,
               "vocab_size": 1000, **LONG_CONTEXT_CONFIGS[name]}
-    spec = HFSpec(family="hf", seq_len=400, config=config, attn_implementation="eager" if "eager" in name else "sdpa")
+    spec = HFSpec(family="hf", seq_len=400, config=config, attn_implementation="eager" if "eager" in name else "auto")
     assert spec.seq_len > max(PROBE_LENGTHS)
     whole, gpu = measure_model(spec, 1, precision, repeats=1), measure_for_gpus(spec, precision)
     assert gpu["activation_bytes"] == whole["activation_bytes"]

@@ -53,7 +53,8 @@ def activations(model_spec: Any, depth: int, vocab: int, precision: str, seed: i
     (`layer_kept_by_ac`: a checkpointed layer holds its whole again while its backward runs),
     from small copies (1 and 2 layers, 256 and 512 ids) extended to `depth` layers and `vocab` ids."""
     lengths = probe_lengths_for(model_spec, probe_lengths)
-    one, two, wide = (kept_at(_small_copy(model_spec, layers, width), precision, seed, lengths, modes)
+    window = min(lengths) // 2 if len(lengths) > 1 else None  # shorter than every probe, where they are extended
+    one, two, wide = (kept_at(_small_copy(model_spec, layers, width, window), precision, seed, lengths, modes)
                       for layers, width in ((1, _SMALL_VOCAB), (2, _SMALL_VOCAB), (1, 2 * _SMALL_VOCAB)))
     kept = {mode: one[mode] + (depth - 1) * (two[mode] - one[mode])
             + (vocab - _SMALL_VOCAB) * (wide[mode] - one[mode]) // _SMALL_VOCAB for mode in one}
@@ -66,19 +67,25 @@ def activations(model_spec: Any, depth: int, vocab: int, precision: str, seed: i
 
 
 def probe_lengths_for(model_spec: Any, probe_lengths: tuple[int, int, int]) -> tuple[int, ...]:
-    """The lengths to measure at: the context itself where it is no longer than the probes; else
-    the probes, moved past a sliding window or attention chunk shorter than the context (past
-    it, attention takes a mask, a path shorter sequences do not take)."""
-    if model_spec.seq_len <= max(probe_lengths):
-        return (model_spec.seq_len,)
-    config = model_spec.config or {}
-    windows = [config.get(name) for name in ("sliding_window", "attention_chunk_size")]
-    if config.get("use_sliding_window") is False:
-        windows = windows[1:]
-    window = min((w for w in windows if isinstance(w, int) and 0 < w < model_spec.seq_len), default=0)
-    shift = max(0, window - min(probe_lengths))
-    lengths = tuple(n + shift for n in probe_lengths)
-    return lengths if max(lengths) < model_spec.seq_len else (model_spec.seq_len,)
+    """The lengths to measure at: the context itself where it is no longer than the probes, else
+    the probes (on copies whose sliding window is shorter than them: `_small_copy`)."""
+    return (model_spec.seq_len,) if model_spec.seq_len <= max(probe_lengths) else tuple(probe_lengths)
+
+
+def _windows_shortened(model_spec: Any, config: dict[str, Any], window: int | None) -> dict[str, Any]:
+    """`config` with each sliding window or attention chunk shorter than the context cut to
+    `window`. Past its window a sequence's attention takes a mask (what it keeps changes there),
+    and every probe must take that path as the context does; the mask is the sequence's square
+    whatever the window, so a window shorter than the probes keeps what the model's keeps. The
+    probes were moved past the window before: a Gemma 2 9B shape's window of 4,096 made its
+    copies' forwards over 4,100 tokens run for more than 15 minutes."""
+    if window is None:
+        return config
+    names = ("attention_chunk_size",) if config.get("use_sliding_window") is False else \
+        ("sliding_window", "attention_chunk_size")
+    shorter = {name: window for name in names
+               if isinstance(config.get(name), int) and 0 < config[name] < model_spec.seq_len}
+    return {**config, **shorter}
 
 
 def kept_at(model_spec: Any, precision: str, seed: int, lengths: tuple[int, ...],
@@ -154,12 +161,14 @@ def kept_by_mode(family: Any, model: torch.nn.Module, inputs: torch.Tensor, targ
     return out
 
 
-def _small_copy(model_spec: Any, depth: int, vocab: int) -> Any:
+def _small_copy(model_spec: Any, depth: int, vocab: int, window: int | None = None) -> Any:
     """The same model with `depth` decoder layers and a vocabulary of `vocab` (a per-layer list
-    such as `layer_types` cut to match; special token ids, which may lie beyond it, dropped)."""
+    such as `layer_types` cut to match; special token ids, which may lie beyond it, dropped), and
+    with `window`: its sliding windows shortened to it (`_windows_shortened`)."""
     config = {k: v for k, v in (model_spec.config or {}).items() if k not in _DEPTH_FIELDS + _TOKEN_FIELDS}
     if isinstance(config.get("layer_types"), list):
         config["layer_types"] = config["layer_types"][:depth]
+    config = _windows_shortened(model_spec, config, window)
     return model_spec.model_copy(update={"config": {**config, "num_hidden_layers": depth, "vocab_size": vocab}})
 
 
