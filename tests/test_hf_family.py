@@ -163,3 +163,27 @@ def test_a_model_transformers_cannot_build_is_one_line_naming_the_field(tmp_path
                                                                   "attn_implementation": attention}})
     (problem,) = preflight(spec, storage=False, data=False)
     assert (problem.field, problem.message[:len(says)]) == (field, says), problem
+
+
+@pytest.mark.parametrize(("config", "routed"), [
+    ({"model_type": "qwen3_moe", "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 16}, 2 / 8),
+    ({"model_type": "mixtral", "num_local_experts": 4, "num_experts_per_tok": 2}, 2 / 4),
+    ({"model_type": "llama"}, 1.0),
+], ids=["qwen3-moe", "mixtral", "dense"])
+def test_a_mixture_of_experts_counts_the_flops_of_the_experts_a_token_is_routed_to(tmp_path: Path, config: dict,
+                                                                                  routed: float) -> None:
+    """FLOPs per token (the GPU step estimate, MFU) count a routed expert's parameters at k/E:
+    all of them made Qwen3-30B-A3B's estimate and MFU 9x its real ones (30.5B parameters, 3.35B a
+    token). Shared weights (attention, router, embeddings) count whole."""
+    from parashift.models import family
+
+    shape = {"num_hidden_layers": 2, "hidden_size": 32, "num_attention_heads": 4, "num_key_value_heads": 2,
+             "intermediate_size": 64, "vocab_size": 256}
+    spec = hf_spec("moe", tmp_path, config={**shape, **config}).model
+    hf = family("hf")
+    named = [(name, p.numel()) for name, p in hf.build_on_meta(spec).named_parameters()]
+    experts = sum(n for name, n in named if "experts" in name.split("."))
+    total = sum(n for _, n in named)
+    assert (experts > 0) == (routed < 1.0)
+    attention = 12 * spec.n_layers * spec.d_model * spec.seq_len
+    assert hf.flops_per_token(spec, total) == 6 * (total - experts + round(experts * routed)) + attention
