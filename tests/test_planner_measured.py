@@ -164,6 +164,9 @@ LONG_CONTEXT_CONFIGS = {
     "mistral-window": {"model_type": "mistral", "num_key_value_heads": 2, "sliding_window": 100},
     # eager (no sdpa), local and global layers in turn, soft-capped scores
     "gemma2-window": {"model_type": "gemma2", "num_key_value_heads": 2, "head_dim": 8, "sliding_window": 100},
+    # a mixture of experts: what its experts keep follows the tokens routed to them
+    "qwen3-moe": {"model_type": "qwen3_moe", "num_key_value_heads": 2, "head_dim": 8, "num_experts": 8,
+                  "num_experts_per_tok": 2, "moe_intermediate_size": 16},
 }
 
 
