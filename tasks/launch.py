@@ -269,8 +269,15 @@ def _segment_result(spec: JobSpec, plan: Plan, job: JobState, result: LaunchResu
         held_unsaved=(outcome != "failed" and held_for_change)
         or (outcome == "failed" and held is not None),
         scalars_past_commit=scalars_between(result, plan.devices, last_commit if last_commit is not None else start_step,
-                                            held) if outcome == "failed" and held is not None else [],
+                                            held) if outcome == "failed" and held is not None and _rank_0_lost_some(result, held) else [],
     )
+
+
+def _rank_0_lost_some(result: LaunchResult, held: int) -> bool:
+    """Whether TensorBoard may lack steps up to the `held` one: rank 0 died (what it had not
+    copied went with it), or it did not complete the held step (another rank did). A rank 0 that
+    outlived its peer copied every step it recorded at its end."""
+    return 0 in result.lost_ranks or held not in {e.step for e in result.steps}
 
 
 def scalars_between(result: LaunchResult, devices: int, after: int, held: int) -> list[tuple[int, dict[str, float]]]:

@@ -502,6 +502,19 @@ def test_warm_workers_outlive_a_change_and_replace_a_killed_rank(prefect_server:
         assert (recovering.resumed_from_url or "").endswith(f"/ckpt/pending/{first.final_step:08d}.json")
         assert (summary.checkpoint_url or "").endswith("/manifest.json"), "the summary points at a checkpoint"
     assert_as_static(summary, static_losses, spec, tmp_path / "samples")
+    # Rank 0 outlived its peer: it copied every step it recorded, and TensorBoard shows each once
+    # (nothing for the report to fill; where rank 0 dies, the next test).
+    assert all(segment.scalars_past_commit == [] for segment in summary.segments)
+    assert tensorboard_steps(tmp_path / f"warm/jobs/{spec.job_id}/metrics") == list(range(1, spec.training.steps + 1))
+
+
+def tensorboard_steps(folder: Path, tag: str = "loss") -> list[int]:
+    """The steps TensorBoard shows for `tag` in a job's metrics folder, in the order it draws them."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    board = EventAccumulator(str(folder))
+    board.Reload()
+    return [e.step for e in board.Scalars(tag)]
 
 
 def test_a_killed_warm_rank_0_leaves_no_step_missing_in_tensorboard(prefect_server: None, tmp_path: Path) -> None:
