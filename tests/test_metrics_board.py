@@ -320,39 +320,38 @@ def test_a_killed_writers_local_folder_is_removed_by_the_next_and_a_live_ones_is
 
 def test_steps_a_killed_rank_0_had_not_copied_are_filled_from_its_reports_once(tmp_path: Path, monkeypatch) -> None:
     """Rank 0 recorded steps 1..5 and died with only 1..3 copied to the store; its peers held
-    step 6 (rank 0 died in it), and the job went on from 7. TensorBoard showed 1..3, 7, 8: the
-    report fills 4..6 from what the flow heard (5 and 6 as reported; 6 with its loss alone), each
-    step once, and a second fill finds nothing to do."""
+    step 6 (rank 0 died in it), and the job went on from 7. It died again having copied 7, 8 of
+    7..10, and the job went on from 11. TensorBoard showed 1..3, 7, 8, 11, 12: the report fills
+    4..6 and 9, 10 from what the flow heard (6 with its loss alone), each step once and in the
+    order TensorBoard draws them, and a second fill finds nothing to do."""
     from parashift.launcher.launch import LaunchResult
     from parashift.pool.step_times import measured
     from parashift.tasks.launch import scalars_between
     from parashift.trainer import scalars
     from parashift.trainer.events import HeldEvent, StepEvent
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    def reports(steps: range) -> list[StepEvent]:
+        return [StepEvent(step=s, loss=20.0 - s, step_s=0.1, tokens_per_s=100.0, grad_norm=1.0) for s in steps]
 
     store = ObjectStore(f"file://{tmp_path}/store")
-    reports = [StepEvent(step=step, loss=10.0 - step, step_s=0.1, tokens_per_s=100.0, grad_norm=1.0) for step in range(1, 6)]
-    killed = LaunchResult(-9, [*reports, HeldEvent(step=6, rank=1, loss=3.5)])
-    records = scalars_between(killed, 2, 0, 6)
-    assert [step for step, _ in records] == [1, 2, 3, 4, 5, 6] and records[5][1] == {"loss": 3.5}
-    assert records[0][1]["devices"] == 2.0 and records[0][1]["step_s"] == 0.1
+    first = scalars_between(LaunchResult(-9, [*reports(range(1, 6)), HeldEvent(step=6, rank=1, loss=3.5)]), 2, 0, 6)
+    assert [step for step, _ in first] == [1, 2, 3, 4, 5, 6] and first[5][1] == {"loss": 3.5}
+    assert first[0][1]["devices"] == 2.0 and first[0][1]["step_s"] == 0.1
+    second = scalars_between(LaunchResult(-9, reports(range(7, 11))), 2, 6, 10)
     monkeypatch.setattr(scalars, "UPLOAD_EVERY_S", 3600.0, raising=False)
-    board = scalars.Metrics(store, "gap", 1.0, 2, torch.device("cpu"), "fp32", None, first_step=0)
-    for step, values in records[:3]:
-        board.record(step, values)
-    board.flush()
-    board.close()  # what was copied: steps 1..3 (rank 0's later records went with it)
-    board = scalars.Metrics(store, "gap", 1.0, 1, torch.device("cpu"), "fp32", None, first_step=6)
-    for step in (7, 8):
-        board.record(step, {"loss": 10.0 - step, "step_s": 0.1, "devices": 1.0})
-    board.close()
-    assert scalars.shown_steps(store, "gap") == {1, 2, 3, 7, 8}
+    for start, copied in ((0, first[:3]), (6, second[:2]), (10, [(s, {"loss": 20.0 - s}) for s in (11, 12)])):
+        board = scalars.Metrics(store, "gap", 1.0, 2, torch.device("cpu"), "fp32", None, first_step=start)
+        for step, values in copied:
+            board.record(step, values)
+        board.close()  # what was copied (rank 0's later records went with it)
+    assert scalars.shown_steps(store, "gap") == {1, 2, 3, 7, 8, 11, 12}
     speed = measured(store, "gap")
-    assert scalars.fill_gaps(store, "gap", records) == [4, 5, 6]
-    assert scalars.fill_gaps(store, "gap", records) == []
+    assert scalars.fill_gaps(store, "gap", first + second) == [4, 5, 6, 9, 10]
+    assert scalars.fill_gaps(store, "gap", first + second) == []
     assert measured(store, "gap") == speed, "a pool reads no change into the fill's wall times"
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
     events = EventAccumulator(str(tmp_path / "store/jobs/gap/metrics"))
     events.Reload()
-    assert [(e.step, e.value) for e in events.Scalars("loss")] == [(s, 10.0 - s) for s in range(1, 6)] + [
-        (6, 3.5), (7, 3.0), (8, 2.0)]
-    assert [e.step for e in events.Scalars("step_s")] == [1, 2, 3, 4, 5, 7, 8]
+    assert [(e.step, e.value) for e in events.Scalars("loss")] == [(s, 3.5 if s == 6 else 20.0 - s) for s in range(1, 13)]
+    assert [e.step for e in events.Scalars("step_s")] == [1, 2, 3, 4, 5, 7, 8, 9, 10]

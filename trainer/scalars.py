@@ -298,21 +298,24 @@ def fill_gaps(store: Any, job_id: str, records: list[tuple[int, dict[str, float]
     (at most its last second of them), and past the step they hold where rank 0 died in it: the
     flow heard those steps' reports, and records them here once the job ends.
 
-    One event file, without a purge (it hides nothing), named to be read right after the last
-    file of a segment that started before the first step filled, so before the segments that
-    came after: TensorBoard draws a tag's points in the order it reads them."""
+    Event files without a purge (they hide nothing), each named to be read right after the last
+    file of the segment its steps belong to (the newest that started before them), so before the
+    segments that came after: TensorBoard draws a tag's points in the order it reads them."""
     shown = shown_steps(store, job_id)
     missing = sorted({step: values for step, values in records if step not in shown}.items())
-    if not missing:
-        return []
     names = [key.rpartition("/")[2] for key in store.list(f"jobs/{job_id}/metrics")]
-    before = [name for name in names if (first := _first_step_of(name)) is not None and first < missing[0][0]]
-    board = _TensorBoard(store, job_id, missing[0][0] - 1, filling=f"{max(before, default=_EVENTS)}.filled")
-    try:
-        for step, values in missing:
-            board.record(step, values)
-    finally:
-        board.close()
+    after: dict[str, list[tuple[int, dict[str, float]]]] = {}
+    for step, values in missing:
+        read_after = max((name for name in names if (first := _first_step_of(name)) is not None and first < step),
+                         default=_EVENTS)
+        after.setdefault(read_after, []).append((step, values))
+    for name, steps in after.items():
+        board = _TensorBoard(store, job_id, steps[0][0] - 1, filling=f"{name}.filled")
+        try:
+            for step, values in steps:
+                board.record(step, values)
+        finally:
+            board.close()
     return [step for step, _ in missing]
 
 
