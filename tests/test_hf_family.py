@@ -187,3 +187,5 @@ def test_a_mixture_of_experts_counts_the_flops_of_the_experts_a_token_is_routed_
     assert (experts > 0) == (routed < 1.0)
     attention = 12 * spec.n_layers * spec.d_model * spec.seq_len
     assert hf.flops_per_token(spec, total) == 6 * (total - experts + round(experts * routed)) + attention
+    wide = hf_spec("wide-heads", tmp_path, config={**shape, **config, "head_dim": 16}).model  # 4 x 16 over width 32
+    assert wide.attention_width == 64 and hf.flops_per_token(wide, total) - hf.flops_per_token(spec, total) == attention

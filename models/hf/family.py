@@ -78,9 +78,10 @@ class HFFamily(ModelFamily):
     def flops_per_token(self, spec: HFSpec, n_params: int) -> int:
         """As every family's, with a mixture of experts' experts counted at the share of them each
         token is routed through (k of E): Qwen3-30B-A3B's 30.5B parameters are 3.35B a token,
-        and counting all of them made its GPU step estimate 9x too long and its MFU 9x too high."""
+        and counting all of them made its GPU step estimate 9x too long and its MFU 9x too high.
+        Attention's scores over the heads' width, which need not be the model's."""
         idle = _idle_expert_params(spec.model_dump_json()) if n_params else 0
-        return 6 * (n_params - idle) + 12 * spec.n_layers * spec.d_model * spec.seq_len
+        return 6 * (n_params - idle) + 12 * spec.n_layers * spec.attention_width * spec.seq_len
 
     def hf_adapter(self) -> Any:
         return _SameNames

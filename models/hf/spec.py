@@ -69,6 +69,13 @@ class HFSpec(Section):
     def d_model(self) -> int:
         return int(self._field("hidden_size", "n_embd", "d_model") or 0)
 
+    @property
+    def attention_width(self) -> int:
+        """Heads x head size, what attention's score and value GEMMs run over: the width where a
+        config says no head size (Gemma 2 9B: 16 x 256 = 4,096 beside a width of 3,584)."""
+        heads, size = self._field("num_attention_heads", "n_head", "num_heads"), self._field("head_dim")
+        return int(heads) * int(size) if isinstance(heads, int) and isinstance(size, int) else self.d_model
+
     def plan_refusals(self, plan: Any) -> list[str]:
         """Why this model cannot run `plan` beyond data parallelism's checks: a sequence longer
         than its positions. The limit is the config's own, or its class's default (transformers
