@@ -666,12 +666,13 @@ class JobSpec(_Section):
         if (self.resources.min_devices or 1) > batch:
             issues.append((("resources", "min_devices"),
                            f"must be <= training.global_batch ({self.resources.min_devices} > {batch})"))
-        if self.resources.devices > batch:
+        pinned = self.parallelism.strategy == "pinned" and bool(self.parallelism.mesh)
+        if self.resources.devices > batch and not pinned:  # a pinned mesh's data axis is checked against it instead
             issues.append(
                 (
                     ("resources", "devices"),
                     f"must be <= training.global_batch ({self.resources.devices} > {batch}): "
-                    "every device needs at least one sequence per step",
+                    "every device needs at least one sequence per step (or pin a mesh whose tp or pp take the rest)",
                 )
             )
         issues += self._outside_bounds(("resources", "devices"), self.resources.devices)

@@ -213,3 +213,24 @@ def test_dropout_under_tensor_parallelism_resumes_bitwise(tmp_path: Path) -> Non
     assert run(parts, plan, until_step=7).final_step == 7
     assert run(parts, plan).final_step == TRAINING["steps"]
     assert_bitwise_equal(final_state(parts), final_state(whole))
+
+
+def test_a_global_batch_smaller_than_the_devices_trains_on_a_pinned_mesh_exactly(tmp_path: Path) -> None:
+    """Two sequences a step on four devices: a spec refused any device count above its global
+    batch, though tensor parallelism takes what a data axis cannot (a fine-tune's small batch on
+    a node). A pinned dp 2 x tp 2 now loads and gives the single process's losses; a pinned data
+    axis wider than the batch is still refused, at the mesh."""
+    from parashift.specs import SpecError, load_spec
+
+    small = {**TRAINING, "global_batch": 2, "micro_batch": 1, "steps": 3}
+    text = (f"name: small\nmodel: {MODEL}\ntraining: {small}\nresources: {{devices: 4}}\n"
+            f"parallelism: {{strategy: pinned, mesh: {{dp: 2, tp: 2}}}}\nstorage: {{url: 'file://{tmp_path}/store'}}\n")
+    (tmp_path / "small.yaml").write_text(text)
+    spec = load_spec(tmp_path / "small.yaml")
+    (tmp_path / "wide.yaml").write_text(text.replace("{dp: 2, tp: 2}", "{dp: 4}"))
+    with pytest.raises(SpecError, match="parallelism.mesh: the trainer cannot run it: global batch 2 is smaller"):
+        load_spec(tmp_path / "wide.yaml")
+    one = JobSpec.model_validate({**spec.model_dump(), "name": "small-one", "resources": {"devices": 1},
+                                  "parallelism": {}})
+    expected = [e.loss for e in run(one, Plan.data_parallel(1)).steps]
+    assert_losses_match(run(spec, spec.parallelism.pinned(4)), expected)
