@@ -339,7 +339,7 @@ def _after_failure(spec: JobSpec, job: JobState, failed: Segment) -> Decision:
         devices = spec.resources.node_devices(nodes)
         where = f"nodes {','.join(nodes)}"
     else:  # the failed worker's device is presumed gone; a later event can bring it back
-        devices = max(1, failed.devices - 1)
+        devices = count_after_failure(spec, failed.devices)
         where = counted(devices, 'device')
     who = "node" if failed.left_nodes else "worker"
     return Replan(devices, nodes, "node-left" if failed.left_nodes else "failure",
@@ -380,6 +380,13 @@ def segment_outcome(*, start_step: int, ended_at: int | None, stopped: bool, ret
 
 
 
+def count_after_failure(spec: JobSpec, devices: int) -> int:
+    """Where a job on one node goes when a worker of `devices` fails: one device fewer (the
+    failed one is presumed gone), at least one, and at most one a sequence (a pinned mesh may
+    have had more devices than sequences: its tensor-parallel degree stays where it can)."""
+    return max(1, min(devices - 1, spec.training.global_batch))
+
+
 def likely_counts(spec: JobSpec, job: JobState, most: int = 3) -> list[int]:
     """The device counts the job may move to next, most likely first, for plans made ahead
     (`tasks.plan.PlansAhead`): where this policy puts it after a failure (no event announces
@@ -390,7 +397,8 @@ def likely_counts(spec: JobSpec, job: JobState, most: int = 3) -> list[int]:
     if job.nodes is not None:  # across nodes: a node leaves, or the spec's nodes come back
         counts += [(len(job.nodes) - 1) * (spec.resources.devices_per_node or 1), spec.resources.devices]
     else:
-        counts += [job.devices - 1, *(s.devices for s in reversed(job.segments)), spec.resources.devices]
+        counts += [count_after_failure(spec, job.devices), *(s.devices for s in reversed(job.segments)),
+                   spec.resources.devices]
     low, high = spec.device_bounds()
     likely: list[int] = []
     for count in counts:
@@ -400,5 +408,6 @@ def likely_counts(spec: JobSpec, job: JobState, most: int = 3) -> list[int]:
 
 
 __all__ = ["REASONS", "UNPLANNED", "Change", "Decision", "Fail", "Ignore", "JobState", "Outcome", "Reason", "Replan",
-           "ResourceEvent", "Segment", "SegmentEnded", "Stop", "admit", "apply_change", "check_change", "decide", "rejoined_nodes",
+           "ResourceEvent", "Segment", "SegmentEnded", "Stop", "admit", "apply_change", "check_change", "count_after_failure",
+           "decide", "rejoined_nodes",
            "likely_counts", "segment_outcome"]

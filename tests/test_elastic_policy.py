@@ -336,3 +336,17 @@ def test_one_reason_vocabulary_for_specs_events_and_records() -> None:
         ResourceEvent(devices=2, epoch=1, reason="whatever")  # type: ignore[arg-type]
     with pytest.raises(ValidationError):
         job_spec(elasticity=[{"at_step": 4, "devices": 1, "reason": "whatever"}])
+
+
+def test_a_failure_of_a_pinned_mesh_wider_than_its_batch_resumes_on_one_device_a_sequence() -> None:
+    """dp 2 x tp 4 on 8 devices trains 2 sequences a step. One device fewer (7) would leave
+    devices without a sequence (and no mesh of 7 runs it): it resumes on 2, and where 8 was a
+    mesh of tp 4 over 4 sequences, on 4 (tp 4 kept by re-pinning, docs/plans.md)."""
+    pinned = job_spec(training={"global_batch": 2, "micro_batch": 1, "steps": 100},
+                      resources={"devices": 8}, parallelism={"strategy": "pinned", "mesh": {"dp": 2, "tp": 4}})
+    failed = decide(pinned, JobState(devices=8), SegmentEnded(segment(8, 0, 10, "failed", "rank 3 killed")))
+    assert isinstance(failed, Replan) and failed.devices == 2
+    wider = job_spec(training={"global_batch": 4, "micro_batch": 1, "steps": 100},
+                     resources={"devices": 8}, parallelism={"strategy": "pinned", "mesh": {"dp": 2, "tp": 4}})
+    assert decide(wider, JobState(devices=8), SegmentEnded(segment(8, 0, 10, "failed", "x"))).devices == 4
+    assert likely_counts(pinned, JobState(devices=8))[0] == 2
