@@ -4,8 +4,8 @@ part measured on workers, plus moving the job's training state at its new size. 
 simulator replays what the live pool weighs.
 
 A fixed cost alone (2 s) priced a Llama 3 8B job's first change like a toy's: its 96 GB of
-weights and Adam moments take 10 s to read onto one device at a local disk's rate, 2.5 min
-from an object store. A pool would then move a large job for a gain its change eats.
+weights and Adam moments take 12 s to read onto 8 devices at a local disk's rate (1 GB/s each),
+2 minutes from an object store. A pool would then move a large job for a gain its change eats.
 """
 
 from __future__ import annotations
