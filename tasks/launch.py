@@ -268,9 +268,16 @@ def _segment_result(spec: JobSpec, plan: Plan, job: JobState, result: LaunchResu
         last_step_at=watch.stepped[-1] if watch.stepped else None,
         held_unsaved=(outcome != "failed" and held_for_change)
         or (outcome == "failed" and held is not None),
-        scalars_past_commit=scalars_between(result, plan.devices, last_commit if last_commit is not None else start_step,
-                                            held) if outcome == "failed" and held is not None and _rank_0_lost_some(result, held) else [],
+        scalars_past_commit=_unreported(result, plan.devices, last_commit if last_commit is not None else start_step,
+                                        held if outcome == "failed" else None),
     )
+
+
+def _unreported(result: LaunchResult, devices: int, committed: int, held: int | None) -> list[tuple[int, dict[str, float]]]:
+    """What the report may have to fill in TensorBoard of a failed segment whose warm workers
+    hold step `held` past its last commit: its steps' scalars, where rank 0 may have lost some."""
+    return scalars_between(result, devices, committed, held) if held is not None and _rank_0_lost_some(result, held) \
+        else []
 
 
 def _rank_0_lost_some(result: LaunchResult, held: int) -> bool:
