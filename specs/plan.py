@@ -175,7 +175,7 @@ class Plan(BaseModel):
 
     def describe(self) -> str:
         """What a segment runs, in one line: `dp 2 x tp 2, FSDP over 2, selective AC, 2 micro-batches`."""
-        parts = [" x ".join(f"{axis} {n}" for axis, n in self.mesh.items())]
+        parts = [" x ".join(f"{axis} {n}" for axis, n in self.mesh.items()) or "1 device"]  # {}: one process
         if self.dp_shard > 1:
             parts.append(f"FSDP over {self.dp_shard}")
         if self.stage_activation_checkpointing:

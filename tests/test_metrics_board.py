@@ -181,6 +181,8 @@ def test_the_run_summary_names_each_plan_in_the_order_the_job_ran_them() -> None
         "dp 2, bf16 parameters -> dp 1 -> dp 2, bf16 parameters")
     assert plans_in_order(["dp 4", "dp 4", "dp 3"]) == "dp 4 -> dp 3"  # a failure's relaunch on the same plan
     assert plans_in_order([]) == ""
+    # a one-process plan with no mesh said ", full AC" (seen: "dp 2, full AC, bf16 parameters -> , full AC")
+    assert Plan(devices=1, mesh={}, activation_checkpointing="full").describe() == "1 device, full AC"
 
 
 def test_metrics_on_an_s3_server_read_back_with_the_command_the_run_prints(s3_endpoint: str, s3_bucket: str) -> None:
