@@ -22,6 +22,7 @@ from pathlib import Path
 from parashift.pool.placement import pool_counts
 from parashift.specs import JobSpec
 from parashift.storage import ObjectStore
+from parashift.trainer.events import FILLED_SUFFIX
 
 
 def counts_for(spec: JobSpec, pool_devices: int, devices_per_node: int | None = None) -> list[int]:
@@ -57,10 +58,9 @@ def measured(store: ObjectStore, job_id: str) -> Measured:
     the reader wants local files)."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    # Not a job's end's fill of steps a killed rank 0 lost (`trainer.scalars.fill_gaps`): its wall
-    # times are the fill's, not the steps'.
+    # Not a fill of steps a killed rank 0 lost: its wall times are the fill's, not the steps'.
     keys = sorted(k for k in store.list(f"jobs/{job_id}/metrics")
-                  if "tfevents" in k.rsplit("/", 1)[-1] and not k.endswith(".filled"))
+                  if "tfevents" in k.rsplit("/", 1)[-1] and not k.endswith(FILLED_SUFFIX))
     segments: list[list[tuple[int, float, float, int]]] = []  # (step, wall, step_s, devices)
     with tempfile.TemporaryDirectory(prefix="parashift-pool-metrics-") as folder:
         for key in keys:

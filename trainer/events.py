@@ -158,6 +158,11 @@ def perplexity(loss: float) -> float:
     return math.exp(min(loss, 700.0))
 
 
+# The name's end of an event file the job's report writes for steps a killed rank 0 lost
+# (`trainer.scalars.fill_gaps`); its wall times are the fill's, not the steps' (pool.step_times).
+FILLED_SUFFIX = ".filled"
+
+
 def step_scalars(event: StepEvent, devices: int) -> dict[str, float]:
     """A logged step's TensorBoard scalars, from rank 0's report of it (what is not known is left
     out): what rank 0 records (`trainer.scalars`), and what the flow records for it where rank 0
@@ -188,6 +193,6 @@ def parse(line: str) -> WorkerEvent | None:
         return None
 
 
-__all__ = ["PREFIX", "CheckpointEvent", "CheckpointStallEvent", "CommTimingsEvent", "FatalEvent", "FinishedEvent",
+__all__ = ["FILLED_SUFFIX", "PREFIX", "CheckpointEvent", "CheckpointStallEvent", "CommTimingsEvent", "FatalEvent", "FinishedEvent",
            "HeldEvent", "RestoringEvent", "StartEvent", "StepEvent", "StoppedEvent", "WorkerEvent", "encode", "parse",
            "perplexity", "step_scalars"]

@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from parashift.trainer.events import FILLED_SUFFIX
 
 # Dense peak FLOP/s by device name (vendor data sheets, without sparsity): bf16, fp32.
 GPU_PEAK_FLOPS = {
@@ -310,7 +311,7 @@ def fill_gaps(store: Any, job_id: str, records: list[tuple[int, dict[str, float]
                          default=_EVENTS)
         after.setdefault(read_after, []).append((step, values))
     for name, steps in after.items():
-        board = _TensorBoard(store, job_id, steps[0][0] - 1, filling=f"{name}.filled")
+        board = _TensorBoard(store, job_id, steps[0][0] - 1, filling=f"{name}{FILLED_SUFFIX}")
         try:
             for step, values in steps:
                 board.record(step, values)
